@@ -1,0 +1,33 @@
+# The two entry points: `make demo` and `make test`. Both set up .venv themselves.
+VENV := .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export VLLM_CPU_OMP_THREADS_BIND := nobind
+
+.PHONY: venv develop test test-rust test-python demo bench clean
+
+venv:
+	bash tools/setup_venv.sh
+
+# Builds the Rust extension (release) into the venv.
+develop: venv
+	$(VENV)/bin/maturin develop --release --quiet
+
+test-rust:
+	cargo test --release --locked
+
+test-python: develop
+	$(PY) -m pytest -q -ra
+
+# Benchmarks are smoke-run once (tiny sizes, no timing) so they cannot rot.
+test: test-rust test-python
+	$(PY) -m pytest -q benches --benchmark-disable
+
+demo: develop
+	$(PY) -m pykvcache.cli demo
+
+bench: develop
+	$(PY) -m pykvcache.cli bench --out bench-out
+
+clean:
+	rm -rf target bench-out

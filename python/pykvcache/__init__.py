@@ -1,0 +1,36 @@
+"""pykvcache: an NVMe SSD tier for LLM KV caches.
+
+The engine (``pykvcache._core``, Rust) moves checksummed chunks between a
+bounded staging pool and files with io_uring + O_DIRECT. ``pykvcache.vllm``
+plugs it into vLLM's offloading connector.
+"""
+
+from pykvcache._core import (
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    BackendUnavailable,
+    BlockStore,
+    CorruptChunk,
+    IoHandle,
+    IoResult,
+    PoolExhausted,
+    PykvcacheError,
+    StagingPool,
+    StoreError,
+    __version__,
+)
+
+__all__ = [
+    "FORMAT_VERSION",
+    "HEADER_BYTES",
+    "BackendUnavailable",
+    "BlockStore",
+    "CorruptChunk",
+    "IoHandle",
+    "IoResult",
+    "PoolExhausted",
+    "PykvcacheError",
+    "StagingPool",
+    "StoreError",
+    "__version__",
+]

@@ -1,0 +1,179 @@
+"""Type stubs for the Rust extension module ``pykvcache._core``.
+
+Hand-written (as pydantic-core does) so that the public surface is reviewed,
+not generated. Every blocking call releases the GIL.
+"""
+
+from collections.abc import Sequence
+from os import PathLike
+from typing import Literal, final
+
+__version__: str
+
+#: Bytes reserved in front of every staging slot and every chunk file for the
+#: chunk header. Payloads start at this offset, so they stay O_DIRECT-aligned.
+HEADER_BYTES: int
+#: Current on-disk format version.
+FORMAT_VERSION: int
+
+class PykvcacheError(Exception):
+    """Base class of every error raised by the engine."""
+
+class PoolExhausted(PykvcacheError, TimeoutError):
+    """No staging slot became free within the timeout (backpressure)."""
+
+class CorruptChunk(PykvcacheError):
+    """A chunk failed verification (checksum, header, length, namespace or key)."""
+
+class StoreError(PykvcacheError, OSError):
+    """An OS-level failure (errno set where one applies: ENOENT, EACCES, ENOSPC, ...)."""
+
+class BackendUnavailable(StoreError):
+    """A requested backend or direct-I/O mode cannot be used here (policy forbids fallback)."""
+
+@final
+class StagingPool:
+    """Bounded, page-aligned staging memory split into fixed-size slots.
+
+    Each slot is ``HEADER_BYTES`` of header space followed by ``slot_bytes`` of
+    payload. Memory never grows past ``total_bytes``. With ``shm_name`` the
+    region is a named shared-memory file (``/dev/shm/<shm_name>``) that other
+    processes map with :meth:`attach`.
+    """
+
+    def __init__(
+        self,
+        slot_bytes: int,
+        num_slots: int,
+        *,
+        shm_name: str | None = None,
+    ) -> None: ...
+    @staticmethod
+    def attach(shm_name: str) -> StagingPool:
+        """Map a pool created by another process. The attached pool has no slot
+        accounting of its own (acquire/release belong to the creator); use
+        :meth:`region` and :meth:`payload_offset` to reach slot payloads."""
+    @property
+    def slot_bytes(self) -> int: ...
+    @property
+    def slot_stride(self) -> int:
+        """Bytes from one slot's start to the next (header + payload, aligned)."""
+    @property
+    def num_slots(self) -> int: ...
+    @property
+    def total_bytes(self) -> int:
+        """Bytes mapped (the hard budget)."""
+    @property
+    def base_address(self) -> int:
+        """Address of the mapping in this process (for a one-time cudaHostRegister)."""
+    @property
+    def shm_name(self) -> str | None: ...
+    @property
+    def is_owner(self) -> bool: ...
+    @property
+    def free_slots(self) -> int: ...
+    def payload_offset(self, slot: int) -> int:
+        """Offset of ``slot``'s payload from ``base_address``."""
+    def acquire(self, timeout: float | None = 0.0) -> int:
+        """Take a free slot. Blocks (GIL released) up to ``timeout`` seconds
+        (None = forever); raises :class:`PoolExhausted` after that."""
+    def try_acquire(self) -> int | None: ...
+    def release(self, slot: int) -> None:
+        """Return a slot. Raises :class:`PykvcacheError` while a view of it is
+        exported or I/O on it is in flight (nothing is recycled under a reader)."""
+    def view(self, slot: int) -> memoryview:
+        """Zero-copy, writable view of the slot payload (``slot_bytes`` long).
+        The slot counts as exported until the memoryview is released."""
+    def region(self) -> memoryview:
+        """Zero-copy view of the whole mapping (for workers that copy rows)."""
+    def exports(self, slot: int) -> int: ...
+    def close(self) -> None:
+        """Unmap (refused while views are exported); the owner unlinks the shm file."""
+
+@final
+class IoResult:
+    @property
+    def status(self) -> Literal["ok", "miss", "corrupt", "error"]: ...
+    @property
+    def length(self) -> int:
+        """Payload bytes transferred (0 unless ok)."""
+    @property
+    def errno(self) -> int | None: ...
+    @property
+    def message(self) -> str: ...
+    @property
+    def latency_s(self) -> float:
+        """Submit-to-completion time."""
+    @property
+    def ok(self) -> bool: ...
+    def raise_for_status(self) -> None:
+        """Raise CorruptChunk / StoreError (or KeyError for a miss) unless ok."""
+
+@final
+class IoHandle:
+    """One in-flight put or get. The staging slot stays pinned until it completes."""
+
+    @property
+    def op(self) -> Literal["put", "get"]: ...
+    @property
+    def key(self) -> bytes: ...
+    @property
+    def slot(self) -> int: ...
+    def done(self) -> bool: ...
+    def wait(self, timeout: float | None = None) -> IoResult:
+        """Block (GIL released) until complete; raises TimeoutError on timeout."""
+
+@final
+class BlockStore:
+    """Checksummed chunk store on one or more directories, driven by one I/O backend."""
+
+    def __init__(
+        self,
+        dirs: Sequence[str | PathLike[str]],
+        pool: StagingPool,
+        *,
+        namespace: str,
+        capacity_bytes: int,
+        queue_depth: int = 32,
+        backend: Literal["auto", "io_uring", "threads"] = "auto",
+        direct_io: Literal["required", "optional", "disabled"] = "optional",
+        register_buffers: bool = True,
+        segment_bytes: int = 4 << 20,
+        max_inflight: int = 1024,
+        submit_timeout: float | None = 30.0,
+    ) -> None: ...
+    def put(self, key: bytes, slot: int, length: int) -> IoHandle:
+        """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
+        visible atomically once complete; an existing chunk is success."""
+    def get(self, key: bytes, slot: int) -> IoHandle:
+        """Read chunk ``key`` into ``slot`` and verify it. Status ``miss`` when
+        absent, ``corrupt`` when verification fails (the file is then removed)."""
+    def contains(self, key: bytes) -> bool:
+        """Index lookup only (no I/O)."""
+    def chunk_length(self, key: bytes) -> int | None: ...
+    def evict(self, key: bytes) -> bool: ...
+    def rescan(self) -> int:
+        """Rebuild the index from the directories; returns chunks found."""
+    def __len__(self) -> int: ...
+    @property
+    def used_bytes(self) -> int: ...
+    @property
+    def capacity_bytes(self) -> int: ...
+    @property
+    def backend(self) -> Literal["io_uring", "threads"]: ...
+    @property
+    def fixed_buffers(self) -> bool: ...
+    @property
+    def direct_io(self) -> bool:
+        """Whether files are really opened with O_DIRECT."""
+    @property
+    def namespace_dir(self) -> list[str]: ...
+    @property
+    def completion_fd(self) -> int:
+        """eventfd that becomes readable when any operation completes (for asyncio)."""
+    def inflight(self) -> int: ...
+    def stats(self) -> dict[str, int | float | str | bool | list[int]]: ...
+    def close(self) -> None:
+        """Drain in-flight I/O, stop the backend. Idempotent."""
+    def __enter__(self) -> BlockStore: ...
+    def __exit__(self, *exc: object) -> None: ...

@@ -1,0 +1,102 @@
+//! I/O backends: both move whole segments between staging and files and hide
+//! short transfers (they resubmit the remainder). The store never sees a
+//! partial segment: only success, end-of-file or an errno.
+
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+pub mod threads;
+pub mod uring;
+
+/// One contiguous transfer. `buf` points into the staging mapping, which
+/// outlives every in-flight segment (the store holds an `Arc` of the pool).
+#[derive(Clone, Copy, Debug)]
+pub struct Segment {
+    pub op: u32,
+    pub fd: RawFd,
+    pub buf: *mut u8,
+    pub len: usize,
+    pub offset: u64,
+    pub write: bool,
+    /// Registered-buffer index (the staging slot) when fixed buffers are in use.
+    pub buf_index: Option<u16>,
+}
+
+unsafe impl Send for Segment {}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentError {
+    /// A read hit end-of-file before the segment was full (truncated file).
+    Eof,
+    Errno(i32),
+}
+
+/// Receives segment completions (the store's operation table).
+pub trait SegmentSink: Send + Sync {
+    fn segment_done(&self, seg: &Segment, result: Result<(), SegmentError>);
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    IoUring,
+    Threads,
+}
+
+impl BackendKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            BackendKind::IoUring => "io_uring",
+            BackendKind::Threads => "threads",
+        }
+    }
+}
+
+pub trait Backend: Send + Sync {
+    fn submit(&self, segs: &[Segment]);
+    /// Completes everything already submitted, then stops the worker thread(s).
+    fn shutdown(&self);
+    fn kind(&self) -> BackendKind;
+    fn fixed_buffers(&self) -> bool;
+    /// CPU time (user+sys) spent by the backend's own threads so far.
+    fn cpu_time_ns(&self) -> u64;
+}
+
+/// Deterministic fault injection for tests: exercises the real resubmission
+/// and error paths of a backend without a faulty device.
+#[derive(Default, Debug)]
+pub struct FaultPlan {
+    /// Cap every transfer at this many bytes, forcing short-I/O handling.
+    pub max_transfer: Option<usize>,
+    /// Fail the n-th submitted transfer (1-based) with this errno.
+    pub fail_nth: Option<(u64, i32)>,
+    pub counter: AtomicU64,
+}
+
+impl FaultPlan {
+    pub fn cap(&self, len: usize) -> usize {
+        self.max_transfer.map_or(len, |m| len.min(m))
+    }
+    pub fn injected_errno(&self) -> Option<i32> {
+        let (n, errno) = self.fail_nth?;
+        let seen = self.counter.fetch_add(1, Ordering::Relaxed) + 1;
+        (seen == n).then_some(errno)
+    }
+}
+
+pub type SharedFaults = Option<Arc<FaultPlan>>;
+
+/// CPU time of one thread, from its own clock.
+pub fn thread_cpu_clock() -> libc::clockid_t {
+    let mut clock: libc::clockid_t = 0;
+    unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clock) };
+    clock
+}
+
+pub fn clock_ns(clock: libc::clockid_t) -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
+        return 0;
+    }
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}

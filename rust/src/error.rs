@@ -1,0 +1,51 @@
+//! The engine's one error type. The PyO3 glue maps it to Python exceptions in
+//! exactly one place (`python.rs`), the way polars' `error.rs` does.
+
+use std::io;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("staging pool exhausted: no free slot within {waited_ms} ms ({num_slots} slots of {slot_bytes} bytes)")]
+    PoolExhausted { waited_ms: u64, num_slots: usize, slot_bytes: usize },
+
+    #[error("too many operations in flight ({max_inflight}); none completed within {waited_ms} ms")]
+    QueueFull { waited_ms: u64, max_inflight: usize },
+
+    #[error("corrupt chunk {path}: {reason}")]
+    Corrupt { path: String, reason: String },
+
+    #[error("{context}: {source}")]
+    Io { context: String, #[source] source: io::Error },
+
+    #[error("{0}")]
+    BackendUnavailable(String),
+
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    #[error("{0}")]
+    State(String),
+}
+
+pub type Result<T> = std::result::Result<T, EngineError>;
+
+impl EngineError {
+    pub fn io(context: impl Into<String>, source: io::Error) -> Self {
+        EngineError::Io { context: context.into(), source }
+    }
+
+    pub fn last_os(context: impl Into<String>) -> Self {
+        Self::io(context, io::Error::last_os_error())
+    }
+
+    pub fn invalid(msg: impl Into<String>) -> Self {
+        EngineError::InvalidArgument(msg.into())
+    }
+
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            EngineError::Io { source, .. } => source.raw_os_error(),
+            _ => None,
+        }
+    }
+}

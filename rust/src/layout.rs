@@ -1,0 +1,129 @@
+//! Where chunks live: `<root>/<namespace-hex>/<hh>/<keyhash-hex>.kvc`.
+//!
+//! File names derive only from the 128-bit key hash, so a key can never name
+//! a path outside the root. The namespace fingerprint is part of the path (and
+//! of every header), so stores of different models never see each other's
+//! chunks. A key always maps to the same root, so every process sharing the
+//! directories finds a chunk without an index exchange.
+
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use crate::error::{EngineError, Result};
+use crate::format::Fingerprint;
+
+pub const CHUNK_SUFFIX: &str = ".kvc";
+pub const TEMP_PREFIX: &str = ".tmp-";
+
+pub struct Layout {
+    ns_dirs: Vec<PathBuf>,
+}
+
+#[derive(Clone, Copy, Debug)]
+pub struct Permissions {
+    pub dir_mode: u32,
+    pub file_mode: u32,
+    /// Accept a root that is world-writable or owned by another user.
+    pub allow_insecure_root: bool,
+}
+
+impl Default for Permissions {
+    fn default() -> Self {
+        Permissions { dir_mode: 0o700, file_mode: 0o600, allow_insecure_root: false }
+    }
+}
+
+impl Layout {
+    /// Creates (if needed) the namespace directories under each root.
+    pub fn open(roots: &[PathBuf], namespace: &Fingerprint, namespace_text: &str, perms: &Permissions) -> Result<Self> {
+        if roots.is_empty() {
+            return Err(EngineError::invalid("at least one storage directory is required"));
+        }
+        let ns_hex = hex(namespace);
+        let mut ns_dirs = Vec::with_capacity(roots.len());
+        for root in roots {
+            std::fs::DirBuilder::new()
+                .recursive(true)
+                .mode(perms.dir_mode)
+                .create(root)
+                .map_err(|e| EngineError::io(format!("creating storage directory {}", root.display()), e))?;
+            check_root(root, perms)?;
+            let ns_dir = root.join(&ns_hex);
+            for sub in 0..=255u8 {
+                let d = ns_dir.join(format!("{sub:02x}"));
+                if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(perms.dir_mode).create(&d) {
+                    return Err(EngineError::io(format!("creating {}", d.display()), e));
+                }
+            }
+            // A human-readable label of what this namespace holds.
+            let label = ns_dir.join("NAMESPACE");
+            if !label.exists() {
+                let _ = std::fs::write(&label, namespace_text);
+                let _ = std::fs::set_permissions(&label, std::fs::Permissions::from_mode(perms.file_mode));
+            }
+            ns_dirs.push(ns_dir);
+        }
+        Ok(Layout { ns_dirs })
+    }
+
+    pub fn ns_dirs(&self) -> &[PathBuf] {
+        &self.ns_dirs
+    }
+
+    pub fn root_of(&self, hash: u128) -> usize {
+        // Upper bits pick the root, lower bits the subdirectory: independent stripes.
+        ((hash >> 64) as u64 % self.ns_dirs.len() as u64) as usize
+    }
+
+    pub fn shard_dir(&self, hash: u128) -> PathBuf {
+        self.ns_dirs[self.root_of(hash)].join(format!("{:02x}", (hash & 0xff) as u8))
+    }
+
+    pub fn chunk_path(&self, hash: u128) -> PathBuf {
+        self.shard_dir(hash).join(format!("{hash:032x}{CHUNK_SUFFIX}"))
+    }
+}
+
+/// Parses `<32 hex>.kvc` back into a key hash.
+pub fn parse_chunk_name(name: &str) -> Option<u128> {
+    let stem = name.strip_suffix(CHUNK_SUFFIX)?;
+    if stem.len() != 32 {
+        return None;
+    }
+    u128::from_str_radix(stem, 16).ok()
+}
+
+pub fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+pub fn cstring(path: &Path) -> Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| EngineError::invalid(format!("path contains NUL: {}", path.display())))
+}
+
+fn check_root(root: &Path, perms: &Permissions) -> Result<()> {
+    let meta = std::fs::symlink_metadata(root).map_err(|e| EngineError::io(format!("inspecting {}", root.display()), e))?;
+    if !meta.is_dir() {
+        return Err(EngineError::invalid(format!("storage path {} is not a directory", root.display())));
+    }
+    if perms.allow_insecure_root {
+        return Ok(());
+    }
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me {
+        return Err(EngineError::invalid(format!(
+            "storage directory {} is owned by uid {}, not by this process (uid {me}); pass allow_insecure_root to accept it",
+            root.display(),
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o002 != 0 {
+        return Err(EngineError::invalid(format!(
+            "storage directory {} is world-writable; anyone could plant chunks (chmod o-w, or pass allow_insecure_root)",
+            root.display()
+        )));
+    }
+    Ok(())
+}

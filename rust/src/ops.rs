@@ -1,0 +1,260 @@
+//! The table of operations in flight: fixed capacity (the backpressure
+//! bound), generation-checked handles, one condition variable for waiters and
+//! an eventfd for event loops.
+
+use std::os::fd::RawFd;
+use std::sync::{Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use crate::backend::SegmentError;
+use crate::error::{EngineError, Result};
+use crate::files::PendingFile;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum OpKind {
+    Put,
+    Get,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Status {
+    Ok,
+    Miss,
+    Corrupt,
+    Error,
+}
+
+impl Status {
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Ok => "ok",
+            Status::Miss => "miss",
+            Status::Corrupt => "corrupt",
+            Status::Error => "error",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Outcome {
+    pub status: Status,
+    pub length: u64,
+    pub errno: Option<i32>,
+    pub message: String,
+    pub latency: Duration,
+}
+
+impl Outcome {
+    pub fn new(status: Status, length: u64, errno: Option<i32>, message: impl Into<String>) -> Self {
+        Outcome { status, length, errno, message: message.into(), latency: Duration::ZERO }
+    }
+}
+
+/// Everything the completion path needs to finish an operation.
+pub struct OpContext {
+    pub kind: OpKind,
+    pub key: Vec<u8>,
+    pub hash: u128,
+    pub slot: usize,
+    pub root: usize,
+    pub direct: bool,
+    pub read_fd: RawFd,
+    pub write_file: Option<PendingFile>,
+    pub file_len: usize,
+    pub payload_len: usize,
+    pub started: Instant,
+}
+
+struct OpEntry {
+    generation: u32,
+    busy: bool,
+    segs_left: u32,
+    error: Option<SegmentError>,
+    ctx: Option<OpContext>,
+    outcome: Option<Outcome>,
+    /// The handle was dropped before completion: free the entry when done.
+    detached: bool,
+}
+
+struct Table {
+    entries: Vec<OpEntry>,
+    free: Vec<u32>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpId {
+    pub index: u32,
+    pub generation: u32,
+}
+
+pub struct OpTable {
+    table: Mutex<Table>,
+    completed: Condvar,
+    freed: Condvar,
+    capacity: usize,
+    event_fd: RawFd,
+}
+
+impl OpTable {
+    pub fn new(capacity: usize) -> Result<Self> {
+        let capacity = capacity.max(1);
+        let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
+        if event_fd < 0 {
+            return Err(EngineError::last_os("creating completion eventfd"));
+        }
+        let entries = (0..capacity)
+            .map(|_| OpEntry { generation: 0, busy: false, segs_left: 0, error: None, ctx: None, outcome: None, detached: false })
+            .collect();
+        Ok(OpTable {
+            table: Mutex::new(Table { entries, free: (0..capacity as u32).rev().collect() }),
+            completed: Condvar::new(),
+            freed: Condvar::new(),
+            capacity,
+            event_fd,
+        })
+    }
+
+    pub fn event_fd(&self) -> RawFd {
+        self.event_fd
+    }
+
+    pub fn in_flight(&self) -> usize {
+        let t = self.table.lock().unwrap();
+        t.entries.iter().filter(|e| e.busy && e.outcome.is_none()).count()
+    }
+
+    /// Reserves an entry, waiting up to `timeout` for one to free up.
+    pub fn allocate(&self, timeout: Option<Duration>) -> Result<OpId> {
+        let start = Instant::now();
+        let mut t = self.table.lock().unwrap();
+        loop {
+            if let Some(index) = t.free.pop() {
+                let e = &mut t.entries[index as usize];
+                e.busy = true;
+                e.generation = e.generation.wrapping_add(1);
+                e.segs_left = 0;
+                e.error = None;
+                e.ctx = None;
+                e.outcome = None;
+                e.detached = false;
+                return Ok(OpId { index, generation: e.generation });
+            }
+            let waited = start.elapsed();
+            let remaining = match timeout {
+                None => Duration::from_secs(3600),
+                Some(limit) if waited >= limit => {
+                    return Err(EngineError::QueueFull { waited_ms: waited.as_millis() as u64, max_inflight: self.capacity })
+                }
+                Some(limit) => limit - waited,
+            };
+            t = self.freed.wait_timeout(t, remaining).unwrap().0;
+        }
+    }
+
+    pub fn start(&self, id: OpId, ctx: OpContext, segments: u32) {
+        let mut t = self.table.lock().unwrap();
+        let e = &mut t.entries[id.index as usize];
+        e.ctx = Some(ctx);
+        e.segs_left = segments;
+    }
+
+    /// Records one segment's result; returns the context when it was the last one.
+    pub fn segment_done(&self, index: u32, result: std::result::Result<(), SegmentError>) -> Option<(OpId, OpContext, Option<SegmentError>)> {
+        let mut t = self.table.lock().unwrap();
+        let e = &mut t.entries[index as usize];
+        if let Err(err) = result {
+            e.error.get_or_insert(err);
+        }
+        e.segs_left -= 1;
+        if e.segs_left > 0 {
+            return None;
+        }
+        let ctx = e.ctx.take().expect("operation without context");
+        Some((OpId { index, generation: e.generation }, ctx, e.error.take()))
+    }
+
+    pub fn complete(&self, id: OpId, outcome: Outcome) {
+        let mut t = self.table.lock().unwrap();
+        let e = &mut t.entries[id.index as usize];
+        debug_assert_eq!(e.generation, id.generation);
+        if e.detached {
+            Self::free_entry(&mut t, id.index);
+            drop(t);
+            self.freed.notify_one();
+        } else {
+            e.outcome = Some(outcome);
+            drop(t);
+        }
+        self.completed.notify_all();
+        let one: u64 = 1;
+        unsafe { libc::write(self.event_fd, &one as *const u64 as *const _, 8) };
+    }
+
+    fn entry<'a>(t: &'a mut MutexGuard<'_, Table>, id: OpId) -> Result<&'a mut OpEntry> {
+        let e = &mut t.entries[id.index as usize];
+        if !e.busy || e.generation != id.generation {
+            return Err(EngineError::State("stale operation handle".into()));
+        }
+        Ok(e)
+    }
+
+    pub fn is_done(&self, id: OpId) -> Result<bool> {
+        let mut t = self.table.lock().unwrap();
+        Ok(Self::entry(&mut t, id)?.outcome.is_some())
+    }
+
+    /// Waits for completion; `Ok(None)` on timeout. The entry stays reserved
+    /// until `release` so that repeated waits see the same outcome.
+    pub fn wait(&self, id: OpId, timeout: Option<Duration>) -> Result<Option<Outcome>> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut t = self.table.lock().unwrap();
+        loop {
+            if let Some(o) = &Self::entry(&mut t, id)?.outcome {
+                return Ok(Some(o.clone()));
+            }
+            let remaining = match deadline {
+                None => Duration::from_secs(3600),
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(r) if !r.is_zero() => r,
+                    _ => return Ok(None),
+                },
+            };
+            t = self.completed.wait_timeout(t, remaining).unwrap().0;
+        }
+    }
+
+    /// The handle is gone: free now if complete, else when it completes.
+    pub fn release(&self, id: OpId) {
+        let mut t = self.table.lock().unwrap();
+        let Ok(e) = Self::entry(&mut t, id) else { return };
+        if e.outcome.is_some() {
+            Self::free_entry(&mut t, id.index);
+            drop(t);
+            self.freed.notify_one();
+        } else {
+            e.detached = true;
+        }
+    }
+
+    fn free_entry(t: &mut Table, index: u32) {
+        let e = &mut t.entries[index as usize];
+        e.busy = false;
+        e.outcome = None;
+        e.detached = false;
+        t.free.push(index);
+    }
+
+    /// Waits until nothing is in flight (used when closing).
+    pub fn drain(&self) {
+        let mut t = self.table.lock().unwrap();
+        while t.entries.iter().any(|e| e.busy && e.outcome.is_none()) {
+            t = self.completed.wait_timeout(t, Duration::from_millis(100)).unwrap().0;
+        }
+    }
+}
+
+impl Drop for OpTable {
+    fn drop(&mut self) {
+        unsafe { libc::close(self.event_fd) };
+    }
+}

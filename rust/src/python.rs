@@ -1,0 +1,499 @@
+//! The PyO3 glue, and the only place that knows about Python: wraps the
+//! engine types, releases the GIL around every blocking call, and converts
+//! `EngineError` into Python exceptions in one function (`to_py`).
+
+use std::ffi::c_int;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use pyo3::exceptions::{PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyMemoryView, PyTuple, PyType};
+use pyo3::ffi;
+
+use crate::error::EngineError;
+use crate::files::DirectIoPolicy;
+use crate::format::{FORMAT_VERSION, HEADER_BYTES};
+use crate::layout::Permissions;
+use crate::ops::{OpId, OpKind, Outcome, Status};
+use crate::staging;
+use crate::stats::{Stats, LATENCY_BUCKETS_US};
+use crate::store::{self, BackendChoice, StoreConfig};
+
+// ---- exceptions: built at import with multiple bases (OSError, TimeoutError).
+
+static BASE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static POOL_EXHAUSTED: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static CORRUPT_CHUNK: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static STORE_ERROR: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+static BACKEND_UNAVAILABLE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
+
+fn make_type(py: Python<'_>, name: &str, bases: Vec<Bound<'_, PyAny>>, doc: &str) -> PyResult<Py<PyType>> {
+    let builtins = py.import("builtins")?;
+    let dict = PyDict::new(py);
+    dict.set_item("__module__", "pykvcache._core")?;
+    dict.set_item("__doc__", doc)?;
+    let t = builtins.getattr("type")?.call1((name, PyTuple::new(py, bases)?, dict))?;
+    Ok(t.cast_into::<PyType>()?.unbind())
+}
+
+fn exc<'py>(py: Python<'py>, cell: &PyOnceLock<Py<PyType>>) -> Bound<'py, PyType> {
+    cell.get(py).expect("pykvcache._core exceptions not initialised").bind(py).clone()
+}
+
+/// The one conversion point from engine errors to Python exceptions.
+fn to_py(err: EngineError) -> PyErr {
+    Python::attach(|py| {
+        let msg = err.to_string();
+        let build = |t: Bound<'_, PyType>, args: Bound<'_, PyTuple>| match t.call1(args) {
+            Ok(v) => PyErr::from_value(v),
+            Err(e) => e,
+        };
+        match &err {
+            EngineError::PoolExhausted { .. } | EngineError::QueueFull { .. } => {
+                build(exc(py, &POOL_EXHAUSTED), PyTuple::new(py, [msg]).unwrap())
+            }
+            EngineError::Corrupt { .. } => build(exc(py, &CORRUPT_CHUNK), PyTuple::new(py, [msg]).unwrap()),
+            EngineError::Io { source, .. } => {
+                let errno = source.raw_os_error().unwrap_or(0);
+                build(exc(py, &STORE_ERROR), (errno, msg).into_pyobject(py).unwrap())
+            }
+            EngineError::BackendUnavailable(_) => build(exc(py, &BACKEND_UNAVAILABLE), PyTuple::new(py, [msg]).unwrap()),
+            EngineError::InvalidArgument(_) => PyValueError::new_err(msg),
+            EngineError::State(_) => build(exc(py, &BASE_ERROR), PyTuple::new(py, [msg]).unwrap()),
+        }
+    })
+}
+
+fn timeout_of(seconds: Option<f64>) -> PyResult<Option<Duration>> {
+    match seconds {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s >= 0.0 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(PyValueError::new_err(format!("timeout must be >= 0 seconds, got {s}"))),
+    }
+}
+
+// ---- staging
+
+#[pyclass(name = "StagingPool", module = "pykvcache._core", frozen)]
+struct PyStagingPool {
+    inner: Arc<staging::StagingPool>,
+}
+
+/// A buffer exporter for one slot payload (or the whole region when `slot` is None).
+#[pyclass(module = "pykvcache._core", frozen)]
+struct SlotBuffer {
+    pool: Arc<staging::StagingPool>,
+    slot: Option<usize>,
+    ptr: usize,
+    len: usize,
+}
+
+#[pymethods]
+impl SlotBuffer {
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        let me = slf.get();
+        if let Some(slot) = me.slot {
+            me.pool.export_begin(slot).map_err(to_py)?;
+        }
+        let rc = unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), me.ptr as *mut _, me.len as ffi::Py_ssize_t, 0, flags) };
+        if rc != 0 {
+            if let Some(slot) = me.slot {
+                me.pool.export_end(slot);
+            }
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
+        if let Some(slot) = self.slot {
+            self.pool.export_end(slot);
+        }
+    }
+}
+
+#[pymethods]
+impl PyStagingPool {
+    #[new]
+    #[pyo3(signature = (slot_bytes, num_slots, *, shm_name=None))]
+    fn new(py: Python<'_>, slot_bytes: usize, num_slots: usize, shm_name: Option<String>) -> PyResult<Self> {
+        let inner = py.detach(|| staging::StagingPool::create(slot_bytes, num_slots, shm_name.as_deref())).map_err(to_py)?;
+        Ok(PyStagingPool { inner: Arc::new(inner) })
+    }
+
+    #[staticmethod]
+    fn attach(py: Python<'_>, shm_name: String) -> PyResult<Self> {
+        let inner = py.detach(|| staging::StagingPool::attach(&shm_name)).map_err(to_py)?;
+        Ok(PyStagingPool { inner: Arc::new(inner) })
+    }
+
+    #[getter]
+    fn slot_bytes(&self) -> usize { self.inner.slot_bytes() }
+    #[getter]
+    fn slot_stride(&self) -> usize { self.inner.stride() }
+    #[getter]
+    fn num_slots(&self) -> usize { self.inner.num_slots() }
+    #[getter]
+    fn total_bytes(&self) -> usize { self.inner.total_bytes() }
+    #[getter]
+    fn base_address(&self) -> usize { self.inner.base_address() }
+    #[getter]
+    fn shm_name(&self) -> Option<String> { self.inner.shm_name().map(str::to_owned) }
+    #[getter]
+    fn is_owner(&self) -> bool { self.inner.is_owner() }
+    #[getter]
+    fn free_slots(&self) -> usize { self.inner.free_slots() }
+
+    fn payload_offset(&self, slot: usize) -> PyResult<usize> {
+        self.inner.payload_offset(slot).map_err(to_py)
+    }
+
+    #[pyo3(signature = (timeout=Some(0.0)))]
+    fn acquire(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<usize> {
+        let t = timeout_of(timeout)?;
+        let pool = self.inner.clone();
+        py.detach(move || pool.acquire(t)).map_err(to_py)
+    }
+
+    fn try_acquire(&self) -> PyResult<Option<usize>> {
+        match self.inner.acquire(Some(Duration::ZERO)) {
+            Ok(s) => Ok(Some(s)),
+            Err(EngineError::PoolExhausted { .. }) => Ok(None),
+            Err(e) => Err(to_py(e)),
+        }
+    }
+
+    fn release(&self, slot: usize) -> PyResult<()> {
+        self.inner.release(slot).map_err(to_py)
+    }
+
+    fn view<'py>(&self, py: Python<'py>, slot: usize) -> PyResult<Bound<'py, PyMemoryView>> {
+        let ptr = self.inner.payload_offset(slot).map_err(to_py)? + self.inner.base_address();
+        let exporter = Bound::new(py, SlotBuffer { pool: self.inner.clone(), slot: Some(slot), ptr, len: self.inner.slot_bytes() })?;
+        PyMemoryView::from(exporter.as_any())
+    }
+
+    fn region<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyMemoryView>> {
+        let exporter = Bound::new(
+            py,
+            SlotBuffer { pool: self.inner.clone(), slot: None, ptr: self.inner.base_address(), len: self.inner.region_len() },
+        )?;
+        PyMemoryView::from(exporter.as_any())
+    }
+
+    fn exports(&self, slot: usize) -> u32 {
+        self.inner.exports(slot)
+    }
+
+    fn close(&self) -> PyResult<()> {
+        self.inner.close().map_err(to_py)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "StagingPool(slot_bytes={}, num_slots={}, free={}, shm_name={:?})",
+            self.inner.slot_bytes(),
+            self.inner.num_slots(),
+            self.inner.free_slots(),
+            self.inner.shm_name()
+        )
+    }
+}
+
+// ---- results and handles
+
+#[pyclass(name = "IoResult", module = "pykvcache._core", frozen)]
+struct PyIoResult {
+    outcome: Outcome,
+}
+
+#[pymethods]
+impl PyIoResult {
+    #[getter]
+    fn status(&self) -> &'static str { self.outcome.status.name() }
+    #[getter]
+    fn length(&self) -> u64 { self.outcome.length }
+    #[getter]
+    fn errno(&self) -> Option<i32> { self.outcome.errno }
+    #[getter]
+    fn message(&self) -> &str { &self.outcome.message }
+    #[getter]
+    fn latency_s(&self) -> f64 { self.outcome.latency.as_secs_f64() }
+    #[getter]
+    fn ok(&self) -> bool { self.outcome.status == Status::Ok }
+
+    fn raise_for_status(&self) -> PyResult<()> {
+        let o = &self.outcome;
+        match o.status {
+            Status::Ok => Ok(()),
+            Status::Miss => Err(pyo3::exceptions::PyKeyError::new_err(o.message.clone())),
+            Status::Corrupt => Err(to_py(EngineError::Corrupt { path: String::new(), reason: o.message.clone() })),
+            Status::Error => Err(to_py(EngineError::io(
+                o.message.clone(),
+                std::io::Error::from_raw_os_error(o.errno.unwrap_or(libc::EIO)),
+            ))),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("IoResult(status={:?}, length={}, latency_s={:.6}, message={:?})", self.status(), self.outcome.length, self.latency_s(), self.outcome.message)
+    }
+}
+
+#[pyclass(name = "IoHandle", module = "pykvcache._core")]
+struct PyIoHandle {
+    store: Arc<store::BlockStore>,
+    id: OpId,
+    kind: OpKind,
+    key: Vec<u8>,
+    slot: usize,
+    result: Option<Py<PyIoResult>>,
+}
+
+#[pymethods]
+impl PyIoHandle {
+    #[getter]
+    fn op(&self) -> &'static str {
+        match self.kind {
+            OpKind::Put => "put",
+            OpKind::Get => "get",
+        }
+    }
+    #[getter]
+    fn key<'py>(&self, py: Python<'py>) -> Bound<'py, pyo3::types::PyBytes> {
+        pyo3::types::PyBytes::new(py, &self.key)
+    }
+    #[getter]
+    fn slot(&self) -> usize { self.slot }
+
+    fn done(&self) -> PyResult<bool> {
+        if self.result.is_some() {
+            return Ok(true);
+        }
+        self.store.is_done(self.id).map_err(to_py)
+    }
+
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&mut self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyIoResult>> {
+        if let Some(r) = &self.result {
+            return Ok(r.clone_ref(py));
+        }
+        let t = timeout_of(timeout)?;
+        let (store, id) = (self.store.clone(), self.id);
+        let outcome = py.detach(move || store.wait(id, t)).map_err(to_py)?;
+        let Some(outcome) = outcome else {
+            return Err(PyTimeoutError::new_err(format!("{} still in flight after {:?} s", self.op(), timeout.unwrap_or(0.0))));
+        };
+        let r = Py::new(py, PyIoResult { outcome })?;
+        self.result = Some(r.clone_ref(py));
+        // The outcome is now cached here: give the table entry back right away.
+        self.store.release_op(self.id);
+        Ok(r)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("IoHandle(op={}, slot={}, done={})", self.op(), self.slot, self.done().unwrap_or(false))
+    }
+}
+
+impl Drop for PyIoHandle {
+    fn drop(&mut self) {
+        if self.result.is_none() {
+            self.store.release_op(self.id);
+        }
+    }
+}
+
+// ---- store
+
+#[pyclass(name = "BlockStore", module = "pykvcache._core", frozen)]
+struct PyBlockStore {
+    inner: Arc<store::BlockStore>,
+    submit_timeout: Option<Duration>,
+    scanned_chunks: usize,
+    scan_time: Duration,
+}
+
+#[pymethods]
+impl PyBlockStore {
+    #[new]
+    #[pyo3(signature = (dirs, pool, *, namespace, capacity_bytes, queue_depth=32, backend="auto", direct_io="optional",
+                        register_buffers=true, segment_bytes=4<<20, max_inflight=1024, submit_timeout=Some(30.0),
+                        io_threads=0, dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
+                        _fault_max_transfer=None, _fault_fail_nth=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        dirs: Vec<PathBuf>,
+        pool: &PyStagingPool,
+        namespace: String,
+        capacity_bytes: u64,
+        queue_depth: usize,
+        backend: &str,
+        direct_io: &str,
+        register_buffers: bool,
+        segment_bytes: usize,
+        max_inflight: usize,
+        submit_timeout: Option<f64>,
+        io_threads: usize,
+        dir_mode: u32,
+        file_mode: u32,
+        allow_insecure_root: bool,
+        _fault_max_transfer: Option<usize>,
+        _fault_fail_nth: Option<(u64, i32)>,
+    ) -> PyResult<Self> {
+        let mut config = StoreConfig::new(dirs, namespace, capacity_bytes);
+        config.queue_depth = queue_depth;
+        config.backend = BackendChoice::parse(backend).map_err(to_py)?;
+        config.direct_io = DirectIoPolicy::parse(direct_io).map_err(to_py)?;
+        config.register_buffers = register_buffers;
+        config.segment_bytes = segment_bytes;
+        config.max_inflight = max_inflight;
+        config.io_threads = io_threads;
+        config.permissions = Permissions { dir_mode, file_mode, allow_insecure_root };
+        if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
+            config.faults = Some(Arc::new(crate::backend::FaultPlan {
+                max_transfer: _fault_max_transfer,
+                fail_nth: _fault_fail_nth,
+                ..Default::default()
+            }));
+        }
+        let submit_timeout = timeout_of(submit_timeout)?;
+        let pool = pool.inner.clone();
+        let (store, report) = py.detach(move || store::BlockStore::open(config, pool)).map_err(to_py)?;
+        let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
+        for f in &report.fallbacks {
+            logger.call_method1("warning", ("fallback: %s", f))?;
+        }
+        Ok(PyBlockStore { inner: Arc::new(store), submit_timeout, scanned_chunks: report.scanned_chunks, scan_time: report.scan_time })
+    }
+
+    fn put(&self, py: Python<'_>, key: Vec<u8>, slot: usize, length: usize) -> PyResult<PyIoHandle> {
+        let (store, t) = (self.inner.clone(), self.submit_timeout);
+        let k = key.clone();
+        let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
+        Ok(PyIoHandle { store: self.inner.clone(), id, kind: OpKind::Put, key, slot, result: None })
+    }
+
+    fn get(&self, py: Python<'_>, key: Vec<u8>, slot: usize) -> PyResult<PyIoHandle> {
+        let (store, t) = (self.inner.clone(), self.submit_timeout);
+        let k = key.clone();
+        let id = py.detach(move || store.get(&k, slot, t)).map_err(to_py)?;
+        Ok(PyIoHandle { store: self.inner.clone(), id, kind: OpKind::Get, key, slot, result: None })
+    }
+
+    fn contains(&self, key: &[u8]) -> bool {
+        self.inner.contains(key)
+    }
+
+    fn chunk_length(&self, key: &[u8]) -> Option<u64> {
+        self.inner.chunk_file_len(key).map(|l| l - HEADER_BYTES as u64)
+    }
+
+    fn evict(&self, key: &[u8]) -> bool {
+        self.inner.evict(key)
+    }
+
+    fn rescan(&self, py: Python<'_>) -> PyResult<usize> {
+        let store = self.inner.clone();
+        py.detach(move || store.rescan()).map_err(to_py)
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.len()
+    }
+
+    #[getter]
+    fn used_bytes(&self) -> u64 { self.inner.used_bytes() }
+    #[getter]
+    fn capacity_bytes(&self) -> u64 { self.inner.capacity_bytes() }
+    #[getter]
+    fn backend(&self) -> &'static str { self.inner.backend_name() }
+    #[getter]
+    fn fixed_buffers(&self) -> bool { self.inner.fixed_buffers() }
+    #[getter]
+    fn direct_io(&self) -> bool { self.inner.direct_io() }
+    #[getter]
+    fn namespace_dir(&self) -> Vec<String> {
+        self.inner.namespace_dirs().iter().map(|p| p.display().to_string()).collect()
+    }
+    #[getter]
+    fn completion_fd(&self) -> i32 { self.inner.completion_fd() }
+
+    fn inflight(&self) -> usize {
+        self.inner.in_flight()
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let s = self.inner.stats();
+        for (name, v) in s.counters() {
+            d.set_item(name, v)?;
+        }
+        d.set_item("read_latency_hist", Stats::histogram(&s.read_latency_us))?;
+        d.set_item("write_latency_hist", Stats::histogram(&s.write_latency_us))?;
+        let bounds: Vec<f64> = LATENCY_BUCKETS_US.iter().map(|&b| if b == u64::MAX { f64::INFINITY } else { b as f64 }).collect();
+        d.set_item("latency_bucket_bounds_us", bounds)?;
+        d.set_item("backend", self.inner.backend_name())?;
+        d.set_item("fixed_buffers", self.inner.fixed_buffers())?;
+        d.set_item("direct_io", self.inner.direct_io())?;
+        d.set_item("fallbacks", s.fallbacks())?;
+        d.set_item("inflight", self.inner.in_flight())?;
+        d.set_item("chunks", self.inner.len())?;
+        d.set_item("used_bytes", self.inner.used_bytes())?;
+        d.set_item("capacity_bytes", self.inner.capacity_bytes())?;
+        d.set_item("backend_cpu_s", self.inner.backend_cpu_ns() as f64 / 1e9)?;
+        d.set_item("open_scan_chunks", self.scanned_chunks)?;
+        d.set_item("open_scan_s", self.scan_time.as_secs_f64())?;
+        d.set_item("staging_free_slots", self.inner.pool().free_slots())?;
+        Ok(d)
+    }
+
+    fn close(&self, py: Python<'_>) {
+        let store = self.inner.clone();
+        py.detach(move || store.close());
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __exit__(&self, py: Python<'_>, _a: Py<PyAny>, _b: Py<PyAny>, _c: Py<PyAny>) {
+        self.close(py)
+    }
+}
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let builtins = py.import("builtins")?;
+    let exception = builtins.getattr("Exception")?;
+    let base = make_type(py, "PykvcacheError", vec![exception], "Base class of every error raised by the engine.")?;
+    let b = base.bind(py).clone().into_any();
+    let pool_exhausted = make_type(py, "PoolExhausted", vec![b.clone(), builtins.getattr("TimeoutError")?], "No staging slot or operation slot became free within the timeout (backpressure).")?;
+    let corrupt = make_type(py, "CorruptChunk", vec![b.clone()], "A chunk failed verification.")?;
+    let store_error = make_type(py, "StoreError", vec![b.clone(), builtins.getattr("OSError")?], "An OS-level failure; errno is set where one applies.")?;
+    let unavailable = make_type(py, "BackendUnavailable", vec![store_error.bind(py).clone().into_any()], "A requested backend or direct-I/O mode cannot be used here.")?;
+    for (name, t, cell) in [
+        ("PykvcacheError", base, &BASE_ERROR),
+        ("PoolExhausted", pool_exhausted, &POOL_EXHAUSTED),
+        ("CorruptChunk", corrupt, &CORRUPT_CHUNK),
+        ("StoreError", store_error, &STORE_ERROR),
+        ("BackendUnavailable", unavailable, &BACKEND_UNAVAILABLE),
+    ] {
+        m.add(name, t.bind(py))?;
+        let _ = cell.set(py, t);
+    }
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add("HEADER_BYTES", HEADER_BYTES)?;
+    m.add("FORMAT_VERSION", FORMAT_VERSION)?;
+    m.add_class::<PyStagingPool>()?;
+    m.add_class::<SlotBuffer>()?;
+    m.add_class::<PyIoResult>()?;
+    m.add_class::<PyIoHandle>()?;
+    m.add_class::<PyBlockStore>()?;
+    Ok(())
+}

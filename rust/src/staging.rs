@@ -1,0 +1,429 @@
+//! Bounded staging memory: one mapping, fixed-size slots, a hard byte budget.
+//!
+//! Every slot is `HEADER_BYTES` of header space followed by the payload, so a
+//! chunk moves between disk and staging in one aligned transfer and the header
+//! is built and verified in place. The mapping is 2 MiB aligned (huge-page
+//! friendly) and can live in a named shared-memory file so that vLLM worker
+//! processes map the very same bytes. Acquiring a slot blocks up to a timeout
+//! and then fails: memory never grows past the budget.
+
+use std::ffi::CString;
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::{EngineError, Result};
+use crate::format::{round_up, HEADER_BYTES, IO_ALIGN};
+
+const MAP_ALIGN: usize = 2 << 20;
+const TRAILER_BYTES: usize = 4096;
+const TRAILER_MAGIC: u64 = 0x5059_4b56_5354_4731; // "PYKVSTG1"
+
+pub struct StagingPool {
+    base: *mut u8,
+    reserved: *mut u8,
+    reserved_len: usize,
+    mapped_len: usize,
+    slot_bytes: usize,
+    stride: usize,
+    num_slots: usize,
+    shm_name: Option<String>,
+    owner: bool,
+    state: Mutex<PoolState>,
+    freed: Condvar,
+}
+
+// The raw pointers are to a mapping owned by this struct; all mutable state
+// is behind the mutex, and slot bytes are only touched by whoever owns the slot.
+unsafe impl Send for StagingPool {}
+unsafe impl Sync for StagingPool {}
+
+struct PoolState {
+    free: Vec<u32>,
+    acquired: Vec<bool>,
+    exports: Vec<u32>,
+    io_pins: Vec<u32>,
+    closed: bool,
+}
+
+impl StagingPool {
+    /// Creates a pool of `num_slots` slots of `slot_bytes` payload each.
+    /// With `shm_name`, backs it by `/dev/shm/<shm_name>` (created exclusively).
+    pub fn create(slot_bytes: usize, num_slots: usize, shm_name: Option<&str>) -> Result<Self> {
+        if slot_bytes == 0 || num_slots == 0 {
+            return Err(EngineError::invalid("slot_bytes and num_slots must be positive"));
+        }
+        if num_slots > u16::MAX as usize {
+            return Err(EngineError::invalid("at most 65535 staging slots"));
+        }
+        let stride = HEADER_BYTES + round_up(slot_bytes, IO_ALIGN);
+        let data_len = stride
+            .checked_mul(num_slots)
+            .ok_or_else(|| EngineError::invalid("staging size overflows"))?;
+        let mapped_len = data_len + TRAILER_BYTES;
+        let (reserved, reserved_len, base) = reserve_aligned(mapped_len)?;
+        let result = match shm_name {
+            None => map_anonymous(base, mapped_len),
+            Some(name) => map_shm(base, mapped_len, name, true),
+        };
+        if let Err(e) = result {
+            unsafe { libc::munmap(reserved as *mut _, reserved_len) };
+            return Err(e);
+        }
+        let trailer = unsafe { std::slice::from_raw_parts_mut(base.add(data_len), TRAILER_BYTES) };
+        trailer[0..8].copy_from_slice(&TRAILER_MAGIC.to_le_bytes());
+        trailer[8..16].copy_from_slice(&(slot_bytes as u64).to_le_bytes());
+        trailer[16..24].copy_from_slice(&(stride as u64).to_le_bytes());
+        trailer[24..32].copy_from_slice(&(num_slots as u64).to_le_bytes());
+        Ok(Self::new(base, reserved, reserved_len, mapped_len, slot_bytes, stride, num_slots, shm_name, true))
+    }
+
+    /// Maps a pool that another process created. Slot accounting stays with the creator.
+    pub fn attach(shm_name: &str) -> Result<Self> {
+        let path = shm_path(shm_name)?;
+        let meta = std::fs::metadata(&path).map_err(|e| EngineError::io(format!("staging pool {path}"), e))?;
+        let mapped_len = meta.len() as usize;
+        if mapped_len < TRAILER_BYTES {
+            return Err(EngineError::invalid(format!("{path} is not a pykvcache staging pool")));
+        }
+        let (reserved, reserved_len, base) = reserve_aligned(mapped_len)?;
+        if let Err(e) = map_shm(base, mapped_len, shm_name, false) {
+            unsafe { libc::munmap(reserved as *mut _, reserved_len) };
+            return Err(e);
+        }
+        let trailer = unsafe { std::slice::from_raw_parts(base.add(mapped_len - TRAILER_BYTES), 32) };
+        let word = |i: usize| u64::from_le_bytes(trailer[i * 8..i * 8 + 8].try_into().unwrap()) as usize;
+        let (magic, slot_bytes, stride, num_slots) = (word(0) as u64, word(1), word(2), word(3));
+        if magic != TRAILER_MAGIC || stride.checked_mul(num_slots).map(|n| n + TRAILER_BYTES) != Some(mapped_len) {
+            unsafe { libc::munmap(reserved as *mut _, reserved_len) };
+            return Err(EngineError::invalid(format!("{path} is not a pykvcache staging pool")));
+        }
+        Ok(Self::new(base, reserved, reserved_len, mapped_len, slot_bytes, stride, num_slots, Some(shm_name), false))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        base: *mut u8,
+        reserved: *mut u8,
+        reserved_len: usize,
+        mapped_len: usize,
+        slot_bytes: usize,
+        stride: usize,
+        num_slots: usize,
+        shm_name: Option<&str>,
+        owner: bool,
+    ) -> Self {
+        // Hand out low slots first so a lightly used pool touches little memory.
+        let free = if owner { (0..num_slots as u32).rev().collect() } else { Vec::new() };
+        StagingPool {
+            base,
+            reserved,
+            reserved_len,
+            mapped_len,
+            slot_bytes,
+            stride,
+            num_slots,
+            shm_name: shm_name.map(str::to_owned),
+            owner,
+            state: Mutex::new(PoolState {
+                free,
+                acquired: vec![false; num_slots],
+                exports: vec![0; num_slots],
+                io_pins: vec![0; num_slots],
+                closed: false,
+            }),
+            freed: Condvar::new(),
+        }
+    }
+
+    pub fn slot_bytes(&self) -> usize { self.slot_bytes }
+    pub fn stride(&self) -> usize { self.stride }
+    pub fn num_slots(&self) -> usize { self.num_slots }
+    pub fn total_bytes(&self) -> usize { self.mapped_len }
+    pub fn base_address(&self) -> usize { self.base as usize }
+    pub fn shm_name(&self) -> Option<&str> { self.shm_name.as_deref() }
+    pub fn is_owner(&self) -> bool { self.owner }
+
+    pub fn free_slots(&self) -> usize {
+        self.state.lock().unwrap().free.len()
+    }
+
+    pub fn payload_offset(&self, slot: usize) -> Result<usize> {
+        self.check_slot(slot)?;
+        Ok(slot * self.stride + HEADER_BYTES)
+    }
+
+    /// Start of the slot (its header space); transfers begin here.
+    pub fn slot_ptr(&self, slot: usize) -> *mut u8 {
+        debug_assert!(slot < self.num_slots);
+        unsafe { self.base.add(slot * self.stride) }
+    }
+
+    pub fn payload_ptr(&self, slot: usize) -> *mut u8 {
+        unsafe { self.slot_ptr(slot).add(HEADER_BYTES) }
+    }
+
+    pub fn region_ptr(&self) -> *mut u8 { self.base }
+    pub fn region_len(&self) -> usize { self.stride * self.num_slots }
+
+    fn check_slot(&self, slot: usize) -> Result<()> {
+        if slot >= self.num_slots {
+            return Err(EngineError::invalid(format!("slot {slot} out of range (pool has {})", self.num_slots)));
+        }
+        Ok(())
+    }
+
+    fn require_owner(&self) -> Result<()> {
+        if !self.owner {
+            return Err(EngineError::State("slot accounting belongs to the process that created the pool".into()));
+        }
+        Ok(())
+    }
+
+    /// Takes a free slot, waiting up to `timeout` (None = forever).
+    pub fn acquire(&self, timeout: Option<Duration>) -> Result<usize> {
+        self.require_owner()?;
+        let start = Instant::now();
+        let mut st = self.state.lock().unwrap();
+        loop {
+            if st.closed {
+                return Err(EngineError::State("staging pool is closed".into()));
+            }
+            if let Some(slot) = st.free.pop() {
+                st.acquired[slot as usize] = true;
+                return Ok(slot as usize);
+            }
+            let waited = start.elapsed();
+            let remaining = match timeout {
+                None => Duration::from_secs(3600),
+                Some(t) if waited >= t => {
+                    return Err(EngineError::PoolExhausted {
+                        waited_ms: waited.as_millis() as u64,
+                        num_slots: self.num_slots,
+                        slot_bytes: self.slot_bytes,
+                    })
+                }
+                Some(t) => t - waited,
+            };
+            st = self.freed.wait_timeout(st, remaining).unwrap().0;
+        }
+    }
+
+    pub fn release(&self, slot: usize) -> Result<()> {
+        self.require_owner()?;
+        self.check_slot(slot)?;
+        let mut st = self.state.lock().unwrap();
+        if !st.acquired[slot] {
+            return Err(EngineError::State(format!("slot {slot} is not acquired")));
+        }
+        if st.exports[slot] > 0 {
+            return Err(EngineError::State(format!(
+                "slot {slot} still has {} exported view(s); release them first",
+                st.exports[slot]
+            )));
+        }
+        if st.io_pins[slot] > 0 {
+            return Err(EngineError::State(format!("slot {slot} has I/O in flight")));
+        }
+        st.acquired[slot] = false;
+        st.free.push(slot as u32);
+        drop(st);
+        self.freed.notify_one();
+        Ok(())
+    }
+
+    pub fn is_acquired(&self, slot: usize) -> bool {
+        slot < self.num_slots && self.state.lock().unwrap().acquired[slot]
+    }
+
+    pub fn export_begin(&self, slot: usize) -> Result<()> {
+        self.check_slot(slot)?;
+        let mut st = self.state.lock().unwrap();
+        if self.owner && !st.acquired[slot] {
+            return Err(EngineError::State(format!("slot {slot} is not acquired")));
+        }
+        st.exports[slot] += 1;
+        Ok(())
+    }
+
+    pub fn export_end(&self, slot: usize) {
+        let mut st = self.state.lock().unwrap();
+        st.exports[slot] = st.exports[slot].saturating_sub(1);
+    }
+
+    pub fn exports(&self, slot: usize) -> u32 {
+        if slot >= self.num_slots { 0 } else { self.state.lock().unwrap().exports[slot] }
+    }
+
+    /// Pins a slot for I/O: it cannot be released until the I/O completes.
+    pub fn pin_io(&self, slot: usize) -> Result<()> {
+        self.check_slot(slot)?;
+        let mut st = self.state.lock().unwrap();
+        if self.owner && !st.acquired[slot] {
+            return Err(EngineError::State(format!("slot {slot} is not acquired")));
+        }
+        if st.io_pins[slot] > 0 {
+            return Err(EngineError::State(format!("slot {slot} already has I/O in flight")));
+        }
+        st.io_pins[slot] += 1;
+        Ok(())
+    }
+
+    pub fn unpin_io(&self, slot: usize) {
+        let mut st = self.state.lock().unwrap();
+        st.io_pins[slot] = st.io_pins[slot].saturating_sub(1);
+    }
+
+    /// Marks the pool closed (acquire fails from now on) and removes the shared
+    /// memory name. The mapping itself goes away when the last user drops it.
+    pub fn close(&self) -> Result<()> {
+        let mut st = self.state.lock().unwrap();
+        if let Some(slot) = st.exports.iter().position(|&e| e > 0) {
+            return Err(EngineError::State(format!("slot {slot} still has exported views")));
+        }
+        if !st.closed && self.owner {
+            if let Some(name) = &self.shm_name {
+                let _ = std::fs::remove_file(format!("/dev/shm/{name}"));
+            }
+        }
+        st.closed = true;
+        drop(st);
+        self.freed.notify_all();
+        Ok(())
+    }
+}
+
+impl Drop for StagingPool {
+    fn drop(&mut self) {
+        let _ = self.close();
+        unsafe { libc::munmap(self.reserved as *mut _, self.reserved_len) };
+    }
+}
+
+fn shm_path(name: &str) -> Result<String> {
+    let ok = !name.is_empty()
+        && name.len() <= 200
+        && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+        && !name.starts_with('.');
+    if !ok {
+        return Err(EngineError::invalid(format!("invalid shared-memory name {name:?} (use [A-Za-z0-9_.-])")));
+    }
+    Ok(format!("/dev/shm/{name}"))
+}
+
+/// Reserves address space with room to align the mapping to 2 MiB.
+fn reserve_aligned(len: usize) -> Result<(*mut u8, usize, *mut u8)> {
+    let reserved_len = len + MAP_ALIGN;
+    let p = unsafe {
+        libc::mmap(std::ptr::null_mut(), reserved_len, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
+    };
+    if p == libc::MAP_FAILED {
+        return Err(EngineError::last_os("reserving staging address space"));
+    }
+    let base = round_up(p as usize, MAP_ALIGN) as *mut u8;
+    Ok((p as *mut u8, reserved_len, base))
+}
+
+fn map_anonymous(base: *mut u8, len: usize) -> Result<()> {
+    let p = unsafe {
+        libc::mmap(base as *mut _, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED, -1, 0)
+    };
+    if p == libc::MAP_FAILED {
+        return Err(EngineError::last_os("mapping staging memory"));
+    }
+    unsafe { libc::madvise(base as *mut _, len, libc::MADV_HUGEPAGE) };
+    Ok(())
+}
+
+fn map_shm(base: *mut u8, len: usize, name: &str, create: bool) -> Result<()> {
+    let path = shm_path(name)?;
+    let cpath = CString::new(path.clone()).unwrap();
+    let flags = libc::O_RDWR | libc::O_CLOEXEC | if create { libc::O_CREAT | libc::O_EXCL } else { 0 };
+    let fd = unsafe { libc::open(cpath.as_ptr(), flags, 0o600) };
+    if fd < 0 {
+        return Err(EngineError::last_os(format!("opening shared staging {path}")));
+    }
+    let cleanup = |e: EngineError| {
+        unsafe { libc::close(fd) };
+        if create {
+            let _ = std::fs::remove_file(&path);
+        }
+        Err(e)
+    };
+    if create && unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+        return cleanup(EngineError::last_os(format!("sizing shared staging {path}")));
+    }
+    let p = unsafe {
+        libc::mmap(base as *mut _, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd, 0)
+    };
+    if p == libc::MAP_FAILED {
+        return cleanup(EngineError::last_os(format!("mapping shared staging {path}")));
+    }
+    unsafe { libc::close(fd) };
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    #[test]
+    fn slots_are_aligned_and_budget_is_hard() {
+        let pool = StagingPool::create(1 << 20, 3, None).unwrap();
+        assert_eq!(pool.base_address() % MAP_ALIGN, 0);
+        for s in 0..3 {
+            assert_eq!(pool.payload_ptr(s) as usize % IO_ALIGN, 0);
+        }
+        let slots: Vec<_> = (0..3).map(|_| pool.acquire(Some(Duration::ZERO)).unwrap()).collect();
+        let err = pool.acquire(Some(Duration::from_millis(50))).unwrap_err();
+        assert!(matches!(err, EngineError::PoolExhausted { .. }));
+        assert_eq!(pool.total_bytes(), 3 * pool.stride() + TRAILER_BYTES);
+        for s in slots {
+            pool.release(s).unwrap();
+        }
+    }
+
+    #[test]
+    fn acquire_blocks_until_a_slot_is_released() {
+        let pool = Arc::new(StagingPool::create(4096, 1, None).unwrap());
+        let s = pool.acquire(None).unwrap();
+        let p2 = pool.clone();
+        let t = std::thread::spawn(move || p2.acquire(Some(Duration::from_secs(5))).unwrap());
+        std::thread::sleep(Duration::from_millis(100));
+        pool.release(s).unwrap();
+        assert_eq!(t.join().unwrap(), s);
+    }
+
+    #[test]
+    fn exported_or_pinned_slots_cannot_be_recycled() {
+        let pool = StagingPool::create(4096, 2, None).unwrap();
+        let s = pool.acquire(None).unwrap();
+        pool.export_begin(s).unwrap();
+        assert!(pool.release(s).is_err());
+        pool.export_end(s);
+        pool.pin_io(s).unwrap();
+        assert!(pool.pin_io(s).is_err(), "double I/O on one slot must be refused");
+        assert!(pool.release(s).is_err());
+        pool.unpin_io(s);
+        pool.release(s).unwrap();
+        assert!(pool.release(s).is_err(), "double release is an error");
+    }
+
+    #[test]
+    fn shared_memory_pool_is_visible_to_an_attached_mapping() {
+        let name = format!("pykvcache-test-{}", std::process::id());
+        let pool = StagingPool::create(8192, 2, Some(&name)).unwrap();
+        let s = pool.acquire(None).unwrap();
+        unsafe { *pool.payload_ptr(s) = 42 };
+        let other = StagingPool::attach(&name).unwrap();
+        assert_eq!(other.stride(), pool.stride());
+        let off = other.payload_offset(s).unwrap();
+        assert_eq!(unsafe { *other.region_ptr().add(off) }, 42);
+        assert!(other.acquire(None).is_err(), "attached pools do not own slot accounting");
+        drop(other);
+        pool.release(s).unwrap();
+        drop(pool);
+        assert!(StagingPool::attach(&name).is_err(), "owner removes the shm name");
+        assert!(StagingPool::attach("../etc/passwd").is_err());
+    }
+}

@@ -1,0 +1,84 @@
+//! Engine counters: lock-free, read as one snapshot for Python or vLLM metrics.
+
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::Duration;
+
+/// Latency histogram bucket upper bounds, in microseconds (last is +inf).
+pub const LATENCY_BUCKETS_US: [u64; 16] =
+    [50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000, 250_000, 500_000, 1_000_000, 5_000_000, u64::MAX];
+
+#[derive(Default)]
+pub struct Stats {
+    pub bytes_read: AtomicU64,
+    pub bytes_written: AtomicU64,
+    pub reads: AtomicU64,
+    pub writes: AtomicU64,
+    pub read_hits: AtomicU64,
+    pub read_misses: AtomicU64,
+    pub corrupt: AtomicU64,
+    pub read_errors: AtomicU64,
+    pub write_errors: AtomicU64,
+    pub write_enospc: AtomicU64,
+    pub write_races: AtomicU64,
+    pub evictions: AtomicU64,
+    pub evicted_bytes: AtomicU64,
+    pub read_latency_us: [AtomicU64; 16],
+    pub write_latency_us: [AtomicU64; 16],
+    pub read_latency_sum_us: AtomicU64,
+    pub write_latency_sum_us: AtomicU64,
+    fallbacks: Mutex<Vec<String>>,
+}
+
+impl Stats {
+    pub fn add(counter: &AtomicU64, n: u64) {
+        counter.fetch_add(n, Relaxed);
+    }
+
+    pub fn observe(hist: &[AtomicU64; 16], sum: &AtomicU64, latency: Duration) {
+        let us = latency.as_micros() as u64;
+        let bucket = LATENCY_BUCKETS_US.iter().position(|&b| us <= b).unwrap_or(15);
+        hist[bucket].fetch_add(1, Relaxed);
+        sum.fetch_add(us, Relaxed);
+    }
+
+    /// Records a fallback once; returns true the first time (so the caller logs it once).
+    pub fn record_fallback(&self, what: impl Into<String>) -> bool {
+        let what = what.into();
+        let mut f = self.fallbacks.lock().unwrap();
+        if f.contains(&what) {
+            return false;
+        }
+        f.push(what);
+        true
+    }
+
+    pub fn fallbacks(&self) -> Vec<String> {
+        self.fallbacks.lock().unwrap().clone()
+    }
+
+    pub fn counters(&self) -> Vec<(&'static str, u64)> {
+        let g = |c: &AtomicU64| c.load(Relaxed);
+        vec![
+            ("bytes_read", g(&self.bytes_read)),
+            ("bytes_written", g(&self.bytes_written)),
+            ("reads", g(&self.reads)),
+            ("writes", g(&self.writes)),
+            ("read_hits", g(&self.read_hits)),
+            ("read_misses", g(&self.read_misses)),
+            ("corrupt_chunks", g(&self.corrupt)),
+            ("read_errors", g(&self.read_errors)),
+            ("write_errors", g(&self.write_errors)),
+            ("write_enospc", g(&self.write_enospc)),
+            ("write_races", g(&self.write_races)),
+            ("evictions", g(&self.evictions)),
+            ("evicted_bytes", g(&self.evicted_bytes)),
+            ("read_latency_sum_us", g(&self.read_latency_sum_us)),
+            ("write_latency_sum_us", g(&self.write_latency_sum_us)),
+        ]
+    }
+
+    pub fn histogram(hist: &[AtomicU64; 16]) -> Vec<u64> {
+        hist.iter().map(|c| c.load(Relaxed)).collect()
+    }
+}

@@ -1,0 +1,663 @@
+//! The chunk store: turns put/get of keyed chunks into segment transfers on a
+//! backend, verifies what it reads, publishes what it writes atomically, and
+//! keeps the on-disk index within its capacity.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::backend::threads::ThreadBackend;
+use crate::backend::uring::UringBackend;
+use crate::backend::{Backend, Segment, SegmentError, SegmentSink, SharedFaults};
+use crate::error::{EngineError, Result};
+use crate::files::{self, DirectIoPolicy, FsSupport};
+use crate::format::{self, Fingerprint, HEADER_BYTES, IO_ALIGN, MAX_KEY_BYTES};
+use crate::index::ChunkIndex;
+use crate::layout::{parse_chunk_name, Layout, Permissions, TEMP_PREFIX};
+use crate::ops::{OpContext, OpId, OpKind, OpTable, Outcome, Status};
+use crate::staging::StagingPool;
+use crate::stats::Stats;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendChoice {
+    Auto,
+    IoUring,
+    Threads,
+}
+
+impl BackendChoice {
+    pub fn parse(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "io_uring" => Ok(Self::IoUring),
+            "threads" => Ok(Self::Threads),
+            other => Err(EngineError::invalid(format!("backend must be auto|io_uring|threads, not {other:?}"))),
+        }
+    }
+}
+
+pub struct StoreConfig {
+    pub dirs: Vec<PathBuf>,
+    pub namespace: String,
+    pub capacity_bytes: u64,
+    pub queue_depth: usize,
+    pub backend: BackendChoice,
+    pub direct_io: DirectIoPolicy,
+    pub register_buffers: bool,
+    pub segment_bytes: usize,
+    pub max_inflight: usize,
+    pub io_threads: usize,
+    pub permissions: Permissions,
+    pub faults: SharedFaults,
+}
+
+impl StoreConfig {
+    pub fn new(dirs: Vec<PathBuf>, namespace: impl Into<String>, capacity_bytes: u64) -> Self {
+        StoreConfig {
+            dirs,
+            namespace: namespace.into(),
+            capacity_bytes,
+            queue_depth: 32,
+            backend: BackendChoice::Auto,
+            direct_io: DirectIoPolicy::Optional,
+            register_buffers: true,
+            segment_bytes: 4 << 20,
+            max_inflight: 1024,
+            io_threads: 0,
+            permissions: Permissions::default(),
+            faults: None,
+        }
+    }
+}
+
+/// Temporary files older than this belong to a dead writer.
+const STALE_TEMP_AGE: Duration = Duration::from_secs(600);
+
+struct Core {
+    pool: Arc<StagingPool>,
+    layout: Layout,
+    namespace: Fingerprint,
+    capacity: u64,
+    segment_bytes: usize,
+    file_mode: u32,
+    support: Vec<FsSupport>,
+    direct_active: Vec<bool>,
+    index: Mutex<ChunkIndex>,
+    ops: OpTable,
+    stats: Stats,
+}
+
+pub struct BlockStore {
+    core: Arc<Core>,
+    backend: Box<dyn Backend>,
+    closed: AtomicBool,
+}
+
+/// What an opened store reports about the paths it took.
+pub struct OpenReport {
+    pub fallbacks: Vec<String>,
+    pub scanned_chunks: usize,
+    pub scan_time: Duration,
+}
+
+impl BlockStore {
+    pub fn open(config: StoreConfig, pool: Arc<StagingPool>) -> Result<(Self, OpenReport)> {
+        if !pool.is_owner() {
+            return Err(EngineError::invalid("a store needs the staging pool's owner (not an attached mapping)"));
+        }
+        if config.segment_bytes < IO_ALIGN || config.segment_bytes % IO_ALIGN != 0 {
+            return Err(EngineError::invalid(format!("segment_bytes must be a positive multiple of {IO_ALIGN}")));
+        }
+        if config.queue_depth == 0 || config.queue_depth > 4096 {
+            return Err(EngineError::invalid("queue_depth must be in 1..=4096"));
+        }
+        if config.capacity_bytes < format::file_len(1) as u64 {
+            return Err(EngineError::invalid("capacity_bytes is too small to hold one chunk"));
+        }
+        let namespace = format::namespace_fingerprint(&config.namespace);
+        let layout = Layout::open(&config.dirs, &namespace, &config.namespace, &config.permissions)?;
+        let stats = Stats::default();
+
+        let mut support = Vec::new();
+        let mut direct_active = Vec::new();
+        for dir in layout.ns_dirs() {
+            let s = files::probe(dir, config.permissions.file_mode);
+            if !s.tmpfile {
+                stats.record_fallback(format!("O_TMPFILE unsupported in {}: using temp file + rename", dir.display()));
+            }
+            let direct = match (config.direct_io, s.direct) {
+                (DirectIoPolicy::Disabled, _) => false,
+                (_, true) => true,
+                (DirectIoPolicy::Required, false) => {
+                    return Err(EngineError::BackendUnavailable(format!(
+                        "{} refuses O_DIRECT and direct_io=required",
+                        dir.display()
+                    )))
+                }
+                (DirectIoPolicy::Optional, false) => {
+                    stats.record_fallback(format!("O_DIRECT refused in {}: buffered I/O with page-cache drop", dir.display()));
+                    false
+                }
+            };
+            support.push(s);
+            direct_active.push(direct);
+        }
+
+        let scan_start = Instant::now();
+        let index = scan(&layout)?;
+        let scan_time = scan_start.elapsed();
+        let scanned_chunks = index.len();
+
+        let core = Arc::new(Core {
+            pool: pool.clone(),
+            layout,
+            namespace,
+            capacity: config.capacity_bytes,
+            segment_bytes: config.segment_bytes,
+            file_mode: config.permissions.file_mode,
+            support,
+            direct_active,
+            index: Mutex::new(index),
+            ops: OpTable::new(config.max_inflight)?,
+            stats,
+        });
+        let backend = make_backend(&config, &core)?;
+        let report = OpenReport { fallbacks: core.stats.fallbacks(), scanned_chunks, scan_time };
+        Ok((BlockStore { core, backend, closed: AtomicBool::new(false) }, report))
+    }
+
+    fn check_open(&self) -> Result<()> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(EngineError::State("store is closed".into()));
+        }
+        Ok(())
+    }
+
+    fn check_args(&self, key: &[u8], slot: usize) -> Result<()> {
+        if key.is_empty() || key.len() > MAX_KEY_BYTES {
+            return Err(EngineError::invalid(format!("key must be 1..={MAX_KEY_BYTES} bytes, got {}", key.len())));
+        }
+        if slot >= self.core.pool.num_slots() {
+            return Err(EngineError::invalid(format!("slot {slot} out of range")));
+        }
+        if !self.core.pool.is_acquired(slot) {
+            return Err(EngineError::State(format!("slot {slot} is not acquired from the staging pool")));
+        }
+        Ok(())
+    }
+
+    /// Writes `length` payload bytes of `slot` as chunk `key`.
+    pub fn put(&self, key: &[u8], slot: usize, length: usize, timeout: Option<Duration>) -> Result<OpId> {
+        self.check_open()?;
+        self.check_args(key, slot)?;
+        let pool = &self.core.pool;
+        if length > pool.slot_bytes() {
+            return Err(EngineError::invalid(format!("length {length} exceeds the slot size {}", pool.slot_bytes())));
+        }
+        let file_len = format::file_len(length);
+        if file_len as u64 > self.core.capacity {
+            return Err(EngineError::invalid(format!("a {file_len}-byte chunk cannot fit the capacity of {} bytes", self.core.capacity)));
+        }
+        let id = self.core.ops.allocate(timeout)?;
+        if let Err(e) = pool.pin_io(slot) {
+            self.core.ops.release(id);
+            return Err(e);
+        }
+        let hash = format::key_hash(key);
+        let root = self.core.layout.root_of(hash);
+        let started = Instant::now();
+        let mut ctx = OpContext {
+            kind: OpKind::Put,
+            key: key.to_vec(),
+            hash,
+            slot,
+            root,
+            direct: self.core.direct_active[root],
+            read_fd: -1,
+            write_file: None,
+            file_len,
+            payload_len: length,
+            started,
+        };
+        self.core.make_room(file_len as u64, hash);
+        // Header and zeroed padding are written into the slot in place, so the
+        // whole file leaves in aligned transfers straight from staging.
+        unsafe {
+            let slot_ptr = pool.slot_ptr(slot);
+            let payload = std::slice::from_raw_parts(pool.payload_ptr(slot), length);
+            let header = std::slice::from_raw_parts_mut(slot_ptr, HEADER_BYTES);
+            format::encode_header(header, &self.core.namespace, key, payload);
+            std::ptr::write_bytes(pool.payload_ptr(slot).add(length), 0, file_len - HEADER_BYTES - length);
+        }
+        let shard = self.core.layout.shard_dir(hash);
+        match files::open_for_write(&shard, self.core.support[root], ctx.direct, self.core.file_mode) {
+            Ok(f) => ctx.write_file = Some(f),
+            Err(e) => {
+                let msg = format!("creating chunk file in {}: {e}", shard.display());
+                self.core.fail_early(id, ctx, e.raw_os_error(), msg);
+                return Ok(id);
+            }
+        }
+        let fd = ctx.write_file.as_ref().unwrap().fd;
+        self.submit(id, ctx, fd, true);
+        Ok(id)
+    }
+
+    /// Reads chunk `key` into `slot` and verifies it.
+    pub fn get(&self, key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<OpId> {
+        self.check_open()?;
+        self.check_args(key, slot)?;
+        let pool = &self.core.pool;
+        let id = self.core.ops.allocate(timeout)?;
+        if let Err(e) = pool.pin_io(slot) {
+            self.core.ops.release(id);
+            return Err(e);
+        }
+        let hash = format::key_hash(key);
+        let root = self.core.layout.root_of(hash);
+        let mut ctx = OpContext {
+            kind: OpKind::Get,
+            key: key.to_vec(),
+            hash,
+            slot,
+            root,
+            direct: self.core.direct_active[root],
+            read_fd: -1,
+            write_file: None,
+            file_len: 0,
+            payload_len: 0,
+            started: Instant::now(),
+        };
+        let path = self.core.layout.chunk_path(hash);
+        let fd = match files::open_for_read(&path, ctx.direct) {
+            Ok(fd) => fd,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                // Absent (or deleted by another process sharing the directory): a miss.
+                self.core.index.lock().unwrap().remove(hash);
+                self.core.finish(id, ctx, Outcome::new(Status::Miss, 0, None, "chunk not on disk"));
+                return Ok(id);
+            }
+            Err(e) => {
+                let msg = format!("opening {}: {e}", path.display());
+                self.core.fail_early(id, ctx, e.raw_os_error(), msg);
+                return Ok(id);
+            }
+        };
+        ctx.read_fd = fd;
+        let size = match files::file_size(fd) {
+            Ok(s) => s as usize,
+            Err(e) => {
+                let msg = format!("stat {}: {e}", path.display());
+                self.core.fail_early(id, ctx, e.raw_os_error(), msg);
+                return Ok(id);
+            }
+        };
+        let max_len = HEADER_BYTES + format::round_up(pool.slot_bytes(), IO_ALIGN);
+        if size < HEADER_BYTES || size % IO_ALIGN != 0 || size > max_len {
+            let reason = format!("file is {size} bytes (expected a multiple of {IO_ALIGN} in {HEADER_BYTES}..={max_len})");
+            self.core.corrupt(id, ctx, reason);
+            return Ok(id);
+        }
+        ctx.file_len = size;
+        self.submit(id, ctx, fd, false);
+        Ok(id)
+    }
+
+    fn submit(&self, id: OpId, ctx: OpContext, fd: i32, write: bool) {
+        let seg_bytes = self.core.segment_bytes;
+        let n = ctx.file_len.div_ceil(seg_bytes);
+        let slot = ctx.slot;
+        let base = self.core.pool.slot_ptr(slot);
+        let file_len = ctx.file_len;
+        self.core.ops.start(id, ctx, n as u32);
+        // Small fixed batch on the stack: no per-I/O heap allocation.
+        let mut batch = [Segment { op: 0, fd: -1, buf: std::ptr::null_mut(), len: 0, offset: 0, write, buf_index: None }; 16];
+        let mut filled = 0;
+        for i in 0..n {
+            let offset = i * seg_bytes;
+            batch[filled] = Segment {
+                op: id.index,
+                fd,
+                buf: unsafe { base.add(offset) },
+                len: seg_bytes.min(file_len - offset),
+                offset: offset as u64,
+                write,
+                buf_index: Some(slot as u16),
+            };
+            filled += 1;
+            if filled == batch.len() {
+                self.backend.submit(&batch[..filled]);
+                filled = 0;
+            }
+        }
+        if filled > 0 {
+            self.backend.submit(&batch[..filled]);
+        }
+    }
+
+    pub fn is_done(&self, id: OpId) -> Result<bool> {
+        self.core.ops.is_done(id)
+    }
+
+    pub fn wait(&self, id: OpId, timeout: Option<Duration>) -> Result<Option<Outcome>> {
+        self.core.ops.wait(id, timeout)
+    }
+
+    pub fn release_op(&self, id: OpId) {
+        self.core.ops.release(id)
+    }
+
+    pub fn contains(&self, key: &[u8]) -> bool {
+        self.core.index.lock().unwrap().contains(format::key_hash(key))
+    }
+
+    /// Payload capacity needed to read a chunk (its file length minus the header).
+    pub fn chunk_file_len(&self, key: &[u8]) -> Option<u64> {
+        self.core.index.lock().unwrap().file_len(format::key_hash(key))
+    }
+
+    pub fn evict(&self, key: &[u8]) -> bool {
+        let hash = format::key_hash(key);
+        self.core.remove_chunk(hash)
+    }
+
+    pub fn rescan(&self) -> Result<usize> {
+        let fresh = scan(&self.core.layout)?;
+        let n = fresh.len();
+        *self.core.index.lock().unwrap() = fresh;
+        Ok(n)
+    }
+
+    pub fn len(&self) -> usize {
+        self.core.index.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    pub fn used_bytes(&self) -> u64 {
+        self.core.index.lock().unwrap().used_bytes()
+    }
+
+    pub fn capacity_bytes(&self) -> u64 {
+        self.core.capacity
+    }
+
+    pub fn backend_name(&self) -> &'static str {
+        self.backend.kind().name()
+    }
+
+    pub fn fixed_buffers(&self) -> bool {
+        self.backend.fixed_buffers()
+    }
+
+    pub fn direct_io(&self) -> bool {
+        self.core.direct_active.iter().all(|&d| d)
+    }
+
+    pub fn namespace_dirs(&self) -> Vec<PathBuf> {
+        self.core.layout.ns_dirs().to_vec()
+    }
+
+    pub fn completion_fd(&self) -> i32 {
+        self.core.ops.event_fd()
+    }
+
+    pub fn in_flight(&self) -> usize {
+        self.core.ops.in_flight()
+    }
+
+    pub fn stats(&self) -> &Stats {
+        &self.core.stats
+    }
+
+    pub fn backend_cpu_ns(&self) -> u64 {
+        self.backend.cpu_time_ns()
+    }
+
+    pub fn pool(&self) -> &Arc<StagingPool> {
+        &self.core.pool
+    }
+
+    /// Waits for in-flight I/O, then stops the backend. Idempotent.
+    pub fn close(&self) {
+        if self.closed.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        self.core.ops.drain();
+        self.backend.shutdown();
+    }
+}
+
+impl Drop for BlockStore {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+fn make_backend(config: &StoreConfig, core: &Arc<Core>) -> Result<Box<dyn Backend>> {
+    let sink: Arc<dyn SegmentSink> = core.clone();
+    let threads = if config.io_threads > 0 { config.io_threads } else { config.queue_depth.clamp(1, 16) };
+    let make_threads = |sink: Arc<dyn SegmentSink>| -> Result<Box<dyn Backend>> {
+        ThreadBackend::new(threads, config.max_inflight * 4, sink, config.faults.clone())
+            .map(|b| Box::new(b) as Box<dyn Backend>)
+            .map_err(|e| EngineError::io("starting I/O threads", e))
+    };
+    if config.backend == BackendChoice::Threads {
+        return make_threads(sink);
+    }
+    let pool = &core.pool;
+    let iovecs: Vec<libc::iovec> = (0..pool.num_slots())
+        .map(|s| libc::iovec { iov_base: pool.slot_ptr(s) as *mut _, iov_len: pool.stride() })
+        .collect();
+    let buffers = (config.register_buffers).then_some(&iovecs[..]);
+    match UringBackend::new(config.queue_depth, buffers, sink.clone(), config.faults.clone()) {
+        Ok(setup) => {
+            if let Some(e) = setup.fixed_buffer_error {
+                core.stats.record_fallback(format!("io_uring buffer registration failed ({e}): using non-fixed reads/writes"));
+            } else if !config.register_buffers {
+                core.stats.record_fallback("fixed buffers disabled by configuration".to_string());
+            }
+            Ok(Box::new(setup.backend))
+        }
+        Err(e) if config.backend == BackendChoice::Auto => {
+            core.stats.record_fallback(format!("io_uring unavailable ({e}): using the pread/pwrite thread pool"));
+            make_threads(sink)
+        }
+        Err(e) => Err(EngineError::BackendUnavailable(format!("io_uring unavailable: {e}"))),
+    }
+}
+
+/// Rebuilds the index from the directory tree, oldest files least recent.
+/// Stale temporary files of dead writers are removed on the way.
+fn scan(layout: &Layout) -> Result<ChunkIndex> {
+    let now = SystemTime::now();
+    let mut found: Vec<(SystemTime, u128, u64)> = Vec::new();
+    for ns_dir in layout.ns_dirs() {
+        for sub in 0..=255u8 {
+            let dir = ns_dir.join(format!("{sub:02x}"));
+            let entries = match std::fs::read_dir(&dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(EngineError::io(format!("scanning {}", dir.display()), e)),
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                let Some(name) = name.to_str() else { continue };
+                let Ok(meta) = entry.metadata() else { continue };
+                if name.starts_with(TEMP_PREFIX) {
+                    let age = meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default();
+                    if age > STALE_TEMP_AGE {
+                        let _ = std::fs::remove_file(entry.path());
+                    }
+                    continue;
+                }
+                // Only regular files with a chunk name; symlinks and strays are ignored.
+                if !meta.file_type().is_file() {
+                    continue;
+                }
+                if let Some(hash) = parse_chunk_name(name) {
+                    found.push((meta.modified().unwrap_or(now), hash, meta.len()));
+                }
+            }
+        }
+    }
+    found.sort_unstable_by_key(|(t, h, _)| (*t, *h));
+    let mut index = ChunkIndex::default();
+    for (_, hash, len) in found {
+        index.insert(hash, len);
+    }
+    Ok(index)
+}
+
+impl Core {
+    fn make_room(&self, incoming: u64, keep: u128) {
+        let victims = self.index.lock().unwrap().victims(incoming, self.capacity, keep);
+        for (hash, _) in victims {
+            if self.remove_chunk(hash) {
+                Stats::add(&self.stats.evictions, 1);
+            }
+        }
+    }
+
+    fn remove_chunk(&self, hash: u128) -> bool {
+        let removed = self.index.lock().unwrap().remove(hash);
+        let path = self.layout.chunk_path(hash);
+        let unlinked = std::fs::remove_file(&path).is_ok();
+        if let Some(len) = removed {
+            Stats::add(&self.stats.evicted_bytes, len);
+        }
+        removed.is_some() || unlinked
+    }
+
+    fn fail_early(&self, id: OpId, ctx: OpContext, errno: Option<i32>, message: String) {
+        if ctx.kind == OpKind::Put && errno == Some(libc::ENOSPC) {
+            Stats::add(&self.stats.write_enospc, 1);
+        }
+        self.finish(id, ctx, Outcome::new(Status::Error, 0, errno, message));
+    }
+
+    fn corrupt(&self, id: OpId, ctx: OpContext, reason: String) {
+        // A chunk that fails verification is removed so it is never tried again.
+        let path = self.layout.chunk_path(ctx.hash);
+        self.remove_chunk(ctx.hash);
+        let msg = format!("corrupt chunk {}: {reason}", path.display());
+        self.finish(id, ctx, Outcome::new(Status::Corrupt, 0, None, msg));
+    }
+
+    /// Single exit of every operation: closes files, unpins the slot, counts, signals.
+    fn finish(&self, id: OpId, mut ctx: OpContext, mut outcome: Outcome) {
+        if ctx.read_fd >= 0 {
+            if !ctx.direct {
+                files::drop_cached_pages(ctx.read_fd, false);
+            }
+            files::close(ctx.read_fd);
+        }
+        if let Some(f) = ctx.write_file.take() {
+            files::discard(&f);
+        }
+        self.pool.unpin_io(ctx.slot);
+        outcome.latency = ctx.started.elapsed();
+        let s = &self.stats;
+        match (ctx.kind, outcome.status) {
+            (OpKind::Get, Status::Ok) => {
+                Stats::add(&s.reads, 1);
+                Stats::add(&s.read_hits, 1);
+                Stats::add(&s.bytes_read, ctx.file_len as u64);
+                Stats::observe(&s.read_latency_us, &s.read_latency_sum_us, outcome.latency);
+            }
+            (OpKind::Get, Status::Miss) => Stats::add(&s.read_misses, 1),
+            (OpKind::Get, Status::Corrupt) => Stats::add(&s.corrupt, 1),
+            (OpKind::Get, Status::Error) => Stats::add(&s.read_errors, 1),
+            (OpKind::Put, Status::Ok) => {
+                Stats::add(&s.writes, 1);
+                Stats::add(&s.bytes_written, ctx.file_len as u64);
+                Stats::observe(&s.write_latency_us, &s.write_latency_sum_us, outcome.latency);
+            }
+            (OpKind::Put, _) => Stats::add(&s.write_errors, 1),
+        }
+        self.ops.complete(id, outcome);
+    }
+
+    fn finish_get(&self, id: OpId, ctx: OpContext, error: Option<SegmentError>) {
+        match error {
+            Some(SegmentError::Eof) => return self.corrupt(id, ctx, "file shorter than its size (truncated while reading)".into()),
+            Some(SegmentError::Errno(errno)) => {
+                let msg = format!("reading chunk: {}", std::io::Error::from_raw_os_error(errno));
+                return self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(errno), msg));
+            }
+            None => {}
+        }
+        let slot_ptr = self.pool.slot_ptr(ctx.slot);
+        let block = unsafe { std::slice::from_raw_parts(slot_ptr, HEADER_BYTES) };
+        let header = match format::decode_header(block, &self.namespace, &ctx.key, ctx.file_len as u64) {
+            Ok(h) => h,
+            Err(e) => return self.corrupt(id, ctx, e.to_string()),
+        };
+        let payload = unsafe { std::slice::from_raw_parts(self.pool.payload_ptr(ctx.slot), header.payload_len as usize) };
+        if let Err(e) = format::verify_payload(&header, payload) {
+            return self.corrupt(id, ctx, e.to_string());
+        }
+        {
+            let mut index = self.index.lock().unwrap();
+            if index.contains(ctx.hash) {
+                index.touch(ctx.hash);
+            } else {
+                index.insert(ctx.hash, ctx.file_len as u64);
+            }
+        }
+        let len = header.payload_len;
+        self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""));
+    }
+
+    fn finish_put(&self, id: OpId, mut ctx: OpContext, error: Option<SegmentError>) {
+        if let Some(err) = error {
+            let errno = match err {
+                SegmentError::Errno(e) => e,
+                SegmentError::Eof => libc::EIO,
+            };
+            if errno == libc::ENOSPC {
+                Stats::add(&self.stats.write_enospc, 1);
+            }
+            let msg = format!("writing chunk: {}", std::io::Error::from_raw_os_error(errno));
+            return self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(errno), msg));
+        }
+        let file = ctx.write_file.take().expect("put without a file");
+        if !ctx.direct {
+            files::drop_cached_pages(file.fd, true);
+        }
+        let path = self.layout.chunk_path(ctx.hash);
+        let published = files::publish(&file, &path);
+        files::close(file.fd);
+        match published {
+            Ok(first) => {
+                if !first {
+                    Stats::add(&self.stats.write_races, 1);
+                }
+                self.index.lock().unwrap().insert(ctx.hash, ctx.file_len as u64);
+                let len = ctx.payload_len as u64;
+                self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""))
+            }
+            Err(e) => {
+                if let Some(temp) = &file.temp_path {
+                    let _ = std::fs::remove_file(temp);
+                }
+                let msg = format!("publishing {}: {e}", path.display());
+                self.finish(id, ctx, Outcome::new(Status::Error, 0, e.raw_os_error(), msg))
+            }
+        }
+    }
+}
+
+impl SegmentSink for Core {
+    fn segment_done(&self, seg: &Segment, result: std::result::Result<(), SegmentError>) {
+        if let Some((id, ctx, error)) = self.ops.segment_done(seg.op, result) {
+            match ctx.kind {
+                OpKind::Get => self.finish_get(id, ctx, error),
+                OpKind::Put => self.finish_put(id, ctx, error),
+            }
+        }
+    }
+}
