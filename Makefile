@@ -21,7 +21,7 @@ test-python: develop
 
 # Benchmarks are smoke-run once (tiny sizes, no timing) so they cannot rot.
 test: test-rust test-python
-	$(PY) -m pytest -q benches --benchmark-disable
+	if [ -d benches ]; then $(PY) -m pytest -q benches --benchmark-disable; fi
 
 demo: develop
 	$(PY) -m pykvcache.cli demo
