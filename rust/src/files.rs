@@ -65,8 +65,31 @@ fn direct_flag(direct: bool) -> i32 {
     if direct { libc::O_DIRECT } else { 0 }
 }
 
-pub fn open_for_read(path: &Path, direct: bool) -> std::io::Result<RawFd> {
-    open_raw(path, libc::O_RDONLY | direct_flag(direct), 0)
+/// Opens a chunk for reading: the fd and, for a regular file, its size.
+/// Anything else (FIFO, device, ...) comes back with no size, for the caller
+/// to reject; it is never switched to O_DIRECT or read.
+pub fn open_for_read(path: &Path, direct: bool) -> std::io::Result<(RawFd, Option<u64>)> {
+    // O_NONBLOCK so that opening a FIFO planted at a chunk path cannot hang;
+    // O_DIRECT only once the file is known to be regular (a FIFO refuses it).
+    let fd = open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0)?;
+    let size = match regular_file_size(fd) {
+        Ok(size) => size,
+        Err(e) => {
+            close(fd);
+            return Err(e);
+        }
+    };
+    if size.is_some() {
+        // io_uring honours O_NONBLOCK on regular files too: clear it.
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        let wanted = (flags & !libc::O_NONBLOCK) | direct_flag(direct);
+        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, wanted) } < 0 {
+            let e = std::io::Error::last_os_error();
+            close(fd);
+            return Err(e);
+        }
+    }
+    Ok((fd, size))
 }
 
 pub fn open_for_write(dir: &Path, support: FsSupport, direct: bool, mode: u32) -> std::io::Result<PendingFile> {
@@ -77,7 +100,23 @@ pub fn open_for_write(dir: &Path, support: FsSupport, direct: bool, mode: u32) -
     let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
     let temp = dir.join(format!("{TEMP_PREFIX}{}-{n}", std::process::id()));
     let fd = open_raw(&temp, libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | direct_flag(direct), mode)?;
+    // Held until the file is published or discarded; the kernel drops it when
+    // the writer dies, which is how a scan tells an orphan from a live write.
+    unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) };
     Ok(PendingFile { fd, temp_path: Some(temp) })
+}
+
+/// Whether the temporary file `name` at `path` was left by a dead writer:
+/// nobody holds its lock. Our own files are skipped (network filesystems
+/// emulate flock with per-process locks, which we would always get).
+pub fn temp_writer_gone(path: &Path, name: &str) -> bool {
+    if name.starts_with(&format!("{TEMP_PREFIX}{}-", std::process::id())) {
+        return false;
+    }
+    let Ok(fd) = open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0) else { return false };
+    let unlocked = unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0;
+    close(fd);
+    unlocked
 }
 
 /// Makes a completely written file visible under `final_path`.
@@ -116,12 +155,13 @@ pub fn close(fd: RawFd) {
     unsafe { libc::close(fd) };
 }
 
-pub fn file_size(fd: RawFd) -> std::io::Result<u64> {
+/// Size of a regular file; None for anything else (FIFO, device, ...).
+pub fn regular_file_size(fd: RawFd) -> std::io::Result<Option<u64>> {
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     if unsafe { libc::fstat(fd, &mut st) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok(st.st_size as u64)
+    Ok((st.st_mode & libc::S_IFMT == libc::S_IFREG).then_some(st.st_size as u64))
 }
 
 /// After buffered I/O, keep the page cache from filling with chunk data

@@ -135,7 +135,9 @@ pub fn decode_header(
         return Err(FormatError::Key);
     }
     let payload_len = get_u64(block, OFF_PAYLOAD_LEN);
-    let expected = (HEADER_BYTES as u64).checked_add(round_up_u64(payload_len));
+    // Checked all the way: a declared length near u64::MAX must not wrap to a
+    // small file size (it would then be trusted as the payload slice length).
+    let expected = round_up_u64(payload_len).and_then(|p| (HEADER_BYTES as u64).checked_add(p));
     if expected != Some(file_len) {
         return Err(FormatError::Length { declared: payload_len, file_len });
     }
@@ -153,8 +155,8 @@ pub fn verify_payload(header: &ChunkHeader, payload: &[u8]) -> Result<(), Format
     Ok(())
 }
 
-fn round_up_u64(n: u64) -> u64 {
-    n.div_ceil(IO_ALIGN as u64) * IO_ALIGN as u64
+fn round_up_u64(n: u64) -> Option<u64> {
+    n.checked_next_multiple_of(IO_ALIGN as u64)
 }
 
 fn put_u32(b: &mut [u8], off: usize, v: u32) {
@@ -206,6 +208,21 @@ mod tests {
         bad[100] ^= 1;
         assert_eq!(verify_payload(&h, &bad), Err(FormatError::PayloadCrc));
         assert_eq!(decode_header(&block[..100], &ns, b"k", len), Err(FormatError::Short));
+    }
+
+    #[test]
+    fn declared_length_that_wraps_when_rounded_is_rejected() {
+        // A resealed header claiming ~2^64 payload bytes in a header-only file.
+        let ns = namespace_fingerprint("ns");
+        for declared in [u64::MAX, u64::MAX - 4094] {
+            let mut block = encoded(&ns, b"k", b"");
+            put_u64(&mut block, OFF_PAYLOAD_LEN, declared);
+            put_u32(&mut block, OFF_HEADER_CRC, 0);
+            let crc = crc32c::crc32c(&block);
+            put_u32(&mut block, OFF_HEADER_CRC, crc);
+            let got = decode_header(&block, &ns, b"k", HEADER_BYTES as u64);
+            assert!(matches!(got, Err(FormatError::Length { .. })), "{got:?}");
+        }
     }
 
     proptest! {

@@ -56,7 +56,9 @@ impl Layout {
                 if let Err(e) = std::fs::DirBuilder::new().recursive(true).mode(perms.dir_mode).create(&d) {
                     return Err(EngineError::io(format!("creating {}", d.display()), e));
                 }
+                require_real_dir(&d)?;
             }
+            require_real_dir(&ns_dir)?;
             // A human-readable label of what this namespace holds.
             let label = ns_dir.join("NAMESPACE");
             if !label.exists() {
@@ -101,6 +103,19 @@ pub fn hex(bytes: &[u8]) -> String {
 
 pub fn cstring(path: &Path) -> Result<CString> {
     CString::new(path.as_os_str().as_bytes()).map_err(|_| EngineError::invalid(format!("path contains NUL: {}", path.display())))
+}
+
+/// Chunk opens refuse symlinks only in their last component (O_NOFOLLOW), so
+/// the directories above them must not be symlinks either.
+fn require_real_dir(dir: &Path) -> Result<()> {
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| EngineError::io(format!("inspecting {}", dir.display()), e))?;
+    if !meta.is_dir() {
+        return Err(EngineError::invalid(format!(
+            "{} inside the store is not a directory (a symlink there is never followed); remove it",
+            dir.display()
+        )));
+    }
+    Ok(())
 }
 
 fn check_root(root: &Path, perms: &Permissions) -> Result<()> {

@@ -71,7 +71,8 @@ impl StoreConfig {
     }
 }
 
-/// Temporary files older than this belong to a dead writer.
+/// Temporary files older than this belong to a dead writer (also when their
+/// writer's lock cannot tell, e.g. filesystems without flock).
 const STALE_TEMP_AGE: Duration = Duration::from_secs(600);
 
 struct Core {
@@ -270,12 +271,18 @@ impl BlockStore {
             started: Instant::now(),
         };
         let path = self.core.layout.chunk_path(hash);
-        let fd = match files::open_for_read(&path, ctx.direct) {
-            Ok(fd) => fd,
+        let (fd, size) = match files::open_for_read(&path, ctx.direct) {
+            Ok(opened) => opened,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                 // Absent (or deleted by another process sharing the directory): a miss.
                 self.core.index.lock().unwrap().remove(hash);
                 self.core.finish(id, ctx, Outcome::new(Status::Miss, 0, None, "chunk not on disk"));
+                return Ok(id);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                // O_NOFOLLOW refused a symlink planted at a chunk path: never
+                // followed, and removed like any other foreign file.
+                self.core.corrupt(id, ctx, "a symbolic link, not a chunk file (not followed)".into());
                 return Ok(id);
             }
             Err(e) => {
@@ -285,16 +292,19 @@ impl BlockStore {
             }
         };
         ctx.read_fd = fd;
-        let size = match files::file_size(fd) {
-            Ok(s) => s as usize,
-            Err(e) => {
-                let msg = format!("stat {}: {e}", path.display());
-                self.core.fail_early(id, ctx, e.raw_os_error(), msg);
-                return Ok(id);
-            }
+        let Some(size) = size.map(|s| s as usize) else {
+            self.core.corrupt(id, ctx, "not a regular file".into());
+            return Ok(id);
         };
         let max_len = HEADER_BYTES + format::round_up(pool.slot_bytes(), IO_ALIGN);
-        if size < HEADER_BYTES || size % IO_ALIGN != 0 || size > max_len {
+        if size > max_len && size % IO_ALIGN == 0 {
+            // Possibly a valid chunk from a process with larger slots sharing
+            // the directory: not ours to judge or delete, just not loadable here.
+            let msg = format!("chunk of {size} bytes does not fit a {max_len}-byte slot");
+            self.core.finish(id, ctx, Outcome::new(Status::Miss, 0, None, msg));
+            return Ok(id);
+        }
+        if size < HEADER_BYTES || size % IO_ALIGN != 0 {
             let reason = format!("file is {size} bytes (expected a multiple of {IO_ALIGN} in {HEADER_BYTES}..={max_len})");
             self.core.corrupt(id, ctx, reason);
             return Ok(id);
@@ -471,7 +481,7 @@ fn make_backend(config: &StoreConfig, core: &Arc<Core>) -> Result<Box<dyn Backen
 }
 
 /// Rebuilds the index from the directory tree, oldest files least recent.
-/// Stale temporary files of dead writers are removed on the way.
+/// Temporary files of dead writers (lock released, or too old) are removed on the way.
 fn scan(layout: &Layout) -> Result<ChunkIndex> {
     let now = SystemTime::now();
     let mut found: Vec<(SystemTime, u128, u64)> = Vec::new();
@@ -489,7 +499,7 @@ fn scan(layout: &Layout) -> Result<ChunkIndex> {
                 let Ok(meta) = entry.metadata() else { continue };
                 if name.starts_with(TEMP_PREFIX) {
                     let age = meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default();
-                    if age > STALE_TEMP_AGE {
+                    if age > STALE_TEMP_AGE || files::temp_writer_gone(&entry.path(), name) {
                         let _ = std::fs::remove_file(entry.path());
                     }
                     continue;
@@ -600,13 +610,19 @@ impl Core {
         if let Err(e) = format::verify_payload(&header, payload) {
             return self.corrupt(id, ctx, e.to_string());
         }
-        {
+        let adopted = {
             let mut index = self.index.lock().unwrap();
             if index.contains(ctx.hash) {
                 index.touch(ctx.hash);
+                false
             } else {
                 index.insert(ctx.hash, ctx.file_len as u64);
+                true
             }
+        };
+        if adopted {
+            // A chunk another process wrote now counts here too: stay within capacity.
+            self.make_room(0, ctx.hash);
         }
         let len = header.payload_len;
         self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""));
@@ -637,6 +653,8 @@ impl Core {
                     Stats::add(&self.stats.write_races, 1);
                 }
                 self.index.lock().unwrap().insert(ctx.hash, ctx.file_len as u64);
+                // Concurrent puts each made room for themselves only; trim the overshoot.
+                self.make_room(0, ctx.hash);
                 let len = ctx.payload_len as u64;
                 self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""))
             }
