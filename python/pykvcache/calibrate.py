@@ -1,0 +1,581 @@
+"""``pykvcache calibrate``: measure both sides of the break-even on this machine.
+
+1. **Prefill**: the user's model runs in vLLM (prefix caching off, every
+   prompt distinct) on prompts swept over lengths; each request asks for one
+   token, so its time to first token is its prefill. Lengths are interleaved
+   across repeats so that a burst of background load hits every length
+   alike; the median per length is fitted with ``a + b*n + c*n^2``.
+2. **Storage**: chunks of the model's real size (its KV bytes per token as
+   pykvcache lays them out on disk, times the chunk length) are written
+   through :class:`pykvcache.BlockStore` into a temporary directory on the
+   real storage directory, then read back cold (O_DIRECT; page cache dropped
+   where O_DIRECT is refused and we are allowed to) in batches of several
+   sizes, all chunks of a batch in flight at once as the manager reads them.
+   ``fixed + bytes/BW`` is fitted to the medians.
+3. **Copy into the KV cache**: host-to-device bandwidth (CUDA), or memcpy
+   bandwidth on a CPU-only host.
+
+The profile (JSON, see docs/gate.md) is what the vLLM spec reads through its
+``gate_profile`` key.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+
+# ----------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------
+def _default_model_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "pykvcache" / "models"
+
+
+def _lengths(text: str) -> list[int]:
+    try:
+        values = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token counts, got {text!r}") from None
+    if len(values) < 2 or values[0] <= 0:
+        raise argparse.ArgumentTypeError("give at least two distinct positive prompt lengths")
+    return values
+
+
+def _vllm_arg(text: str) -> tuple[str, Any]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None,
+                        help="model for vLLM (path or name); default: the tiny test model, built offline")
+    parser.add_argument("--model-cache", type=Path, default=None,
+                        help="where the tiny model is built (default: ~/.cache/pykvcache/models)")
+    parser.add_argument("--storage-dir", type=Path, nargs="+", default=None,
+                        help="the storage directories pykvcache will use (a temporary subdirectory is "
+                             "created in each and removed); default: current directory")
+    parser.add_argument("--out", type=Path, default=Path("pykvcache-gate-profile.json"),
+                        help="profile to write (default: ./pykvcache-gate-profile.json)")
+    parser.add_argument("--quick", action="store_true",
+                        help="few lengths and repeats (a smoke run; a minute or two with the tiny model)")
+    parser.add_argument("--lengths", type=_lengths, default=None,
+                        help="prompt lengths in tokens, e.g. 256,1024,4096 (default: a geometric sweep)")
+    parser.add_argument("--max-tokens", type=int, default=None,
+                        help="longest prompt of the default sweep (default: 8192, quick 2048, capped by the model)")
+    parser.add_argument("--repeats", type=int, default=None, help="measurements per point (median kept)")
+    parser.add_argument("--dtype", default="auto", help="vLLM dtype (default: auto)")
+    parser.add_argument("--block-size", type=int, default=None, help="vLLM KV block size in tokens")
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="tokens per stored chunk, a multiple of the block size "
+                             "(the offloading block_size; default: one block)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--kv-cache-memory", type=int, default=None,
+                        help="vLLM kv_cache_memory_bytes (default on CPU: just enough for the longest prompt)")
+    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
+                        help="vLLM eager mode (default: on for CPU, vLLM's default on GPUs)")
+    parser.add_argument("--vllm-arg", type=_vllm_arg, action="append", default=[], metavar="KEY=VALUE",
+                        help="extra vllm.LLM keyword argument (VALUE parsed as JSON when it is); repeatable")
+    parser.add_argument("--kv-bytes-per-token", type=float, default=None,
+                        help="override the stored KV bytes per token (for models the formula gets wrong)")
+    parser.add_argument("--direct-io", choices=("required", "optional", "disabled"), default="optional")
+    parser.add_argument("--backend", choices=("auto", "io_uring", "threads"), default="auto")
+    parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--storage-budget", type=int, default=2048,
+                        help="MiB of chunk files written at most (default 2048)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
+
+
+# ----------------------------------------------------------------------
+# Measurements
+# ----------------------------------------------------------------------
+@dataclass
+class Point:
+    x: int  # tokens (prefill) or bytes (load / copy)
+    samples: list[float] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.samples)
+
+    def as_dict(self, unit: str) -> dict[str, Any]:
+        out: dict[str, Any] = {unit: self.x, "median_s": self.median, "samples_s": self.samples}
+        if self.wall:
+            out["wall_median_s"] = statistics.median(self.wall)
+        return out
+
+
+class _Progress:
+    """A rich progress bar per phase, or plain lines without a terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._p = None
+        if enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._p = Progress(TextColumn("[bold]{task.fields[phase]:<8}"), BarColumn(),
+                               MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"))
+
+    def __enter__(self) -> _Progress:
+        if self._p is not None:
+            self._p.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._p is not None:
+            self._p.__exit__(*exc)  # type: ignore[arg-type]
+
+    def phase(self, name: str, total: int):
+        if self._p is None:
+            print(f"calibrate: {name} ({total} measurements)", file=sys.stderr, flush=True)
+            return lambda description="": None
+        task = self._p.add_task("", total=total, phase=name)
+        return lambda description="": self._p.update(task, advance=1, description=description)
+
+    def log(self, text: str) -> None:
+        if self._p is not None:
+            self._p.console.print(text)
+        else:
+            print(text, file=sys.stderr, flush=True)
+
+
+def default_lengths(chunk_tokens: int, max_tokens: int, quick: bool) -> list[int]:
+    """Geometric sweep from one chunk to ``max_tokens`` (whole chunks)."""
+    count = 5 if quick else 9
+    lo = chunk_tokens
+    hi = max(max_tokens // chunk_tokens, 2) * chunk_tokens
+    values = {min(hi, max(lo, round(lo * (hi / lo) ** (i / (count - 1)) / chunk_tokens) * chunk_tokens))
+              for i in range(count)}
+    return sorted(values)
+
+
+def measure_prefill(llm, lengths: list[int], repeats: int, vocab: int, seed: int,
+                    tick) -> tuple[list[Point], str]:
+    """TTFT of single requests with ``max_tokens=1``, one distinct prompt each."""
+    from vllm import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    low = min(10, vocab - 1)  # keep clear of special tokens at the start of the vocabulary
+
+    def run(n: int) -> tuple[float, float | None]:
+        prompt = {"prompt_token_ids": [rng.randrange(low, vocab) for _ in range(n)]}
+        t0 = time.perf_counter()
+        out = llm.generate([prompt], params, use_tqdm=False)[0]
+        wall = time.perf_counter() - t0
+        m = getattr(out, "metrics", None)
+        engine = None
+        if m is not None and getattr(m, "first_token_ts", 0) and getattr(m, "scheduled_ts", 0):
+            engine = m.first_token_ts - m.scheduled_ts
+        return wall, engine if engine is not None and engine > 0 else None
+
+    for n in (lengths[len(lengths) // 2], lengths[-1]):  # warm-up: allocator, caches, lazy init
+        run(n)
+    points = {n: Point(n) for n in lengths}
+    engine_ok = True
+    for r in range(repeats):
+        order = lengths[:] if r % 2 == 0 else lengths[::-1]
+        for n in order:
+            wall, engine = run(n)
+            points[n].wall.append(wall)
+            if engine is None:
+                engine_ok = False
+            else:
+                points[n].samples.append(engine)
+            tick(f"{n} tokens: {wall * 1e3:.1f} ms")
+    if not engine_ok:
+        # Without engine timestamps, the client-side time is the measurement.
+        for p in points.values():
+            p.samples = list(p.wall)
+    return [points[n] for n in lengths], "engine" if engine_ok else "wall"
+
+
+def _drop_page_cache() -> bool:
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def measure_storage(dirs: list[Path], chunk_bytes: int, chunk_counts: list[int], repeats: int,
+                    args: argparse.Namespace, tick, log) -> dict[str, Any]:
+    """Write chunks of ``chunk_bytes``, then time cold batched reads of them."""
+    from pykvcache import BlockStore, StagingPool
+
+    max_batch = max(chunk_counts)
+    pool_chunks = max(1, min(max_batch, (1 << 30) // chunk_bytes))  # staging bounded to ~1 GiB
+    batches = [min(c, pool_chunks) for c in chunk_counts]
+    file_chunks = max(pool_chunks, min(max_batch * 2, (args.storage_budget * MiB) // chunk_bytes))
+    tmpdirs = [Path(tempfile.mkdtemp(prefix=".pykvcache-calibrate-", dir=d)) for d in dirs]
+    pool = StagingPool(chunk_bytes, pool_chunks)
+    store = None
+    try:
+        store = BlockStore([str(d) for d in tmpdirs], pool, namespace="calibrate",
+                           capacity_bytes=(file_chunks + 2) * (chunk_bytes + (1 << 20)),
+                           queue_depth=args.queue_depth, backend=args.backend,
+                           direct_io=args.direct_io)
+        slots = [pool.acquire() for _ in range(pool_chunks)]  # held for the whole measurement
+        noise = os.urandom(chunk_bytes)
+        for slot in slots:
+            view = pool.view(slot)
+            view[:] = noise
+            view[:8] = slot.to_bytes(8, "little")
+            view.release()
+        keys = [f"calibrate-{i:08d}".encode() for i in range(file_chunks)]
+        for start in range(0, file_chunks, pool_chunks):
+            handles = [store.put(keys[i], slots[i - start], chunk_bytes)
+                       for i in range(start, min(file_chunks, start + pool_chunks))]
+            for h in handles:
+                h.wait().raise_for_status()
+        if store.direct_io:
+            cold = "O_DIRECT"
+        elif _drop_page_cache():
+            cold = "page cache dropped"
+        else:
+            cold = "none: O_DIRECT refused and page cache not droppable (reads may be warm)"
+            log(f"[yellow]warning: {cold}")
+        time.sleep(0.2)  # let the device settle after the burst of writes
+        points = {b: Point(b * chunk_bytes) for b in batches}
+        cursor = 0
+        for r in range(repeats):
+            for b in (batches if r % 2 == 0 else batches[::-1]):
+                if cursor + b > file_chunks:
+                    cursor = 0
+                    if not store.direct_io:
+                        _drop_page_cache()
+                t0 = time.perf_counter()
+                handles = [store.get(keys[cursor + i], slots[i]) for i in range(b)]
+                results = [h.wait() for h in handles]
+                elapsed = time.perf_counter() - t0
+                for res in results:
+                    res.raise_for_status()
+                cursor += b
+                points[b].samples.append(elapsed)
+                tick(f"{b} chunk(s): {b * chunk_bytes / elapsed / 1e6:.0f} MB/s")
+        return {
+            "points": [points[b] for b in batches],
+            "backend": store.backend,
+            "direct_io": store.direct_io,
+            "fixed_buffers": store.fixed_buffers,
+            "cold": cold,
+            "queue_depth": args.queue_depth,
+        }
+    finally:
+        if store is not None:
+            store.close()
+        pool.close()
+        for d in tmpdirs:
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def measure_copy(chunk_bytes: int, repeats: int) -> dict[str, Any]:
+    """Bandwidth of the copy from staging into the KV cache: pinned host to
+    GPU with CUDA, memcpy on a CPU-only host."""
+    import torch
+
+    # Large enough that thread wake-up and page faults do not dominate.
+    size = max(chunk_bytes, 32 * MiB)
+    if torch.cuda.is_available():
+        src = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        dst = torch.empty(size, dtype=torch.uint8, device="cuda")
+        kind = "host_to_device"
+
+        def once() -> float:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            return time.perf_counter() - t0
+    else:
+        src = torch.ones(size, dtype=torch.uint8)
+        dst = torch.empty(size, dtype=torch.uint8)
+        kind = "memcpy"
+
+        def once() -> float:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            return time.perf_counter() - t0
+
+    once()
+    once()
+    times = [once() for _ in range(max(5, repeats))]
+    return {"kind": kind, "bytes": size, "samples_s": times, "bytes_per_s": size / statistics.median(times)}
+
+
+# ----------------------------------------------------------------------
+# The model's KV size
+# ----------------------------------------------------------------------
+def _dtype_bytes(dtype: Any) -> int:
+    name = str(dtype).removeprefix("torch.")
+    table = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
+             "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1, "uint8": 1}
+    if name not in table:
+        raise ValueError(f"unknown KV dtype {name!r}; pass --kv-bytes-per-token")
+    return table[name]
+
+
+def kv_bytes_per_token_per_rank(hf_config: Any, dtype: Any, tp: int) -> int:
+    """One worker's KV bytes per token over all layers, from the model config
+    (standard attention and MLA; anything else: --kv-bytes-per-token)."""
+    cfg = getattr(hf_config, "text_config", None) or hf_config
+    layers = int(cfg.num_hidden_layers)
+    elem = _dtype_bytes(dtype)
+    if getattr(cfg, "kv_lora_rank", None):  # MLA: one latent per token, replicated over TP
+        return layers * (int(cfg.kv_lora_rank) + int(getattr(cfg, "qk_rope_head_dim", 0))) * elem
+    heads = int(getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
+    head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+    heads_per_rank = max(1, heads // tp)  # replicated when TP exceeds the KV heads
+    return layers * 2 * heads_per_rank * head_dim * elem
+
+
+# ----------------------------------------------------------------------
+# The command
+# ----------------------------------------------------------------------
+def _prepare_model(args: argparse.Namespace) -> tuple[str, bool]:
+    if args.model:
+        return args.model, False
+    from pykvcache.testing.tiny_model import build_tiny_model
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return str(build_tiny_model(args.model_cache or _default_model_cache())), True
+
+
+def _check_args(args: argparse.Namespace) -> list[str]:
+    problems = []
+    for d in args.storage_dir:
+        if not d.is_dir():
+            problems.append(f"--storage-dir {d} is not a directory")
+        elif not os.access(d, os.W_OK | os.X_OK):
+            problems.append(f"--storage-dir {d} is not writable")
+    for name in ("repeats", "max_tokens", "block_size", "chunk_tokens", "kv_cache_memory"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            problems.append(f"--{name.replace('_', '-')} must be > 0")
+    if args.tensor_parallel_size <= 0 or args.queue_depth <= 0 or args.storage_budget <= 0:
+        problems.append("--tensor-parallel-size, --queue-depth and --storage-budget must be > 0")
+    if args.kv_bytes_per_token is not None and not args.kv_bytes_per_token > 0:
+        problems.append("--kv-bytes-per-token must be > 0")
+    out_dir = args.out.resolve().parent
+    if out_dir.exists() and not os.access(out_dir, os.W_OK):
+        problems.append(f"cannot write the profile into {out_dir}")
+    return problems
+
+
+def run(args: argparse.Namespace) -> int:
+    from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
+    from pykvcache.gate.profile import GateProfile, hardware_id, storage_info
+
+    args.storage_dir = args.storage_dir or [Path.cwd()]
+    problems = _check_args(args)
+    if problems:
+        for p in problems:
+            print(f"pykvcache calibrate: {p}", file=sys.stderr)
+        return 2
+    started = time.monotonic()
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no binding fights on small hosts
+    model, tiny = _prepare_model(args)
+    if tiny and args.dtype == "auto":
+        args.dtype = "float32"  # vLLM's CPU backend would otherwise run it in bfloat16
+
+    import torch
+    from transformers import AutoConfig
+
+    from pykvcache.vllm.layout import ChunkLayout
+
+    on_gpu = torch.cuda.is_available()
+    hf_config = AutoConfig.from_pretrained(model)
+    text_cfg = getattr(hf_config, "text_config", None) or hf_config
+    vocab = int(text_cfg.vocab_size)
+    model_max = int(getattr(text_cfg, "max_position_embeddings", 0) or 1 << 20)
+    repeats = args.repeats or (3 if args.quick else 5)
+    max_tokens = min(args.max_tokens or (2048 if args.quick else 8192), model_max - 1)
+    if args.lengths and args.lengths[-1] > model_max - 1:
+        print(f"pykvcache calibrate: --lengths exceed the model's {model_max} positions", file=sys.stderr)
+        return 2
+    longest = args.lengths[-1] if args.lengths else max_tokens
+    dtype = args.dtype if args.dtype != "auto" else str(getattr(text_cfg, "torch_dtype", None) or "float32")
+    tp = args.tensor_parallel_size
+    per_rank = kv_bytes_per_token_per_rank(hf_config, dtype, tp)
+
+    llm_kwargs: dict[str, Any] = {
+        "model": model,
+        "dtype": args.dtype,
+        "enable_prefix_caching": False,  # every prompt must be computed, never matched
+        "max_model_len": min(longest + 16, model_max),
+        "tensor_parallel_size": tp,
+        "disable_log_stats": False,  # per-request engine timestamps
+        "enforce_eager": (not on_gpu) if args.enforce_eager is None else args.enforce_eager,
+    }
+    if args.block_size:
+        llm_kwargs["block_size"] = args.block_size
+    elif not on_gpu:
+        llm_kwargs["block_size"] = 32  # the CPU attention backend needs multiples of 32
+    if args.kv_cache_memory:
+        llm_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory
+    elif not on_gpu:
+        llm_kwargs["kv_cache_memory_bytes"] = max(64 * MiB, 4 * (longest + 64) * per_rank)
+    llm_kwargs.update(dict(args.vllm_arg))
+
+    from vllm import LLM
+
+    notes: list[str] = []
+    with _Progress(not args.no_progress) as progress:
+        progress.log(f"starting vLLM with {model} ...")
+        llm = LLM(**llm_kwargs)
+        vcfg = llm.llm_engine.vllm_config
+        block_size = int(vcfg.cache_config.block_size)
+        resolved_dtype = str(vcfg.model_config.dtype).removeprefix("torch.")
+        if resolved_dtype != dtype.removeprefix("torch."):
+            per_rank = kv_bytes_per_token_per_rank(hf_config, resolved_dtype, tp)
+        chunk_tokens = args.chunk_tokens or block_size
+        if chunk_tokens % block_size:
+            print(f"pykvcache calibrate: --chunk-tokens {chunk_tokens} is not a multiple of the "
+                  f"block size {block_size}", file=sys.stderr)
+            return 2
+        num_blocks = getattr(vcfg.cache_config, "num_gpu_blocks", None)
+        kv_mem = llm_kwargs.get("kv_cache_memory_bytes")
+        if kv_mem and num_blocks:
+            # What the engine actually allocates per block beats the formula
+            # (hybrid and sliding-window models differ from it).
+            engine_per_rank = kv_mem // num_blocks / block_size
+            if not math.isclose(engine_per_rank, per_rank, rel_tol=0.05):
+                notes.append(f"KV bytes per token per rank: formula {per_rank}, engine ~{engine_per_rank:.0f}; "
+                             "the engine's figure is used")
+                per_rank = int(round(engine_per_rank))
+        pp = int(getattr(vcfg.parallel_config, "pipeline_parallel_size", 1) or 1)
+        world = tp * pp
+        if pp > 1 and not notes:
+            per_rank = math.ceil(per_rank / pp)  # each pipeline stage holds its share of the layers
+        layout = ChunkLayout(blocks_per_chunk=chunk_tokens // block_size,
+                             bytes_per_block=int(per_rank * block_size), world_size=world)
+        chunk_bytes = layout.payload_bytes
+        bytes_per_token = args.kv_bytes_per_token or chunk_bytes / chunk_tokens
+        if args.kv_bytes_per_token:
+            chunk_bytes = int(math.ceil(args.kv_bytes_per_token * chunk_tokens / 4096)) * 4096
+        lengths = args.lengths or default_lengths(chunk_tokens, max_tokens, args.quick)
+        progress.log(f"model {model} ({resolved_dtype}, block {block_size}, chunk {chunk_tokens} tokens = "
+                     f"{chunk_bytes / MiB:.2f} MiB); prompt lengths {lengths}")
+
+        tick = progress.phase("prefill", repeats * len(lengths))
+        prefill_points, timing = measure_prefill(llm, lengths, repeats, vocab, args.seed, tick)
+
+        chunk_counts = sorted({max(1, math.ceil(n / chunk_tokens)) for n in lengths})
+        if len(chunk_counts) < 2:
+            chunk_counts = sorted({1, max(2, chunk_counts[0])})
+        tick = progress.phase("storage", repeats * len(chunk_counts))
+        from pykvcache import PykvcacheError
+
+        try:
+            storage = measure_storage(args.storage_dir, chunk_bytes, chunk_counts, repeats, args, tick,
+                                      progress.log)
+        except (OSError, PykvcacheError) as exc:
+            print(f"pykvcache calibrate: storage measurement in {', '.join(map(str, args.storage_dir))} "
+                  f"failed: {exc}", file=sys.stderr)
+            return 1
+        copy = measure_copy(chunk_bytes, repeats)
+
+    try:
+        prefill = PrefillCurve.fit([(p.x, p.median) for p in prefill_points])
+        fixed, disk_bw = LoadCost.fit_disk([(p.x, p.median) for p in storage["points"]])
+        load = LoadCost(fixed, disk_bw, copy["bytes_per_s"])
+        model_cost = CostModel(prefill, load, bytes_per_token)
+    except ValueError as exc:
+        print(f"pykvcache calibrate: the measurements cannot be fitted: {exc}. "
+              "Try more --repeats or longer --lengths.", file=sys.stderr)
+        return 1
+    break_even = model_cost.break_even_tokens()
+    from pykvcache import __version__
+
+    profile = GateProfile(
+        model=model,
+        dtype=resolved_dtype,
+        block_size=block_size,
+        chunk_tokens=chunk_tokens,
+        kv_bytes_per_token=bytes_per_token,
+        world_size=world,
+        hardware=hardware_id(),
+        storage={
+            **storage_info(args.storage_dir[0]),
+            "dirs": [str(d.resolve()) for d in args.storage_dir],
+            **{k: v for k, v in storage.items() if k != "points"},
+        },
+        prefill={
+            "a": prefill.a, "b": prefill.b, "c": prefill.c, "timing": timing, "repeats": repeats,
+            "points": [p.as_dict("tokens") for p in prefill_points],
+        },
+        load={
+            "fixed_s": fixed, "disk_bytes_per_s": disk_bw, "h2d_bytes_per_s": copy["bytes_per_s"],
+            "chunk_bytes": chunk_bytes, "copy": copy,
+            "points": [p.as_dict("bytes") for p in storage["points"]],
+        },
+        break_even_tokens=None if math.isinf(break_even) else break_even,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        pykvcache_version=__version__,
+        notes=notes + (["tiny test model built offline"] if tiny else []),
+    )
+    path = profile.save(args.out)
+    _summary(profile, prefill_points, storage["points"], path, time.monotonic() - started)
+    return 0
+
+
+def _summary(profile, prefill_points: list[Point], load_points: list[Point], path: Path,
+             elapsed: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=False)
+    model = profile.cost_model()
+    table = Table(title="prefill vs load")
+    for h in ("tokens", "TTFT measured ms", "TTFT fit ms", "prefix compute ms", "load ms", "winner"):
+        table.add_column(h, justify="right")
+    for p in prefill_points:
+        # Loading saves the prefix's compute, not the request's constant overhead.
+        recompute = model.recompute_time(p.x)
+        load = model.load_time(p.x)
+        table.add_row(str(p.x), f"{p.median * 1e3:.2f}", f"{model.prefill.time(p.x) * 1e3:.2f}",
+                      f"{recompute * 1e3:.3f}", f"{load * 1e3:.3f}",
+                      "load" if load < recompute else "recompute")
+    console.print(table)
+    bw = profile.load["disk_bytes_per_s"]
+    console.print(f"disk: fixed {profile.load['fixed_s'] * 1e3:.3f} ms + {bw / 1e6:.0f} MB/s "
+                  f"({profile.storage['cold']}, {profile.storage['backend']}); "
+                  f"copy {profile.load['h2d_bytes_per_s'] / 1e9:.1f} GB/s")
+    be = profile.break_even_tokens
+    console.print(f"break-even: {'never (loading does not pay)' if be is None else f'{be:.0f} tokens'}")
+    console.print(f"profile: {path} ({elapsed:.0f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pykvcache calibrate",
+                                     description="measure prefill and KV load times; write the gate profile")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,71 @@
+"""Break-even admission gate: load a prefix from the KV tier only when that is
+faster than recomputing it.
+
+* :mod:`~pykvcache.gate.cost_model`  T_load vs T_prefill, break-even
+* :mod:`~pykvcache.gate.profile`     the profile ``pykvcache calibrate`` writes
+* :mod:`~pykvcache.gate.decision`    per-request decision (a prefix, in chunks)
+* :mod:`~pykvcache.gate.online`      refinement from observed load times
+* :mod:`~pykvcache.gate.store_admission`  skipping stores that cannot pay off
+* :mod:`~pykvcache.gate.request_keys`  a request's key list from vLLM's ReqContext
+
+Pure Python without third-party imports, so the scheduler can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
+from pykvcache.gate.decision import GATE_COUNTERS, GATE_GAUGES, AdmissionGate, ChunkState, GateDecision
+from pykvcache.gate.online import OnlineLoadModel
+from pykvcache.gate.profile import (
+    DEFAULT_BREAK_EVEN_TOKENS,
+    GateProfile,
+    ProfileError,
+    ProfileExpectation,
+    default_cost_model,
+    hardware_id,
+    load_cost_model,
+)
+from pykvcache.gate.request_keys import request_keys_from
+from pykvcache.gate.store_admission import STORE_COUNTERS, StoreAdmission
+
+__all__ = [
+    "DEFAULT_BREAK_EVEN_TOKENS",
+    "GATE_COUNTERS",
+    "GATE_GAUGES",
+    "STORE_COUNTERS",
+    "AdmissionGate",
+    "ChunkState",
+    "CostModel",
+    "GateDecision",
+    "GateProfile",
+    "LoadCost",
+    "OnlineLoadModel",
+    "PrefillCurve",
+    "ProfileError",
+    "ProfileExpectation",
+    "StoreAdmission",
+    "build_gate",
+    "default_cost_model",
+    "hardware_id",
+    "load_cost_model",
+    "request_keys_from",
+]
+
+
+def build_gate(
+    profile_path: str | os.PathLike[str] | None,
+    expected: ProfileExpectation,
+    *,
+    online: bool = True,
+    margin: float = 1.0,
+    enabled: bool = True,
+) -> tuple[AdmissionGate, str]:
+    """The gate for a running engine and the source of its model (``"profile"``
+    or ``"default: <why>"``; a bad or foreign profile is logged, not raised)."""
+    model, source = load_cost_model(profile_path, expected)
+    refine = OnlineLoadModel(model.load) if online else None
+    gate = AdmissionGate(model, chunk_tokens=expected.chunk_tokens, online=refine,
+                         margin=margin, enabled=enabled)
+    return gate, source

@@ -1,0 +1,191 @@
+"""Load-versus-recompute cost model of the admission gate.
+
+Loading the tokens ``[start, end)`` of a prompt from the KV tier costs::
+
+    T_load = fixed + (queued + disk_bytes) / BW_disk + all_bytes / BW_h2d
+
+where ``queued`` is I/O already waiting on the device (a new read is served
+behind it), ``disk_bytes`` the part that must come from the SSD (chunks
+already in staging memory skip it) and ``BW_h2d`` the copy from staging into
+the KV pages. Recomputing them instead costs ``T_prefill(end) -
+T_prefill(start)`` on the measured prefill curve: the suffix after ``end`` is
+computed either way, so only the prefix's own compute is saved, including
+its attention over tokens before ``start``.
+
+``T_prefill`` is a least-squares fit ``a + b*n + c*n^2`` with non-negative
+coefficients (monotone by construction, quadratic because attention is), made
+on relative error so that short prompts weigh as much as long ones.
+Everything here is plain arithmetic: the gate runs per request per
+scheduling step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+INF = math.inf
+
+
+def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
+    """Gaussian elimination with partial pivoting (systems of at most 3x3)."""
+    n = len(rhs)
+    m = [row[:] + [rhs[i]] for i, row in enumerate(matrix)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+        if abs(m[pivot][col]) < 1e-300:
+            return None
+        m[col], m[pivot] = m[pivot], m[col]
+        for r in range(n):
+            if r != col:
+                f = m[r][col] / m[col][col]
+                for k in range(col, n + 1):
+                    m[r][k] -= f * m[col][k]
+    return [m[i][n] / m[i][i] for i in range(n)]
+
+
+def nonneg_least_squares(
+    rows: Sequence[Sequence[float]], ys: Sequence[float], weights: Sequence[float]
+) -> list[float]:
+    """Weighted least squares with every coefficient >= 0 (exact, by trying
+    every subset of free coefficients: fine for the 2-3 unknowns used here)."""
+    if not rows or len(rows) != len(ys) or len(ys) != len(weights):
+        raise ValueError("need as many rows, values and weights, and at least one")
+    dim = len(rows[0])
+    best: tuple[float, list[float]] | None = None
+    for size in range(dim, 0, -1):
+        for active in itertools.combinations(range(dim), size):
+            normal = [[0.0] * size for _ in range(size)]
+            rhs = [0.0] * size
+            for row, y, w in zip(rows, ys, weights):
+                for i, ai in enumerate(active):
+                    rhs[i] += w * row[ai] * y
+                    for j, aj in enumerate(active):
+                        normal[i][j] += w * row[ai] * row[aj]
+            sol = _solve(normal, rhs)
+            if sol is None or any(v < 0 for v in sol):
+                continue
+            coef = [0.0] * dim
+            for i, ai in enumerate(active):
+                coef[ai] = sol[i]
+            sse = sum(
+                w * (y - sum(c * x for c, x in zip(coef, row))) ** 2
+                for row, y, w in zip(rows, ys, weights)
+            )
+            if best is None or sse < best[0] - 1e-18 * abs(best[0]):
+                best = (sse, coef)
+    return best[1] if best else [0.0] * dim
+
+
+@dataclass(frozen=True)
+class PrefillCurve:
+    """``T_prefill(n) = a + b*n + c*n^2`` seconds for a prompt of ``n`` tokens."""
+
+    a: float
+    b: float
+    c: float
+
+    def __post_init__(self) -> None:
+        for name in ("a", "b", "c"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"prefill coefficient {name} must be finite and >= 0 (got {value})")
+
+    def time(self, tokens: float) -> float:
+        return self.a + tokens * (self.b + self.c * tokens)
+
+    def compute_cost(self, start: float, end: float) -> float:
+        """Seconds saved by not computing tokens ``[start, end)``."""
+        if end <= start:
+            return 0.0
+        return (end - start) * (self.b + self.c * (start + end))
+
+    @classmethod
+    def fit(cls, points: Sequence[tuple[float, float]]) -> PrefillCurve:
+        """Fit measured ``(tokens, seconds)`` points (at least two distinct lengths)."""
+        pts = [(float(n), float(t)) for n, t in points if n > 0 and t > 0 and math.isfinite(t)]
+        if len({n for n, _ in pts}) < 2:
+            raise ValueError("a prefill curve needs measurements at two or more prompt lengths")
+        rows = [(1.0, n, n * n) for n, _ in pts]
+        ys = [t for _, t in pts]
+        a, b, c = nonneg_least_squares(rows, ys, [1.0 / (t * t) for t in ys])
+        if b == 0 and c == 0:
+            raise ValueError("prefill time does not grow with prompt length in these measurements")
+        return cls(a, b, c)
+
+
+@dataclass(frozen=True)
+class LoadCost:
+    """Cost of moving KV from the SSD (and from staging) into the KV cache."""
+
+    fixed_s: float
+    disk_bytes_per_s: float
+    h2d_bytes_per_s: float = INF
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.fixed_s) and self.fixed_s >= 0):
+            raise ValueError(f"fixed load cost must be finite and >= 0 (got {self.fixed_s})")
+        for name in ("disk_bytes_per_s", "h2d_bytes_per_s"):
+            value = getattr(self, name)
+            if not value > 0:  # also rejects NaN
+                raise ValueError(f"{name} must be > 0 (got {value})")
+
+    def time(self, disk_bytes: float, staged_bytes: float = 0.0, queued_bytes: float = 0.0) -> float:
+        cost = (disk_bytes + staged_bytes) / self.h2d_bytes_per_s
+        if disk_bytes > 0:
+            cost += self.fixed_s + (queued_bytes + disk_bytes) / self.disk_bytes_per_s
+        return cost
+
+    @staticmethod
+    def fit_disk(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
+        """``(fixed_s, bytes_per_s)`` from measured ``(bytes, seconds)`` reads."""
+        pts = [(float(b), float(t)) for b, t in points if b > 0 and t > 0 and math.isfinite(t)]
+        if len({b for b, _ in pts}) < 2:
+            raise ValueError("a load fit needs reads of two or more sizes")
+        fixed, per_byte = nonneg_least_squares(
+            [(1.0, b) for b, _ in pts], [t for _, t in pts], [1.0 / (t * t) for _, t in pts]
+        )
+        if per_byte <= 0:
+            raise ValueError("read time does not grow with size in these measurements")
+        return fixed, 1.0 / per_byte
+
+
+@dataclass(frozen=True)
+class CostModel:
+    prefill: PrefillCurve
+    load: LoadCost
+    #: KV bytes of one token as stored (all layers, all ranks, as laid out on disk).
+    bytes_per_token: float
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_token > 0:
+            raise ValueError(f"bytes_per_token must be > 0 (got {self.bytes_per_token})")
+
+    def with_load(self, load: LoadCost) -> CostModel:
+        return CostModel(self.prefill, load, self.bytes_per_token)
+
+    def load_time(self, tokens: float, *, staged_tokens: float = 0.0, queued_bytes: float = 0.0) -> float:
+        disk = max(0.0, tokens - staged_tokens) * self.bytes_per_token
+        return self.load.time(disk, min(tokens, staged_tokens) * self.bytes_per_token, queued_bytes)
+
+    def recompute_time(self, tokens: float, *, start: float = 0.0) -> float:
+        return self.prefill.compute_cost(start, start + tokens)
+
+    def break_even_tokens(self, *, queued_bytes: float = 0.0) -> float:
+        """Shortest prefix (from token 0, all on disk) whose load beats its
+        recompute; ``inf`` when loading never pays. Once reached, longer
+        prefixes pay too: recompute is convex, the load cost linear."""
+        per_token_load = self.bytes_per_token * (
+            1.0 / self.load.disk_bytes_per_s + 1.0 / self.load.h2d_bytes_per_s
+        )
+        fixed = self.load.fixed_s + queued_bytes / self.load.disk_bytes_per_s
+        b = self.prefill.b - per_token_load
+        c = self.prefill.c
+        # Solve c*n^2 + b*n - fixed = 0 for its positive root.
+        if c <= 0:
+            return fixed / b if b > 0 else INF
+        disc = b * b + 4 * c * fixed
+        # The form below avoids cancellation when b >> 0.
+        return (2 * fixed) / (b + math.sqrt(disc)) if b > 0 else (-b + math.sqrt(disc)) / (2 * c)

@@ -1,0 +1,195 @@
+"""Per-request decision: how many prefix tokens to load (0 = recompute).
+
+The manager hands the gate the states of a request's chunks, in prompt
+order, starting at the first chunk the device cache does not already hold:
+
+* ``STAGED``  verified in staging memory: only the copy into KV pages remains;
+* ``DISK``    on the SSD: a read (behind the I/O already queued), then the copy;
+* ``MISSING`` nowhere: the loadable prefix ends here.
+
+The gate evaluates every prefix length ``k`` (in chunks) up to the first
+missing chunk and keeps the one that saves the most time; it loads nothing
+when no prefix saves time. The answer is always a prefix, because vLLM can
+only skip computing the leading tokens of a prompt. The cost is one pass over
+the chunk list with a few multiplications per chunk (microseconds for a
+prompt of hundreds of chunks).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pykvcache.gate.cost_model import CostModel
+from pykvcache.gate.online import OnlineLoadModel
+
+
+class ChunkState(enum.IntEnum):
+    STAGED = 0
+    DISK = 1
+    MISSING = 2
+
+
+@dataclass(frozen=True, slots=True)
+class GateDecision:
+    """The decision and everything it was computed from (for metrics and logs)."""
+
+    load_chunks: int
+    load_tokens: int
+    #: Chunks that could have been loaded (up to the first missing one).
+    available_chunks: int
+    staged_chunks: int  # among the chunks chosen
+    disk_chunks: int  # among the chunks chosen
+    start_tokens: int
+    queued_bytes: int
+    est_load_s: float  # of the chosen prefix (0 when recomputing)
+    est_recompute_s: float  # of the same tokens, or of the whole available prefix when recomputing
+    reason: str  # "load" | "below_break_even" | "nothing_available" | "gate_disabled"
+
+    @property
+    def recompute(self) -> bool:
+        return self.load_chunks == 0
+
+    @property
+    def est_saving_s(self) -> float:
+        return self.est_recompute_s - self.est_load_s if self.load_chunks else 0.0
+
+
+#: Counters the gate keeps; the manager declares them as metrics (name -> help).
+GATE_COUNTERS = {
+    "gate_decisions_load": "Requests for which the gate chose to load a prefix from the KV tier.",
+    "gate_decisions_recompute": "Requests with a loadable prefix that the gate chose to recompute.",
+    "gate_tokens_loaded": "Prefix tokens the gate chose to load.",
+    "gate_tokens_recomputed": "Loadable prefix tokens the gate chose to recompute instead.",
+    "gate_est_saved_ms": "Estimated prefill milliseconds saved by the gate's load decisions.",
+}
+GATE_GAUGES = {
+    "gate_break_even_tokens": "Current break-even prefix length (tokens, with no I/O queued).",
+    "gate_disk_bandwidth_mbps": "Current effective disk bandwidth estimate (MB/s) used by the gate.",
+    "gate_fixed_load_ms": "Current fixed cost estimate of one load (ms) used by the gate.",
+}
+
+
+class AdmissionGate:
+    """Chooses load or recompute per request. ``enabled=False`` loads every
+    available prefix (vLLM's behaviour without a gate) but still counts."""
+
+    def __init__(self, model: CostModel, *, chunk_tokens: int, online: OnlineLoadModel | None = None,
+                 margin: float = 1.0, enabled: bool = True) -> None:
+        if chunk_tokens <= 0:
+            raise ValueError(f"chunk_tokens must be > 0 (got {chunk_tokens})")
+        if not margin > 0:
+            raise ValueError(f"margin must be > 0 (got {margin})")
+        self.model = model
+        self.chunk_tokens = chunk_tokens
+        self.chunk_bytes = model.bytes_per_token * chunk_tokens
+        self.online = online
+        self.margin = margin  # load only when recompute > margin * load
+        self.enabled = enabled
+        self.totals: dict[str, float] = dict.fromkeys(GATE_COUNTERS, 0)
+        self._pending: dict[str, float] = {}
+        self._refined: CostModel | None = None
+
+    def current_model(self) -> CostModel:
+        if self.online is None or self.online.samples == 0:
+            return self.model
+        load = self.online.current()
+        if self._refined is None or self._refined.load is not load:
+            self._refined = self.model.with_load(load)  # rebuilt only after an observation
+        return self._refined
+
+    def break_even_tokens(self, queued_bytes: float = 0.0) -> float:
+        return self.current_model().break_even_tokens(queued_bytes=queued_bytes)
+
+    def decide(self, states: Sequence[ChunkState], *, start_tokens: int = 0,
+               queued_bytes: int = 0) -> GateDecision:
+        model = self.current_model()
+        load, prefill = model.load, model.prefill
+        chunk_bytes = self.chunk_bytes
+        copy_per_chunk = chunk_bytes / load.h2d_bytes_per_s
+        read_per_chunk = chunk_bytes / load.disk_bytes_per_s
+        first_read = load.fixed_s + queued_bytes / load.disk_bytes_per_s
+
+        ct = self.chunk_tokens
+        b, c2s = prefill.b, prefill.c * 2 * start_tokens
+        c = prefill.c
+        margin = self.margin
+        missing, disk = int(ChunkState.MISSING), int(ChunkState.DISK)
+        load_always = not self.enabled
+
+        best_k = best_staged = staged = k = 0
+        best_net = best_load = load_s = 0.0
+        any_disk = False
+        for state in states:
+            if state == missing:
+                break
+            k += 1
+            load_s += copy_per_chunk
+            if state == disk:
+                if not any_disk:
+                    any_disk = True
+                    load_s += first_read
+                load_s += read_per_chunk
+            else:
+                staged += 1
+            n = k * ct
+            # compute_cost(start, start + n), inlined: this loop is the hot path.
+            net = n * (b + c2s + c * n) - margin * load_s
+            if net > best_net or load_always:
+                best_k, best_net, best_load, best_staged = k, net, load_s, staged
+        available = k
+        if best_k:
+            reason = "load" if self.enabled else "gate_disabled"
+            recompute_s = prefill.compute_cost(start_tokens, start_tokens + best_k * self.chunk_tokens)
+        else:
+            reason = "nothing_available" if available == 0 else "below_break_even"
+            recompute_s = prefill.compute_cost(start_tokens, start_tokens + available * self.chunk_tokens)
+        decision = GateDecision(
+            load_chunks=best_k,
+            load_tokens=best_k * self.chunk_tokens,
+            available_chunks=available,
+            staged_chunks=best_staged,
+            disk_chunks=best_k - best_staged,
+            start_tokens=start_tokens,
+            queued_bytes=queued_bytes,
+            est_load_s=best_load if best_k else 0.0,
+            est_recompute_s=recompute_s,
+            reason=reason,
+        )
+        self._count(decision)
+        return decision
+
+    def _inc(self, name: str, value: float) -> None:
+        self.totals[name] += value
+        self._pending[name] = self._pending.get(name, 0) + value
+
+    def _count(self, d: GateDecision) -> None:
+        if d.available_chunks == 0:
+            return
+        if d.load_chunks:
+            self._inc("gate_decisions_load", 1)
+            self._inc("gate_tokens_loaded", d.load_tokens)
+            self._inc("gate_est_saved_ms", d.est_saving_s * 1e3)
+        else:
+            self._inc("gate_decisions_recompute", 1)
+            self._inc("gate_tokens_recomputed", d.available_chunks * self.chunk_tokens)
+
+    def take_counters(self) -> dict[str, float]:
+        """Counter increments since the previous call (for ``get_stats``)."""
+        pending, self._pending = self._pending, {}
+        return pending
+
+    def observe_load(self, disk_bytes: float, seconds: float, *, queued_bytes: float = 0.0) -> None:
+        """Feed a finished load back (see :class:`OnlineLoadModel`)."""
+        if self.online is not None:
+            self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes)
+
+    def gauges(self) -> dict[str, float]:
+        model = self.current_model()
+        be = model.break_even_tokens()
+        return {
+            "gate_break_even_tokens": be if be != float("inf") else -1.0,
+            "gate_disk_bandwidth_mbps": model.load.disk_bytes_per_s / 1e6,
+            "gate_fixed_load_ms": model.load.fixed_s * 1e3,
+        }

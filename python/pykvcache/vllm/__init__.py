@@ -1,0 +1,27 @@
+"""pykvcache as a vLLM offloading spec.
+
+Select it with ``kv_connector="OffloadingConnector"`` and, in
+``kv_connector_extra_config``, ``"spec_name": "NvmeOffloadingSpec",
+"spec_module_path": "pykvcache.vllm"`` plus the pykvcache keys (see README).
+
+The spec is imported lazily so that :mod:`pykvcache.vllm.config` and friends
+can be used (and tested) without loading vLLM.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["NvmeOffloadingSpec", "ConfigError", "parse_extra_config"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "NvmeOffloadingSpec":
+        from pykvcache.vllm.spec import NvmeOffloadingSpec
+
+        return NvmeOffloadingSpec
+    if name in ("ConfigError", "parse_extra_config"):
+        from pykvcache.vllm import config
+
+        return getattr(config, name)
+    raise AttributeError(f"module 'pykvcache.vllm' has no attribute {name!r}")

@@ -1,0 +1,194 @@
+"""Parsing and validation of ``kv_connector_extra_config`` for the pykvcache spec.
+
+Everything is checked at once and reported in one :class:`ConfigError`, so a
+user fixes the whole configuration in one go instead of meeting the problems
+one crash at a time deep inside a worker process.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+#: Keys that vLLM itself reads from the same dict; accepted and left to vLLM
+#: (``block_size``/``blocks_per_chunk`` are also validated here, because
+#: vLLM's own message for a bad value is an assertion deep in start-up).
+VLLM_KEYS = frozenset(
+    {
+        "spec_name",
+        "spec_module_path",
+        "block_size",
+        "blocks_per_chunk",
+        "self_describing_kv_events",
+        "canonical_layout",
+    }
+)
+
+BACKENDS = ("auto", "io_uring", "threads")
+DIRECT_IO_POLICIES = ("required", "optional", "disabled")
+
+GIB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """The pykvcache section of ``kv_connector_extra_config`` is invalid."""
+
+
+@dataclass(frozen=True)
+class PykvcacheConfig:
+    """Validated settings of the vLLM integration (see the README for each key)."""
+
+    storage_dirs: tuple[str, ...]
+    capacity_bytes: int
+    staging_bytes: int = 1 * GIB
+    block_size: int | None = None
+    blocks_per_chunk: int | None = None
+    queue_depth: int = 32
+    backend: str = "auto"
+    direct_io: str = "optional"
+    register_buffers: bool = True
+    max_inflight_writes: int = 64
+    offload_prompt_only: bool = False
+    model_id: str | None = None
+    namespace_salt: str = ""
+    wipe_on_reset: bool = True
+
+    @classmethod
+    def keys(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls))
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _parse_size(name: str, value: Any, problems: list[str]) -> int | None:
+    """Byte sizes: a positive int, or a string with a binary suffix ("64GiB")."""
+    if _is_int(value):
+        if value <= 0:
+            problems.append(f"{name} must be > 0 (got {value})")
+            return None
+        return value
+    if isinstance(value, str):
+        text = value.strip().replace(" ", "")
+        units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+                 "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+        for suffix, mult in units.items():
+            if text.upper().endswith(suffix):
+                number = text[: -len(suffix)]
+                try:
+                    parsed = int(float(number) * mult)
+                except ValueError:
+                    break
+                if parsed > 0:
+                    return parsed
+                break
+        else:
+            if text.isdigit() and int(text) > 0:
+                return int(text)
+    problems.append(
+        f"{name} must be a positive number of bytes or a string such as '64GiB' (got {value!r})"
+    )
+    return None
+
+
+def _parse_positive_int(name: str, value: Any, problems: list[str]) -> int | None:
+    if not _is_int(value) or value <= 0:
+        problems.append(f"{name} must be a positive integer (got {value!r})")
+        return None
+    return value
+
+
+def _parse_bool(name: str, value: Any, problems: list[str]) -> bool | None:
+    if not isinstance(value, bool):
+        problems.append(f"{name} must be true or false (got {value!r})")
+        return None
+    return value
+
+
+def _parse_choice(name: str, value: Any, choices: tuple[str, ...], problems: list[str]):
+    if value not in choices:
+        problems.append(f"{name} must be one of {', '.join(choices)} (got {value!r})")
+        return None
+    return value
+
+
+def _parse_dirs(value: Any, problems: list[str]) -> tuple[str, ...] | None:
+    if isinstance(value, (str, os.PathLike)):
+        value = [value]
+    if not isinstance(value, (list, tuple)) or not value:
+        problems.append(
+            "storage_dirs must be a non-empty list of directory paths "
+            f"(got {value!r})"
+        )
+        return None
+    dirs: list[str] = []
+    for item in value:
+        if not isinstance(item, (str, os.PathLike)) or not os.fspath(item).strip():
+            problems.append(f"storage_dirs entries must be non-empty paths (got {item!r})")
+            continue
+        path = os.path.abspath(os.path.expanduser(os.fspath(item)))
+        if path in dirs:
+            problems.append(f"storage_dirs lists {path} twice")
+            continue
+        if os.path.exists(path) and not os.path.isdir(path):
+            problems.append(f"storage_dirs entry {path} exists and is not a directory")
+        dirs.append(path)
+    return tuple(dirs)
+
+
+def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
+    """Validate ``kv_connector_extra_config``; raise one :class:`ConfigError` listing
+    every problem found."""
+    extra = dict(extra or {})
+    problems: list[str] = []
+    known = PykvcacheConfig.keys() | VLLM_KEYS
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        problems.append(
+            f"unknown key(s) {', '.join(map(repr, unknown))}; "
+            f"known keys: {', '.join(sorted(known))}"
+        )
+
+    values: dict[str, Any] = {}
+    if "storage_dirs" not in extra:
+        problems.append("storage_dirs is required (a list of directories on fast local disks)")
+    else:
+        values["storage_dirs"] = _parse_dirs(extra["storage_dirs"], problems)
+    if "capacity_bytes" not in extra:
+        problems.append("capacity_bytes is required (disk bytes pykvcache may use in total)")
+    else:
+        values["capacity_bytes"] = _parse_size("capacity_bytes", extra["capacity_bytes"], problems)
+    if "staging_bytes" in extra:
+        values["staging_bytes"] = _parse_size("staging_bytes", extra["staging_bytes"], problems)
+
+    for name in ("block_size", "blocks_per_chunk", "queue_depth", "max_inflight_writes"):
+        if extra.get(name) is not None:
+            values[name] = _parse_positive_int(name, extra[name], problems)
+    if extra.get("block_size") is not None and extra.get("blocks_per_chunk") is not None:
+        problems.append("give only one of block_size (tokens per chunk) and blocks_per_chunk")
+
+    for name in ("register_buffers", "offload_prompt_only", "wipe_on_reset"):
+        if name in extra:
+            values[name] = _parse_bool(name, extra[name], problems)
+    if "backend" in extra:
+        values["backend"] = _parse_choice("backend", extra["backend"], BACKENDS, problems)
+    if "direct_io" in extra:
+        values["direct_io"] = _parse_choice(
+            "direct_io", extra["direct_io"], DIRECT_IO_POLICIES, problems
+        )
+    for name in ("model_id", "namespace_salt"):
+        if extra.get(name) is not None:
+            if not isinstance(extra[name], str) or (name == "model_id" and not extra[name]):
+                problems.append(f"{name} must be a non-empty string (got {extra[name]!r})")
+            else:
+                values[name] = extra[name]
+
+    if problems:
+        raise ConfigError(
+            "invalid pykvcache settings in kv_connector_extra_config:\n  - "
+            + "\n  - ".join(problems)
+        )
+    return PykvcacheConfig(**values)

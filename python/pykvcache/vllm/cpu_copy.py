@@ -1,0 +1,76 @@
+"""Copies between KV pages and staging slots when the KV cache is host memory
+(vLLM's CPU platform): vectorised torch gathers/scatters, synchronous.
+
+The forward pass on CPU is synchronous, so a copy submitted by the connector
+never races with the model writing the same pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pykvcache.vllm.slot_map import SlotMap
+
+
+class CpuCopier:
+    def __init__(self, kv_tensors: list[torch.Tensor], slot_map: SlotMap, pool, rank: int) -> None:
+        layout = slot_map.layout
+        self._map = slot_map
+        # Kept alive for as long as the tensors view it.
+        self._region = pool.region()
+        staging = torch.frombuffer(self._region, dtype=torch.int8)
+        stride = pool.slot_stride
+        base = pool.payload_offset(0)
+        if pool.num_slots > 1 and pool.payload_offset(pool.num_slots - 1) != base + (
+            pool.num_slots - 1
+        ) * stride:
+            raise ValueError("staging slots are not evenly spaced; cannot build views")
+        row = base + layout.row_offset(rank)
+        bpc = layout.blocks_per_chunk
+        # Per group and ref: (KV pages view, staging (slot, sub-block, page) view).
+        self._views = []
+        self._tails = []
+        for g, placements in enumerate(slot_map.groups):
+            views = []
+            for ref in placements:
+                kv = kv_tensors[ref.tensor_idx][:, : ref.page_bytes]
+                stage = staging.as_strided(
+                    (pool.num_slots, bpc, ref.page_bytes),
+                    (stride, ref.page_bytes, 1),
+                    row + ref.row_offset,
+                )
+                views.append((kv, stage))
+            self._views.append(views)
+            # Bytes of the row this group leaves unused: zeroed on store so a
+            # chunk file never carries stale bytes of another chunk.
+            tail = layout.row_stride - slot_map.group_row_bytes[g]
+            self._tails.append(
+                staging.as_strided((pool.num_slots, tail), (stride, 1),
+                                   row + slot_map.group_row_bytes[g])
+                if tail else None
+            )
+
+    def load(self, gpu_spec, slots) -> int:
+        copied = 0
+        for part in self._map.transfers(gpu_spec, slots):
+            blocks = torch.from_numpy(part.block_ids)
+            slot_idx = torch.from_numpy(part.slots)
+            sub_idx = torch.from_numpy(part.sub_blocks)
+            for kv, stage in self._views[part.group]:
+                kv[blocks] = stage[slot_idx, sub_idx]
+                copied += len(part.block_ids) * kv.shape[1]
+        return copied
+
+    def store(self, gpu_spec, slots) -> int:
+        copied = 0
+        for part in self._map.transfers(gpu_spec, slots):
+            blocks = torch.from_numpy(part.block_ids)
+            slot_idx = torch.from_numpy(part.slots)
+            sub_idx = torch.from_numpy(part.sub_blocks)
+            for kv, stage in self._views[part.group]:
+                stage[slot_idx, sub_idx] = kv[blocks]
+                copied += len(part.block_ids) * kv.shape[1]
+            tail = self._tails[part.group]
+            if tail is not None:
+                tail[torch.unique(slot_idx)] = 0
+        return copied

@@ -1,0 +1,414 @@
+"""Scheduler-side OffloadingManager: lookups, staging, and all disk I/O.
+
+Workers only copy between KV pages and staging slots; every disk read and
+write happens here, through the Rust engine, into and out of the shared
+staging region. A read is verified before its chunk is answered HIT, so a
+worker-side load cannot fail (vLLM asserts that transfers succeed): a missing,
+corrupt or unreadable chunk turns into a MISS at lookup time.
+
+Lookup protocol per chunk key:
+
+* HIT          the chunk is verified in staging (READY);
+* HIT_PENDING  its disk read is in flight, or a worker is still copying it in;
+* MISS         not in staging and not on disk (or no slot to read it into).
+
+RETRY ("existence unknown") is never needed: the disk index is built when the
+store opens, before the engine serves, and each lookup is an index probe.
+
+The methods a lookahead preloader or an admission gate builds on are
+:meth:`stage` (start reading a key into staging), :meth:`hold` and
+:meth:`release` (keep staged keys for an owner), :meth:`staged_state`,
+:meth:`poll_io` and :meth:`allocatable_slots`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Collection, Hashable, Iterable
+
+from vllm.v1.kv_offload.base import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from pykvcache.vllm.layout import ChunkLayout
+from pykvcache.vllm.metrics import ManagerMetrics
+from pykvcache.vllm.staging_cache import EntryState, Origin, StagingCache
+from pykvcache.vllm.transfer_spec import StagingSlotsSpec
+
+# Under "vllm." so the messages show up in vLLM's spawned processes, whose
+# logging is configured for that namespace only.
+logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
+
+
+class NvmeOffloadingManager(OffloadingManager):
+    def __init__(
+        self,
+        *,
+        pool,
+        store,
+        layout: ChunkLayout,
+        reopen_store=None,
+        enable_events: bool = False,
+        max_inflight_writes: int = 64,
+    ) -> None:
+        self.pool = pool
+        self.store = store
+        self.layout = layout
+        # Creates a fresh store on the same directories (after a wipe).
+        self._reopen_store = reopen_store
+        self.cache = StagingCache(pool)
+        self.metrics = ManagerMetrics()
+        # vLLM >= 0.33 holds this around manager calls; nothing here runs on
+        # another thread, so a plain re-entrant lock is enough.
+        self.lock = threading.RLock()
+        self._max_inflight_writes = max(1, max_inflight_writes)
+        self._reads: dict[bytes, object] = {}  # key -> IoHandle
+        self._writes: dict[bytes, object] = {}
+        self._write_queue: list[bytes] = []  # stored in staging, not yet submitted
+        self._load_pins: dict[str, list[bytes]] = {}
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._closed = False
+        self._shm_unlinked = False
+
+    # ------------------------------------------------------------------
+    # Building blocks (also for a preloader / admission gate)
+    # ------------------------------------------------------------------
+    def staged_state(self, key: bytes) -> EntryState | None:
+        entry = self.cache.get(key)
+        return None if entry is None else entry.state
+
+    def allocatable_slots(self) -> int:
+        return self.cache.allocatable()
+
+    def on_disk(self, key: bytes) -> bool:
+        return self.store.contains(key)
+
+    def stage(self, key: bytes, owner: Hashable | None = None) -> LookupResult:
+        """Make ``key`` readable from staging: HIT if it already is, HIT_PENDING
+        while a store or a read is filling its slot (a read is started here if
+        the chunk is on disk), MISS if it is nowhere or no slot is available.
+        With ``owner`` the staged chunk is held for that owner until
+        :meth:`release`."""
+        self._poll_read(key)
+        entry = self.cache.get(key)
+        if entry is None:
+            if not self.store.contains(key):
+                return LookupResult.MISS
+            entry = self._start_read(key)
+            if entry is None:
+                self.metrics.inc("staging_full_misses")
+                return LookupResult.MISS
+        if owner is not None:
+            self.cache.hold(owner, key)
+        if entry.state is EntryState.READY:
+            self.cache.touch(key)
+            return LookupResult.HIT
+        return LookupResult.HIT_PENDING
+
+    def hold(self, owner: Hashable, key: bytes) -> None:
+        self.cache.hold(owner, key)
+
+    def release(self, owner: Hashable) -> None:
+        self.cache.release_owner(owner)
+
+    def poll_io(self) -> None:
+        """Collect finished reads and writes (non-blocking)."""
+        for key in [k for k, h in self._reads.items() if h.done()]:
+            self._finish_read(key)
+        for key in [k for k, h in self._writes.items() if h.done()]:
+            self._finish_write(key)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Submit queued writes and wait for every in-flight I/O."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self._write_queue or self._writes or self._reads:
+            self._submit_writes()
+            for key, handle in list(self._writes.items()) + list(self._reads.items()):
+                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+                handle.wait(remaining)
+            self.poll_io()
+
+    # ------------------------------------------------------------------
+    # OffloadingManager API
+    # ------------------------------------------------------------------
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        entry_before = self.cache.get(key)
+        result = self.stage(key, owner=req_context.req_id)
+        if (
+            result is LookupResult.HIT
+            and entry_before is not None
+            and entry_before.state is EntryState.READY
+        ):
+            self.metrics.inc("staging_hits")
+        return result
+
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
+        entry = self.cache.get(key)
+        if entry is not None and entry.origin is Origin.DISK:
+            return CacheHitSource.DISK
+        return CacheHitSource.HOST
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext):
+        slots = []
+        pinned = []
+        for key in keys:
+            entry = self.cache.get(key)
+            if entry is None or entry.state is not EntryState.READY:
+                # The connector only loads keys this manager answered HIT for,
+                # and held keys are never evicted; reaching this is a bug.
+                for done in pinned:
+                    self.cache.unpin(done)
+                raise RuntimeError(f"prepare_load of chunk {key.hex()} that is not staged")
+            self.cache.pin(key)
+            pinned.append(key)
+            slots.append(entry.slot)
+        self._load_pins.setdefault(req_context.req_id, []).extend(pinned)
+        # The request is being scheduled: what it held for lookups is now
+        # either pinned for this load or not needed any more.
+        self.cache.release_owner(req_context.req_id)
+        return StagingSlotsSpec(slots)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        for key in keys:
+            self.cache.touch(key)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self._unlink_shared_name()
+        pins = self._load_pins.get(req_context.req_id, [])
+        for key in keys:
+            if key in pins:
+                pins.remove(key)
+                self.cache.unpin(key)
+        if not pins:
+            self._load_pins.pop(req_context.req_id, None)
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        self.poll_io()
+        new_keys = [
+            key for key in dict.fromkeys(keys)
+            if key not in self.cache and not self.store.contains(key)
+        ]
+        if not new_keys:
+            return PrepareStoreOutput(keys_to_store=[], store_spec=StagingSlotsSpec([]),
+                                      evicted_keys=[])
+        available = self.cache.allocatable()
+        if available < len(new_keys):
+            # Slots held only by disk writes become evictable within a step or
+            # two: if that is enough, retry next step (None). Otherwise the
+            # batch would never fit whole, so store its leading chunks - the
+            # prefix is what gets reused - and skip the rest for good.
+            freeing = len(self._writes) + len(self._write_queue)
+            if available == 0 or len(new_keys) <= available + freeing:
+                self.metrics.inc("store_deferred")
+                return None
+            self.metrics.inc("store_truncated_chunks", len(new_keys) - available)
+            new_keys = new_keys[:available]
+        evictions_before = self.cache.evictions
+        slots = []
+        for key in new_keys:
+            entry = self.cache.insert(key, EntryState.STORING, Origin.HOST)
+            assert entry is not None, "allocatable() promised a slot"
+            slots.append(entry.slot)
+        self.metrics.inc("staging_evictions", self.cache.evictions - evictions_before)
+        # Chunks leaving staging are still on disk, so no tier lost them:
+        # evicted_keys stays empty.
+        return PrepareStoreOutput(
+            keys_to_store=new_keys, store_spec=StagingSlotsSpec(slots), evicted_keys=[]
+        )
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        self._unlink_shared_name()
+        stored = []
+        for key in keys:
+            entry = self.cache.get(key)
+            if entry is None or entry.state is not EntryState.STORING:
+                continue
+            if not success:
+                self.cache.remove(key)
+                continue
+            self.cache.pin(key)  # held until the disk write completes
+            self.cache.mark_ready(key, Origin.HOST)
+            self._write_queue.append(key)
+            stored.append(key)
+        self._emit(stored, removed=False)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.cache.release_owner(req_context.req_id)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        for req_id in context.new_req_ids:
+            self.cache.release_owner(req_id)
+        self.poll_io()
+        self._submit_writes()
+
+    def has_pending_work(self) -> bool:
+        return bool(self._reads or self._writes or self._write_queue)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events:
+            return ()
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Forget everything: staging, pins and (unless ``wipe_on_reset`` is off)
+        the chunk files of this namespace. Used after weight updates, when
+        every stored KV is stale."""
+        self.flush()
+        removed = [entry.key for entry in self.cache]
+        self.cache.clear()
+        self._load_pins.clear()
+        self._write_queue.clear()
+        if self._reopen_store is not None:
+            dirs = list(self.store.namespace_dir)
+            self.store.close()
+            for directory in dirs:
+                shutil.rmtree(directory, ignore_errors=True)
+            self.store = self._reopen_store()
+        self._emit(removed, removed=True)
+
+    def get_stats(self):
+        self.poll_io()
+        self.metrics.set_gauge("staging_slots_used", len(self.cache))
+        self.metrics.set_gauge("staging_slots_pinned", self.cache.pinned_slots())
+        self.metrics.set_gauge("staging_slots_total", self.cache.num_slots)
+        self.metrics.set_gauge("disk_used_bytes", self.store.used_bytes)
+        self.metrics.set_gauge("disk_chunks", len(self.store))
+        return self.metrics.take_stats()
+
+    def shutdown(self) -> None:
+        """Persist what was stored (pending writes complete), then unmap."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.flush(timeout=60.0)
+        except Exception:  # noqa: BLE001 - shutting down anyway; say what was lost
+            logger.exception("pykvcache: not every pending chunk write completed")
+        self.cache.clear()
+        self.store.close()
+        try:
+            self.pool.close()
+        except Exception:  # noqa: BLE001
+            logger.exception("pykvcache: could not unmap the staging region")
+
+    # ------------------------------------------------------------------
+    # Internals
+    # ------------------------------------------------------------------
+    def _unlink_shared_name(self) -> None:
+        """Remove the staging region's name once every worker has mapped it.
+
+        A transfer completes only after all workers copied, and a worker maps
+        the region before its first copy, so after the first completion
+        nobody needs the name any more. The mapping stays valid; unlinking
+        now means a killed engine (vLLM force-kills a slow EngineCore at
+        shutdown) leaves nothing behind in /dev/shm."""
+        if self._shm_unlinked:
+            return
+        self._shm_unlinked = True
+        name = getattr(self.pool, "shm_name", None)
+        if name and getattr(self.pool, "is_owner", False):
+            try:
+                os.unlink(os.path.join("/dev/shm", name))
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                logger.warning("pykvcache: could not unlink staging region %s: %s", name, exc)
+
+    def _start_read(self, key: bytes):
+        entry = self.cache.insert(key, EntryState.READING, Origin.DISK)
+        if entry is None:
+            return None
+        try:
+            self._reads[key] = self.store.get(key, entry.slot)
+        except Exception as exc:  # noqa: BLE001 - submission refused: a miss
+            logger.warning("pykvcache: read of chunk %s not submitted: %s", key.hex(), exc)
+            self.metrics.inc("read_errors")
+            self.cache.remove(key)
+            return None
+        return entry
+
+    def _poll_read(self, key: bytes) -> None:
+        handle = self._reads.get(key)
+        if handle is not None and handle.done():
+            self._finish_read(key)
+
+    def _finish_read(self, key: bytes) -> None:
+        handle = self._reads.pop(key)
+        result = handle.wait()
+        if result.status == "ok":
+            self.metrics.inc("disk_reads")
+            self.metrics.inc("disk_read_bytes", result.length)
+            self.metrics.observe("disk_read_latency_seconds", result.latency_s)
+            self.cache.mark_ready(key, Origin.DISK)
+            return
+        counter = {"corrupt": "corrupt_chunks", "miss": "vanished_chunks"}.get(
+            result.status, "read_errors"
+        )
+        self.metrics.inc(counter)
+        if result.status != "miss":
+            logger.warning("pykvcache: chunk %s unusable (%s: %s); treated as a miss",
+                           key.hex(), result.status, result.message)
+        self.cache.remove(key)
+        # The store drops corrupt files itself; make sure the index agrees so
+        # the next lookup is a plain MISS instead of another failing read.
+        try:
+            self.store.evict(key)
+        except Exception:  # noqa: BLE001
+            logger.debug("evict after failed read", exc_info=True)
+        self._emit([key], removed=True)
+
+    def _submit_writes(self) -> None:
+        while self._write_queue and len(self._writes) < self._max_inflight_writes:
+            key = self._write_queue.pop(0)
+            entry = self.cache.get(key)
+            if entry is None:
+                continue
+            try:
+                self._writes[key] = self.store.put(key, entry.slot, self.layout.payload_bytes)
+            except Exception as exc:  # noqa: BLE001 - the chunk stays in staging only
+                logger.warning("pykvcache: write of chunk %s not submitted: %s", key.hex(), exc)
+                self.metrics.inc("write_errors")
+                self.cache.unpin(key)
+
+    def _finish_write(self, key: bytes) -> None:
+        handle = self._writes.pop(key)
+        result = handle.wait()
+        if result.status == "ok":
+            self.metrics.inc("disk_writes")
+            self.metrics.inc("disk_write_bytes", result.length)
+            self.metrics.observe("disk_write_latency_seconds", result.latency_s)
+        else:
+            self.metrics.inc("write_errors")
+            logger.warning("pykvcache: write of chunk %s failed (%s: %s)",
+                           key.hex(), result.status, result.message)
+        self.cache.unpin(key)
+
+    def _emit(self, keys: list[bytes], *, removed: bool) -> None:
+        if self._events is not None and keys:
+            self._events.append(
+                OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=removed,
+                                locality=Locality.LOCAL)
+            )
+

@@ -1,0 +1,118 @@
+"""Metrics of the pykvcache manager: declarations for vLLM and the running tally.
+
+vLLM asserts that every metric a manager emits was declared by the spec's
+``build_metric_definitions``; both sides are generated from the one table
+below so they cannot drift apart. Names carry the ``vllm:`` prefix because
+vLLM's Prometheus snapshot (``LLM.get_metrics()``) and its re-registration
+cleanup only consider that prefix.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm.v1.kv_offload.base import (
+    OffloadingCounterMetadata,
+    OffloadingGaugeMetadata,
+    OffloadingHistogramMetadata,
+    OffloadingMetricMetadata,
+)
+
+PREFIX = "vllm:pykvcache_"
+
+_LATENCY_BUCKETS = (0.0001, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0, 5.0)
+
+COUNTERS = {
+    "staging_hits": "Lookups answered HIT from staging memory (no disk read needed).",
+    "disk_reads": "Chunk reads from disk completed and verified.",
+    "disk_read_bytes": "Payload bytes read from disk into staging (verified).",
+    "disk_writes": "Chunk writes to disk completed.",
+    "disk_write_bytes": "Payload bytes written from staging to disk.",
+    "corrupt_chunks": "Chunks that failed verification on read; counted as misses and removed.",
+    "vanished_chunks": "Chunks the index listed but the read did not find; counted as misses.",
+    "read_errors": "Chunk reads that failed with an OS error; counted as misses.",
+    "write_errors": "Chunk writes that failed (full disk, permissions, ...); the chunk is not kept.",
+    "staging_full_misses": "Lookups that found the chunk on disk but no staging slot to read it into.",
+    "store_deferred": "prepare_store calls deferred because staging was full (retried next step).",
+    "store_truncated_chunks": "Chunks not stored because a request offered more than staging holds.",
+    "staging_evictions": "Chunks dropped from staging memory to make room (they stay on disk).",
+}
+
+GAUGES = {
+    "staging_slots_used": "Staging slots holding a chunk (pinned or cached).",
+    "staging_slots_pinned": "Staging slots held by in-flight I/O, loads or waiting requests.",
+    "staging_slots_total": "Staging slots in the shared region.",
+    "disk_used_bytes": "Bytes of chunk files under this namespace.",
+    "disk_chunks": "Chunk files under this namespace.",
+}
+
+HISTOGRAMS = {
+    "disk_read_latency_seconds": "Submit-to-completion time of chunk reads.",
+    "disk_write_latency_seconds": "Submit-to-completion time of chunk writes.",
+}
+
+
+def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
+    defs: dict[str, OffloadingMetricMetadata] = {}
+    for name, doc in COUNTERS.items():
+        defs[PREFIX + name] = OffloadingCounterMetadata(documentation=doc)
+    for name, doc in GAUGES.items():
+        defs[PREFIX + name] = OffloadingGaugeMetadata(documentation=doc)
+    for name, doc in HISTOGRAMS.items():
+        defs[PREFIX + name] = OffloadingHistogramMetadata(
+            documentation=doc, buckets=_LATENCY_BUCKETS
+        )
+    return defs
+
+
+class ManagerMetrics:
+    """Cumulative totals (for :meth:`snapshot`) plus the increments not yet
+    handed to vLLM (for :meth:`take_stats`)."""
+
+    def __init__(self) -> None:
+        self.totals: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self.gauges: dict[str, float] = {}
+        self._pending_counters: dict[str, float] = {}
+        self._pending_hist: dict[str, list[float]] = {}
+        self._pending_gauges: dict[str, float] = {}
+
+    def inc(self, name: str, value: float = 1) -> None:
+        if name not in COUNTERS:
+            raise KeyError(f"undeclared counter {name}")
+        if value:
+            self.totals[name] += value
+            self._pending_counters[name] = self._pending_counters.get(name, 0) + value
+
+    def observe(self, name: str, value: float) -> None:
+        if name not in HISTOGRAMS:
+            raise KeyError(f"undeclared histogram {name}")
+        self._pending_hist.setdefault(name, []).append(value)
+
+    def set_gauge(self, name: str, value: float) -> None:
+        if name not in GAUGES:
+            raise KeyError(f"undeclared gauge {name}")
+        if self.gauges.get(name) != value:
+            self.gauges[name] = value
+            self._pending_gauges[name] = value
+
+    def snapshot(self) -> dict[str, Any]:
+        return {**self.totals, **self.gauges}
+
+    def take_stats(self):
+        """Increments since the last call as vLLM's stats object, or None."""
+        if not (self._pending_counters or self._pending_hist or self._pending_gauges):
+            return None
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+            OffloadingConnectorStats,
+        )
+
+        stats = OffloadingConnectorStats()
+        for name, value in self._pending_counters.items():
+            stats.increase_counter(PREFIX + name, value)
+        for name, values in self._pending_hist.items():
+            for value in values:
+                stats.observe_histogram(PREFIX + name, value)
+        for name, value in self._pending_gauges.items():
+            stats.set_gauge(PREFIX + name, value)
+        self._pending_counters, self._pending_hist, self._pending_gauges = {}, {}, {}
+        return stats

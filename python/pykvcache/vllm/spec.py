@@ -1,0 +1,125 @@
+"""The vLLM OffloadingSpec: wires configuration, namespace, staging and store.
+
+vLLM instantiates it in the scheduler process (``get_manager``) and in every
+worker (``get_worker``); the API server only calls ``build_metric_definitions``.
+Nothing heavy happens at import or in ``__init__``: the staging region and the
+store are created by the scheduler in ``get_manager``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from vllm.v1.kv_offload.base import OffloadingSpec
+
+from pykvcache.vllm.config import ConfigError, PykvcacheConfig, parse_extra_config
+from pykvcache.vllm.layout import ChunkLayout, round_up, staging_shm_name
+from pykvcache.vllm.metrics import metric_definitions
+from pykvcache.vllm.namespace import NamespaceInputs, namespace_for
+
+# Under "vllm." so the messages show up in vLLM's spawned processes, whose
+# logging is configured for that namespace only.
+logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
+
+#: The fewest staging slots that let one chunk be written while another loads.
+MIN_STAGING_SLOTS = 4
+
+
+class NvmeOffloadingSpec(OffloadingSpec):
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]):
+        # Runs in the front-end process: the earliest place to reject bad settings.
+        parse_extra_config(extra_config)
+        return metric_definitions()
+
+    def __init__(self, config) -> None:
+        super().__init__(config)
+        self.settings: PykvcacheConfig = parse_extra_config(self.extra_config)
+        self.offload_prompt_only = self.settings.offload_prompt_only
+        self.layout = ChunkLayout(
+            blocks_per_chunk=self.blocks_per_chunk,
+            bytes_per_block=config.worker_kv_bytes_per_block,
+            world_size=config.parallel.world_size,
+        )
+        from pykvcache._core import FORMAT_VERSION, HEADER_BYTES
+
+        self.namespace = namespace_for(
+            NamespaceInputs.from_offloading_config(
+                config,
+                format_version=FORMAT_VERSION,
+                model_id=self.settings.model_id,
+                salt=self.settings.namespace_salt,
+            )
+        )
+        self.shm_name = staging_shm_name(config.engine_id, self.namespace)
+        slot_footprint = round_up(HEADER_BYTES + self.layout.payload_bytes, 4096)
+        self.num_slots = self.settings.staging_bytes // slot_footprint
+        if self.num_slots < MIN_STAGING_SLOTS:
+            raise ConfigError(
+                f"staging_bytes={self.settings.staging_bytes} holds {self.num_slots} chunk(s) of "
+                f"{self.layout.payload_bytes} bytes; give at least "
+                f"{MIN_STAGING_SLOTS * slot_footprint} bytes or use a smaller block_size"
+            )
+        self._manager = None
+        self._worker = None
+
+    def _open_store(self, pool):
+        from pykvcache._core import BlockStore
+
+        s = self.settings
+        return BlockStore(
+            list(s.storage_dirs),
+            pool,
+            namespace=self.namespace,
+            capacity_bytes=s.capacity_bytes,
+            queue_depth=s.queue_depth,
+            backend=s.backend,
+            direct_io=s.direct_io,
+            register_buffers=s.register_buffers,
+        )
+
+    def get_manager(self):
+        if self._manager is None:
+            from pykvcache._core import StagingPool
+
+            from pykvcache.vllm.manager import NvmeOffloadingManager
+
+            for directory in self.settings.storage_dirs:
+                try:
+                    os.makedirs(directory, exist_ok=True)
+                except OSError as exc:
+                    raise ConfigError(f"storage_dirs entry {directory} is unusable: {exc}") from exc
+            pool = StagingPool(self.layout.payload_bytes, self.num_slots, shm_name=self.shm_name)
+            try:
+                store = self._open_store(pool)
+            except Exception:
+                pool.close()
+                raise
+            self._manager = NvmeOffloadingManager(
+                pool=pool,
+                store=store,
+                layout=self.layout,
+                reopen_store=(lambda: self._open_store(pool)) if self.settings.wipe_on_reset
+                else None,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+                max_inflight_writes=self.settings.max_inflight_writes,
+            )
+            logger.info(
+                "pykvcache: namespace %s on %s: %d chunk(s) found, %d staging slots of %d bytes, "
+                "backend %s, direct I/O %s, fixed buffers %s",
+                self.namespace, ", ".join(self.settings.storage_dirs), len(store),
+                self.num_slots, self.layout.payload_bytes, store.backend, store.direct_io,
+                store.fixed_buffers,
+            )
+        return self._manager
+
+    def get_worker(self, kv_caches):
+        if self._worker is None:
+            from pykvcache.vllm.worker import StagingWorker
+
+            self._worker = StagingWorker(
+                kv_caches, self.layout, self.shm_name, rank=self.config.parallel.rank
+            )
+        return self._worker

@@ -1,0 +1,101 @@
+"""Worker-side OffloadingWorker: copies KV pages to and from staging slots.
+
+No disk I/O happens here, so nothing here can fail for storage reasons: the
+scheduler only hands out loads of chunks it has already verified in staging.
+The staging region is created by the scheduler process; vLLM builds workers
+before the scheduler, so the region is attached on the first transfer (by
+which time the scheduler that issued it exists).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+
+from pykvcache.vllm.layout import ChunkLayout
+from pykvcache.vllm.slot_map import SlotMap
+
+# Under "vllm." so the messages show up in vLLM's spawned processes, whose
+# logging is configured for that namespace only.
+logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
+
+
+def _attach_pool(shm_name: str):
+    from pykvcache._core import StagingPool
+
+    return StagingPool.attach(shm_name)
+
+
+class StagingWorker(OffloadingWorker):
+    def __init__(self, kv_caches, layout: ChunkLayout, shm_name: str, rank: int) -> None:
+        self._kv = [t.tensor for t in kv_caches.tensors]
+        self._map = SlotMap(kv_caches.group_data_refs, layout)
+        self._layout = layout
+        self._shm_name = shm_name
+        self._rank = rank
+        self._layout.row_offset(rank)  # validates the rank early
+        self._copier = None
+        self._on_cuda = bool(self._kv) and self._kv[0].is_cuda
+        self._finished: list[TransferResult] = []
+
+    @property
+    def copier(self):
+        if self._copier is None:
+            pool = _attach_pool(self._shm_name)
+            if pool.slot_bytes < self._layout.payload_bytes:
+                raise RuntimeError(
+                    f"staging slots of {pool.slot_bytes} bytes cannot hold a "
+                    f"{self._layout.payload_bytes}-byte chunk: scheduler and worker disagree "
+                    "on the KV layout"
+                )
+            if self._on_cuda:
+                from pykvcache.vllm.cuda_copy import CudaCopier
+
+                self._copier = CudaCopier(self._kv, self._map, pool, self._rank)
+            else:
+                from pykvcache.vllm.cpu_copy import CpuCopier
+
+                self._copier = CpuCopier(self._kv, self._map, pool, self._rank)
+            self._pool = pool
+        return self._copier
+
+    def submit_store(self, job_id: int, src_spec, dst_spec) -> bool:
+        return self._submit(job_id, gpu_spec=src_spec, slots=dst_spec.block_ids, to_gpu=False)
+
+    def submit_load(self, job_id: int, src_spec, dst_spec, expedited: bool = False,
+                    **_future_kwargs) -> bool:
+        # ``expedited`` (vLLM >= 0.33) asks to jump queued stores; copies here
+        # are issued in order on one stream and are short, so it needs nothing.
+        return self._submit(job_id, gpu_spec=dst_spec, slots=src_spec.block_ids, to_gpu=True)
+
+    def _submit(self, job_id: int, *, gpu_spec, slots, to_gpu: bool) -> bool:
+        copier = self.copier
+        if self._on_cuda:
+            copier.submit(job_id, gpu_spec, slots, to_gpu=to_gpu)
+            return True
+        start = time.perf_counter()
+        num_bytes = copier.load(gpu_spec, slots) if to_gpu else copier.store(gpu_spec, slots)
+        self._finished.append(
+            TransferResult(job_id=job_id, success=True, transfer_size=num_bytes,
+                           transfer_time=time.perf_counter() - start)
+        )
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        done, self._finished = self._finished, []
+        if self._on_cuda and self._copier is not None:
+            done.extend(
+                TransferResult(job_id=job, success=True, transfer_size=size, transfer_time=secs)
+                for job, size, secs in self._copier.finished()
+            )
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        if self._on_cuda and self._copier is not None:
+            self._copier.wait(job_ids)
+
+    def shutdown(self) -> None:
+        if self._on_cuda and self._copier is not None:
+            self._copier.drain()

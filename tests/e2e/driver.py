@@ -1,0 +1,179 @@
+"""Runs one vLLM engine through a list of phases and prints the results as JSON.
+
+Starting vLLM costs ~25 s here, so each e2e scenario is one process running
+several phases against one engine. Usage::
+
+    python driver.py scenario.json
+
+The scenario holds ``model``, ``llm`` (extra ``vllm.LLM`` keyword arguments,
+e.g. ``kv_transfer_config``) and ``phases``. The last stdout line is
+``RESULT <json>`` with one entry per phase.
+
+Phase ops:
+  generate            prompts -> token ids, num_cached_tokens, metrics after
+  reset_prefix_cache  clears vLLM's device prefix cache (pykvcache keeps its data)
+  corrupt_files       flips one payload byte in every chunk file under ``dir``
+  scribble_staging    overwrites every slot payload of this engine's staging with noise
+  settle              waits until pykvcache reports no writes in flight
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import sys
+import time
+
+
+def _metrics(llm) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for metric in llm.get_metrics():
+        name = metric.name
+        if not (name.startswith("vllm:pykvcache_") or name.startswith("vllm:kv_offload_")
+                or name.startswith("vllm:prefix_cache")):
+            continue
+        value = getattr(metric, "value", None)
+        if value is None:
+            value = getattr(metric, "sum", None)
+        if isinstance(value, (int, float)):
+            out[name] = out.get(name, 0) + value
+    return out
+
+
+def _prompt(spec, tokenizer):
+    if isinstance(spec, str):
+        return {"prompt_token_ids": tokenizer(spec).input_ids}
+    ids = tokenizer(spec["text"]).input_ids
+    if "keep" in spec:
+        ids = ids[: spec["keep"]]
+    if "append" in spec:
+        ids = ids + tokenizer(spec["append"], add_special_tokens=False).input_ids
+    return {"prompt_token_ids": ids}
+
+
+def _corrupt_files(directory: str) -> int:
+    count = 0
+    for path in glob.glob(os.path.join(directory, "**", "*.kvc"), recursive=True):
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            # Past the header, inside the payload: any format must catch it.
+            offset = size // 2 + 123
+            f.seek(offset)
+            byte = f.read(1)
+            f.seek(offset)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        count += 1
+    return count
+
+
+def _attach_staging(llm):
+    """Map this engine's staging region now: pykvcache unlinks its name once
+    the workers have attached (after the first transfer), so a later attach
+    by name would find nothing."""
+    from pykvcache._core import StagingPool
+    from pykvcache.vllm.layout import staging_shm_prefix
+
+    engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
+    names = glob.glob(f"/dev/shm/{staging_shm_prefix(engine_id)}*")
+    if len(names) != 1:
+        raise RuntimeError(f"expected one staging region for engine {engine_id}, found {names}")
+    return StagingPool.attach(os.path.basename(names[0]))
+
+
+def _scribble_staging(pool) -> int:
+    rng = random.Random(7)
+    noise = bytes(rng.getrandbits(8) for _ in range(4096))
+    region = pool.region()
+    for slot in range(pool.num_slots):
+        start = pool.payload_offset(slot)
+        for off in range(0, pool.slot_bytes, len(noise)):
+            n = min(len(noise), pool.slot_bytes - off)
+            region[start + off : start + off + n] = noise[:n]
+    region.release()
+    return pool.num_slots
+
+
+def _settle(llm, tokenizer, timeout: float = 30.0) -> None:
+    """Let pending disk writes finish: the engine keeps stepping while pykvcache
+    has I/O in flight; a tiny request then collects the final stats."""
+    from vllm import SamplingParams
+
+    time.sleep(1.0)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        llm.generate([{"prompt_token_ids": tokenizer("settle").input_ids}],
+                     SamplingParams(max_tokens=1), use_tqdm=False)
+        if _metrics(llm).get("vllm:pykvcache_staging_slots_pinned", 0) == 0:
+            return
+        time.sleep(0.5)
+
+
+def main() -> int:
+    scenario = json.load(open(sys.argv[1]))
+    from vllm import LLM, SamplingParams
+
+    started = time.monotonic()
+    llm = LLM(
+        model=scenario["model"],
+        dtype=scenario.get("dtype", "float32"),
+        block_size=scenario.get("block_size", 32),
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        disable_log_stats=False,
+        max_model_len=scenario.get("max_model_len", 2048),
+        kv_cache_memory_bytes=scenario.get("kv_cache_memory_bytes", 8 << 20),
+        seed=0,
+        **scenario.get("llm", {}),
+    )
+    tokenizer = llm.get_tokenizer()
+    startup_s = time.monotonic() - started
+    staging = None
+    if any(p["op"] == "scribble_staging" for p in scenario["phases"]):
+        staging = _attach_staging(llm)
+    results = []
+    for phase in scenario["phases"]:
+        t0 = time.monotonic()
+        entry = {"op": phase["op"], "name": phase.get("name", phase["op"])}
+        if phase["op"] == "generate":
+            params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 24),
+                                    ignore_eos=True)
+            prompts = [_prompt(p, tokenizer) for p in phase["prompts"]]
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            entry["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
+            entry["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
+            entry["prompt_lens"] = [len(p["prompt_token_ids"]) for p in prompts]
+            if phase.get("settle", True) and scenario.get("llm", {}).get("kv_transfer_config"):
+                _settle(llm, tokenizer)
+            entry["metrics"] = _metrics(llm)
+        elif phase["op"] == "reset_prefix_cache":
+            entry["ok"] = bool(llm.reset_prefix_cache())
+        elif phase["op"] == "corrupt_files":
+            entry["files"] = _corrupt_files(phase["dir"])
+        elif phase["op"] == "scribble_staging":
+            entry["slots"] = _scribble_staging(staging)
+        elif phase["op"] == "settle":
+            _settle(llm, tokenizer)
+            entry["metrics"] = _metrics(llm)
+        else:
+            raise ValueError(f"unknown phase op {phase['op']}")
+        entry["seconds"] = round(time.monotonic() - t0, 3)
+        results.append(entry)
+    kv_config = llm.llm_engine.vllm_config.kv_transfer_config
+    prefix = None
+    if kv_config is not None:
+        from pykvcache.vllm.layout import staging_shm_prefix
+
+        prefix = staging_shm_prefix(kv_config.engine_id)
+    print("RESULT " + json.dumps({"startup_s": round(startup_s, 2), "phases": results,
+                                  "staging_prefix": prefix}),
+          flush=True)
+    # Shut the engine down explicitly so pykvcache's shutdown path (flush
+    # pending writes, unlink the staging region) runs before exit.
+    llm.llm_engine.engine_core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

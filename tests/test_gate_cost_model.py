@@ -1,0 +1,107 @@
+"""The cost model: fits recover known curves, the break-even is where load and
+recompute cross."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve, nonneg_least_squares
+
+
+def test_quadratic_fit_recovers_a_known_curve():
+    truth = PrefillCurve(0.004, 25e-6, 3e-9)
+    points = [(n, truth.time(n)) for n in (32, 128, 512, 1024, 2048, 4096)]
+    fit = PrefillCurve.fit(points)
+    assert fit.a == pytest.approx(truth.a, rel=1e-6)
+    assert fit.b == pytest.approx(truth.b, rel=1e-6)
+    assert fit.c == pytest.approx(truth.c, rel=1e-6)
+
+
+def test_fit_never_returns_a_decreasing_curve():
+    # Noisy measurements that an unconstrained fit would bend downwards.
+    points = [(32, 0.010), (256, 0.030), (1024, 0.080), (2048, 0.075), (4096, 0.110)]
+    fit = PrefillCurve.fit(points)
+    assert min(fit.a, fit.b, fit.c) >= 0
+    times = [fit.time(n) for n in range(0, 8192, 64)]
+    assert times == sorted(times)
+    assert fit.time(4096) > fit.time(32)
+
+
+def test_fit_rejects_what_it_cannot_fit():
+    with pytest.raises(ValueError, match="two or more prompt lengths"):
+        PrefillCurve.fit([(100, 0.01), (100, 0.02)])
+    with pytest.raises(ValueError, match="does not grow"):
+        PrefillCurve.fit([(100, 0.05), (1000, 0.01), (4000, 0.005)])
+    with pytest.raises(ValueError):
+        PrefillCurve(0.0, -1e-6, 0.0)
+
+
+def test_nonneg_least_squares_prefers_the_best_feasible_subset():
+    rows = [(1.0, x) for x in (1, 2, 3, 4)]
+    ys = [10.0 - x for x in (1, 2, 3, 4)]  # slope -1: infeasible, so slope 0
+    coef = nonneg_least_squares(rows, ys, [1.0] * 4)
+    assert coef[1] == 0
+    assert coef[0] == pytest.approx(sum(ys) / 4)
+
+
+def test_disk_fit_recovers_fixed_cost_and_bandwidth():
+    fixed, bw = 0.0008, 2.5e9
+    points = [(b, fixed + b / bw) for b in (1 << 20, 4 << 20, 16 << 20, 64 << 20)]
+    got_fixed, got_bw = LoadCost.fit_disk(points)
+    assert got_fixed == pytest.approx(fixed, rel=1e-6)
+    assert got_bw == pytest.approx(bw, rel=1e-6)
+
+
+def test_load_time_counts_queue_fixed_cost_and_copy():
+    load = LoadCost(0.001, 1e9, 10e9)
+    assert load.time(0, 0) == 0
+    # Staged bytes only pay the copy, and no fixed cost or queue.
+    assert load.time(0, 1e6, queued_bytes=5e9) == pytest.approx(1e6 / 10e9)
+    assert load.time(1e6, 0, queued_bytes=2e6) == pytest.approx(0.001 + 3e6 / 1e9 + 1e6 / 10e9)
+
+
+def _brute_break_even(model: CostModel, queued: float = 0.0, limit: int = 200_000) -> float:
+    for n in range(1, limit):
+        if model.recompute_time(n) > model.load_time(n, queued_bytes=queued):
+            return n
+    return math.inf
+
+
+@pytest.mark.parametrize(
+    "prefill,load",
+    [
+        (PrefillCurve(0.01, 20e-6, 1e-9), LoadCost(0.002, 1e9, 20e9)),
+        (PrefillCurve(0.01, 20e-6, 0.0), LoadCost(0.002, 1e9)),
+        (PrefillCurve(0.0, 1e-7, 2e-8), LoadCost(0.0005, 2e9)),  # load per token > prefill per token at first
+        (PrefillCurve(0.01, 1e-7, 0.0), LoadCost(0.0005, 2e9)),  # never pays
+    ],
+)
+def test_break_even_matches_a_brute_force_scan(prefill, load):
+    model = CostModel(prefill, load, bytes_per_token=112 * 1024)
+    be = model.break_even_tokens()
+    brute = _brute_break_even(model)
+    if math.isinf(brute):
+        assert math.isinf(be)
+    else:
+        assert math.ceil(be - 1e-9) == brute or abs(be - brute) <= 1
+        # Past the break-even, loading keeps winning.
+        for n in (brute, 2 * brute, 10 * brute):
+            assert model.recompute_time(n) > model.load_time(n)
+
+
+def test_queued_io_raises_the_break_even():
+    model = CostModel(PrefillCurve(0.01, 20e-6, 1e-9), LoadCost(0.001, 1e9), 2048)
+    idle = model.break_even_tokens()
+    busy = model.break_even_tokens(queued_bytes=512 << 20)
+    assert busy > 2 * idle
+    assert math.ceil(busy - 1e-9) == _brute_break_even(model, queued=512 << 20) or abs(
+        busy - _brute_break_even(model, queued=512 << 20)) <= 1
+
+
+def test_saving_includes_attention_over_earlier_tokens():
+    curve = PrefillCurve(0.0, 1e-5, 1e-8)
+    # The same 256 tokens cost more to compute deep in a prompt.
+    assert curve.compute_cost(4096, 4352) > curve.compute_cost(0, 256)
+    assert curve.compute_cost(0, 4352) == pytest.approx(curve.time(4352) - curve.time(0))

@@ -1,0 +1,70 @@
+"""Online refinement: converges towards what loads really take, within bounds."""
+
+from __future__ import annotations
+
+import pytest
+
+from pykvcache.gate import CostModel, LoadCost, OnlineLoadModel, PrefillCurve
+
+BASE = LoadCost(0.001, 2e9, 10e9)
+
+
+def _truth_time(fixed, bw, nbytes, queued=0.0):
+    return fixed + (nbytes + queued) / bw
+
+
+def test_converges_to_a_slower_device():
+    online = OnlineLoadModel(BASE, alpha=0.2)
+    sizes = [256 << 10, 4 << 20, 32 << 20]
+    for i in range(300):
+        b = sizes[i % 3]
+        online.observe(b, _truth_time(0.002, 5e8, b))
+    assert online.disk_bytes_per_s == pytest.approx(5e8, rel=0.15)
+    assert online.fixed_s == pytest.approx(0.002, rel=0.3)
+    assert online.current().h2d_bytes_per_s == BASE.h2d_bytes_per_s
+
+
+def test_queued_bytes_are_not_mistaken_for_a_slow_device():
+    online = OnlineLoadModel(BASE)
+    for _ in range(100):
+        online.observe(4 << 20, _truth_time(0.001, 2e9, 4 << 20, queued=64 << 20), queued_bytes=64 << 20)
+    assert online.disk_bytes_per_s == pytest.approx(2e9, rel=0.01)
+
+
+def test_a_busy_ssd_raises_the_break_even():
+    model = CostModel(PrefillCurve(0.005, 10e-6, 2e-9), BASE, 64 * 1024)
+    online = OnlineLoadModel(BASE)
+    before = model.break_even_tokens()
+    for _ in range(50):
+        online.observe(8 << 20, _truth_time(0.004, 4e8, 8 << 20))
+    after = model.with_load(online.current()).break_even_tokens()
+    assert after > 1.5 * before
+
+
+def test_estimates_stay_within_bounds():
+    online = OnlineLoadModel(BASE, alpha=1.0, max_factor=4.0)
+    for _ in range(20):
+        online.observe(1 << 30, 1000.0)  # absurdly slow
+    assert online.disk_bytes_per_s == pytest.approx(BASE.disk_bytes_per_s / 4)
+    assert online.fixed_s <= 4 * max(BASE.fixed_s, 1e-3) + 1e-12
+    for _ in range(20):
+        online.observe(1 << 30, 1e-6)  # absurdly fast
+    assert online.disk_bytes_per_s == pytest.approx(BASE.disk_bytes_per_s * 4)
+    assert online.fixed_s >= BASE.fixed_s / 4 - 1e-12
+
+
+def test_one_outlier_moves_the_estimate_only_a_little():
+    online = OnlineLoadModel(BASE, alpha=0.1)
+    online.observe(32 << 20, 100 * _truth_time(0.001, 2e9, 32 << 20))
+    assert online.disk_bytes_per_s > BASE.disk_bytes_per_s * 0.7
+
+
+def test_invalid_observations_are_ignored():
+    online = OnlineLoadModel(BASE)
+    for args in ((0, 0.1), (1 << 20, 0.0), (1 << 20, float("nan")), (1 << 20, float("inf"))):
+        online.observe(*args)
+    online.observe(1 << 20, 0.01, queued_bytes=-1)
+    assert online.samples == 0 and online.rejected == 5
+    assert online.current() is BASE
+    with pytest.raises(ValueError):
+        OnlineLoadModel(BASE, alpha=0)

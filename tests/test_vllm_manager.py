@@ -1,0 +1,232 @@
+"""The scheduler-side manager over a real staging pool and a real on-disk store.
+
+No vLLM engine: the test plays the connector's part, calling the manager in the
+order vLLM does, and writes chunk bytes into slots the way a worker does.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import time
+
+import pytest
+
+from pykvcache import BlockStore, StagingPool
+from pykvcache.vllm.layout import ChunkLayout
+from pykvcache.vllm.manager import NvmeOffloadingManager
+from pykvcache.vllm.metrics import metric_definitions
+
+vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
+LookupResult = vllm_base.LookupResult
+ReqContext = vllm_base.ReqContext
+ScheduleEndContext = vllm_base.ScheduleEndContext
+
+LAYOUT = ChunkLayout(blocks_per_chunk=2, bytes_per_block=8192, world_size=1)
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + (0).to_bytes(4, "big")
+
+
+def _payload(i: int) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(LAYOUT.payload_bytes))
+
+
+class Harness:
+    def __init__(self, directory, num_slots=6):
+        self.pool = StagingPool(LAYOUT.payload_bytes, num_slots)
+        self.dirs = [str(directory)]
+
+        def open_store():
+            return BlockStore(self.dirs, self.pool, namespace="test-ns", capacity_bytes=1 << 30)
+
+        self.manager = NvmeOffloadingManager(pool=self.pool, store=open_store(), layout=LAYOUT,
+                                             reopen_store=open_store, enable_events=True)
+
+    def store(self, indices, req="r"):
+        ctx = ReqContext(req_id=req)
+        keys = [_key(i) for i in indices]
+        out = self.manager.prepare_store(keys, ctx)
+        assert out is not None
+        for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+            view = self.pool.view(int(slot))
+            view[:] = _payload(int.from_bytes(key[:32], "big"))
+            view.release()
+        self.manager.complete_store(out.keys_to_store, ctx)
+        return out
+
+    def step(self):
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=[]))
+
+    def settle(self, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while self.manager.has_pending_work():
+            assert time.monotonic() < deadline, "I/O did not finish"
+            self.step()
+            time.sleep(0.001)
+
+    def lookup_until_final(self, key, req="r", timeout=10.0):
+        ctx = ReqContext(req_id=req)
+        deadline = time.monotonic() + timeout
+        seen = []
+        while True:
+            result = self.manager.lookup(key, ctx)
+            seen.append(result)
+            if result in (LookupResult.HIT, LookupResult.MISS):
+                return result, seen
+            assert time.monotonic() < deadline
+            self.step()
+            time.sleep(0.001)
+
+    def slot_bytes(self, slot):
+        view = self.pool.view(int(slot))
+        data = bytes(view[: LAYOUT.payload_bytes])
+        view.release()
+        return data
+
+    def close(self):
+        self.manager.shutdown()
+
+
+@pytest.fixture
+def harness(tmp_path):
+    h = Harness(tmp_path / "kv")
+    yield h
+    h.close()
+
+
+def test_store_is_hit_pending_then_hit_and_written_once_per_step(harness):
+    ctx = ReqContext(req_id="r")
+    out = harness.manager.prepare_store([_key(1), _key(2)], ctx)
+    assert out.keys_to_store == [_key(1), _key(2)]
+    # Slot being filled by a worker: pending, never a HIT before the copy completes.
+    assert harness.manager.lookup(_key(1), ctx) is LookupResult.HIT_PENDING
+    for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+        view = harness.pool.view(int(slot))
+        view[:] = _payload(int.from_bytes(key[:32], "big"))
+        view.release()
+    harness.manager.complete_store(out.keys_to_store, ctx)
+    assert harness.manager.lookup(_key(1), ctx) is LookupResult.HIT
+    # Writes are batched: nothing is submitted before the step ends.
+    assert not harness.manager.store.contains(_key(1))
+    assert harness.manager.has_pending_work()
+    harness.settle()
+    assert harness.manager.store.contains(_key(1)) and harness.manager.store.contains(_key(2))
+    assert harness.manager.metrics.totals["disk_writes"] == 2
+    # Already staged or on disk: not stored again.
+    again = harness.manager.prepare_store([_key(1), _key(2)], ctx)
+    assert again.keys_to_store == []
+
+
+def test_chunk_evicted_from_staging_is_read_back_verified(harness):
+    harness.store([1])
+    harness.settle()
+    harness.store([10, 11, 12, 13, 14, 15])  # six slots: pushes chunk 1 out
+    harness.settle()
+    assert harness.manager.staged_state(_key(1)) is None
+    result, seen = harness.lookup_until_final(_key(1))
+    assert result is LookupResult.HIT and seen[0] is LookupResult.HIT_PENDING
+    spec = harness.manager.prepare_load([_key(1)], ReqContext(req_id="r"))
+    assert harness.slot_bytes(spec.block_ids[0]) == _payload(1)
+    assert harness.manager.metrics.totals["disk_read_bytes"] >= LAYOUT.payload_bytes
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    assert harness.manager.get_load_source(_key(1), ReqContext(req_id="r")) is CacheHitSource.DISK
+    harness.manager.complete_load([_key(1)], ReqContext(req_id="r"))
+
+
+def test_loading_chunks_are_pinned_until_complete_load(harness):
+    harness.store([1, 2])
+    harness.settle()
+    ctx = ReqContext(req_id="a")
+    assert harness.manager.lookup(_key(1), ctx) is LookupResult.HIT
+    harness.manager.prepare_load([_key(1)], ctx)
+    harness.store([20, 21, 22, 23, 24])
+    harness.settle()
+    assert harness.manager.staged_state(_key(1)) is not None  # pinned: survived
+    assert harness.manager.staged_state(_key(2)) is None  # not pinned: evicted
+    harness.manager.complete_load([_key(1)], ctx)
+    assert harness.manager.cache.get(_key(1)).evictable
+
+
+def test_missing_and_corrupt_chunks_are_misses(harness, tmp_path):
+    ctx = ReqContext(req_id="r")
+    assert harness.manager.lookup(_key(99), ctx) is LookupResult.MISS
+    harness.store([3])
+    harness.settle()
+    harness.manager.cache.remove(_key(3))  # as if evicted from staging
+    files = glob.glob(os.path.join(str(tmp_path / "kv"), "**", "*.kvc"), recursive=True)
+    assert len(files) == 1
+    with open(files[0], "r+b") as f:
+        f.seek(os.path.getsize(files[0]) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    result, seen = harness.lookup_until_final(_key(3))
+    assert result is LookupResult.MISS
+    assert harness.manager.metrics.totals["corrupt_chunks"] == 1
+    assert harness.manager.lookup(_key(3), ctx) is LookupResult.MISS  # no second read
+    assert not harness.manager.store.contains(_key(3))
+    removed = [e for e in harness.manager.take_events() if e.removed]
+    assert removed and removed[-1].keys == [_key(3)]
+
+
+def test_full_staging_defers_when_writes_will_free_slots_else_truncates(tmp_path):
+    h = Harness(tmp_path / "kv", num_slots=6)
+    try:
+        # Five slots held by queued disk writes: they free up within a step,
+        # so a batch that fits then is deferred (None = retried by vLLM).
+        h.store([0, 1, 2, 3, 4])
+        assert h.manager.prepare_store([_key(50), _key(51)], ReqContext(req_id="x")) is None
+        assert h.manager.metrics.totals["store_deferred"] == 1
+        h.settle()
+        assert len(h.manager.prepare_store([_key(50), _key(51)],
+                                           ReqContext(req_id="x")).keys_to_store) == 2
+        # Four slots now being filled by workers (not freeing soon), two
+        # evictable: a batch of four stores its two leading chunks only.
+        ctx = ReqContext(req_id="busy")
+        busy = h.manager.prepare_store([_key(10 + i) for i in range(2)], ctx)
+        assert len(busy.keys_to_store) == 2
+        big = h.manager.prepare_store([_key(60 + i) for i in range(4)], ReqContext(req_id="y"))
+        assert big.keys_to_store == [_key(60), _key(61)]
+        assert h.manager.metrics.totals["store_truncated_chunks"] == 2
+        assert h.manager.prepare_store([_key(70)], ReqContext(req_id="z")) is None
+        h.manager.complete_store(busy.keys_to_store, ctx, success=False)
+        assert h.manager.cache.allocatable() == 2
+    finally:
+        h.close()
+
+
+def test_request_holds_looked_up_chunks_until_scheduled(harness):
+    harness.store([1, 2])
+    harness.settle()
+    ctx = ReqContext(req_id="waiting")
+    assert harness.manager.lookup(_key(1), ctx) is LookupResult.HIT
+    harness.store([30, 31, 32, 33])
+    harness.settle()
+    # Chunk 1 is held for the waiting request; chunk 2 was not looked up.
+    assert harness.manager.staged_state(_key(1)) is not None
+    harness.manager.on_schedule_end(
+        ScheduleEndContext(new_req_ids=["waiting"], preempted_req_ids=[]))
+    assert harness.manager.cache.get(_key(1)).evictable
+
+
+def test_persistence_reset_and_declared_stats(tmp_path):
+    first = Harness(tmp_path / "kv")
+    first.store([1, 2, 3])
+    first.close()  # shutdown flushes the queued writes
+    second = Harness(tmp_path / "kv")
+    try:
+        assert len(second.manager.store) == 3
+        result, _ = second.lookup_until_final(_key(2))
+        assert result is LookupResult.HIT
+        stats = second.manager.get_stats()
+        declared = set(metric_definitions())
+        emitted = set(stats.data["data"])
+        assert emitted and emitted <= declared
+        second.manager.reset_cache()
+        assert len(second.manager.store) == 0 and len(second.manager.cache) == 0
+        assert second.manager.lookup(_key(1), ReqContext(req_id="r")) is LookupResult.MISS
+    finally:
+        second.close()
