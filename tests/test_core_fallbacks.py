@@ -129,3 +129,22 @@ def test_second_process_shares_the_directory(store_dir):
     with pool.view(s) as v:
         assert int.from_bytes(v[:4], "little") == 3
     assert store.rescan() == 10 and store.contains(b"from-child-9")
+
+
+def test_probe_finds_chunks_published_by_another_process(store_dir):
+    pool = kv.StagingPool(1 << 20, 1)
+    store = kv.BlockStore([str(store_dir)], pool, namespace="probe", capacity_bytes=1 << 30)
+    code = """
+    import pykvcache as kv
+    pool = kv.StagingPool(1 << 20, 1)
+    store = kv.BlockStore([STORE_DIR], pool, namespace="probe", capacity_bytes=1 << 30)
+    s = pool.acquire()
+    assert store.put(b"late", s, 4096).wait(10).ok
+    print(json.dumps({"ok": True}))
+    """
+    assert not store.probe(b"late")
+    run_child(code, store_dir)
+    assert not store.contains(b"late"), "the index alone does not know it yet"
+    assert store.probe(b"late") and store.contains(b"late")
+    assert store.used_bytes == 4096 + 4096
+    assert not store.probe(b"never-written")

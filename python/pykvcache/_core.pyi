@@ -150,6 +150,10 @@ class BlockStore:
         absent, ``corrupt`` when verification fails (the file is then removed)."""
     def contains(self, key: bytes) -> bool:
         """Index lookup only (no I/O)."""
+    def probe(self, key: bytes) -> bool:
+        """Index lookup, then one ``lstat`` of the chunk path when the index has
+        no entry: finds chunks published by another process sharing the
+        directories since this store scanned, and indexes them."""
     def chunk_length(self, key: bytes) -> int | None: ...
     def evict(self, key: bytes) -> bool: ...
     def rescan(self) -> int:

@@ -389,6 +389,11 @@ impl PyBlockStore {
         self.inner.contains(key)
     }
 
+    fn probe(&self, py: Python<'_>, key: Vec<u8>) -> bool {
+        let store = self.inner.clone();
+        py.detach(move || store.probe(&key))
+    }
+
     fn chunk_length(&self, key: &[u8]) -> Option<u64> {
         self.inner.chunk_file_len(key).map(|l| l - HEADER_BYTES as u64)
     }

@@ -362,6 +362,23 @@ impl BlockStore {
         self.core.index.lock().unwrap().contains(format::key_hash(key))
     }
 
+    /// Index lookup, then the directory: finds chunks that another process
+    /// sharing the directories published since this store scanned, and
+    /// indexes them. One `lstat` when the index has no entry.
+    pub fn probe(&self, key: &[u8]) -> bool {
+        let hash = format::key_hash(key);
+        if self.core.index.lock().unwrap().contains(hash) {
+            return true;
+        }
+        match std::fs::symlink_metadata(self.core.layout.chunk_path(hash)) {
+            Ok(meta) if meta.file_type().is_file() && meta.len() >= HEADER_BYTES as u64 => {
+                self.core.index.lock().unwrap().insert(hash, meta.len());
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Payload capacity needed to read a chunk (its file length minus the header).
     pub fn chunk_file_len(&self, key: &[u8]) -> Option<u64> {
         self.core.index.lock().unwrap().file_len(format::key_hash(key))
