@@ -1,0 +1,77 @@
+"""What a benchmark run measures and how long it may take.
+
+Two presets: the default finishes in a few minutes on a 2-core machine; the
+quick one (``make demo`` smoke use) in well under a minute. Every size is a
+parameter, so tests run the same code with tiny sizes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+MiB = 1 << 20
+
+# (numjobs, iodepth) pairs fio tries at each block size; the best is the limit.
+FIO_SWEEP_DEFAULT: tuple[tuple[int, int], ...] = (
+    (1, 1), (1, 4), (1, 8), (1, 16), (1, 32),
+    (4, 1), (4, 4),
+    (16, 1),
+)  # fmt: skip
+FIO_SWEEP_QUICK: tuple[tuple[int, int], ...] = ((1, 1), (1, 8), (4, 1), (4, 4))
+
+
+@dataclass
+class BenchConfig:
+    out: Path
+    directory: Path
+    parts: list[str] = field(default_factory=lambda: ["storage", "fs_tier"])
+    repeats: int = 2
+    cold_reads: bool = True
+    # Engine vs fio (the physical limit).
+    chunk_sizes: list[int] = field(default_factory=lambda: [2 * MiB, 8 * MiB, 28 * MiB])
+    queue_depths: list[int] = field(default_factory=lambda: [1, 8, 32])
+    engine_bytes: int = 512 * MiB
+    fio_runtime_s: float = 1.0
+    fio_file_bytes: int = 256 * MiB
+    fio_sweep: list[tuple[int, int]] = field(default_factory=lambda: list(FIO_SWEEP_DEFAULT))
+    # Registered buffers of one fio run (numjobs x depth x bs) stay under this.
+    fio_max_inflight_bytes: int = 2048 * MiB
+    # Against vLLM's fs tier.
+    fs_chunk_sizes: list[int] = field(default_factory=lambda: [8 * MiB, 28 * MiB])
+    fs_bytes: int = 512 * MiB
+    fs_shapes: list[str] = field(default_factory=lambda: ["one_job", "jobs_of_8", "jobs_of_1"])
+    fs_contention: list[bool] = field(default_factory=lambda: [False, True])
+    # Extra BlockStore keyword arguments for every pykvcache store (segment_bytes, ...).
+    store_kwargs: dict[str, Any] = field(default_factory=dict)
+    argv: list[str] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["out"], d["directory"] = str(self.out), str(self.directory)
+        return d
+
+
+def quick(config: BenchConfig) -> BenchConfig:
+    """The smoke preset: one chunk size, fewer depths and shapes, one repeat."""
+    return replace(
+        config,
+        repeats=1,
+        chunk_sizes=[8 * MiB],
+        queue_depths=[1, 8],
+        engine_bytes=256 * MiB,
+        fio_runtime_s=0.5,
+        fio_file_bytes=128 * MiB,
+        fio_sweep=list(FIO_SWEEP_QUICK),
+        fs_chunk_sizes=[8 * MiB],
+        fs_bytes=256 * MiB,
+        fs_shapes=["one_job", "jobs_of_1"],
+    )
+
+
+def fio_sweep_for(config: BenchConfig) -> list[tuple[int, int]]:
+    """The sweep plus one-job runs at every engine queue depth, so each engine
+    depth has a like-for-like fio figure."""
+    pairs = list(dict.fromkeys([*config.fio_sweep, *((1, qd) for qd in config.queue_depths)]))
+    return pairs

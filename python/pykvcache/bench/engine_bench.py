@@ -1,0 +1,169 @@
+"""The pykvcache engine through its public Python API: chunk stores and loads
+with a fixed number of chunk operations in flight (the queue depth a caller
+sees), timed and CPU-metered the same way as every other system here.
+
+Each case writes fresh chunk files, then (caches dropped when root) reads them
+all back; the device counters tell whether the bytes really moved, and the last
+chunks read are compared byte for byte with what was written.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .cold_cache import DiskCounter, drop_caches, settle
+from .cpu_meter import CpuMeter
+from .payload import digest, expected_digest, payload
+from .results import PhaseResult
+
+
+class BenchDataError(RuntimeError):
+    """A benchmark phase returned errors or wrong data: its numbers are void."""
+
+
+@dataclass(frozen=True)
+class EngineCase:
+    chunk_bytes: int
+    queue_depth: int
+    total_bytes: int
+    # Extra BlockStore keyword arguments (segment_bytes, register_buffers, ...).
+    store_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def chunks(self) -> int:
+        return max(self.queue_depth, self.total_bytes // self.chunk_bytes)
+
+
+def open_store(directory: Path, pool: Any, capacity_bytes: int, namespace: str, **store_kwargs: Any) -> Any:
+    from pykvcache import BlockStore
+
+    return BlockStore([str(directory)], pool, namespace=namespace, capacity_bytes=capacity_bytes, **store_kwargs)
+
+
+def store_info(store: Any) -> dict[str, Any]:
+    return {"backend": store.backend, "fixed_buffers": store.fixed_buffers, "direct_io": store.direct_io}
+
+
+def pump(store: Any, op: str, keys: list[bytes], slots: list[int], length: int) -> tuple[int, list[str]]:
+    """Keep ``len(slots)`` operations in flight until every key is done.
+
+    Waits on the oldest operation (completions arrive nearly in order for
+    same-sized chunks) and reuses its slot. Returns (ok count, error messages).
+    """
+    free = deque(slots)
+    inflight: deque[Any] = deque()
+    ok = 0
+    errors: list[str] = []
+
+    def retire() -> None:
+        nonlocal ok
+        h = inflight.popleft()
+        r = h.wait()
+        if r.ok:
+            ok += 1
+        else:
+            errors.append(f"{op} {h.key!r}: {r.status} {r.message}")
+        free.append(h.slot)
+
+    for key in keys:
+        if not free:
+            retire()
+        slot = free.popleft()
+        inflight.append(store.put(key, slot, length) if op == "put" else store.get(key, slot))
+    while inflight:
+        retire()
+    return ok, errors
+
+
+def run_engine_case(
+    case: EngineCase,
+    directory: Path,
+    *,
+    disk: DiskCounter | None = None,
+    cold: bool = True,
+    repeat: int = 0,
+    namespace: str = "pykvcache-bench",
+) -> list[PhaseResult]:
+    """Write ``case.chunks`` chunks, then read them back. Returns [write, read]."""
+    from pykvcache import StagingPool
+
+    directory.mkdir(parents=True, exist_ok=True)
+    qd, chunk = case.queue_depth, case.chunk_bytes
+    pool = StagingPool(chunk, qd)
+    slots = [pool.acquire() for _ in range(qd)]
+    for i, s in enumerate(slots):
+        with pool.view(s) as v:
+            v[:] = payload(i, chunk)
+    keys = [f"bench-{chunk}-{qd}-{repeat}-{i}".encode() for i in range(case.chunks)]
+    store = open_store(directory, pool, 2 * case.chunks * (chunk + (1 << 20)), namespace, **case.store_kwargs)
+    params = {"queue_depth": qd, "repeat": repeat, **case.store_kwargs}
+    results: list[PhaseResult] = []
+    try:
+        info = store_info(store)
+        for direction in ("write", "read"):
+            if direction == "read":
+                # Zero the slots so the final comparison proves the reads delivered the data.
+                for s in slots:
+                    with pool.view(s) as v:
+                        v[:] = bytes(chunk)
+                dropped = drop_caches() if cold else False
+            else:
+                dropped = None
+            settle()
+            d0 = disk.sample() if disk else None
+            with CpuMeter() as meter:
+                ok, errors = pump(store, "put" if direction == "write" else "get", keys, slots, chunk)
+            d1 = disk.sample() if disk else None
+            cpu = meter.result
+            assert cpu is not None
+            delta = DiskCounter.delta(d0, d1)
+            results.append(
+                PhaseResult(
+                    system="pykvcache",
+                    direction=direction,
+                    chunk_bytes=chunk,
+                    chunks=ok,
+                    bytes=ok * chunk,
+                    seconds=cpu.wall_s,
+                    cpu_user_s=cpu.user_s,
+                    cpu_sys_s=cpu.sys_s,
+                    params=params,
+                    threads_s=cpu.threads_s,
+                    disk=delta.to_dict() if delta else None,
+                    cold=dropped,
+                    errors=len(errors),
+                    info={**info, "first_errors": errors[:3]},
+                )
+            )
+            if errors:
+                raise BenchDataError(f"pykvcache {direction} had {len(errors)} errors, first: {errors[0]}")
+        # Each slot last received the final key written from it: its payload.
+        for i, s in enumerate(slots):
+            with pool.view(s) as v:
+                if digest(v) != expected_digest(i, chunk):
+                    raise BenchDataError(f"pykvcache read back wrong data into slot {s}")
+        results[-1].info["stats"] = _plain(store.stats())
+    finally:
+        store.close()
+        for s in slots:
+            pool.release(s)
+        pool.close()
+        for d in _namespace_dirs(store, directory):
+            shutil.rmtree(d, ignore_errors=True)
+        settle()
+    return results
+
+
+def _namespace_dirs(store: Any, directory: Path) -> list[Path]:
+    try:
+        return [Path(p) for p in store.namespace_dir]
+    except Exception:
+        return [directory]
+
+
+def _plain(stats: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in stats.items() if isinstance(v, (int, float, str, bool, list))}
