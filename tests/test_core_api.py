@@ -233,3 +233,31 @@ def test_files_and_directories_are_private(store_dir):
             assert os.stat(os.path.join(root, d)).st_mode & 0o077 == 0
         for f in files:
             assert os.stat(os.path.join(root, f)).st_mode & 0o077 == 0
+
+
+def test_header_only_verification_still_rejects_foreign_chunks(store_dir):
+    """verify="header" skips the payload CRC (documented trade-off) but still
+    refuses another key's or namespace's chunk and a damaged header."""
+    pool = kv.StagingPool(MiB, 2)
+    full = make_store(store_dir, pool)
+    s = pool.acquire()
+    fill(pool, s, b"p" * MiB)
+    assert full.put(b"h1", s, MiB).wait(10).ok and full.put(b"h2", s, MiB).wait(10).ok
+    full.close()
+    files = sorted(os.path.join(r, f) for r, _, fs in os.walk(store_dir) for f in fs if f.endswith(".kvc"))
+    assert len(files) == 2
+    with open(files[0], "r+b") as f:  # payload damage: not detected in header mode
+        f.seek(4096 + 10)
+        f.write(b"X")
+    header_only = make_store(store_dir, pool, verify="header")
+    results = {k: header_only.get(k, s).wait(10) for k in (b"h1", b"h2")}
+    assert all(r.ok for r in results.values())
+    with open(files[1], "r+b") as f:  # header damage: always detected
+        f.seek(20)
+        f.write(b"X")
+    statuses = sorted(header_only.get(k, s).wait(10).status for k in (b"h1", b"h2"))
+    assert statuses == ["corrupt", "ok"]
+    st = header_only.stats()
+    assert st["chunk_worker_cpu_s"] >= 0 and st["corrupt_chunks"] == 1
+    with pytest.raises(ValueError, match="verify"):
+        make_store(store_dir, pool, verify="none")

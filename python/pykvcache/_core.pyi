@@ -141,7 +141,17 @@ class BlockStore:
         segment_bytes: int = 4 << 20,
         max_inflight: int = 1024,
         submit_timeout: float | None = 30.0,
-    ) -> None: ...
+        io_threads: int = 0,
+        chunk_workers: int = 2,
+        verify: Literal["full", "header"] = "full",
+        dir_mode: int = 0o700,
+        file_mode: int = 0o600,
+        allow_insecure_root: bool = False,
+    ) -> None:
+        """``chunk_workers`` threads checksum, verify and publish chunks, off the
+        caller's and the ring's threads. ``verify="header"`` skips the payload
+        CRC on reads (header, namespace, key and length are still checked): only
+        for storage that checksums data itself."""
     def put(self, key: bytes, slot: int, length: int) -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
         visible atomically once complete; an existing chunk is success."""

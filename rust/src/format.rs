@@ -7,6 +7,8 @@
 
 use xxhash_rust::xxh3::xxh3_128;
 
+use crate::checksum::crc32c;
+
 pub const HEADER_BYTES: usize = 4096;
 pub const IO_ALIGN: usize = 4096;
 pub const FORMAT_VERSION: u32 = 1;
@@ -87,10 +89,10 @@ pub fn encode_header(block: &mut [u8], namespace: &Fingerprint, key: &[u8], payl
     put_u32(block, OFF_HEADER_LEN, HEADER_BYTES as u32);
     block[OFF_NAMESPACE..OFF_NAMESPACE + 16].copy_from_slice(namespace);
     put_u64(block, OFF_PAYLOAD_LEN, payload.len() as u64);
-    put_u32(block, OFF_PAYLOAD_CRC, crc32c::crc32c(payload));
+    put_u32(block, OFF_PAYLOAD_CRC, crc32c(payload));
     put_u32(block, OFF_KEY_LEN, key.len() as u32);
     block[OFF_KEY..OFF_KEY + key.len()].copy_from_slice(key);
-    let crc = crc32c::crc32c(block);
+    let crc = crc32c(block);
     put_u32(block, OFF_HEADER_CRC, crc);
 }
 
@@ -114,10 +116,10 @@ pub fn decode_header(
         return Err(FormatError::Version(version));
     }
     let stored_crc = get_u32(block, OFF_HEADER_CRC);
-    let mut crc = crc32c::crc32c(&block[..OFF_HEADER_CRC]);
-    crc = crc32c::crc32c_append(crc, &[0u8; 4]);
-    crc = crc32c::crc32c_append(crc, &block[OFF_HEADER_CRC + 4..]);
-    if crc != stored_crc {
+    let mut sealed = [0u8; HEADER_BYTES];
+    sealed.copy_from_slice(block);
+    put_u32(&mut sealed, OFF_HEADER_CRC, 0);
+    if crc32c(&sealed) != stored_crc {
         return Err(FormatError::HeaderCrc);
     }
     let header_len = get_u32(block, OFF_HEADER_LEN);
@@ -149,7 +151,7 @@ pub fn decode_header(
 }
 
 pub fn verify_payload(header: &ChunkHeader, payload: &[u8]) -> Result<(), FormatError> {
-    if payload.len() as u64 != header.payload_len || crc32c::crc32c(payload) != header.payload_crc {
+    if payload.len() as u64 != header.payload_len || crc32c(payload) != header.payload_crc {
         return Err(FormatError::PayloadCrc);
     }
     Ok(())
@@ -218,7 +220,7 @@ mod tests {
             let mut block = encoded(&ns, b"k", b"");
             put_u64(&mut block, OFF_PAYLOAD_LEN, declared);
             put_u32(&mut block, OFF_HEADER_CRC, 0);
-            let crc = crc32c::crc32c(&block);
+            let crc = crc32c(&block);
             put_u32(&mut block, OFF_HEADER_CRC, crc);
             let got = decode_header(&block, &ns, b"k", HEADER_BYTES as u64);
             assert!(matches!(got, Err(FormatError::Length { .. })), "{got:?}");

@@ -3,6 +3,8 @@
 //! the `python` module, compiled only with the `python` feature.
 
 pub mod backend;
+pub mod checksum;
+pub mod chunk_workers;
 pub mod error;
 pub mod files;
 pub mod format;
@@ -18,4 +20,4 @@ mod python;
 
 pub use error::{EngineError, Result};
 pub use staging::StagingPool;
-pub use store::{BackendChoice, BlockStore, StoreConfig};
+pub use store::{BackendChoice, BlockStore, StoreConfig, VerifyPolicy};

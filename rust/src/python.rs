@@ -20,7 +20,7 @@ use crate::layout::Permissions;
 use crate::ops::{OpId, OpKind, Outcome, Status};
 use crate::staging;
 use crate::stats::{Stats, LATENCY_BUCKETS_US};
-use crate::store::{self, BackendChoice, StoreConfig};
+use crate::store::{self, BackendChoice, StoreConfig, VerifyPolicy};
 
 // ---- exceptions: built at import with multiple bases (OSError, TimeoutError).
 
@@ -322,7 +322,7 @@ impl PyBlockStore {
     #[new]
     #[pyo3(signature = (dirs, pool, *, namespace, capacity_bytes, queue_depth=32, backend="auto", direct_io="optional",
                         register_buffers=true, segment_bytes=4<<20, max_inflight=1024, submit_timeout=Some(30.0),
-                        io_threads=0, dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
+                        io_threads=0, chunk_workers=2, verify="full", dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -339,6 +339,8 @@ impl PyBlockStore {
         max_inflight: usize,
         submit_timeout: Option<f64>,
         io_threads: usize,
+        chunk_workers: usize,
+        verify: &str,
         dir_mode: u32,
         file_mode: u32,
         allow_insecure_root: bool,
@@ -353,6 +355,8 @@ impl PyBlockStore {
         config.segment_bytes = segment_bytes;
         config.max_inflight = max_inflight;
         config.io_threads = io_threads;
+        config.chunk_workers = chunk_workers;
+        config.verify = VerifyPolicy::parse(verify).map_err(to_py)?;
         config.permissions = Permissions { dir_mode, file_mode, allow_insecure_root };
         if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
             config.faults = Some(Arc::new(crate::backend::FaultPlan {
@@ -451,6 +455,7 @@ impl PyBlockStore {
         d.set_item("used_bytes", self.inner.used_bytes())?;
         d.set_item("capacity_bytes", self.inner.capacity_bytes())?;
         d.set_item("backend_cpu_s", self.inner.backend_cpu_ns() as f64 / 1e9)?;
+        d.set_item("chunk_worker_cpu_s", self.inner.chunk_worker_cpu_ns() as f64 / 1e9)?;
         d.set_item("open_scan_chunks", self.scanned_chunks)?;
         d.set_item("open_scan_s", self.scan_time.as_secs_f64())?;
         d.set_item("staging_free_slots", self.inner.pool().free_slots())?;

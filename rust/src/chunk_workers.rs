@@ -1,0 +1,65 @@
+//! CPU work per chunk, kept off both the submitting thread (vLLM's scheduler
+//! calls `put`/`get` on its hot path) and the ring thread (which should only
+//! move bytes): sealing a chunk (payload CRC + header) before its write is
+//! submitted, and verifying / publishing a chunk once its transfer completed.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Condvar, Mutex};
+
+use crate::backend::SegmentError;
+use crate::ops::{OpContext, OpId};
+
+pub enum Job {
+    /// Checksum the payload, write the header, then submit the transfer.
+    Seal { id: OpId, ctx: OpContext, fd: i32 },
+    /// The transfer completed: verify (get) or publish (put), then complete.
+    Finish { id: OpId, ctx: OpContext, error: Option<SegmentError> },
+}
+
+#[derive(Default)]
+pub struct JobQueue {
+    state: Mutex<(VecDeque<Job>, bool)>,
+    ready: Condvar,
+    cpu_ns: Mutex<Vec<AtomicU64>>,
+}
+
+impl JobQueue {
+    pub fn push(&self, job: Job) {
+        self.state.lock().unwrap().0.push_back(job);
+        self.ready.notify_one();
+    }
+
+    /// Next job, or None once stopped and empty.
+    pub fn pop(&self) -> Option<Job> {
+        let mut st = self.state.lock().unwrap();
+        loop {
+            if let Some(job) = st.0.pop_front() {
+                return Some(job);
+            }
+            if st.1 {
+                return None;
+            }
+            st = self.ready.wait(st).unwrap();
+        }
+    }
+
+    pub fn stop(&self) {
+        self.state.lock().unwrap().1 = true;
+        self.ready.notify_all();
+    }
+
+    pub fn register_worker(&self) -> usize {
+        let mut v = self.cpu_ns.lock().unwrap();
+        v.push(AtomicU64::new(0));
+        v.len() - 1
+    }
+
+    pub fn record_cpu(&self, worker: usize, ns: u64) {
+        self.cpu_ns.lock().unwrap()[worker].store(ns, Ordering::Relaxed);
+    }
+
+    pub fn cpu_time_ns(&self) -> u64 {
+        self.cpu_ns.lock().unwrap().iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+}
