@@ -31,6 +31,12 @@ DIRECT_IO_POLICIES = ("required", "optional", "disabled")
 
 GIB = 1 << 30
 
+#: Share of ``staging_bytes`` that preloads for waiting requests may hold, and
+#: that lookups of waiting (not yet scheduled) requests may hold, by default.
+#: The rest stays free for stores and for the request being scheduled.
+LOOKAHEAD_SHARE = 0.5
+LOOKUP_HOLD_SHARE = 0.5
+
 
 class ConfigError(ValueError):
     """The pykvcache section of ``kv_connector_extra_config`` is invalid."""
@@ -54,6 +60,17 @@ class PykvcacheConfig:
     model_id: str | None = None
     namespace_salt: str = ""
     wipe_on_reset: bool = True
+    # Break-even admission gate (docs/gate.md).
+    gate_profile: str | None = None
+    gate: bool = True
+    gate_margin: float = 1.0
+    gate_online: bool = True
+    store_min_tokens: int | str = 0  # 0 = off, a token count, or "break_even"
+    store_second_sighting: bool = False
+    # Lookahead preloading (docs/lookahead.md); None = a share of staging_bytes.
+    lookahead_bytes: int | None = None
+    lookahead_requests: int = 8
+    lookup_hold_bytes: int | None = None
 
     @classmethod
     def keys(cls) -> frozenset[str]:
@@ -170,7 +187,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
     if extra.get("block_size") is not None and extra.get("blocks_per_chunk") is not None:
         problems.append("give only one of block_size (tokens per chunk) and blocks_per_chunk")
 
-    for name in ("register_buffers", "offload_prompt_only", "wipe_on_reset"):
+    for name in ("register_buffers", "offload_prompt_only", "wipe_on_reset", "gate",
+                 "gate_online", "store_second_sighting"):
         if name in extra:
             values[name] = _parse_bool(name, extra[name], problems)
     if "backend" in extra:
@@ -186,9 +204,62 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
             else:
                 values[name] = extra[name]
 
+    _parse_gate_and_lookahead(extra, values, problems)
+
     if problems:
         raise ConfigError(
             "invalid pykvcache settings in kv_connector_extra_config:\n  - "
             + "\n  - ".join(problems)
         )
     return PykvcacheConfig(**values)
+
+
+def _parse_gate_and_lookahead(extra: Mapping[str, Any], values: dict[str, Any],
+                              problems: list[str]) -> None:
+    profile = extra.get("gate_profile")
+    if profile is not None:
+        if not isinstance(profile, (str, os.PathLike)) or not os.fspath(profile).strip():
+            problems.append(f"gate_profile must be a file path or null (got {profile!r})")
+        else:
+            # A missing or foreign profile is not an error: the gate warns and
+            # falls back to a conservative default when the engine starts.
+            values["gate_profile"] = os.path.abspath(os.path.expanduser(os.fspath(profile)))
+    if "gate_margin" in extra:
+        margin = extra["gate_margin"]
+        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0 \
+                or margin != margin or margin == float("inf"):
+            problems.append(f"gate_margin must be a number > 0 (got {margin!r})")
+        else:
+            values["gate_margin"] = float(margin)
+    if "store_min_tokens" in extra:
+        value = extra["store_min_tokens"]
+        if value == "break_even" or (_is_int(value) and value >= 0):
+            values["store_min_tokens"] = value
+        else:
+            problems.append(
+                f"store_min_tokens must be 0 (off), a token count or \"break_even\" (got {value!r})"
+            )
+    for name in ("lookahead_bytes", "lookup_hold_bytes"):
+        if extra.get(name) is not None:
+            if extra[name] == 0:  # 0 explicitly turns the feature off
+                values[name] = 0
+            else:
+                values[name] = _parse_size(name, extra[name], problems)
+    if "lookahead_requests" in extra:
+        value = extra["lookahead_requests"]
+        if not _is_int(value) or value < 0:
+            problems.append(f"lookahead_requests must be an integer >= 0 (got {value!r})")
+        else:
+            values["lookahead_requests"] = value
+
+
+def lookahead_budget_bytes(config: PykvcacheConfig) -> int:
+    if config.lookahead_bytes is not None:
+        return min(config.lookahead_bytes, config.staging_bytes)
+    return int(config.staging_bytes * LOOKAHEAD_SHARE)
+
+
+def lookup_hold_budget_bytes(config: PykvcacheConfig) -> int:
+    if config.lookup_hold_bytes is not None:
+        return min(config.lookup_hold_bytes, config.staging_bytes)
+    return int(config.staging_bytes * LOOKUP_HOLD_SHARE)

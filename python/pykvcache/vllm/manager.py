@@ -10,15 +10,25 @@ Lookup protocol per chunk key:
 
 * HIT          the chunk is verified in staging (READY);
 * HIT_PENDING  its disk read is in flight, or a worker is still copying it in;
+* RETRY        on disk, but waiting requests already hold their share of
+               staging (``lookup_hold_slots``): asked again next step;
 * MISS         not in staging and not on disk (or no slot to read it into).
 
-RETRY ("existence unknown") is never needed: the disk index is built when the
-store opens, before the engine serves, and each lookup is an index probe.
+Existence is never unknown: the disk index is built when the store opens,
+before the engine serves, and each lookup is an index probe.
 
 The methods a lookahead preloader or an admission gate builds on are
 :meth:`stage` (start reading a key into staging), :meth:`hold` and
 :meth:`release` (keep staged keys for an owner), :meth:`staged_state`,
 :meth:`poll_io` and :meth:`allocatable_slots`.
+
+With a gate (:mod:`pykvcache.vllm.gate_plan`) the first lookup of a request
+decides how many leading chunks to load; keys past that answer MISS without
+touching the disk. With lookahead (:mod:`pykvcache.vllm.lookahead`, fed by
+:class:`pykvcache.vllm.connector.PyKvCacheConnector`) each step end starts
+reads for the head of the waiting queue. Lookups of waiting requests hold
+their chunks until the request is scheduled; ``lookup_hold_slots`` caps what
+*other* waiting requests may hold when a lookup needs a new slot.
 """
 
 from __future__ import annotations
@@ -44,7 +54,10 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from pykvcache.gate import AdmissionGate, ChunkState
+from pykvcache.vllm.gate_plan import GateWiring
 from pykvcache.vllm.layout import ChunkLayout
+from pykvcache.vllm.lookahead import Preloader, WaitingRequest
 from pykvcache.vllm.metrics import ManagerMetrics
 from pykvcache.vllm.staging_cache import EntryState, Origin, StagingCache
 from pykvcache.vllm.transfer_spec import StagingSlotsSpec
@@ -64,6 +77,11 @@ class NvmeOffloadingManager(OffloadingManager):
         reopen_store=None,
         enable_events: bool = False,
         max_inflight_writes: int = 64,
+        gating: GateWiring | None = None,
+        lookahead_slots: int = 0,
+        lookahead_requests: int = 0,
+        lookup_hold_slots: int | None = None,
+        by_priority: bool = False,
     ) -> None:
         self.pool = pool
         self.store = store
@@ -83,6 +101,23 @@ class NvmeOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._closed = False
         self._shm_unlinked = False
+        self.gating = gating
+        chunk_tokens = gating.chunk_tokens if gating is not None else 1
+        preload_gate = None
+        if gating is not None:
+            g = gating.gate
+            # Same cost model and online refinement, separate counters: a
+            # preload's decision is not a request's decision.
+            preload_gate = AdmissionGate(g.model, chunk_tokens=g.chunk_tokens, online=g.online,
+                                         margin=g.margin, enabled=g.enabled)
+        self.preloader = Preloader(self, budget_slots=lookahead_slots, window=lookahead_requests,
+                                   gate=preload_gate, chunk_tokens=chunk_tokens,
+                                   by_priority=by_priority)
+        self._lookup_hold_slots = lookup_hold_slots
+        # Staging held by lookups of requests not scheduled yet: key -> holders.
+        self._lookup_holders: dict[bytes, set[str]] = {}
+        self._lookup_owned: dict[str, set[bytes]] = {}
+        self._waited: set[str] = set()  # requests that met HIT_PENDING
 
     # ------------------------------------------------------------------
     # Building blocks (also for a preloader / admission gate)
@@ -119,6 +154,23 @@ class NvmeOffloadingManager(OffloadingManager):
             return LookupResult.HIT
         return LookupResult.HIT_PENDING
 
+    def chunk_state(self, key: bytes) -> ChunkState:
+        """The gate's view of a chunk: anything with a staging slot (verified,
+        or being read or stored) costs no further disk read."""
+        if key in self.cache:
+            return ChunkState.STAGED
+        return ChunkState.DISK if self.store.contains(key) else ChunkState.MISSING
+
+    def queued_bytes(self) -> int:
+        return (len(self._reads) + len(self._writes) + len(self._write_queue)) * \
+            self.layout.payload_bytes
+
+    def lookahead_add(self, request: WaitingRequest) -> None:
+        """A request arrived (lookahead connector): queue it and plan at once,
+        so its reads can start before the scheduler's next probe."""
+        self.preloader.add(request)
+        self.preloader.plan()
+
     def hold(self, owner: Hashable, key: bytes) -> None:
         self.cache.hold(owner, key)
 
@@ -146,15 +198,53 @@ class NvmeOffloadingManager(OffloadingManager):
     # OffloadingManager API
     # ------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        req_id = req_context.req_id
+        if self.gating is not None:
+            plan = self.gating.plan_for(key, req_context, self.chunk_state, self.queued_bytes())
+            if key not in plan.allowed:
+                self.metrics.inc("gate_limited_lookups")
+                return LookupResult.MISS
         entry_before = self.cache.get(key)
-        result = self.stage(key, owner=req_context.req_id)
-        if (
-            result is LookupResult.HIT
-            and entry_before is not None
-            and entry_before.state is EntryState.READY
-        ):
+        if entry_before is None and self._lookup_hold_slots is not None:
+            # A new slot for a waiting request while other waiting requests
+            # already hold their share: ask again later (RETRY defers the
+            # request without holding anything). Not MISS: vLLM would schedule
+            # it at once and recompute a prefix that is on disk. The holders
+            # are requests whose reads are in flight; they get scheduled and
+            # release their holds, so the retry resolves.
+            others = len(self._lookup_holders) - len(self._lookup_owned.get(req_id, ()))
+            if others >= self._lookup_hold_slots and self.store.contains(key):
+                self.metrics.inc("lookup_hold_cap_retries")
+                return LookupResult.RETRY
+        result = self.stage(key, owner=req_id)
+        if result is LookupResult.MISS:
+            return result
+        owned = self._lookup_owned.setdefault(req_id, set())
+        if key not in owned:
+            owned.add(key)
+            self._lookup_holders.setdefault(key, set()).add(req_id)
+        if result is LookupResult.HIT_PENDING:
+            if req_id not in self._waited:
+                self._waited.add(req_id)
+                self.metrics.inc("lookup_waited_requests")
+        elif entry_before is not None and entry_before.state is EntryState.READY:
             self.metrics.inc("staging_hits")
         return result
+
+    def _release_request(self, req_id: str, *, finished: bool) -> None:
+        """The request was scheduled or finished: its lookup holds, preload holds
+        and gate plan end (a pending load pins what it still needs)."""
+        self.cache.release_owner(req_id)
+        for key in self._lookup_owned.pop(req_id, ()):
+            holders = self._lookup_holders.get(key)
+            if holders is not None:
+                holders.discard(req_id)
+                if not holders:
+                    del self._lookup_holders[key]
+        self._waited.discard(req_id)
+        self.preloader.forget(req_id, cancelled=finished)
+        if self.gating is not None:
+            self.gating.drop(req_id)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         entry = self.cache.get(key)
@@ -177,9 +267,12 @@ class NvmeOffloadingManager(OffloadingManager):
             pinned.append(key)
             slots.append(entry.slot)
         self._load_pins.setdefault(req_context.req_id, []).extend(pinned)
+        self.preloader.loaded(pinned)
+        if pinned and req_context.req_id not in self._waited:
+            self.metrics.inc("lookup_ready_requests")
         # The request is being scheduled: what it held for lookups is now
         # either pinned for this load or not needed any more.
-        self.cache.release_owner(req_context.req_id)
+        self._release_request(req_context.req_id, finished=False)
         return StagingSlotsSpec(slots)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -200,8 +293,13 @@ class NvmeOffloadingManager(OffloadingManager):
         self, keys: Collection[OffloadKey], req_context: ReqContext
     ) -> PrepareStoreOutput | None:
         self.poll_io()
+        keys = list(dict.fromkeys(keys))
+        if self.gating is not None and self.gating.admission is not None:
+            # Admission keeps a prefix: a chunk stored after a skipped one
+            # could never be loaded.
+            keys = keys[: self.gating.admit_store(keys, req_context)]
         new_keys = [
-            key for key in dict.fromkeys(keys)
+            key for key in keys
             if key not in self.cache and not self.store.contains(key)
         ]
         if not new_keys:
@@ -254,13 +352,16 @@ class NvmeOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self.cache.release_owner(req_context.req_id)
+        self._release_request(req_context.req_id, finished=True)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         for req_id in context.new_req_ids:
-            self.cache.release_owner(req_id)
+            self._release_request(req_id, finished=False)
         self.poll_io()
         self._submit_writes()
+        # After the writes: a preload never takes a slot before the step's
+        # stores were handed to the disk.
+        self.preloader.plan()
 
     def has_pending_work(self) -> bool:
         return bool(self._reads or self._writes or self._write_queue)
@@ -277,6 +378,12 @@ class NvmeOffloadingManager(OffloadingManager):
         every stored KV is stale."""
         self.flush()
         removed = [entry.key for entry in self.cache]
+        self.preloader.clear()
+        if self.gating is not None:
+            self.gating.clear()
+        self._lookup_holders.clear()
+        self._lookup_owned.clear()
+        self._waited.clear()
         self.cache.clear()
         self._load_pins.clear()
         self._write_queue.clear()
@@ -290,6 +397,15 @@ class NvmeOffloadingManager(OffloadingManager):
 
     def get_stats(self):
         self.poll_io()
+        self.preloader.sweep()
+        if self.gating is not None:
+            for name, value in self.gating.take_counters().items():
+                self.metrics.inc(name, value)
+            for name, value in self.gating.gauges().items():
+                self.metrics.set_gauge(name, value)
+        self.metrics.set_gauge("lookahead_queue_requests", len(self.preloader.queue))
+        self.metrics.set_gauge("lookahead_slots_held", len(self.preloader.held))
+        self.metrics.set_gauge("lookup_hold_slots", len(self._lookup_holders))
         self.metrics.set_gauge("staging_slots_used", len(self.cache))
         self.metrics.set_gauge("staging_slots_pinned", self.cache.pinned_slots())
         self.metrics.set_gauge("staging_slots_total", self.cache.num_slots)
@@ -357,6 +473,10 @@ class NvmeOffloadingManager(OffloadingManager):
     def _finish_read(self, key: bytes) -> None:
         handle = self._reads.pop(key)
         result = handle.wait()
+        if self.gating is not None:
+            self.metrics.inc("gate_load_observations",
+                             self.gating.read_finished(key, result.status == "ok",
+                                                     result.latency_s or 0.0))
         if result.status == "ok":
             self.metrics.inc("disk_reads")
             self.metrics.inc("disk_read_bytes", result.length)

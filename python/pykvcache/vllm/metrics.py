@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pykvcache.gate.decision import GATE_COUNTERS, GATE_GAUGES
+from pykvcache.gate.store_admission import STORE_COUNTERS
 from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
@@ -36,7 +38,24 @@ COUNTERS = {
     "store_deferred": "prepare_store calls deferred because staging was full (retried next step).",
     "store_truncated_chunks": "Chunks not stored because a request offered more than staging holds.",
     "staging_evictions": "Chunks dropped from staging memory to make room (they stay on disk).",
+    # Gate wiring (the gate's own decision counters are merged in below).
+    "gate_limited_lookups": "Lookups answered MISS because the gate chose to recompute from that chunk on.",
+    "gate_load_observations": "Finished loads fed back to the gate's online load model.",
+    "lookup_waited_requests": "Requests whose first lookup had to wait for a disk read (HIT_PENDING).",
+    "lookup_ready_requests": "Requests whose whole gated prefix was already staged at their first lookup.",
+    "lookup_hold_cap_retries": "Lookups answered RETRY because waiting requests already hold their staging share.",
+    # Lookahead preloading.
+    "lookahead_requests_queued": "Requests handed to the lookahead queue at arrival.",
+    "lookahead_preload_reads": "Chunk reads started ahead of time for waiting requests.",
+    "lookahead_preload_bytes": "Bytes of chunk reads started ahead of time for waiting requests.",
+    "lookahead_used_bytes": "Preloaded bytes that a request then loaded from staging.",
+    "lookahead_wasted_bytes": "Preloaded bytes dropped from staging before any request loaded them.",
+    "lookahead_budget_stops": "Planning passes stopped by the lookahead byte budget.",
+    "lookahead_gate_skipped_chunks": "Chunks of waiting requests not preloaded because the gate would recompute them.",
+    "lookahead_cancelled_requests": "Requests that left the lookahead queue (finished, aborted) while holding preloads.",
 }
+COUNTERS.update(GATE_COUNTERS)
+COUNTERS.update(STORE_COUNTERS)
 
 GAUGES = {
     "staging_slots_used": "Staging slots holding a chunk (pinned or cached).",
@@ -44,7 +63,11 @@ GAUGES = {
     "staging_slots_total": "Staging slots in the shared region.",
     "disk_used_bytes": "Bytes of chunk files under this namespace.",
     "disk_chunks": "Chunk files under this namespace.",
+    "lookahead_queue_requests": "Waiting requests known to the lookahead queue.",
+    "lookahead_slots_held": "Staging slots held by preloads for waiting requests.",
+    "lookup_hold_slots": "Staging slots held by lookups of waiting (not yet scheduled) requests.",
 }
+GAUGES.update(GATE_GAUGES)
 
 HISTOGRAMS = {
     "disk_read_latency_seconds": "Submit-to-completion time of chunk reads.",

@@ -14,7 +14,13 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingSpec
 
-from pykvcache.vllm.config import ConfigError, PykvcacheConfig, parse_extra_config
+from pykvcache.vllm.config import (
+    ConfigError,
+    PykvcacheConfig,
+    lookahead_budget_bytes,
+    lookup_hold_budget_bytes,
+    parse_extra_config,
+)
 from pykvcache.vllm.layout import ChunkLayout, round_up, staging_shm_name
 from pykvcache.vllm.metrics import metric_definitions
 from pykvcache.vllm.namespace import NamespaceInputs, namespace_for
@@ -62,8 +68,46 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 f"{self.layout.payload_bytes} bytes; give at least "
                 f"{MIN_STAGING_SLOTS * slot_footprint} bytes or use a smaller block_size"
             )
+        self.chunk_tokens = self.blocks_per_chunk * (self.tokens_per_block[0]
+                                                     if self.tokens_per_block else 1)
+        self.slot_footprint = slot_footprint
         self._manager = None
         self._worker = None
+
+    def _build_gating(self):
+        """The break-even gate and store admission (None when both are off:
+        ``gate: false`` still builds it, loading everything but counting)."""
+        from pykvcache.gate import ProfileExpectation, StoreAdmission, build_gate
+        from pykvcache.gate.profile import storage_info
+
+        from pykvcache.vllm.gate_plan import GateWiring
+
+        s = self.settings
+        expected = ProfileExpectation(
+            model=self.config.model.name,
+            dtype=str(self.config.model.dtype),
+            kv_bytes_per_token=self.layout.payload_bytes / self.chunk_tokens,
+            chunk_tokens=self.chunk_tokens,
+            storage_device=storage_info(s.storage_dirs[0])["device"],
+        )
+        gate, source = build_gate(s.gate_profile, expected, online=s.gate_online,
+                                  margin=s.gate_margin, enabled=s.gate)
+        admission = None
+        if s.store_min_tokens or s.store_second_sighting:
+            admission = StoreAdmission(
+                chunk_tokens=self.chunk_tokens,
+                min_tokens=0 if s.store_min_tokens == "break_even" else s.store_min_tokens,
+                second_sighting=s.store_second_sighting,
+            )
+        be = gate.break_even_tokens()
+        logger.info("pykvcache gate: %s, cost model from %s, break-even %s tokens%s",
+                    "on" if s.gate else "off (loads everything, counts)", source,
+                    "never" if be == float("inf") else f"{be:.0f}",
+                    f", store admission min_tokens={s.store_min_tokens} "
+                    f"second_sighting={s.store_second_sighting}" if admission else "")
+        return GateWiring(gate, chunk_tokens=self.chunk_tokens,
+                          chunk_bytes=self.layout.payload_bytes, admission=admission,
+                          store_min_tokens=s.store_min_tokens)
 
     def _open_store(self, pool):
         from pykvcache._core import BlockStore
@@ -105,6 +149,10 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 else None,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 max_inflight_writes=self.settings.max_inflight_writes,
+                gating=self._build_gating(),
+                lookahead_slots=lookahead_budget_bytes(self.settings) // self.slot_footprint,
+                lookahead_requests=self.settings.lookahead_requests,
+                lookup_hold_slots=lookup_hold_budget_bytes(self.settings) // self.slot_footprint,
             )
             logger.info(
                 "pykvcache: namespace %s on %s: %d chunk(s) found, %d staging slots of %d bytes, "

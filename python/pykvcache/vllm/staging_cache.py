@@ -91,6 +91,14 @@ class StagingCache:
         self._retry_unreleased()
         return self.num_slots - len(self._entries) - len(self._unreleased) + len(self._lru)
 
+    def next_victim(self) -> bytes | None:
+        """The key the next insert would evict, or None when a slot is free
+        (or nothing is evictable)."""
+        self._retry_unreleased()
+        if self.num_slots - len(self._entries) - len(self._unreleased) > 0:
+            return None
+        return next(iter(self._lru), None)
+
     def pinned_slots(self) -> int:
         return len(self._entries) - len(self._lru)
 

@@ -1,0 +1,128 @@
+"""vLLM's OffloadingConnector plus lookahead: every request is seen at arrival.
+
+The stock connector forwards only a request's id to the manager at arrival,
+and vLLM probes waiting requests only when its scheduling loop reaches them
+(none at all while the running batch is full). This subclass computes the
+request's chunk keys from ``request.block_hashes`` exactly as vLLM does later
+(``RequestOffloadState.update_offload_keys``: the hash of each chunk's last
+hash-block plus the group index) and queues them in the manager's preloader,
+which stages the head of the waiting queue ahead of the scheduler.
+
+Select it with ``"kv_connector": "PyKvCacheConnector",
+"kv_connector_module_path": "pykvcache.vllm"``; ``spec_name`` and
+``spec_module_path`` default to pykvcache's spec. A request can opt out with
+``kv_transfer_params={"pykvcache_lookahead": false}``.
+"""
+
+from __future__ import annotations
+
+import logging
+from itertools import islice
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
+    OffloadingConnector,
+)
+from vllm.v1.kv_offload.base import make_offload_key
+
+from pykvcache.vllm.config import ConfigError
+from pykvcache.vllm.lookahead import WaitingRequest
+
+logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
+
+SPEC_DEFAULTS = {"spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm"}
+
+
+def _default_spec(vllm_config) -> None:
+    kv = getattr(vllm_config, "kv_transfer_config", None)
+    if kv is None:
+        return
+    if kv.kv_connector_extra_config is None:
+        kv.kv_connector_extra_config = {}
+    for name, value in SPEC_DEFAULTS.items():
+        kv.kv_connector_extra_config.setdefault(name, value)
+
+
+class PyKvCacheConnector(OffloadingConnector):
+    def __init__(self, vllm_config, role, kv_cache_config=None):
+        _default_spec(vllm_config)
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._manager = None
+        self._groups: list[tuple[int, int, int]] = []
+        if role != KVConnectorRole.SCHEDULER:
+            return
+        from pykvcache.vllm.manager import NvmeOffloadingManager
+
+        manager = self.scheduler.manager
+        if not isinstance(manager, NvmeOffloadingManager):
+            raise ConfigError(
+                "PyKvCacheConnector needs pykvcache's spec (spec_name NvmeOffloadingSpec, "
+                f"spec_module_path pykvcache.vllm); got a {type(manager).__name__}"
+            )
+        self._manager = manager
+        policy = str(getattr(vllm_config.scheduler_config, "policy", "fcfs"))
+        manager.preloader.queue.by_priority = policy.endswith("priority")
+        # Full-attention groups only: their keys form a prefix vLLM loads from
+        # the start; sliding-window groups load a window at the end.
+        self._groups = [
+            (g.group_idx, g.hashes_per_chunk, g.tokens_per_chunk)
+            for g in self.scheduler.config.kv_group_configs
+            if g.sliding_window_size_in_chunks is None
+        ]
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        _default_spec(vllm_config)
+        return super().build_prom_metrics(vllm_config, metric_types, labelnames,
+                                          per_engine_labelvalues)
+
+    def on_new_request(self, request) -> None:
+        super().on_new_request(request)
+        if self._manager is None or not self._manager.preloader.enabled or not self._groups:
+            return
+        params: dict[str, Any] = request.kv_transfer_params or {}
+        if request.skip_reading_prefix_cache or params.get("pykvcache_lookahead") is False:
+            return
+        hashes = request.block_hashes
+        if not hashes:
+            return
+        key_lists = []
+        max_chunks = None
+        for group_idx, hashes_per_chunk, tokens_per_chunk in self._groups:
+            # vLLM recomputes at least the last prompt token, so a chunk that
+            # ends on it is never loaded: preloading it would be waste.
+            loadable = (request.num_tokens - 1) // tokens_per_chunk
+            keys = [
+                make_offload_key(h, group_idx)
+                for h in islice(hashes, hashes_per_chunk - 1, None, hashes_per_chunk)
+            ][:loadable]
+            key_lists.append(keys)
+            raw = params.get("max_load_tokens")
+            if type(raw) is int and raw >= 0:
+                max_chunks = raw // tokens_per_chunk
+        if not any(key_lists):
+            return
+        self._manager.lookahead_add(WaitingRequest(
+            req_id=request.request_id,
+            key_lists=key_lists,
+            priority=getattr(request, "priority", 0),
+            arrival=getattr(request, "arrival_time", 0.0),
+            max_chunks=max_chunks,
+            device_cached_tokens=lambda: self._device_cached_tokens(request),
+        ))
+
+    def _device_cached_tokens(self, request) -> int:
+        """Prompt tokens the device prefix cache already holds (not worth
+        preloading); 0 when unknown."""
+        kv_manager = getattr(self, "_kv_cache_manager", None)
+        if kv_manager is None:
+            return 0
+        try:
+            found = kv_manager.coordinator.find_longest_cache_hit(
+                request.block_hashes, request.num_tokens - 1
+            )
+            return int(found[1])
+        except Exception:  # noqa: BLE001 - an estimate; never fail a request over it
+            logger.debug("device cache probe failed", exc_info=True)
+            return 0

@@ -1,0 +1,229 @@
+"""Lookahead preloading: stage waiting requests' prefixes before vLLM asks.
+
+vLLM only probes the waiting requests its scheduling loop reaches; when the
+running batch is full it probes none, so without lookahead a queued request
+starts its disk reads only when it reaches the head, and then waits a step
+for them. The connector subclass (:mod:`pykvcache.vllm.connector`) hands
+every request's chunk keys to :class:`Preloader` at arrival; at each step end
+the preloader starts reads for the head of the queue.
+
+Rules that keep it from thrashing the staging region:
+
+* queue order (priority under the priority policy, then arrival), at most
+  ``window`` requests;
+* every preloaded chunk is held for its request (never evicted) until the
+  request is scheduled, finishes or is aborted; held chunks count against
+  ``budget_slots`` (shared prefixes are held once);
+* a read is started only into a free slot or by evicting a chunk that is not
+  an unused preload (a pending load, a store or a held chunk is never
+  evictable in the first place);
+* the gate runs on preloads too: only what it would load is read.
+
+Preloaded bytes that a request then loads count as used; preloaded chunks
+that leave staging before any load used them count as wasted.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from vllm.v1.kv_offload.base import LookupResult
+
+from pykvcache.gate import AdmissionGate, ChunkState
+
+
+@dataclass(eq=False)
+class WaitingRequest:
+    req_id: Hashable
+    #: Chunk keys per KV cache group, in prompt order.
+    key_lists: Sequence[Sequence[bytes]]
+    priority: int = 0
+    arrival: float = 0.0
+    #: Cap on chunks worth loading (vLLM's ``max_load_tokens``), None = no cap.
+    max_chunks: int | None = None
+    #: Tokens of the prompt already in the device cache (re-evaluated each pass).
+    device_cached_tokens: Callable[[], int] | None = None
+    order: tuple = field(default=(), init=False)
+
+
+class LookaheadQueue:
+    """Waiting requests in the scheduler's order: ``(priority, arrival)`` under
+    the priority policy, arrival otherwise (ties by insertion)."""
+
+    def __init__(self, *, by_priority: bool = False) -> None:
+        self.by_priority = by_priority
+        self._order: list[tuple] = []
+        self._by_id: dict[Hashable, WaitingRequest] = {}
+        self._seq = itertools.count()
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def __contains__(self, req_id: Hashable) -> bool:
+        return req_id in self._by_id
+
+    def add(self, req: WaitingRequest) -> None:
+        if req.req_id in self._by_id:
+            self.remove(req.req_id)
+        prio = req.priority if self.by_priority else 0
+        req.order = (prio, req.arrival, next(self._seq))
+        self._by_id[req.req_id] = req
+        bisect.insort(self._order, (req.order, req.req_id))
+
+    def remove(self, req_id: Hashable) -> WaitingRequest | None:
+        req = self._by_id.pop(req_id, None)
+        if req is not None:
+            i = bisect.bisect_left(self._order, (req.order, req_id))
+            if i < len(self._order) and self._order[i][1] == req_id:
+                del self._order[i]
+        return req
+
+    def head(self, n: int) -> list[WaitingRequest]:
+        return [self._by_id[rid] for _, rid in self._order[:n]]
+
+    def __iter__(self) -> Iterator[WaitingRequest]:
+        return iter(self.head(len(self._order)))
+
+
+class Preloader:
+    """Plans and tracks preloads on top of the manager's building blocks."""
+
+    def __init__(self, manager, *, budget_slots: int, window: int,
+                 gate: AdmissionGate | None, chunk_tokens: int, by_priority: bool = False) -> None:
+        self.manager = manager
+        self.budget_slots = max(0, budget_slots)
+        self.window = max(0, window)
+        self.gate = gate
+        self.chunk_tokens = chunk_tokens
+        self.queue = LookaheadQueue(by_priority=by_priority)
+        #: key -> waiting requests a preload holds it for (a shared prefix once).
+        self.held: dict[bytes, set[Hashable]] = {}
+        #: chunks read by a preload that no load has used yet
+        self.unused: dict[bytes, None] = {}
+        self.peak_held = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.budget_slots > 0 and self.window > 0
+
+    @staticmethod
+    def owner(req_id: Hashable) -> tuple[str, Hashable]:
+        return ("lookahead", req_id)
+
+    # -- queue membership ---------------------------------------------------------
+    def add(self, req: WaitingRequest) -> None:
+        if not self.enabled:
+            return
+        self.queue.add(req)
+        self.manager.metrics.inc("lookahead_requests_queued")
+
+    def forget(self, req_id: Hashable, *, cancelled: bool) -> None:
+        """The request left the queue: scheduled (its lookups now hold what it
+        needs) or finished/aborted. Its preload holds are released."""
+        if self.queue.remove(req_id) is None:
+            return
+        owner = self.owner(req_id)
+        held_any = False
+        for key in self.manager.cache.held_by(owner):
+            held_any = True
+            holders = self.held.get(key)
+            if holders is not None:
+                holders.discard(req_id)
+                if not holders:
+                    del self.held[key]
+        self.manager.cache.release_owner(owner)
+        if cancelled and held_any:
+            self.manager.metrics.inc("lookahead_cancelled_requests")
+
+    # -- accounting ---------------------------------------------------------------
+    def loaded(self, keys) -> None:
+        chunk = self.manager.layout.payload_bytes
+        for key in keys:
+            if key in self.unused:
+                del self.unused[key]
+                self.manager.metrics.inc("lookahead_used_bytes", chunk)
+
+    def sweep(self) -> None:
+        """Count preloads that left staging unused (evicted, failed read, reset)."""
+        if not self.unused:
+            return
+        cache = self.manager.cache
+        gone = [key for key in self.unused if key not in cache]
+        for key in gone:
+            del self.unused[key]
+            self.held.pop(key, None)
+        if gone:
+            self.manager.metrics.inc("lookahead_wasted_bytes",
+                                     len(gone) * self.manager.layout.payload_bytes)
+
+    def clear(self) -> None:
+        for req in list(self.queue):
+            self.forget(req.req_id, cancelled=False)
+        self.held.clear()
+        self.unused.clear()
+
+    # -- planning -----------------------------------------------------------------
+    def plan(self) -> None:
+        """Start reads for the head of the queue, within budget and window."""
+        self.sweep()
+        if not self.enabled or not len(self.queue):
+            return
+        for req in self.queue.head(self.window):
+            skip = 0
+            if req.device_cached_tokens is not None:
+                skip = max(0, req.device_cached_tokens()) // self.chunk_tokens
+            for keys in req.key_lists:
+                end = len(keys) if req.max_chunks is None else min(len(keys), skip + req.max_chunks)
+                if not self._preload(req.req_id, keys[skip:end], skip * self.chunk_tokens):
+                    self.peak_held = max(self.peak_held, len(self.held))
+                    return
+        self.peak_held = max(self.peak_held, len(self.held))
+
+    def _preload(self, req_id: Hashable, keys: Sequence[bytes], start_tokens: int) -> bool:
+        """Hold or read this request's gated prefix; False when the budget or
+        staging stops the pass (later requests must not jump ahead)."""
+        m = self.manager
+        cache = m.cache
+        states = [m.chunk_state(k) for k in keys]
+        if self.gate is not None:
+            decision = self.gate.decide(states, start_tokens=start_tokens,
+                                        queued_bytes=m.queued_bytes())
+            self.gate.take_counters()  # a gate of its own: lookups count decisions, preloads not
+            wanted = decision.load_chunks
+            m.metrics.inc("lookahead_gate_skipped_chunks", decision.available_chunks - wanted)
+        else:
+            wanted = next((i for i, s in enumerate(states) if s is ChunkState.MISSING), len(keys))
+        owner = self.owner(req_id)
+        for key in keys[:wanted]:
+            entry = cache.get(key)
+            if entry is not None:
+                if owner not in entry.owners:
+                    # Already staged (another request's preload, a store, a
+                    # cached chunk): holding it costs no read, but it counts
+                    # against the budget once.
+                    if key not in self.held and len(self.held) >= self.budget_slots:
+                        m.metrics.inc("lookahead_budget_stops")
+                        return False
+                    cache.hold(owner, key)
+                    self.held.setdefault(key, set()).add(req_id)
+                continue
+            if len(self.held) >= self.budget_slots:
+                m.metrics.inc("lookahead_budget_stops")
+                return False
+            if cache.allocatable() == 0:
+                return False
+            victim = cache.next_victim()
+            if victim is not None and victim in self.unused:
+                # Taking this slot would throw away another preload before use.
+                m.metrics.inc("lookahead_budget_stops")
+                return False
+            if m.stage(key, owner=owner) is LookupResult.MISS:
+                return False  # no slot, or the read was refused
+            self.held.setdefault(key, set()).add(req_id)
+            self.unused[key] = None
+            m.metrics.inc("lookahead_preload_reads")
+            m.metrics.inc("lookahead_preload_bytes", m.layout.payload_bytes)
+        return True

@@ -1,0 +1,411 @@
+"""Lookahead preloading and gate wiring in the manager, over a real staging pool
+and a real on-disk store (io_uring reads, verified chunks).
+
+No vLLM engine: the test plays the scheduler (probe the head of the queue,
+load, run a few steps, finish) and the connector (queue every request at
+arrival), and checks the staged bytes the "worker" would copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import pytest
+
+from pykvcache import BlockStore, StagingPool
+from pykvcache.gate import AdmissionGate, CostModel, LoadCost, PrefillCurve, StoreAdmission
+from pykvcache.vllm.gate_plan import GateWiring
+from pykvcache.vllm.layout import ChunkLayout
+from pykvcache.vllm.lookahead import WaitingRequest
+from pykvcache.vllm.manager import NvmeOffloadingManager
+from pykvcache.vllm.metrics import COUNTERS, GAUGES, metric_definitions
+
+vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
+LookupResult = vllm_base.LookupResult
+ReqContext = vllm_base.ReqContext
+ScheduleEndContext = vllm_base.ScheduleEndContext
+
+LAYOUT = ChunkLayout(blocks_per_chunk=2, bytes_per_block=8192, world_size=1)
+CT = 64  # tokens per chunk
+CHUNK = LAYOUT.payload_bytes
+
+
+def _key(i: int) -> bytes:
+    return i.to_bytes(32, "big") + (0).to_bytes(4, "big")
+
+
+def _payload(key: bytes) -> bytes:
+    i = int.from_bytes(key[:32], "big")
+    return bytes((i * 7 + j) % 251 for j in range(CHUNK))
+
+
+def _gate(break_even_chunks: float | None = None) -> AdmissionGate:
+    """A gate whose break-even is ``break_even_chunks`` chunks (None: loads from
+    the first chunk). Linear prefill, tiny per-byte load cost: break-even =
+    fixed / b."""
+    bpt = CHUNK / CT
+    load = LoadCost(fixed_s=1e-3, disk_bytes_per_s=1e15, h2d_bytes_per_s=1e15)
+    b = 1.0 if break_even_chunks is None else 1e-3 / (break_even_chunks * CT)
+    return AdmissionGate(CostModel(PrefillCurve(0.0, b, 0.0), load, bpt), chunk_tokens=CT,
+                         online=None)
+
+
+class Harness:
+    def __init__(self, directory, *, num_slots, lookahead_slots=0, window=0,
+                 hold_slots=None, gate=None, admission=None, store_min_tokens=0):
+        self.pool = StagingPool(CHUNK, num_slots)
+        self.store_obj = BlockStore([str(directory)], self.pool, namespace="la-ns",
+                                    capacity_bytes=1 << 30)
+        gating = None
+        if gate is not None:
+            gating = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK, admission=admission,
+                                store_min_tokens=store_min_tokens)
+        self.m = NvmeOffloadingManager(pool=self.pool, store=self.store_obj, layout=LAYOUT,
+                                       gating=gating, lookahead_slots=lookahead_slots,
+                                       lookahead_requests=window, lookup_hold_slots=hold_slots)
+
+    def ctx(self, rid, keys):
+        c = ReqContext(req_id=rid)
+        for i, k in enumerate(keys):
+            c.set_offload_key_position(k, (i + 1) * CT)
+        return c
+
+    def write_to_disk(self, keys):
+        """Store chunks the way vLLM does, a few per step, until all are on disk."""
+        pending = list(keys)
+        while pending:
+            batch = pending[: max(1, self.m.allocatable_slots() - 1)]
+            ctx = ReqContext(req_id="writer")
+            out = self.m.prepare_store(batch, ctx)
+            if out is None:
+                self.step()
+                continue
+            for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+                view = self.pool.view(int(slot))
+                view[:] = _payload(key)
+                view.release()
+            self.m.complete_store(out.keys_to_store, ctx)
+            pending = pending[len(batch):]
+            self.settle()
+
+    def step(self, scheduled=()):
+        self.m.on_schedule_end(ScheduleEndContext(new_req_ids=list(scheduled),
+                                                  preempted_req_ids=[]))
+
+    def settle(self, timeout=10.0):
+        deadline = time.monotonic() + timeout
+        while self.m.has_pending_work():
+            assert time.monotonic() < deadline, "I/O did not finish"
+            self.step()
+            time.sleep(0.0005)
+
+    def probe(self, rid, keys):
+        """vLLM's prefix lookup: stop at the first MISS; None if it must wait."""
+        ctx = self.ctx(rid, keys)
+        hits, wait = 0, False
+        for k in keys:
+            r = self.m.lookup(k, ctx)
+            if r is LookupResult.MISS:
+                break
+            if r is LookupResult.RETRY:
+                wait = True
+                continue
+            hits += 1
+            wait |= r is LookupResult.HIT_PENDING
+        return ctx, (None if wait else hits)
+
+    def load(self, ctx, keys):
+        spec = self.m.prepare_load(keys, ctx)
+        for key, slot in zip(keys, spec.block_ids):
+            view = self.pool.view(int(slot))
+            data = bytes(view[:CHUNK])
+            view.release()
+            assert data == _payload(key), "staged bytes differ from what was stored"
+        self.m.complete_load(keys, ctx)
+
+    def queue(self, rid, keys, arrival):
+        self.m.lookahead_add(WaitingRequest(req_id=rid, key_lists=[keys], arrival=arrival))
+
+    def close(self):
+        self.m.shutdown()
+
+
+def _run_queue(h, requests, *, run_steps=2, check=None, max_steps=5000):
+    """max_num_seqs=1: the head is probed when nothing runs; a scheduled request
+    runs ``run_steps`` steps, during which no waiting request is probed."""
+    waiting = deque(requests)
+    served = {}
+    steps = 0
+    while waiting:
+        steps += 1
+        assert steps < max_steps
+        rid, keys = waiting[0]
+        ctx, hits = h.probe(rid, keys)
+        if hits is None:
+            h.step()
+            time.sleep(0.0005)
+            if check:
+                check()
+            continue
+        if hits:
+            h.load(ctx, keys[:hits])
+        served[rid] = hits
+        waiting.popleft()
+        h.step(scheduled=[rid])
+        for _ in range(run_steps):
+            time.sleep(0.001)  # the forward pass: reads progress meanwhile
+            h.step()
+            if check:
+                check()
+        h.m.on_request_finished(ctx)
+    return served
+
+
+def test_declared_metrics_cover_gate_and_lookahead():
+    names = set(metric_definitions())
+    for name in ("lookahead_preload_bytes", "lookahead_wasted_bytes", "lookahead_used_bytes",
+                 "gate_decisions_load", "gate_limited_lookups", "store_skipped_first_sighting",
+                 "lookup_hold_cap_retries"):
+        assert "vllm:pykvcache_" + name in names and name in COUNTERS
+    for name in ("gate_break_even_tokens", "lookahead_slots_held"):
+        assert "vllm:pykvcache_" + name in names and name in GAUGES
+
+
+def test_queued_request_is_staged_before_its_first_lookup(tmp_path):
+    h = Harness(tmp_path / "kv", num_slots=32, lookahead_slots=16, window=4, gate=_gate())
+    try:
+        keys = [_key(i) for i in range(6)]
+        h.write_to_disk(keys)
+        h.m.cache.clear()  # nothing staged: the prefix is only on disk
+        h.queue("r1", keys, arrival=1.0)
+        h.settle()
+        m = h.m.metrics.totals
+        assert m["lookahead_preload_reads"] == 6 and m["disk_reads"] == 6
+        ctx, hits = h.probe("r1", keys)
+        assert hits == 6  # every chunk HIT at the first probe: no wait step
+        h.load(ctx, keys)
+        h.step(scheduled=["r1"])
+        assert m["lookup_waited_requests"] == 0 and m["lookup_ready_requests"] == 1
+        assert m["lookahead_used_bytes"] == 6 * CHUNK and m["lookahead_wasted_bytes"] == 0
+        assert not h.m.preloader.held and len(h.m.preloader.queue) == 0
+    finally:
+        h.close()
+
+
+def test_shared_prefix_is_read_once_and_window_and_budget_bound_preloads(tmp_path):
+    h = Harness(tmp_path / "kv", num_slots=40, lookahead_slots=10, window=2, gate=_gate())
+    try:
+        shared = [_key(i) for i in range(4)]
+        tails = {r: [_key(100 + 10 * r + j) for j in range(4)] for r in range(4)}
+        h.write_to_disk(shared + [k for t in tails.values() for k in t])
+        h.m.cache.clear()
+        for r in range(4):
+            h.queue(f"r{r}", shared + tails[r], arrival=float(r))
+        h.settle()
+        m = h.m.metrics.totals
+        # Window 2 (r0, r1), budget 10 slots: the shared 4 chunks are read once
+        # and held once, r0's tail 4, then 2 of r1's tail; r2 and r3 untouched.
+        assert m["lookahead_preload_reads"] == 10 and m["disk_reads"] == 10
+        assert len(h.m.preloader.held) == 10 and m["lookahead_budget_stops"] >= 1
+        assert sum(h.m.staged_state(k) is not None for k in tails[1]) == 2
+        assert all(h.m.staged_state(k) is None for k in tails[2] + tails[3])
+        # r0 is aborted before scheduling: its tail is released (not evicted),
+        # the window moves on to r1, r2 within the same budget.
+        h.m.on_request_finished(ReqContext(req_id="r0"))
+        assert m["lookahead_cancelled_requests"] == 1
+        h.step()
+        h.settle()
+        assert len(h.m.preloader.held) == 10
+        assert all(h.m.staged_state(k) is not None for k in tails[1])
+        assert sum(h.m.staged_state(k) is not None for k in tails[2]) == 2
+        assert all(h.m.staged_state(k) is None for k in tails[3])
+        assert all(h.m.staged_state(k) is not None for k in tails[0])  # cached, not dropped
+    finally:
+        h.close()
+
+
+def test_preloads_never_evict_unused_preloads_and_waste_is_counted(tmp_path):
+    # 8 slots: the budget (6) would allow more, but staging decides.
+    h = Harness(tmp_path / "kv", num_slots=8, lookahead_slots=6, window=8, gate=_gate())
+    try:
+        a = [_key(i) for i in range(4)]
+        b = [_key(10 + i) for i in range(4)]
+        c = [_key(20 + i) for i in range(8)]
+        h.write_to_disk(a + b + c)
+        h.m.cache.clear()
+        h.queue("a", a, 1.0)
+        h.queue("b", b, 2.0)
+        h.settle()
+        assert len(h.m.preloader.held) == 6  # a:4, b:2 (budget)
+        # a is aborted: its 4 preloads become evictable but are still unused.
+        h.m.on_request_finished(ReqContext(req_id="a"))
+        h.step()
+        h.settle()
+        # b gets its last 2 chunks into the 2 free slots, then stops: the only
+        # evictable slots hold a's unused preloads.
+        assert all(h.m.staged_state(k) is not None for k in b)
+        assert all(h.m.staged_state(k) is not None for k in a)
+        assert h.m.metrics.totals["lookahead_wasted_bytes"] == 0
+        # A lookup of another request (not a preload) may evict them: counted as waste.
+        h.m.preloader.forget("b", cancelled=True)
+        ctx, hits = h.probe("c", c)
+        h.settle()
+        h.step()
+        assert h.m.metrics.totals["lookahead_wasted_bytes"] >= CHUNK
+    finally:
+        h.close()
+
+
+def test_gate_recomputes_short_prefixes_without_reading_and_loads_long_ones(tmp_path):
+    h = Harness(tmp_path / "kv", num_slots=32, gate=_gate(break_even_chunks=3.5))
+    try:
+        keys = [_key(i) for i in range(8)]
+        h.write_to_disk(keys)
+        h.m.cache.clear()
+        reads = h.m.metrics.totals["disk_reads"]
+        short = keys[:2]
+        ctx, hits = h.probe("short", short)
+        assert hits == 0 and h.m.metrics.totals["disk_reads"] == reads
+        assert all(h.m.staged_state(k) is None for k in short)  # nothing was read
+        h.m.on_request_finished(ctx)
+        ctx, hits = h.probe("long", keys)
+        assert hits is None  # reads started
+        h.settle()
+        ctx, hits = h.probe("long", keys)
+        assert hits == 8
+        h.load(ctx, keys)
+        h.step(scheduled=["long"])
+        stats = h.m.get_stats()
+        assert stats is not None
+        t = h.m.metrics.totals
+        assert t["gate_decisions_recompute"] == 1 and t["gate_decisions_load"] == 1
+        assert t["gate_tokens_recomputed"] == 2 * CT and t["gate_tokens_loaded"] == 8 * CT
+        assert t["gate_limited_lookups"] == 1
+        assert h.m.metrics.gauges["gate_break_even_tokens"] == pytest.approx(3.5 * CT)
+    finally:
+        h.close()
+
+
+def test_gate_applies_to_preloads(tmp_path):
+    h = Harness(tmp_path / "kv", num_slots=32, lookahead_slots=16, window=4,
+                gate=_gate(break_even_chunks=3.5))
+    try:
+        keys = [_key(i) for i in range(8)]
+        h.write_to_disk(keys)
+        h.m.cache.clear()
+        h.queue("short", [_key(i) for i in range(2)], 1.0)
+        h.settle()
+        assert h.m.metrics.totals["lookahead_preload_reads"] == 0
+        assert h.m.metrics.totals["lookahead_gate_skipped_chunks"] >= 2
+        h.queue("long", keys, 2.0)
+        h.settle()
+        assert h.m.metrics.totals["lookahead_preload_reads"] == 8
+        # Preload decisions are not request decisions.
+        assert h.m.metrics.totals["gate_decisions_load"] == 0
+    finally:
+        h.close()
+
+
+def test_online_refinement_observes_disk_loads(tmp_path):
+    from pykvcache.gate import OnlineLoadModel
+
+    # A device calibrated absurdly fast (0.1 us, 1 PB/s): any real read is slower.
+    fast = LoadCost(fixed_s=1e-7, disk_bytes_per_s=1e15, h2d_bytes_per_s=1e15)
+    gate = AdmissionGate(CostModel(PrefillCurve(0.0, 1.0, 0.0), fast, CHUNK / CT),
+                         chunk_tokens=CT, online=OnlineLoadModel(fast))
+    h = Harness(tmp_path / "kv", num_slots=16, gate=gate)
+    try:
+        keys = [_key(i) for i in range(4)]
+        h.write_to_disk(keys)
+        h.m.cache.clear()
+        h.probe("r", keys)
+        h.settle()
+        assert h.m.metrics.totals["gate_load_observations"] == 1
+        assert gate.online.samples == 1
+        assert gate.online.fixed_s > 1e-7  # moved towards the slower real device
+    finally:
+        h.close()
+
+
+def test_store_admission_second_sighting(tmp_path):
+    gate = _gate()
+    h = Harness(tmp_path / "kv", num_slots=16, gate=gate,
+                admission=StoreAdmission(chunk_tokens=CT, second_sighting=True))
+    try:
+        keys = [_key(i) for i in range(3)]
+        ctx, _ = h.probe("first", keys)  # first sighting (all MISS)
+        out = h.m.prepare_store(keys, ctx)
+        assert out.keys_to_store == []
+        assert h.m.metrics.totals["store_skipped_first_sighting"] == 0  # counted in get_stats
+        h.m.get_stats()
+        assert h.m.metrics.totals["store_skipped_first_sighting"] == 3
+        h.m.on_request_finished(ctx)
+        ctx2, _ = h.probe("second", keys)
+        out = h.m.prepare_store(keys, ctx2)
+        assert out.keys_to_store == keys
+    finally:
+        h.close()
+
+
+def test_lookup_holds_of_waiting_requests_are_capped(tmp_path):
+    h = Harness(tmp_path / "kv", num_slots=12, hold_slots=4)
+    try:
+        a = [_key(i) for i in range(5)]
+        b = [_key(10 + i) for i in range(3)]
+        h.write_to_disk(a + b)
+        h.m.cache.clear()
+        _, hits = h.probe("a", a)  # the first waiting request may take what it needs
+        assert hits is None
+        assert all(h.m.staged_state(k) is not None for k in a)
+        _, hits = h.probe("b", b)  # others already hold 5 >= 4 slots: ask again later
+        assert hits is None and h.m.metrics.totals["lookup_hold_cap_retries"] == 3
+        assert all(h.m.staged_state(k) is None for k in b)  # nothing read, nothing held
+        h.settle()
+        h.step(scheduled=["a"])  # a scheduled: its holds end
+        _, hits = h.probe("b", b)
+        assert hits is None
+    finally:
+        h.close()
+
+
+def test_fifty_queued_requests_do_not_thrash_staging(tmp_path):
+    """50 queued requests with 8-chunk prefixes, staging for 5 of them: preloads
+    stay within budget, are used before eviction, and every request loads its
+    whole prefix, byte-identical."""
+    n_req, chunks = 50, 8
+    budget = 20  # lookahead share: 50% of 40 slots = 2.5 requests
+    h = Harness(tmp_path / "kv", num_slots=5 * chunks, lookahead_slots=budget, window=8,
+                hold_slots=20, gate=_gate())
+    try:
+        reqs = [(f"q{r}", [_key(1000 * (r + 1) + j) for j in range(chunks)])
+                for r in range(n_req)]
+        h.write_to_disk([k for _, ks in reqs for k in ks])
+        peak = []
+
+        def check():
+            held = len(h.m.preloader.held)
+            peak.append(held)
+            assert held <= budget
+
+        for i, (rid, keys) in enumerate(reqs):
+            h.queue(rid, keys, arrival=float(i))
+            check()
+        t0 = time.monotonic()
+        served = _run_queue(h, reqs, run_steps=2, check=check)
+        elapsed = time.monotonic() - t0
+        h.m.get_stats()
+        t = h.m.metrics.totals
+        assert served == {rid: chunks for rid, _ in reqs}
+        preloaded = t["lookahead_preload_bytes"]
+        print(f"\nthrash: preloaded={preloaded / CHUNK:.0f} chunks used={t['lookahead_used_bytes'] / CHUNK:.0f} "
+              f"wasted={t['lookahead_wasted_bytes'] / CHUNK:.0f} waited={t['lookup_waited_requests']:.0f} "
+              f"ready={t['lookup_ready_requests']:.0f} peak_held={max(peak)} evictions={t['staging_evictions']:.0f} "
+              f"elapsed={elapsed:.2f}s")
+        assert preloaded >= 0.8 * n_req * chunks * CHUNK  # almost every chunk came by preload
+        assert t["lookahead_wasted_bytes"] <= 0.05 * preloaded
+        assert t["lookahead_used_bytes"] >= 0.95 * preloaded - CHUNK * chunks
+        assert t["lookup_ready_requests"] >= 0.8 * n_req
+        assert max(peak) <= budget
+    finally:
+        h.close()
