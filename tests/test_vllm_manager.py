@@ -230,3 +230,22 @@ def test_persistence_reset_and_declared_stats(tmp_path):
         assert second.manager.lookup(_key(1), ReqContext(req_id="r")) is LookupResult.MISS
     finally:
         second.close()
+
+
+def test_chunks_published_by_another_engine_become_hits(tmp_path):
+    """Two engines share one directory: a chunk the other one stored after
+    this one opened is found (one lstat, rate-limited per key) and served."""
+    ours = Harness(tmp_path)
+    theirs = Harness(tmp_path)
+    assert ours.lookup_until_final(_key(7))[0] == LookupResult.MISS
+    theirs.store([7])
+    theirs.settle()
+    result, _ = ours.lookup_until_final(_key(7))
+    if result == LookupResult.MISS:  # probed absent less than a second ago
+        time.sleep(1.05)
+        result, _ = ours.lookup_until_final(_key(7))
+    assert result == LookupResult.HIT
+    slot = ours.manager.prepare_load([_key(7)], ReqContext(req_id="r")).block_ids[0]
+    with ours.pool.view(int(slot)) as view:
+        assert bytes(view[: LAYOUT.payload_bytes]) == _payload(7)
+    assert ours.manager.metrics.totals["peer_chunks_found"] == 1

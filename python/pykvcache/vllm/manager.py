@@ -66,6 +66,10 @@ from pykvcache.vllm.transfer_spec import StagingSlotsSpec
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
+# Chunks another engine publishes in shared directories become visible within this.
+_PROBE_INTERVAL_S = 1.0
+_PROBE_MEMORY = 100_000
+
 
 class NvmeOffloadingManager(OffloadingManager):
     def __init__(
@@ -118,6 +122,7 @@ class NvmeOffloadingManager(OffloadingManager):
         self._lookup_holders: dict[bytes, set[str]] = {}
         self._lookup_owned: dict[str, set[bytes]] = {}
         self._waited: set[str] = set()  # requests that met HIT_PENDING
+        self._probed_absent: dict[bytes, float] = {}  # key -> next probe time
 
     # ------------------------------------------------------------------
     # Building blocks (also for a preloader / admission gate)
@@ -130,7 +135,22 @@ class NvmeOffloadingManager(OffloadingManager):
         return self.cache.allocatable()
 
     def on_disk(self, key: bytes) -> bool:
-        return self.store.contains(key)
+        """In the index, or published since by another engine sharing the
+        directories. A key the disk did not have is probed again only after
+        ``_PROBE_INTERVAL_S``: a waiting request is looked up every step."""
+        if self.store.contains(key):
+            return True
+        now = time.monotonic()
+        if self._probed_absent.get(key, 0.0) > now:
+            return False
+        if self.store.probe(key):
+            self._probed_absent.pop(key, None)
+            self.metrics.inc("peer_chunks_found")
+            return True
+        if len(self._probed_absent) >= _PROBE_MEMORY:
+            self._probed_absent.clear()
+        self._probed_absent[key] = now + _PROBE_INTERVAL_S
+        return False
 
     def stage(self, key: bytes, owner: Hashable | None = None) -> LookupResult:
         """Make ``key`` readable from staging: HIT if it already is, HIT_PENDING
@@ -141,7 +161,7 @@ class NvmeOffloadingManager(OffloadingManager):
         self._poll_read(key)
         entry = self.cache.get(key)
         if entry is None:
-            if not self.store.contains(key):
+            if not self.on_disk(key):
                 return LookupResult.MISS
             entry = self._start_read(key)
             if entry is None:
@@ -159,7 +179,7 @@ class NvmeOffloadingManager(OffloadingManager):
         or being read or stored) costs no further disk read."""
         if key in self.cache:
             return ChunkState.STAGED
-        return ChunkState.DISK if self.store.contains(key) else ChunkState.MISSING
+        return ChunkState.DISK if self.on_disk(key) else ChunkState.MISSING
 
     def queued_bytes(self) -> int:
         return (len(self._reads) + len(self._writes) + len(self._write_queue)) * \

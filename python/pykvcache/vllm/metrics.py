@@ -32,6 +32,7 @@ COUNTERS = {
     "disk_write_bytes": "Payload bytes written from staging to disk.",
     "corrupt_chunks": "Chunks that failed verification on read; counted as misses and removed.",
     "vanished_chunks": "Chunks the index listed but the read did not find; counted as misses.",
+    "peer_chunks_found": "Chunks published by another engine sharing the directories, found on a lookup.",
     "read_errors": "Chunk reads that failed with an OS error; counted as misses.",
     "write_errors": "Chunk writes that failed (full disk, permissions, ...); the chunk is not kept.",
     "staging_full_misses": "Lookups that found the chunk on disk but no staging slot to read it into.",
