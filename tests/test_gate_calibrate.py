@@ -87,8 +87,10 @@ def test_profile_is_sane(calibrated):
     points = p.prefill["points"]
     assert len(points) == 5 and all(len(pt["samples_s"]) == 3 for pt in points)
     # Background load only ever adds time, so the fastest sample is the robust
-    # view of compute: the longest prompt's can't drop below its real cost.
-    assert min(points[-1]["samples_s"]) > 2 * min(points[0]["samples_s"])
+    # view of compute: a prompt 64x longer cannot be faster than the shortest.
+    # (No ratio is asserted: on a busy 2-core CI machine the shortest prompt's
+    # samples were seen inflated 14x; speed targets live in the benchmarks.)
+    assert min(points[-1]["samples_s"]) > min(points[0]["samples_s"])
     model = p.cost_model()
     curve = [model.prefill.time(n) for n in range(0, 4096, 32)]
     assert curve == sorted(curve) and curve[-1] > curve[0]
