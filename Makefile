@@ -30,4 +30,4 @@ bench: develop
 	$(PY) -m pykvcache.cli bench --out bench-out
 
 clean:
-	rm -rf target bench-out
+	rm -rf target bench-out demo-out gpu-bench-out

@@ -122,3 +122,13 @@ def test_decision_is_cheap():
     per_call = (time.perf_counter() - t0) / 100
     # ~1 us per chunk on an idle core; generous for loaded CI machines.
     assert per_call < 0.005
+
+
+def test_counters_never_decrease_when_a_disabled_gate_loads_at_a_loss():
+    """vLLM's Prometheus counters reject negative increments (the engine dies)."""
+    gate = _gate(enabled=False)
+    d = gate.decide([ChunkState.DISK])  # one chunk: below break-even, loaded anyway
+    assert d.load_chunks == 1 and d.est_saving_s < 0
+    counters = gate.take_counters()
+    assert all(v >= 0 for v in counters.values()), counters
+    assert counters["gate_est_lost_ms"] > 0 and "gate_est_saved_ms" not in counters

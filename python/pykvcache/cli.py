@@ -94,7 +94,13 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
         default=Path.cwd(),
         help="directory on the storage to measure (a temporary subdirectory is created and removed); default: current directory",
     )
-    parser.add_argument("--quick", action="store_true", help="smoke preset: one chunk size, one repeat (under a minute)")
+    preset = parser.add_mutually_exclusive_group()
+    preset.add_argument(
+        "--quick", action="store_true", help="smoke preset: storage and fs tier only, one chunk size, one repeat (about a minute)"
+    )
+    preset.add_argument(
+        "--full", action="store_true", help="the whole sweep: 3 chunk sizes, 3 queue depths, 8 fio shapes (about 10 minutes)"
+    )
     parser.add_argument("--parts", default=None, help="comma-separated parts to run (default: all default parts); see --list-parts")
     parser.add_argument("--list-parts", action="store_true", help="list the available parts and exit")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per measurement (medians are reported)")
@@ -106,6 +112,7 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
 
     def run(args: argparse.Namespace) -> int:
         from .bench import BenchConfig, quick, run_bench
+        from .bench.config import full
         from .bench.parts import PARTS, resolve_parts
 
         if args.list_parts:
@@ -127,6 +134,8 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
             config.parts = parts
         if args.quick:
             config = quick(config)
+        elif args.full:
+            config = full(config)
         if args.repeats:
             config.repeats = args.repeats
         if args.chunk_mib:
@@ -168,6 +177,31 @@ def _print_summary(result: object) -> None:
         for name, (met, why) in out.targets.items():
             console.print(f"{'[green]met' if met else '[red]missed'}[/] {name}: {why}")
     console.print(f"report: {result.report} ({result.elapsed_s:.0f} s)")  # type: ignore[attr-defined]
+
+
+@subcommand("demo", "the main job on an embedded default: prefix reuse in vLLM through a local directory, then bench --quick")
+def _demo(parser: argparse.ArgumentParser) -> Handler:
+    from .demo import DEFAULT_OUT
+
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--no-bench", action="store_true", help="only the vLLM prefix-reuse part")
+    parser.add_argument("--no-vllm", action="store_true", help="only the storage benchmark (bench --quick)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
+
+    def run(args: argparse.Namespace) -> int:
+        import json
+
+        from .demo import run_demo
+
+        if args.out.exists() and not args.out.is_dir():
+            print(f"pykvcache demo: --out {args.out} exists and is not a directory", file=sys.stderr)
+            return 2
+        code, record = run_demo(args.out, bench=not args.no_bench, vllm=not args.no_vllm, argv=["pykvcache", *args.argv])
+        if args.json:
+            print(json.dumps(record))
+        return code
+
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,8 +1,10 @@
 """What a benchmark run measures and how long it may take.
 
-Two presets: the default finishes in a few minutes on a 2-core machine; the
-quick one (``make demo`` smoke use) in well under a minute. Every size is a
-parameter, so tests run the same code with tiny sizes.
+Three presets: the default finishes in about four minutes on a 2-core machine
+(two chunk sizes, two engine depths, a trimmed fio sweep); ``full`` (``--full``)
+is the whole sweep (three chunk sizes, three depths, eight fio shapes); the
+quick one (``make demo``) measures storage and the fs tier in under a minute.
+Every size is a parameter, so tests run the same code with tiny sizes.
 """
 
 from __future__ import annotations
@@ -14,43 +16,69 @@ from typing import Any
 MiB = 1 << 20
 
 # (numjobs, iodepth) pairs fio tries at each block size; the best is the limit.
-FIO_SWEEP_DEFAULT: tuple[tuple[int, int], ...] = (
+FIO_SWEEP_FULL: tuple[tuple[int, int], ...] = (
     (1, 1), (1, 4), (1, 8), (1, 16), (1, 32),
     (4, 1), (4, 4),
     (16, 1),
 )  # fmt: skip
+# The shapes that came out best in full sweeps on the development machines (one
+# deep job, several jobs); ``fio_sweep_for`` adds one job at each engine depth.
+FIO_SWEEP_DEFAULT: tuple[tuple[int, int], ...] = ((1, 32), (4, 4))
 FIO_SWEEP_QUICK: tuple[tuple[int, int], ...] = ((1, 1), (1, 8), (4, 1), (4, 4))
+#: Parts the quick preset runs when none are named: storage and the fs tier.
+QUICK_PARTS = ("storage", "fs_tier")
 
 
 @dataclass
 class BenchConfig:
     out: Path
     directory: Path
-    parts: list[str] = field(default_factory=lambda: ["storage", "fs_tier"])
+    # None = every part registered as default (see ``pykvcache bench --list-parts``).
+    parts: list[str] | None = None
     repeats: int = 2
     cold_reads: bool = True
     # Engine vs fio (the physical limit).
-    chunk_sizes: list[int] = field(default_factory=lambda: [2 * MiB, 8 * MiB, 28 * MiB])
-    queue_depths: list[int] = field(default_factory=lambda: [1, 8, 32])
+    chunk_sizes: list[int] = field(default_factory=lambda: [8 * MiB, 28 * MiB])
+    queue_depths: list[int] = field(default_factory=lambda: [1, 8])
     engine_bytes: int = 512 * MiB
-    fio_runtime_s: float = 1.0
+    fio_runtime_s: float = 0.5
     fio_file_bytes: int = 256 * MiB
     fio_sweep: list[tuple[int, int]] = field(default_factory=lambda: list(FIO_SWEEP_DEFAULT))
     # Registered buffers of one fio run (numjobs x depth x bs) stay under this.
     fio_max_inflight_bytes: int = 2048 * MiB
     # Against vLLM's fs tier.
-    fs_chunk_sizes: list[int] = field(default_factory=lambda: [8 * MiB, 28 * MiB])
-    fs_bytes: int = 512 * MiB
+    fs_chunk_sizes: list[int] = field(default_factory=lambda: [28 * MiB])
+    fs_bytes: int = 384 * MiB
     fs_shapes: list[str] = field(default_factory=lambda: ["one_job", "jobs_of_8", "jobs_of_1"])
     fs_contention: list[bool] = field(default_factory=lambda: [False, True])
+    # Memory of vLLM's serving processes (memory part): distinct ~1000-token
+    # prompts, each ~14 MiB of KV, through a staging region several times smaller.
+    memory_requests: int = 16
+    memory_staging_bytes: int = 32 * MiB
     # Extra BlockStore keyword arguments for every pykvcache store (segment_bytes, ...).
     store_kwargs: dict[str, Any] = field(default_factory=dict)
     argv: list[str] | None = None
+    # Set by the quick preset; parts with their own quick sizes read it.
+    quick: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["out"], d["directory"] = str(self.out), str(self.directory)
         return d
+
+
+def full(config: BenchConfig) -> BenchConfig:
+    """The whole sweep (``--full``): ~10 minutes on a 2-core machine."""
+    return replace(
+        config,
+        chunk_sizes=[2 * MiB, 8 * MiB, 28 * MiB],
+        queue_depths=[1, 8, 32],
+        fio_sweep=list(FIO_SWEEP_FULL),
+        fio_runtime_s=1.0,
+        fs_bytes=512 * MiB,
+        fs_chunk_sizes=[8 * MiB, 28 * MiB],
+        memory_requests=24,
+    )
 
 
 def quick(config: BenchConfig) -> BenchConfig:
@@ -67,6 +95,9 @@ def quick(config: BenchConfig) -> BenchConfig:
         fs_chunk_sizes=[8 * MiB],
         fs_bytes=256 * MiB,
         fs_shapes=["one_job", "jobs_of_1"],
+        parts=config.parts if config.parts is not None else list(QUICK_PARTS),
+        quick=True,
+        memory_requests=8,
     )
 
 

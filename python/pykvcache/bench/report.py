@@ -19,6 +19,8 @@ from .parts import Figure, PartOutput, Table
 
 REPORT_MD = "report.md"
 RESULTS_JSON = "results.json"
+#: Key in a part's raw data: the seconds the part took (set by the runner).
+PART_ELAPSED = "part_elapsed_s"
 
 
 def markdown_table(t: Table) -> str:
@@ -89,7 +91,8 @@ def render_markdown(machine: MachineInfo, config: BenchConfig, outputs: list[Par
         *_targets_md(outputs),
     ]
     for o in outputs:
-        lines += [f"## {o.title}", ""]
+        took = o.raw.get(PART_ELAPSED)
+        lines += [f"## {o.title}", "", *([f"_Part `{o.name}`: {took:.0f} s._", ""] if took is not None else [])]
         if o.skipped:
             lines += [f"Skipped: {o.skipped}", ""]
             continue

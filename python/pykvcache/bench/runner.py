@@ -13,7 +13,7 @@ from .cold_cache import DiskCounter
 from .config import BenchConfig
 from .machine import ForeignLoad, describe_machine
 from .parts import BenchContext, NoProgress, PartOutput, Progress, resolve_parts
-from .report import write_report
+from .report import PART_ELAPSED, write_report
 
 
 @dataclass
@@ -48,17 +48,19 @@ def run_bench(config: BenchConfig, progress: Progress | None = None) -> BenchRun
     foreign = ForeignLoad().__enter__()
     try:
         for part in parts:
+            started = time.perf_counter()
             try:
-                outputs.append(part.run(ctx))
+                out = part.run(ctx)
             except Exception as e:  # one broken part must not lose the others' results
-                outputs.append(
-                    PartOutput(
-                        name=part.name,
-                        title=part.description,
-                        skipped=f"failed: {type(e).__name__}: {e}",
-                        raw={"error": traceback.format_exc()},
-                    )
+                out = PartOutput(
+                    name=part.name,
+                    title=part.description,
+                    skipped=f"failed: {type(e).__name__}: {e}",
+                    raw={"error": traceback.format_exc()},
                 )
+            # What each part costs, so the default preset can be kept to a few minutes.
+            out.raw[PART_ELAPSED] = round(time.perf_counter() - started, 1)
+            outputs.append(out)
     finally:
         foreign.__exit__(None, None, None)
         shutil.rmtree(work, ignore_errors=True)

@@ -63,6 +63,7 @@ GATE_COUNTERS = {
     "gate_tokens_loaded": "Prefix tokens the gate chose to load.",
     "gate_tokens_recomputed": "Loadable prefix tokens the gate chose to recompute instead.",
     "gate_est_saved_ms": "Estimated prefill milliseconds saved by the gate's load decisions.",
+    "gate_est_lost_ms": "Estimated milliseconds lost by loads slower than recompute (gate disabled).",
 }
 GATE_GAUGES = {
     "gate_break_even_tokens": "Current break-even prefix length (tokens, with no I/O queued).",
@@ -170,7 +171,12 @@ class AdmissionGate:
         if d.load_chunks:
             self._inc("gate_decisions_load", 1)
             self._inc("gate_tokens_loaded", d.load_tokens)
-            self._inc("gate_est_saved_ms", d.est_saving_s * 1e3)
+            # Prometheus counters only go up: a load the (disabled) gate would
+            # have refused is counted as time lost, not as negative savings.
+            if d.est_saving_s >= 0:
+                self._inc("gate_est_saved_ms", d.est_saving_s * 1e3)
+            else:
+                self._inc("gate_est_lost_ms", -d.est_saving_s * 1e3)
         else:
             self._inc("gate_decisions_recompute", 1)
             self._inc("gate_tokens_recomputed", d.available_chunks * self.chunk_tokens)
