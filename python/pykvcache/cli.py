@@ -107,6 +107,8 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--chunk-mib", type=_size_list, default=None, help="engine/fio chunk sizes in MiB, e.g. 2,8,28")
     parser.add_argument("--queue-depths", type=_int_list, default=None, help="chunk operations in flight, e.g. 1,8,32")
     parser.add_argument("--segment-mib", type=float, default=None, help="override the engine's I/O segment size (MiB)")
+    parser.add_argument("--verify", choices=("full", "header"), default=None,
+                        help="engine read verification (default full: header + payload CRC)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     parser.add_argument("--warm", action="store_true", help="do not drop caches before read phases")
 
@@ -145,6 +147,8 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
             config.queue_depths = args.queue_depths
         if args.segment_mib:
             config.store_kwargs["segment_bytes"] = int(args.segment_mib * MiB)
+        if args.verify:
+            config.store_kwargs["verify"] = args.verify
         config.cold_reads = not args.warm
         if args.no_progress:
             result = run_bench(config)
