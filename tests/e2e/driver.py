@@ -50,7 +50,10 @@ def _prompt(spec, tokenizer):
         ids = ids[: spec["keep"]]
     if "append" in spec:
         ids = ids + tokenizer(spec["append"], add_special_tokens=False).input_ids
-    return {"prompt_token_ids": ids}
+    prompt = {"prompt_token_ids": ids}
+    if "salt" in spec:
+        prompt["cache_salt"] = spec["salt"]  # vLLM mixes it into the block hashes
+    return prompt
 
 
 def _corrupt_files(directory: str) -> int:

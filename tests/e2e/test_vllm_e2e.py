@@ -256,3 +256,55 @@ def test_no_staging_region_left_behind(offload, restart, other_model):
     for result in (offload, restart, other_model):
         assert result["staging_prefix"]
         assert not glob.glob(f"/dev/shm/{result['staging_prefix']}*")
+
+
+@pytest.fixture(scope="session")
+def full_disk_tenants(models, workdir, baseline):
+    """One engine on a 3 MiB tmpfs with a capacity far above it: the disk fills
+    while serving. Also two tenants (cache salts) sharing the prefix text."""
+    xs, fillers, _ = _texts()
+    mnt = workdir / "tmpfs"
+    mnt.mkdir()
+    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
+                        capture_output=True)
+    if rc.returncode != 0:
+        pytest.skip(f"cannot mount tmpfs here: {rc.stderr.decode().strip()}")
+    try:
+        scenario = {
+            "model": models["main"],
+            "llm": {"kv_transfer_config": _kv_config(mnt, 24)},
+            "phases": [
+                {"op": "generate", "name": "tenant_a", "prompts": [{"text": xs[0], "salt": "tenant-a"}]},
+                {"op": "reset_prefix_cache"},
+                {"op": "generate", "name": "fill_disk", "prompts": fillers},
+                {"op": "generate", "name": "tenant_b", "prompts": [{"text": xs[0], "salt": "tenant-b"}]},
+                {"op": "reset_prefix_cache"},
+                {"op": "generate", "name": "tenant_a_again", "prompts": [{"text": xs[0], "salt": "tenant-a"}]},
+            ],
+        }
+        yield _run(scenario, workdir, "full_disk_tenants")
+    finally:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_full_disk_keeps_serving_identical_tokens(baseline, full_disk_tenants):
+    phases = full_disk_tenants["by_name"]
+    expected = baseline["by_name"]["first"]["tokens"][0]
+    assert phases["tenant_a"]["tokens"] == [expected]
+    assert phases["fill_disk"]["tokens"] == baseline["by_name"]["fillers"]["tokens"]
+    assert _metric(phases["fill_disk"], "write_errors") > 0, "the 3 MiB disk never filled up"
+    # What was stored before the disk filled is still served.
+    again = phases["tenant_a_again"]
+    assert again["num_cached_tokens"][0] >= 800 and again["tokens"] == [expected]
+    assert _metric(again, "corrupt_chunks") == 0
+
+
+def test_tenants_with_different_cache_salts_never_share_chunks(baseline, full_disk_tenants):
+    phases = full_disk_tenants["by_name"]
+    b = phases["tenant_b"]
+    # Same text, other salt: nothing from tenant A's chunks (device cache was reset,
+    # A's chunks are on disk and partly in staging).
+    assert b["num_cached_tokens"] == [0]
+    reads_before = _metric(phases["fill_disk"], "disk_reads")
+    assert _metric(b, "disk_reads") == reads_before
+    assert b["tokens"] == [baseline["by_name"]["first"]["tokens"][0]]
