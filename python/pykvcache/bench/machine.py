@@ -7,6 +7,8 @@ versions of everything that was measured.
 
 from __future__ import annotations
 
+from pykvcache._sysinfo import cpu_model
+
 import importlib.metadata
 import os
 import platform
@@ -72,14 +74,7 @@ class MachineInfo:
         )
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+_cpu_model = cpu_model
 
 
 def _memory_bytes() -> int:

@@ -10,11 +10,12 @@ static threshold other KV tiers use, and still refines itself online.
 
 from __future__ import annotations
 
+from pykvcache._sysinfo import cpu_model
+
 import json
 import logging
 import math
 import os
-import platform
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -52,14 +53,7 @@ def _accelerator_name() -> str:
     return "cpu"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+_cpu_model = cpu_model
 
 
 def hardware_id() -> dict[str, Any]:
