@@ -79,3 +79,12 @@ def test_identity_keys(tmp_path):
     with pytest.raises(ConfigError, match="model_id"):
         parse_extra_config(_base(tmp_path, model_id=""))
 
+
+
+def test_kv_transfer_config_helper_builds_a_valid_config(tmp_path):
+    from pykvcache.vllm.config import kv_transfer_config
+
+    kv = kv_transfer_config([str(tmp_path / "kv")], "2GiB", block_size=64)
+    assert kv["kv_connector"] == "OffloadingConnector" and kv["kv_role"] == "kv_both"
+    cfg = parse_extra_config(kv["kv_connector_extra_config"])
+    assert cfg.capacity_bytes == 2 * GIB and cfg.storage_dirs == (str(tmp_path / "kv"),)

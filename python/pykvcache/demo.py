@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .bench.vllm_run import start_child, wait_child
+from .vllm.config import kv_transfer_config
 
 DEFAULT_OUT = Path("demo-out")
 DEMO_JSON = "demo.json"
@@ -61,18 +62,9 @@ def scenario(out: Path, models_dir: Path | None = None) -> dict[str, Any]:
         {"op": "generate", "name": "fillers", "prompts": p["fillers"]},
         {"op": "generate", "name": "repeat", "prompts": p["repeat"]},
     ]
-    kv = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "NvmeOffloadingSpec",
-            "spec_module_path": "pykvcache.vllm",
-            "storage_dirs": [str((out / "store").resolve())],
-            "capacity_bytes": "1GiB",
-            "staging_bytes": STAGING_SLOTS * (CHUNK_TOKENS * KV_BYTES_PER_TOKEN + 4096),
-            "block_size": CHUNK_TOKENS,
-        },
-    }
+    kv = kv_transfer_config([str((out / "store").resolve())], "1GiB",
+                            staging_bytes=STAGING_SLOTS * (CHUNK_TOKENS * KV_BYTES_PER_TOKEN + 4096),
+                            block_size=CHUNK_TOKENS)
     return {
         "tiny_model": {"dir": str((models_dir or out / "models").resolve())},
         "engine": {

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ..testing.tiny_model import TinyModelSpec
+from ..vllm.config import kv_transfer_config
 from .config import MiB, BenchConfig
 from .parts import BenchContext, Part, PartOutput, Table, register_part
 from .proc_memory import MemSample, ProcInfo, TreeSampler
@@ -75,18 +76,8 @@ def scenario(cfg: BenchConfig, work: Path) -> dict[str, Any]:
         {"op": "reset_prefix_cache"},
         {"op": "generate", "name": "reuse", "prompts": prompts, "max_tokens": 2},
     ]
-    kv = {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "NvmeOffloadingSpec",
-            "spec_module_path": "pykvcache.vllm",
-            "storage_dirs": [str(work / "store")],
-            "capacity_bytes": 4 << 30,
-            "staging_bytes": cfg.memory_staging_bytes,
-            "block_size": CHUNK_TOKENS,
-        },
-    }
+    kv = kv_transfer_config([str(work / "store")], 4 << 30,
+                            staging_bytes=cfg.memory_staging_bytes, block_size=CHUNK_TOKENS)
     return {
         "tiny_model": {"dir": str(work / "models"), "spec": asdict(MEMORY_MODEL)},
         "engine": {

@@ -263,3 +263,20 @@ def lookup_hold_budget_bytes(config: PykvcacheConfig) -> int:
     if config.lookup_hold_bytes is not None:
         return min(config.lookup_hold_bytes, config.staging_bytes)
     return int(config.staging_bytes * LOOKUP_HOLD_SHARE)
+
+
+def kv_transfer_config(storage_dirs: list[str], capacity_bytes: int | str, **extra: Any) -> dict[str, Any]:
+    """The ``kv_transfer_config`` dict that selects pykvcache's spec on vLLM's
+    stock ``OffloadingConnector`` (pass it to ``vllm.LLM`` or as JSON to
+    ``--kv-transfer-config``); ``extra`` adds further keys of the table in the README."""
+    return {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "NvmeOffloadingSpec",
+            "spec_module_path": "pykvcache.vllm",
+            "storage_dirs": list(storage_dirs),
+            "capacity_bytes": capacity_bytes,
+            **extra,
+        },
+    }
