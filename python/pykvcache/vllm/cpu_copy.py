@@ -50,12 +50,15 @@ class CpuCopier:
                 if tail else None
             )
 
+    def _indexed(self, gpu_spec, slots):
+        """Each transfer part with its block, slot and sub-block index tensors."""
+        for part in self._map.transfers(gpu_spec, slots):
+            yield (part, torch.from_numpy(part.block_ids), torch.from_numpy(part.slots),
+                   torch.from_numpy(part.sub_blocks))
+
     def load(self, gpu_spec, slots) -> int:
         copied = 0
-        for part in self._map.transfers(gpu_spec, slots):
-            blocks = torch.from_numpy(part.block_ids)
-            slot_idx = torch.from_numpy(part.slots)
-            sub_idx = torch.from_numpy(part.sub_blocks)
+        for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
             for kv, stage in self._views[part.group]:
                 kv[blocks] = stage[slot_idx, sub_idx]
                 copied += len(part.block_ids) * kv.shape[1]
@@ -63,10 +66,7 @@ class CpuCopier:
 
     def store(self, gpu_spec, slots) -> int:
         copied = 0
-        for part in self._map.transfers(gpu_spec, slots):
-            blocks = torch.from_numpy(part.block_ids)
-            slot_idx = torch.from_numpy(part.slots)
-            sub_idx = torch.from_numpy(part.sub_blocks)
+        for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
             for kv, stage in self._views[part.group]:
                 stage[slot_idx, sub_idx] = kv[blocks]
                 copied += len(part.block_ids) * kv.shape[1]
