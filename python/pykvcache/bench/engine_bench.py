@@ -122,22 +122,8 @@ def run_engine_case(
             assert cpu is not None
             delta = DiskCounter.delta(d0, d1)
             results.append(
-                PhaseResult(
-                    system="pykvcache",
-                    direction=direction,
-                    chunk_bytes=chunk,
-                    chunks=ok,
-                    bytes=ok * chunk,
-                    seconds=cpu.wall_s,
-                    cpu_user_s=cpu.user_s,
-                    cpu_sys_s=cpu.sys_s,
-                    params=params,
-                    threads_s=cpu.threads_s,
-                    disk=delta.to_dict() if delta else None,
-                    cold=dropped,
-                    errors=len(errors),
-                    info={**info, "first_errors": errors[:3]},
-                )
+                PhaseResult.measured("pykvcache", direction, chunk, ok, cpu, params, delta,
+                                     dropped, errors, info)
             )
             if errors:
                 raise BenchDataError(f"pykvcache {direction} had {len(errors)} errors, first: {errors[0]}")

@@ -258,22 +258,8 @@ def run_system_case(
         delta = DiskCounter.delta(d0, d1)
         ok_chunks = case.chunks if not errors else 0
         out.append(
-            PhaseResult(
-                system=system.name,
-                direction=direction,
-                chunk_bytes=case.chunk_bytes,
-                chunks=ok_chunks,
-                bytes=ok_chunks * case.chunk_bytes,
-                seconds=cpu.wall_s,
-                cpu_user_s=cpu.user_s,
-                cpu_sys_s=cpu.sys_s,
-                params=params,
-                threads_s=cpu.threads_s,
-                disk=delta.to_dict() if delta else None,
-                cold=dropped,
-                errors=len(errors),
-                info={**system.info(), "first_errors": errors[:3]},
-            )
+            PhaseResult.measured(system.name, direction, case.chunk_bytes, ok_chunks, cpu, params,
+                                 delta, dropped, errors, system.info())
         )
         if errors:
             raise BenchDataError(f"{system.name} {direction} ({case.shape}) failed: {errors[0]}")
