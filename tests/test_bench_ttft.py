@@ -73,7 +73,8 @@ def test_ttft_part_one_engine_every_mode(tmp_path):
     assert break_even < CHUNK_TOKENS
     config = BenchConfig(out=tmp_path / "out", directory=tmp_path / "work")
     ctx = BenchContext(config, describe_machine(tmp_path, ["pytest"]), DiskCounter(None), NoProgress())
-    opts = TtftOptions(profile=str(profile), lengths=[64, 1024], repeats=2, timeout_s=240.0)
+    opts = TtftOptions(profile=str(profile), lengths=[64, 1024], repeats=2, chunk_tokens=CHUNK_TOKENS,
+                       timeout_s=240.0)
 
     out = run_with(ctx, opts)
 

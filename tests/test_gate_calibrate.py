@@ -54,6 +54,27 @@ def test_storage_sweep_reads_real_chunks_back(tmp_path):
     assert list(tmp_path.iterdir()) == []  # chunk files and their directory are gone
 
 
+def test_load_path_fit_recovers_step_and_rate():
+    bpt = 2048.0
+    step, per_token = 0.9e-3, 4e-6  # s per load, s per token
+    points = [calibrate.Point(n, [step + n * per_token + e for e in (-1e-4, 0.0, 3e-3)])
+              for n in (32, 96, 256, 736, 2048)]
+    got_step, bw = calibrate.fit_load_path(points, bpt, copy_bytes_per_s=20e9)
+    assert got_step == pytest.approx(step, rel=0.05)
+    assert bpt / bw == pytest.approx(per_token, rel=0.05)
+    # Never faster than the raw copy; differences <= 0 (noise) carry no weight.
+    _, bw = calibrate.fit_load_path([calibrate.Point(32, [1e-3]), calibrate.Point(2048, [1e-3]),
+                                     calibrate.Point(64, [-5e-3])], bpt, copy_bytes_per_s=1e9)
+    assert bw == pytest.approx(1e9)
+    assert calibrate.fit_load_path([calibrate.Point(32, [-1e-3])], bpt, 1e9) == (0.0, 1e9)
+
+
+def test_low_quantile_ignores_bursts():
+    p = calibrate.Point(64, [0.005, 0.4, 0.006])  # one sample hit by other work
+    assert p.low == 0.005 and p.median == 0.006
+    assert calibrate.Point(64, [5, 1, 4, 2, 3]).low == 2
+
+
 @pytest.fixture(scope="module")
 def calibrated(request, tmp_path_factory):
     cache = Path(request.config.cache.mkdir("pykvcache-tiny-models"))
@@ -102,6 +123,13 @@ def test_profile_is_sane(calibrated):
     assert model.load.disk_bytes_per_s > 10e6 and model.load.fixed_s >= 0
     assert model.load.h2d_bytes_per_s > 10e6
     assert p.storage["cold"] and p.storage["backend"] in ("io_uring", "threads")
+    # The load path through vLLM (loads from staging, gate off) was measured
+    # at every length: each sample a real load of the whole prefix.
+    path = p.load["path"]
+    assert [pt["tokens"] for pt in path["points"]] == [pt["tokens"] for pt in points]
+    assert path["incomplete_loads"] == 0
+    assert model.load.step_s == p.load["step_s"] >= 0
+    assert model.load.h2d_bytes_per_s <= p.load["copy"]["bytes_per_s"] * 1.0001
     # The break-even is the model's own.
     assert p.break_even_tokens is not None
     assert p.break_even_tokens == pytest.approx(model.break_even_tokens())

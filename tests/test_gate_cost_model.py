@@ -76,6 +76,7 @@ def _brute_break_even(model: CostModel, queued: float = 0.0, limit: int = 200_00
         (PrefillCurve(0.01, 20e-6, 0.0), LoadCost(0.002, 1e9)),
         (PrefillCurve(0.0, 1e-7, 2e-8), LoadCost(0.0005, 2e9)),  # load per token > prefill per token at first
         (PrefillCurve(0.01, 1e-7, 0.0), LoadCost(0.0005, 2e9)),  # never pays
+        (PrefillCurve(0.01, 20e-6, 1e-9), LoadCost(0.002, 1e9, 20e9, step_s=0.003)),  # engine step
     ],
 )
 def test_break_even_matches_a_brute_force_scan(prefill, load):
@@ -89,6 +90,22 @@ def test_break_even_matches_a_brute_force_scan(prefill, load):
         # Past the break-even, loading keeps winning.
         for n in (brute, 2 * brute, 10 * brute):
             assert model.recompute_time(n) > model.load_time(n)
+
+
+def test_engine_step_is_paid_by_every_load_once():
+    load = LoadCost(0.001, 1e9, 10e9, step_s=0.004)
+    assert load.time(0, 0) == 0  # nothing loaded: nothing paid
+    # A staged load pays the step and the copy, not the storage's fixed cost.
+    assert load.time(0, 1e6, queued_bytes=5e9) == pytest.approx(0.004 + 1e6 / 10e9)
+    assert load.time(1e6, 1e6) == pytest.approx(0.004 + 0.001 + 1e6 / 1e9 + 2e6 / 10e9)
+    base = CostModel(PrefillCurve(0.01, 20e-6, 0.0), LoadCost(0.001, 1e9, 10e9), 2048)
+    with_step = base.with_load(load)
+    # Linear prefill: break-even = (step + fixed) / (b - per-token load).
+    per_token = 2048 / 1e9 + 2048 / 10e9
+    assert with_step.break_even_tokens() == pytest.approx(0.005 / (20e-6 - per_token))
+    assert with_step.break_even_tokens() == pytest.approx(5 * base.break_even_tokens())
+    with pytest.raises(ValueError):
+        LoadCost(0.001, 1e9, step_s=-1.0)
 
 
 def test_queued_io_raises_the_break_even():

@@ -56,6 +56,24 @@ def test_staged_chunks_are_cheap():
     assert d.load_chunks == 3
 
 
+def test_engine_step_makes_short_staged_prefixes_recompute():
+    step_s = 0.004
+    model = _model()
+    gate = AdmissionGate(model.with_load(LoadCost(0.002, 1e9, 10e9, step_s=step_s)), chunk_tokens=CHUNK)
+    # Without the step a single staged chunk is worth loading; with it, the
+    # chunk's compute (~0.3 ms) does not pay for the step.
+    assert AdmissionGate(model, chunk_tokens=CHUNK).decide([S]).load_chunks == 1
+    assert gate.decide([S]).recompute
+    n_staged = math.ceil(step_s / (CHUNK * (10e-6 - BPT / 10e9))) + 2
+    d = gate.decide([S] * n_staged)
+    assert d.load_chunks == n_staged and d.est_load_s == pytest.approx(
+        step_s + n_staged * CHUNK * BPT / 10e9)
+    # The step is paid once, and agrees with the model's break-even.
+    be = gate.break_even_tokens()
+    assert gate.decide([D] * (int(be // CHUNK) - 1)).recompute
+    assert gate.decide([D] * (math.ceil(be / CHUNK) + 1)).load_chunks > 0
+
+
 def test_queued_io_turns_a_load_into_a_recompute():
     gate = _gate()
     n = math.ceil(gate.break_even_tokens() / CHUNK) + 2

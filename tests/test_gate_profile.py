@@ -49,6 +49,11 @@ def test_round_trip(tmp_path):
     model = back.cost_model()
     assert model.bytes_per_token == BPT and model.load.disk_bytes_per_s == 2e9
     assert not list(path.parent.glob(".p.json.*"))  # no temporary left behind
+    assert model.load.step_s == 0.0  # profiles without a measured load path (older ones)
+    stepped = _profile(load={"fixed_s": 0.0005, "disk_bytes_per_s": 2e9, "h2d_bytes_per_s": 2e10,
+                             "step_s": 0.002})
+    back = GateProfile.read(stepped.save(tmp_path / "s.json")).cost_model()
+    assert back.load.step_s == 0.002 and back.break_even_tokens() > model.break_even_tokens()
 
 
 @pytest.mark.parametrize(
@@ -60,6 +65,7 @@ def test_round_trip(tmp_path):
         (lambda d: d["prefill"].update(b=-1), "coefficients are invalid"),
         (lambda d: d["load"].update(disk_bytes_per_s=0), "coefficients are invalid"),
         (lambda d: d["load"].pop("fixed_s"), "coefficients are invalid"),
+        (lambda d: d["load"].update(step_s=-0.001), "coefficients are invalid"),
         (lambda d: d.update(block_size="32"), "block_size must be an integer"),
         (lambda d: d.update(break_even_tokens=-5), "break_even_tokens"),
     ],

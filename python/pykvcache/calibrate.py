@@ -120,8 +120,17 @@ class Point:
     def median(self) -> float:
         return statistics.median(self.samples)
 
+    @property
+    def low(self) -> float:
+        """The lower quartile (the minimum of 3 or 4 samples): background load
+        only ever adds time, and on a shared machine it adds bursts of 10-100x
+        to some samples, which can move even a median of 3."""
+        ordered = sorted(self.samples)
+        return ordered[(len(ordered) - 1) // 4]
+
     def as_dict(self, unit: str) -> dict[str, Any]:
-        out: dict[str, Any] = {unit: self.x, "median_s": self.median, "samples_s": self.samples}
+        out: dict[str, Any] = {unit: self.x, "median_s": self.median, "low_s": self.low,
+                               "samples_s": self.samples}
         if self.wall:
             out["wall_median_s"] = statistics.median(self.wall)
         return out
@@ -210,6 +219,107 @@ def measure_prefill(llm, lengths: list[int], repeats: int, vocab: int, seed: int
         for p in points.values():
             p.samples = list(p.wall)
     return [points[n] for n in lengths], "engine" if engine_ok else "wall"
+
+
+def _queued_ttft(out) -> float | None:
+    """The engine's arrival -> first token time of one output (None without
+    engine timestamps)."""
+    m = getattr(out, "metrics", None)
+    first = getattr(m, "first_token_ts", 0) if m is not None else 0
+    queued = getattr(m, "queued_ts", 0) if m is not None else 0
+    return first - queued if first and queued and first > queued else None
+
+
+def measure_load_path(llm, lengths: list[int], repeats: int, vocab: int, seed: int, tick, *,
+                      suffix_tokens: int, reset=None) -> dict[str, Any]:
+    """What any load costs end to end in vLLM, storage aside.
+
+    The engine must run pykvcache's connector with the gate off (every
+    available prefix is loaded). Per length ``n`` and repeat: a fresh prefix
+    ``P`` is computed once (``P + s1``; its chunks go to staging), the device
+    prefix cache is emptied, and ``P + s2`` loads ``P`` from staging; a fresh
+    prompt of ``suffix_tokens`` tokens is timed alongside as the baseline.
+    The load path is ``TTFT(P + s2) - TTFT(baseline)`` (arrival -> first
+    token, so the scheduler steps of vLLM's asynchronous load are in it); its
+    medians are fitted with ``step + n * per_token``. ``reset()`` empties the
+    device prefix cache and returns whether it could (default:
+    ``llm.reset_prefix_cache()``).
+    """
+    from vllm import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    low = min(10, vocab - 1)
+    reset = reset or (lambda: bool(llm.reset_prefix_cache()))
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(low, vocab) for _ in range(n)]
+
+    def generate(ids: list[int]):
+        return llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)[0]
+
+    def empty_device_cache() -> None:
+        # A finished request's store is handed over on the engine's next step:
+        # a request shorter than a chunk gives it that step.
+        for _ in range(20):
+            generate(tokens(max(1, suffix_tokens // 2)))
+            if reset():
+                return
+            time.sleep(0.05)
+        raise RuntimeError("vLLM refused to reset its prefix cache (requests still hold blocks)")
+
+    def once(n: int) -> tuple[float, float, int] | None:
+        prefix = tokens(n)
+        generate(prefix + tokens(suffix_tokens))
+        empty_device_cache()
+        base = _queued_ttft(generate(tokens(suffix_tokens)))
+        out = generate(prefix + tokens(suffix_tokens))
+        staged = _queued_ttft(out)
+        if base is None or staged is None:
+            return None
+        return staged, base, int(out.num_cached_tokens or 0)
+
+    for n in (lengths[0], lengths[-1]):  # warm-up: the first loads pay one-off costs
+        once(n)
+    points = {n: Point(n) for n in lengths}
+    staged_ms: dict[int, list[float]] = {n: [] for n in lengths}
+    short_loads = 0
+    for r in range(repeats):
+        for n in (lengths if r % 2 == 0 else lengths[::-1]):
+            got = once(n)
+            if got is None:
+                raise RuntimeError("vLLM reports no per-request timestamps (disable_log_stats=False?)")
+            staged, base, cached = got
+            if cached < n:
+                short_loads += 1  # the prefix was not (all) loaded: not a load-path sample
+                tick(f"{n} tokens: only {cached} loaded")
+                continue
+            points[n].samples.append(staged - base)
+            staged_ms[n].append(staged)
+            tick(f"{n} tokens: load path {(staged - base) * 1e3:.2f} ms")
+    measured = [p for p in points.values() if p.samples]
+    if len(measured) < 2:
+        raise RuntimeError(f"too few loads came from staging ({short_loads} did not); is the gate off?")
+    return {"points": measured, "short_loads": short_loads, "suffix_tokens": suffix_tokens}
+
+
+def fit_load_path(points: list[Point], bytes_per_token: float, copy_bytes_per_s: float) -> tuple[float, float]:
+    """``(step_s, bytes_per_s)`` of the load path: the fixed cost of a load in
+    the engine and the per-byte rate of everything that scales with the
+    prefix (the copy into the KV cache and what vLLM does per loaded block),
+    never faster than the copy alone."""
+    from pykvcache.gate.cost_model import nonneg_least_squares
+
+    # A median difference <= 0 says the load cost nothing measurable at that
+    # length: no information on the relative scale, left out.
+    pts = [(p.x * bytes_per_token, p.median) for p in points if p.median > 0]
+    if not pts:
+        return 0.0, copy_bytes_per_s
+    # Relative error: short prefixes (where the step dominates) count as much
+    # as long ones (where the per-byte cost does).
+    step, per_byte = nonneg_least_squares([(1.0, b) for b, _ in pts], [t for _, t in pts],
+                                          [1.0 / max(t, 1e-4) ** 2 for _, t in pts])
+    return step, 1.0 / max(per_byte, 1.0 / copy_bytes_per_s)
 
 
 def _drop_page_cache() -> bool:
@@ -387,9 +497,6 @@ def _check_args(args: argparse.Namespace) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
-    from pykvcache.gate.profile import GateProfile, hardware_id, storage_info
-
     args.storage_dir = args.storage_dir or [Path.cwd()]
     problems = _check_args(args)
     if problems:
@@ -404,8 +511,6 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
     from transformers import AutoConfig
-
-    from pykvcache.vllm.layout import ChunkLayout
 
     on_gpu = torch.cuda.is_available()
     hf_config = AutoConfig.from_pretrained(model)
@@ -425,8 +530,10 @@ def run(args: argparse.Namespace) -> int:
     llm_kwargs: dict[str, Any] = {
         "model": model,
         "dtype": args.dtype,
-        "enable_prefix_caching": False,  # every prompt must be computed, never matched
-        "max_model_len": min(longest + 16, model_max),
+        # Needed by the connector (block hashes); prompts are distinct random
+        # token ids, so nothing is ever matched unless a load is wanted.
+        "enable_prefix_caching": True,
+        "max_model_len": min(longest + 32, model_max),  # room for the load path's suffix
         "tensor_parallel_size": tp,
         "disable_log_stats": False,  # per-request engine timestamps
         "enforce_eager": (not on_gpu) if args.enforce_eager is None else args.enforce_eager,
@@ -439,8 +546,39 @@ def run(args: argparse.Namespace) -> int:
         llm_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory
     elif not on_gpu:
         llm_kwargs["kv_cache_memory_bytes"] = max(64 * MiB, 4 * (longest + 64) * per_rank)
+    # pykvcache's connector on a temporary directory inside the storage
+    # directory, gate off: the load path is measured with real loads from
+    # staging (the disk itself is measured separately, cold).
+    chunk_guess = args.chunk_tokens or llm_kwargs.get("block_size") or 16
+    engine_dir = Path(tempfile.mkdtemp(prefix=".pykvcache-calibrate-engine-", dir=args.storage_dir[0]))
+    staging_chunks = 4 * (longest // chunk_guess + 2)
+    llm_kwargs["kv_transfer_config"] = {
+        "kv_connector": "PyKvCacheConnector",
+        "kv_connector_module_path": "pykvcache.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "storage_dirs": [str(engine_dir)],
+            "capacity_bytes": max(1 << 30, 8 * staging_chunks * per_rank * tp * chunk_guess),
+            "staging_bytes": max(64 * MiB, staging_chunks * (per_rank * tp * chunk_guess + 4096)),
+            "gate": False,
+            "direct_io": args.direct_io,
+            "backend": args.backend,
+            **({"block_size": args.chunk_tokens} if args.chunk_tokens else {}),
+        },
+    }
     llm_kwargs.update(dict(args.vllm_arg))
+    try:
+        return _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats, max_tokens,
+                           dtype, tp, per_rank, started)
+    finally:
+        shutil.rmtree(engine_dir, ignore_errors=True)
 
+
+def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats, max_tokens, dtype, tp,
+                per_rank, started) -> int:
+    from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
+    from pykvcache.gate.profile import GateProfile, hardware_id, storage_info
+    from pykvcache.vllm.layout import ChunkLayout
     from vllm import LLM
 
     notes: list[str] = []
@@ -483,6 +621,16 @@ def run(args: argparse.Namespace) -> int:
 
         tick = progress.phase("prefill", repeats * len(lengths))
         prefill_points, timing = measure_prefill(llm, lengths, repeats, vocab, args.seed, tick)
+        suffix = max(1, min(16, chunk_tokens // 2))
+        path_lengths = [n for n in lengths if n + suffix < int(vcfg.model_config.max_model_len)]
+        tick = progress.phase("load path", repeats * len(path_lengths))
+        try:
+            path = measure_load_path(llm, path_lengths, repeats, vocab, args.seed + 1, tick,
+                                     suffix_tokens=suffix)
+        except RuntimeError as exc:
+            print(f"pykvcache calibrate: load path measurement failed: {exc}", file=sys.stderr)
+            return 1
+        llm.llm_engine.engine_core.shutdown()
 
         chunk_counts = sorted({max(1, math.ceil(n / chunk_tokens)) for n in lengths})
         if len(chunk_counts) < 2:
@@ -500,9 +648,10 @@ def run(args: argparse.Namespace) -> int:
         copy = measure_copy(chunk_bytes, repeats)
 
     try:
-        prefill = PrefillCurve.fit([(p.x, p.median) for p in prefill_points])
+        prefill = PrefillCurve.fit([(p.x, p.low) for p in prefill_points])
         fixed, disk_bw = LoadCost.fit_disk([(p.x, p.median) for p in storage["points"]])
-        load = LoadCost(fixed, disk_bw, copy["bytes_per_s"])
+        step_s, path_bw = fit_load_path(path["points"], bytes_per_token, copy["bytes_per_s"])
+        load = LoadCost(fixed, disk_bw, path_bw, step_s)
         model_cost = CostModel(prefill, load, bytes_per_token)
     except ValueError as exc:
         print(f"pykvcache calibrate: the measurements cannot be fitted: {exc}. "
@@ -529,9 +678,13 @@ def run(args: argparse.Namespace) -> int:
             "points": [p.as_dict("tokens") for p in prefill_points],
         },
         load={
-            "fixed_s": fixed, "disk_bytes_per_s": disk_bw, "h2d_bytes_per_s": copy["bytes_per_s"],
+            "fixed_s": fixed, "disk_bytes_per_s": disk_bw, "h2d_bytes_per_s": path_bw, "step_s": step_s,
             "chunk_bytes": chunk_bytes, "copy": copy,
             "points": [p.as_dict("bytes") for p in storage["points"]],
+            "path": {"what": "TTFT of a prefix loaded from staging minus TTFT of its suffix alone "
+                             "(arrival -> first token, through vLLM)",
+                     "suffix_tokens": path["suffix_tokens"], "incomplete_loads": path["short_loads"],
+                     "points": [p.as_dict("tokens") for p in path["points"]]},
         },
         break_even_tokens=None if math.isinf(break_even) else break_even,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -564,7 +717,9 @@ def _summary(profile, prefill_points: list[Point], load_points: list[Point], pat
     bw = profile.load["disk_bytes_per_s"]
     console.print(f"disk: fixed {profile.load['fixed_s'] * 1e3:.3f} ms + {bw / 1e6:.0f} MB/s "
                   f"({profile.storage['cold']}, {profile.storage['backend']}); "
-                  f"copy {profile.load['h2d_bytes_per_s'] / 1e9:.1f} GB/s")
+                  f"copy {profile.load['copy']['bytes_per_s'] / 1e9:.1f} GB/s; load path in vLLM: "
+                  f"{profile.load.get('step_s', 0.0) * 1e3:.2f} ms per load + "
+                  f"{profile.load['h2d_bytes_per_s'] / 1e9:.2f} GB/s")
     be = profile.break_even_tokens
     console.print(f"break-even: {'never (loading does not pay)' if be is None else f'{be:.0f} tokens'}")
     console.print(f"profile: {path} ({elapsed:.0f} s)")

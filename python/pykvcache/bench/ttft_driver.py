@@ -185,7 +185,7 @@ class Gates:
 # ----------------------------------------------------------------------
 # Cost models
 # ----------------------------------------------------------------------
-def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int) -> dict[str, Any]:
+def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gates: Gates) -> dict[str, Any]:
     """What ``pykvcache calibrate`` measures, with its own functions, on this
     engine and the benchmark's storage directory."""
     from pathlib import Path
@@ -209,22 +209,33 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int) -> d
     storage = cal.measure_storage([Path(scenario["storage_dir"])], chunk_bytes, chunk_counts, repeats,
                                   args, tick, lambda text: print(text, file=sys.stderr))
     copy = cal.measure_copy(chunk_bytes, repeats)
+    # The load path through this engine: loads from staging with the gate off.
+    gates.use("load")
+
+    def reset() -> bool:
+        manager.flush()
+        return bool(llm.reset_prefix_cache())
+
+    path = cal.measure_load_path(llm, cal_lengths, repeats, vocab, scenario["seed"] + 11, tick,
+                                 suffix_tokens=scenario["suffix_tokens"], reset=reset)
     try:
-        prefill = PrefillCurve.fit([(p.x, p.median) for p in points])
+        prefill = PrefillCurve.fit([(p.x, p.low) for p in points])
         fixed, disk_bw = LoadCost.fit_disk([(p.x, p.median) for p in storage["points"]])
+        step_s, path_bw = cal.fit_load_path(path["points"], chunk_bytes / ct, copy["bytes_per_s"])
     except ValueError as exc:
         raise RuntimeError(
             f"the calibration cannot be fitted ({exc}); medians: prefill "
             + ", ".join(f"{p.x} tokens {p.median * 1e3:.1f} ms" for p in points)
             + "; reads " + ", ".join(f"{p.x} B {p.median * 1e3:.2f} ms" for p in storage["points"])
             + ". Is the machine busy? More repeats help.") from exc
-    model = CostModel(prefill, LoadCost(fixed, disk_bw, copy["bytes_per_s"]), chunk_bytes / ct)
+    model = CostModel(prefill, LoadCost(fixed, disk_bw, path_bw, step_s), chunk_bytes / ct)
     return {
         "model": model,
         "source": "calibrated in this run (pykvcache.calibrate's measurements)",
         "timing": timing,
         "prefill_points": [p.as_dict("tokens") for p in points],
         "load_points": [p.as_dict("bytes") for p in storage["points"]],
+        "path_points": [p.as_dict("tokens") for p in path["points"]],
         "storage": {k: v for k, v in storage.items() if k != "points"},
         "copy_bytes_per_s": copy["bytes_per_s"],
     }
@@ -249,10 +260,12 @@ def profile_model(manager: Any, path: str) -> dict[str, Any]:
 
 def slow_target(lengths: list[int], break_even: float) -> float | None:
     """Where the slow variant's break-even goes: between two measured lengths
-    (their geometric mean), from the middle up, clearly above the calibrated one."""
+    (their geometric mean), from the middle up, well above the calibrated one
+    (4x: the emulated delay is then several ms, and the TTFT curves cross at
+    a steep angle, so noise moves the measured crossover little)."""
     for k in range(max(0, len(lengths) // 2 - 1), len(lengths) - 1):
         target = math.sqrt(lengths[k] * lengths[k + 1])
-        if target > 1.5 * break_even:
+        if target > 4 * break_even:
             return target
     return None
 
@@ -266,7 +279,8 @@ def slow_model(model: Any, break_even_tokens: float) -> tuple[Any, float]:
     extra = model.recompute_time(n) - model.load_time(n)
     if extra <= 0:
         raise ValueError(f"loading {n:.0f} tokens already costs more than computing them; no slow variant")
-    load = LoadCost(model.load.fixed_s + extra, model.load.disk_bytes_per_s, model.load.h2d_bytes_per_s)
+    load = LoadCost(model.load.fixed_s + extra, model.load.disk_bytes_per_s, model.load.h2d_bytes_per_s,
+                    model.load.step_s)
     return model.with_load(load), extra
 
 
@@ -275,7 +289,7 @@ def describe_model(model: Any) -> dict[str, Any]:
     return {
         "prefill": {"a": model.prefill.a, "b": model.prefill.b, "c": model.prefill.c},
         "load": {"fixed_s": model.load.fixed_s, "disk_bytes_per_s": model.load.disk_bytes_per_s,
-                 "h2d_bytes_per_s": model.load.h2d_bytes_per_s},
+                 "h2d_bytes_per_s": model.load.h2d_bytes_per_s, "step_s": model.load.step_s},
         "bytes_per_token": model.bytes_per_token,
         "break_even_tokens": None if math.isinf(be) else be,
     }
@@ -492,7 +506,7 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
     if scenario.get("profile"):
         cost = profile_model(manager, scenario["profile"])
     else:
-        cost = calibrate(llm, manager, scenario, vocab)
+        cost = calibrate(llm, manager, scenario, vocab, gates)
     model = cost.pop("model")
     gates.add("gated", model, enabled=True, online=True)
     slow: dict[str, Any] | None = None

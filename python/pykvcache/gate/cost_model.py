@@ -2,9 +2,13 @@
 
 Loading the tokens ``[start, end)`` of a prompt from the KV tier costs::
 
-    T_load = fixed + (queued + disk_bytes) / BW_disk + all_bytes / BW_h2d
+    T_load = step + fixed + (queued + disk_bytes) / BW_disk + all_bytes / BW_h2d
 
-where ``queued`` is I/O already waiting on the device (a new read is served
+where ``step`` is what any load costs end to end in the serving engine
+(vLLM loads asynchronously: the request waits for the copy and computes one
+scheduler step later; measured through vLLM by ``pykvcache calibrate``),
+``fixed`` the storage's per-load latency (paid only when something must come
+from the disk), ``queued`` is I/O already waiting on the device (a new read is served
 behind it), ``disk_bytes`` the part that must come from the SSD (chunks
 already in staging memory skip it) and ``BW_h2d`` the copy from staging into
 the KV pages. Recomputing them instead costs ``T_prefill(end) -
@@ -123,17 +127,25 @@ class LoadCost:
     fixed_s: float
     disk_bytes_per_s: float
     h2d_bytes_per_s: float = INF
+    #: End-to-end overhead of any load in the serving engine, staged or not
+    #: (vLLM's asynchronous load: one more scheduler step before the request
+    #: computes). Not refined online: it does not depend on the device.
+    step_s: float = 0.0
 
     def __post_init__(self) -> None:
-        if not (math.isfinite(self.fixed_s) and self.fixed_s >= 0):
-            raise ValueError(f"fixed load cost must be finite and >= 0 (got {self.fixed_s})")
+        for name in ("fixed_s", "step_s"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} (load cost) must be finite and >= 0 (got {value})")
         for name in ("disk_bytes_per_s", "h2d_bytes_per_s"):
             value = getattr(self, name)
             if not value > 0:  # also rejects NaN
                 raise ValueError(f"{name} must be > 0 (got {value})")
 
     def time(self, disk_bytes: float, staged_bytes: float = 0.0, queued_bytes: float = 0.0) -> float:
-        cost = (disk_bytes + staged_bytes) / self.h2d_bytes_per_s
+        if disk_bytes + staged_bytes <= 0:
+            return 0.0
+        cost = self.step_s + (disk_bytes + staged_bytes) / self.h2d_bytes_per_s
         if disk_bytes > 0:
             cost += self.fixed_s + (queued_bytes + disk_bytes) / self.disk_bytes_per_s
         return cost
@@ -180,7 +192,7 @@ class CostModel:
         per_token_load = self.bytes_per_token * (
             1.0 / self.load.disk_bytes_per_s + 1.0 / self.load.h2d_bytes_per_s
         )
-        fixed = self.load.fixed_s + queued_bytes / self.load.disk_bytes_per_s
+        fixed = self.load.step_s + self.load.fixed_s + queued_bytes / self.load.disk_bytes_per_s
         b = self.prefill.b - per_token_load
         c = self.prefill.c
         # Solve c*n^2 + b*n - fixed = 0 for its positive root.

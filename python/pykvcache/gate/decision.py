@@ -111,6 +111,7 @@ class AdmissionGate:
         copy_per_chunk = chunk_bytes / load.h2d_bytes_per_s
         read_per_chunk = chunk_bytes / load.disk_bytes_per_s
         first_read = load.fixed_s + queued_bytes / load.disk_bytes_per_s
+        step = load.step_s  # any load, staged or not
 
         ct = self.chunk_tokens
         b, c2s = prefill.b, prefill.c * 2 * start_tokens
@@ -126,7 +127,7 @@ class AdmissionGate:
             if state == missing:
                 break
             k += 1
-            load_s += copy_per_chunk
+            load_s += copy_per_chunk if k > 1 else copy_per_chunk + step
             if state == disk:
                 if not any_disk:
                     any_disk = True
