@@ -69,6 +69,19 @@ def test_load_path_fit_recovers_step_and_rate():
     assert calibrate.fit_load_path([calibrate.Point(32, [-1e-3])], bpt, 1e9) == (0.0, 1e9)
 
 
+def test_recompute_fit_uses_the_paired_medians_through_the_origin():
+    b, c = 24e-6, 5e-9
+    paired = [calibrate.Point(n, [b * n + c * n * n + e for e in (-2e-4, 0.0, 0.05)])
+              for n in (32, 96, 256, 736, 2048)]
+    sweep = [calibrate.Point(n, [0.006 + 17e-6 * n]) for n in (32, 2048)]
+    curve, source = calibrate.fit_recompute({"recompute_points": paired}, sweep)
+    assert source == "paired" and curve.a == 0.0
+    assert curve.b == pytest.approx(b, rel=0.05) and curve.c == pytest.approx(c, rel=0.2)
+    # Nothing usable paired (noise <= 0): the sweep's fit.
+    curve, source = calibrate.fit_recompute({"recompute_points": [calibrate.Point(32, [-1e-3])]}, sweep)
+    assert source == "sweep" and curve.b == pytest.approx(17e-6, rel=1e-3)
+
+
 def test_low_quantile_ignores_bursts():
     p = calibrate.Point(64, [0.005, 0.4, 0.006])  # one sample hit by other work
     assert p.low == 0.005 and p.median == 0.006

@@ -270,37 +270,64 @@ def measure_load_path(llm, lengths: list[int], repeats: int, vocab: int, seed: i
 
     def once(n: int) -> tuple[float, float, int] | None:
         prefix = tokens(n)
-        generate(prefix + tokens(suffix_tokens))
+        computed = _queued_ttft(generate(prefix + tokens(suffix_tokens)))
         empty_device_cache()
         base = _queued_ttft(generate(tokens(suffix_tokens)))
         out = generate(prefix + tokens(suffix_tokens))
         staged = _queued_ttft(out)
-        if base is None or staged is None:
+        if base is None or staged is None or computed is None:
             return None
-        return staged, base, int(out.num_cached_tokens or 0)
+        return staged, base, computed, int(out.num_cached_tokens or 0)
 
     for n in (lengths[0], lengths[-1]):  # warm-up: the first loads pay one-off costs
         once(n)
     points = {n: Point(n) for n in lengths}
-    staged_ms: dict[int, list[float]] = {n: [] for n in lengths}
+    recompute = {n: Point(n) for n in lengths}
     short_loads = 0
     for r in range(repeats):
         for n in (lengths if r % 2 == 0 else lengths[::-1]):
             got = once(n)
             if got is None:
                 raise RuntimeError("vLLM reports no per-request timestamps (disable_log_stats=False?)")
-            staged, base, cached = got
+            staged, base, computed, cached = got
+            recompute[n].samples.append(computed - base)
             if cached < n:
                 short_loads += 1  # the prefix was not (all) loaded: not a load-path sample
                 tick(f"{n} tokens: only {cached} loaded")
                 continue
             points[n].samples.append(staged - base)
-            staged_ms[n].append(staged)
-            tick(f"{n} tokens: load path {(staged - base) * 1e3:.2f} ms")
+            tick(f"{n} tokens: load path {(staged - base) * 1e3:.2f} ms, "
+                 f"prefix compute {(computed - base) * 1e3:.2f} ms")
     measured = [p for p in points.values() if p.samples]
     if len(measured) < 2:
         raise RuntimeError(f"too few loads came from staging ({short_loads} did not); is the gate off?")
-    return {"points": measured, "short_loads": short_loads, "suffix_tokens": suffix_tokens}
+    return {"points": measured, "recompute_points": [recompute[n] for n in lengths],
+            "short_loads": short_loads, "suffix_tokens": suffix_tokens}
+
+
+def fit_recompute(path: dict[str, Any], sweep: list[Point]) -> tuple[Any, str]:
+    """The prefill curve the gate compares loads with, and where it came from.
+
+    Preferred: the prefix's end-to-end compute time measured alongside the
+    load path (``TTFT(prefix + suffix) - TTFT(suffix)``, arrival -> first
+    token, paired per repeat), so both sides of the decision are the same kind
+    of measurement on the same engine state. On the tiny CPU model the
+    quadratic fitted to the plain sweep put much of short prompts' time into
+    the constant ``a`` (which cancels in the decision) and too little into
+    ``b`` (one run: a=6.1 ms, b=17.6 µs/token where the paired gains say
+    ~24 µs/token). Falls back to the sweep (lower quartiles) when the paired
+    medians cannot be fitted."""
+    from pykvcache.gate.cost_model import PrefillCurve, nonneg_least_squares
+
+    # Computing 0 prefix tokens costs nothing: a = 0, only b and c are fitted
+    # (relative error; medians <= 0 are noise and carry no information).
+    pts = [(float(p.x), p.median) for p in path.get("recompute_points", ()) if p.median > 0]
+    if len({n for n, _ in pts}) >= 2:
+        b, c = nonneg_least_squares([(n, n * n) for n, _ in pts], [t for _, t in pts],
+                                    [1.0 / (t * t) for _, t in pts])
+        if b > 0 or c > 0:
+            return PrefillCurve(0.0, b, c), "paired"
+    return PrefillCurve.fit([(p.x, p.low) for p in sweep]), "sweep"
 
 
 def fit_load_path(points: list[Point], bytes_per_token: float, copy_bytes_per_s: float) -> tuple[float, float]:
@@ -576,7 +603,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats, max_tokens, dtype, tp,
                 per_rank, started) -> int:
-    from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
+    from pykvcache.gate.cost_model import CostModel, LoadCost
     from pykvcache.gate.profile import GateProfile, hardware_id, storage_info
     from pykvcache.vllm.layout import ChunkLayout
     from vllm import LLM
@@ -648,7 +675,7 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
         copy = measure_copy(chunk_bytes, repeats)
 
     try:
-        prefill = PrefillCurve.fit([(p.x, p.low) for p in prefill_points])
+        prefill, prefill_source = fit_recompute(path, prefill_points)
         fixed, disk_bw = LoadCost.fit_disk([(p.x, p.median) for p in storage["points"]])
         step_s, path_bw = fit_load_path(path["points"], bytes_per_token, copy["bytes_per_s"])
         load = LoadCost(fixed, disk_bw, path_bw, step_s)
@@ -675,7 +702,10 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
         },
         prefill={
             "a": prefill.a, "b": prefill.b, "c": prefill.c, "timing": timing, "repeats": repeats,
+            "fitted_to": "paired: TTFT(prefix + suffix) - TTFT(suffix), with the load path"
+            if prefill_source == "paired" else "sweep: scheduled -> first token, lower quartiles",
             "points": [p.as_dict("tokens") for p in prefill_points],
+            "paired_points": [p.as_dict("tokens") for p in path["recompute_points"]],
         },
         load={
             "fixed_s": fixed, "disk_bytes_per_s": disk_bw, "h2d_bytes_per_s": path_bw, "step_s": step_s,

@@ -191,7 +191,7 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gate
     from pathlib import Path
 
     from pykvcache import calibrate as cal
-    from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
+    from pykvcache.gate.cost_model import CostModel, LoadCost
 
     ct = scenario["chunk_tokens"]
     cal_lengths = scenario["calibrate_lengths"]
@@ -219,7 +219,7 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gate
     path = cal.measure_load_path(llm, cal_lengths, repeats, vocab, scenario["seed"] + 11, tick,
                                  suffix_tokens=scenario["suffix_tokens"], reset=reset)
     try:
-        prefill = PrefillCurve.fit([(p.x, p.low) for p in points])
+        prefill, prefill_source = cal.fit_recompute(path, points)
         fixed, disk_bw = LoadCost.fit_disk([(p.x, p.median) for p in storage["points"]])
         step_s, path_bw = cal.fit_load_path(path["points"], chunk_bytes / ct, copy["bytes_per_s"])
     except ValueError as exc:
@@ -236,6 +236,8 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gate
         "prefill_points": [p.as_dict("tokens") for p in points],
         "load_points": [p.as_dict("bytes") for p in storage["points"]],
         "path_points": [p.as_dict("tokens") for p in path["points"]],
+        "recompute_points": [p.as_dict("tokens") for p in path["recompute_points"]],
+        "prefill_fitted_to": prefill_source,
         "storage": {k: v for k, v in storage.items() if k != "points"},
         "copy_bytes_per_s": copy["bytes_per_s"],
     }

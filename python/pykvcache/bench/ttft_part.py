@@ -63,7 +63,7 @@ class TtftOptions:
     chunk_tokens: int = 32
     suffix_tokens: int = 16
     slow: bool = True
-    calibrate_repeats: int = 5
+    calibrate_repeats: int = 7
     calibrate_points: int = 6
     timeout_s: float = 900.0
     seed: int = 0
