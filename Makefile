@@ -4,14 +4,19 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_OMP_THREADS_BIND := nobind
 
-.PHONY: venv develop test test-rust test-python demo bench clean
+.PHONY: venv develop wheel test test-rust test-python demo bench clean
 
 venv:
 	bash tools/setup_venv.sh
 
 # Builds the Rust extension (release) into the venv.
 develop: venv
+	rm -f python/pykvcache/_core.cpython-*.so  # pre-abi3 builds would shadow the new one
 	$(VENV)/bin/maturin develop --release --quiet
+
+# One abi3 wheel (CPython >= 3.11, manylinux) in dist/.
+wheel: venv
+	$(VENV)/bin/maturin build --release --quiet --out dist
 
 test-rust:
 	cargo test --release --locked
@@ -30,4 +35,4 @@ bench: develop
 	$(PY) -m pykvcache.cli bench --out bench-out
 
 clean:
-	rm -rf target bench-out demo-out gpu-bench-out
+	rm -rf target dist bench-out demo-out gpu-bench-out

@@ -182,6 +182,8 @@ def test_queued_request_is_staged_before_its_first_lookup(tmp_path):
         h.settle()
         m = h.m.metrics.totals
         assert m["lookahead_preload_reads"] == 6 and m["disk_reads"] == 6
+        # Preloads go to the engine at background priority (loads overtake them).
+        assert h.store_obj.stats()["prefetches"] == 6
         ctx, hits = h.probe("r1", keys)
         assert hits == 6  # every chunk HIT at the first probe: no wait step
         h.load(ctx, keys)

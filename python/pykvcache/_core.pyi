@@ -114,7 +114,7 @@ class IoHandle:
     """One in-flight put or get. The staging slot stays pinned until it completes."""
 
     @property
-    def op(self) -> Literal["put", "get"]: ...
+    def op(self) -> Literal["put", "get", "prefetch"]: ...
     @property
     def key(self) -> bytes: ...
     @property
@@ -158,6 +158,11 @@ class BlockStore:
     def get(self, key: bytes, slot: int) -> IoHandle:
         """Read chunk ``key`` into ``slot`` and verify it. Status ``miss`` when
         absent, ``corrupt`` when verification fails (the file is then removed)."""
+    def prefetch(self, key: bytes, slot: int) -> IoHandle:
+        """``get`` at background priority, for chunks that will be needed soon:
+        its transfers start only when no ``get``/``put`` transfer is waiting and
+        never occupy more than half of ``queue_depth``, so reads needed now
+        overtake it. Same results and verification as ``get``."""
     def contains(self, key: bytes) -> bool:
         """Index lookup only (no I/O)."""
     def probe(self, key: bytes) -> bool:

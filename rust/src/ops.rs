@@ -63,6 +63,8 @@ pub struct OpContext {
     pub file_len: usize,
     pub payload_len: usize,
     pub started: Instant,
+    /// A prefetch: its transfers yield to demand ones (see backend::classes).
+    pub background: bool,
 }
 
 struct OpEntry {

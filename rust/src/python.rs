@@ -17,7 +17,7 @@ use crate::error::EngineError;
 use crate::files::DirectIoPolicy;
 use crate::format::{FORMAT_VERSION, HEADER_BYTES};
 use crate::layout::Permissions;
-use crate::ops::{OpId, OpKind, Outcome, Status};
+use crate::ops::{OpId, Outcome, Status};
 use crate::staging;
 use crate::stats::{Stats, LATENCY_BUCKETS_US};
 use crate::store::{self, BackendChoice, StoreConfig, VerifyPolicy};
@@ -247,7 +247,8 @@ impl PyIoResult {
 struct PyIoHandle {
     store: Arc<store::BlockStore>,
     id: OpId,
-    kind: OpKind,
+    /// "put", "get" or "prefetch".
+    op: &'static str,
     key: Vec<u8>,
     slot: usize,
     result: Option<Py<PyIoResult>>,
@@ -257,10 +258,7 @@ struct PyIoHandle {
 impl PyIoHandle {
     #[getter]
     fn op(&self) -> &'static str {
-        match self.kind {
-            OpKind::Put => "put",
-            OpKind::Get => "get",
-        }
+        self.op
     }
     #[getter]
     fn key<'py>(&self, py: Python<'py>) -> Bound<'py, pyo3::types::PyBytes> {
@@ -379,14 +377,21 @@ impl PyBlockStore {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
-        Ok(PyIoHandle { store: self.inner.clone(), id, kind: OpKind::Put, key, slot, result: None })
+        Ok(PyIoHandle { store: self.inner.clone(), id, op: "put", key, slot, result: None })
     }
 
     fn get(&self, py: Python<'_>, key: Vec<u8>, slot: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.get(&k, slot, t)).map_err(to_py)?;
-        Ok(PyIoHandle { store: self.inner.clone(), id, kind: OpKind::Get, key, slot, result: None })
+        Ok(PyIoHandle { store: self.inner.clone(), id, op: "get", key, slot, result: None })
+    }
+
+    fn prefetch(&self, py: Python<'_>, key: Vec<u8>, slot: usize) -> PyResult<PyIoHandle> {
+        let (store, t) = (self.inner.clone(), self.submit_timeout);
+        let k = key.clone();
+        let id = py.detach(move || store.prefetch(&k, slot, t)).map_err(to_py)?;
+        Ok(PyIoHandle { store: self.inner.clone(), id, op: "prefetch", key, slot, result: None })
     }
 
     fn contains(&self, key: &[u8]) -> bool {

@@ -13,6 +13,8 @@ pub struct Stats {
     pub bytes_read: AtomicU64,
     pub bytes_written: AtomicU64,
     pub reads: AtomicU64,
+    /// Reads asked for at background priority (successful ones also count in `reads`).
+    pub prefetches: AtomicU64,
     pub writes: AtomicU64,
     pub read_hits: AtomicU64,
     pub read_misses: AtomicU64,
@@ -63,6 +65,7 @@ impl Stats {
             ("bytes_read", g(&self.bytes_read)),
             ("bytes_written", g(&self.bytes_written)),
             ("reads", g(&self.reads)),
+            ("prefetches", g(&self.prefetches)),
             ("writes", g(&self.writes)),
             ("read_hits", g(&self.read_hits)),
             ("read_misses", g(&self.read_misses)),

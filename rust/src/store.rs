@@ -267,6 +267,7 @@ impl BlockStore {
             file_len,
             payload_len: length,
             started,
+            background: false,
         };
         self.core.make_room(file_len as u64, hash);
         let shard = self.core.layout.shard_dir(hash);
@@ -286,8 +287,22 @@ impl BlockStore {
 
     /// Reads chunk `key` into `slot` and verifies it.
     pub fn get(&self, key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<OpId> {
+        self.read(key, slot, timeout, false)
+    }
+
+    /// `get` at background priority: its transfers start only when no demand
+    /// transfer waits, and take at most half of the queue depth, so reads
+    /// for what is needed now overtake reads for what may be needed soon.
+    pub fn prefetch(&self, key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<OpId> {
+        self.read(key, slot, timeout, true)
+    }
+
+    fn read(&self, key: &[u8], slot: usize, timeout: Option<Duration>, background: bool) -> Result<OpId> {
         self.check_open()?;
         self.check_args(key, slot)?;
+        if background {
+            Stats::add(&self.core.stats.prefetches, 1);
+        }
         let pool = &self.core.pool;
         let id = self.core.ops.allocate(timeout)?;
         if let Err(e) = pool.pin_io(slot) {
@@ -308,6 +323,7 @@ impl BlockStore {
             file_len: 0,
             payload_len: 0,
             started: Instant::now(),
+            background,
         };
         let path = self.core.layout.chunk_path(hash);
         let (fd, size) = match files::open_for_read(&path, ctx.direct) {
@@ -487,9 +503,10 @@ fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32,
     let slot = ctx.slot;
     let base = core.pool.slot_ptr(slot);
     let file_len = ctx.file_len;
+    let background = ctx.background;
     core.ops.start(id, ctx, n as u32);
     // Small fixed batch on the stack: no per-I/O heap allocation.
-    let mut batch = [Segment { op: 0, fd: -1, buf: std::ptr::null_mut(), len: 0, offset: 0, write, buf_index: None }; 16];
+    let mut batch = [Segment { op: 0, fd: -1, buf: std::ptr::null_mut(), len: 0, offset: 0, write, buf_index: None, background }; 16];
     let mut filled = 0;
     for i in 0..n {
         let offset = i * seg_bytes;
@@ -501,6 +518,7 @@ fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32,
             offset: offset as u64,
             write,
             buf_index: Some(slot as u16),
+            background,
         };
         filled += 1;
         if filled == batch.len() {

@@ -120,6 +120,9 @@ class SlowReads:
     def get(self, key: bytes, slot: int) -> _SlowHandle:
         return _SlowHandle(self._store.get(key, slot), self.delay_s)
 
+    def prefetch(self, key: bytes, slot: int) -> _SlowHandle:
+        return _SlowHandle(self._store.prefetch(key, slot), self.delay_s)
+
 
 # ----------------------------------------------------------------------
 # Engine and manager

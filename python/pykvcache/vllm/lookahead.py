@@ -220,7 +220,8 @@ class Preloader:
                 # Taking this slot would throw away another preload before use.
                 m.metrics.inc("lookahead_budget_stops")
                 return False
-            if m.stage(key, owner=owner) is LookupResult.MISS:
+            # At background priority: a load the scheduler waits for now goes first.
+            if m.stage(key, owner=owner, background=True) is LookupResult.MISS:
                 return False  # no slot, or the read was refused
             self.held.setdefault(key, set()).add(req_id)
             self.unused[key] = None

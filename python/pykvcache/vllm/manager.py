@@ -152,18 +152,18 @@ class NvmeOffloadingManager(OffloadingManager):
         self._probed_absent[key] = now + _PROBE_INTERVAL_S
         return False
 
-    def stage(self, key: bytes, owner: Hashable | None = None) -> LookupResult:
+    def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False) -> LookupResult:
         """Make ``key`` readable from staging: HIT if it already is, HIT_PENDING
         while a store or a read is filling its slot (a read is started here if
-        the chunk is on disk), MISS if it is nowhere or no slot is available.
-        With ``owner`` the staged chunk is held for that owner until
-        :meth:`release`."""
+        the chunk is on disk; a prefetch with ``background``), MISS if it is
+        nowhere or no slot is available. With ``owner`` the staged chunk is held
+        for that owner until :meth:`release`."""
         self._poll_read(key)
         entry = self.cache.get(key)
         if entry is None:
             if not self.on_disk(key):
                 return LookupResult.MISS
-            entry = self._start_read(key)
+            entry = self._start_read(key, background)
             if entry is None:
                 self.metrics.inc("staging_full_misses")
                 return LookupResult.MISS
@@ -472,12 +472,13 @@ class NvmeOffloadingManager(OffloadingManager):
             except OSError as exc:
                 logger.warning("pykvcache: could not unlink staging region %s: %s", name, exc)
 
-    def _start_read(self, key: bytes):
+    def _start_read(self, key: bytes, background: bool = False):
         entry = self.cache.insert(key, EntryState.READING, Origin.DISK)
         if entry is None:
             return None
         try:
-            self._reads[key] = self.store.get(key, entry.slot)
+            read = self.store.prefetch if background else self.store.get
+            self._reads[key] = read(key, entry.slot)
         except Exception as exc:  # noqa: BLE001 - submission refused: a miss
             logger.warning("pykvcache: read of chunk %s not submitted: %s", key.hex(), exc)
             self.metrics.inc("read_errors")

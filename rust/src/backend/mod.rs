@@ -6,6 +6,7 @@ use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+pub mod classes;
 pub mod threads;
 pub mod uring;
 
@@ -21,6 +22,8 @@ pub struct Segment {
     pub write: bool,
     /// Registered-buffer index (the staging slot) when fixed buffers are in use.
     pub buf_index: Option<u16>,
+    /// A prefetch: served after demand transfers, on at most half the places.
+    pub background: bool,
 }
 
 unsafe impl Send for Segment {}

@@ -2,11 +2,11 @@
 //! Used when io_uring setup is refused (kernel.io_uring_disabled, seccomp
 //! profiles of container runtimes, old kernels) or when configured.
 
-use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
+use super::classes::ClassQueue;
 use super::{clock_ns, thread_cpu_clock, Backend, BackendKind, Segment, SegmentError, SegmentSink, SharedFaults};
 
 pub struct ThreadBackend {
@@ -23,7 +23,7 @@ struct Shared {
 }
 
 struct Queue {
-    segments: VecDeque<Segment>,
+    segments: ClassQueue<Segment>,
     stop: bool,
 }
 
@@ -31,7 +31,7 @@ impl ThreadBackend {
     pub fn new(threads: usize, capacity: usize, sink: Arc<dyn SegmentSink>, faults: SharedFaults) -> std::io::Result<Self> {
         let threads = threads.max(1);
         let shared = Arc::new(Shared {
-            queue: Mutex::new(Queue { segments: VecDeque::with_capacity(capacity), stop: false }),
+            queue: Mutex::new(Queue { segments: ClassQueue::new(capacity, threads / 2), stop: false }),
             ready: Condvar::new(),
             sink,
             faults,
@@ -56,7 +56,7 @@ fn worker_loop(shared: &Shared, index: usize) {
         let seg = {
             let mut q = shared.queue.lock().unwrap();
             loop {
-                if let Some(seg) = q.segments.pop_front() {
+                if let Some((seg, _)) = q.segments.pop() {
                     break seg;
                 }
                 if q.stop {
@@ -66,6 +66,11 @@ fn worker_loop(shared: &Shared, index: usize) {
             }
         };
         let result = transfer(&seg, &shared.faults);
+        if seg.background {
+            shared.queue.lock().unwrap().segments.finished(true);
+            // A worker may be asleep with background work it was not allowed to take.
+            shared.ready.notify_one();
+        }
         shared.sink.segment_done(&seg, result);
         shared.cpu_ns[index].store(clock_ns(clock), Ordering::Relaxed);
     }
@@ -105,7 +110,9 @@ fn transfer(seg: &Segment, faults: &SharedFaults) -> Result<(), SegmentError> {
 impl Backend for ThreadBackend {
     fn submit(&self, segs: &[Segment]) {
         let mut q = self.shared.queue.lock().unwrap();
-        q.segments.extend(segs.iter().copied());
+        for seg in segs {
+            q.segments.push_back(*seg, seg.background);
+        }
         drop(q);
         if segs.len() == 1 {
             self.shared.ready.notify_one();

@@ -13,6 +13,7 @@ use std::thread::JoinHandle;
 
 use io_uring::{opcode, squeue, types, IoUring};
 
+use super::classes::ClassQueue;
 use super::{clock_ns, thread_cpu_clock, Backend, BackendKind, Segment, SegmentError, SegmentSink, SharedFaults};
 
 const WAKE_TOKEN: u64 = u64::MAX;
@@ -99,13 +100,16 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, sink
     let clock = thread_cpu_clock();
     let mut slots: Vec<Option<Pending>> = (0..depth).map(|_| None).collect();
     let mut free: Vec<usize> = (0..depth).rev().collect();
-    let mut overflow: VecDeque<Pending> = VecDeque::with_capacity(depth * 4);
+    let mut overflow: ClassQueue<Pending> = ClassQueue::new(depth * 4, depth / 2);
     let mut wake_armed = false;
 
     loop {
         {
             let mut incoming = shared.incoming.lock().unwrap();
-            overflow.extend(incoming.drain(..).map(|seg| Pending { seg, done: 0 }));
+            for seg in incoming.drain(..) {
+                let background = seg.background;
+                overflow.push_back(Pending { seg, done: 0 }, background);
+            }
         }
         if !wake_armed {
             let sqe = opcode::Read::new(types::Fd(shared.wake_fd), shared.wake_buf.as_ptr() as *mut u8, 8)
@@ -116,14 +120,15 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, sink
             }
         }
         while let Some(&idx) = free.last() {
-            let Some(p) = overflow.pop_front() else { break };
+            let Some((p, background)) = overflow.pop() else { break };
             if let Some(errno) = faults.as_ref().and_then(|f| f.injected_errno()) {
+                overflow.finished(background);
                 sink.segment_done(&p.seg, Err(SegmentError::Errno(errno)));
                 continue;
             }
             let sqe = build_sqe(&p, fixed, faults, idx as u64);
             if unsafe { ring.submission().push(&sqe) }.is_err() {
-                overflow.push_front(p);
+                overflow.unpop(p, background);
                 break;
             }
             free.pop();
@@ -150,8 +155,10 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, sink
             let idx = token as usize;
             let mut p = slots[idx].take().expect("completion for an empty slot");
             free.push(idx);
+            let background = p.seg.background;
+            overflow.finished(background);
             if res == -libc::EINTR || res == -libc::EAGAIN {
-                overflow.push_front(p);
+                overflow.push_front(p, background);
             } else if res < 0 {
                 sink.segment_done(&p.seg, Err(SegmentError::Errno(-res)));
             } else if res == 0 {
@@ -161,7 +168,7 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, sink
                 p.done += res as usize;
                 if p.done < p.seg.len {
                     // Short transfer: resubmit the remainder first, ahead of newer work.
-                    overflow.push_front(p);
+                    overflow.push_front(p, background);
                 } else {
                     sink.segment_done(&p.seg, Ok(()));
                 }
