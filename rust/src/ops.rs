@@ -63,6 +63,10 @@ pub struct OpContext {
     pub file_len: usize,
     pub payload_len: usize,
     pub started: Instant,
+    /// A put that hit ENOSPC evicts and retries once.
+    pub enospc_retried: bool,
+    /// Bytes this put reserved against the capacity (0 once released).
+    pub reserved: u64,
 }
 
 struct OpEntry {

@@ -322,7 +322,7 @@ impl PyBlockStore {
     #[new]
     #[pyo3(signature = (dirs, pool, *, namespace, capacity_bytes, queue_depth=32, backend="auto", direct_io="optional",
                         register_buffers=true, segment_bytes=4<<20, max_inflight=1024, submit_timeout=Some(30.0),
-                        io_threads=0, chunk_workers=2, verify="full", dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
+                        io_threads=0, chunk_workers=2, verify="full", recycle_files=true, dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -341,6 +341,7 @@ impl PyBlockStore {
         io_threads: usize,
         chunk_workers: usize,
         verify: &str,
+        recycle_files: bool,
         dir_mode: u32,
         file_mode: u32,
         allow_insecure_root: bool,
@@ -357,6 +358,7 @@ impl PyBlockStore {
         config.io_threads = io_threads;
         config.chunk_workers = chunk_workers;
         config.verify = VerifyPolicy::parse(verify).map_err(to_py)?;
+        config.recycle_files = recycle_files;
         config.permissions = Permissions { dir_mode, file_mode, allow_insecure_root };
         if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
             config.faults = Some(Arc::new(crate::backend::FaultPlan {
@@ -379,6 +381,11 @@ impl PyBlockStore {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
+        if let Some(notice) = self.inner.take_capacity_notice() {
+            // ENOSPC lowered the capacity (on a worker thread, during an earlier put): logged once.
+            let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
+            logger.call_method1("warning", ("%s", notice))?;
+        }
         Ok(PyIoHandle { store: self.inner.clone(), id, kind: OpKind::Put, key, slot, result: None })
     }
 
@@ -454,6 +461,7 @@ impl PyBlockStore {
         d.set_item("chunks", self.inner.len())?;
         d.set_item("used_bytes", self.inner.used_bytes())?;
         d.set_item("capacity_bytes", self.inner.capacity_bytes())?;
+        d.set_item("configured_capacity_bytes", self.inner.configured_capacity_bytes())?;
         d.set_item("backend_cpu_s", self.inner.backend_cpu_ns() as f64 / 1e9)?;
         d.set_item("chunk_worker_cpu_s", self.inner.chunk_worker_cpu_ns() as f64 / 1e9)?;
         d.set_item("open_scan_chunks", self.scanned_chunks)?;

@@ -2,8 +2,9 @@
 //! backend, verifies what it reads, publishes what it writes atomically, and
 //! keeps the on-disk index within its capacity.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime};
@@ -73,6 +74,9 @@ pub struct StoreConfig {
     /// Threads that checksum, verify and publish chunks.
     pub chunk_workers: usize,
     pub verify: VerifyPolicy,
+    /// Overwrite the chunk file a write evicts instead of unlinking it and
+    /// allocating a fresh one (see `files::claim_for_reuse`).
+    pub recycle_files: bool,
     pub permissions: Permissions,
     pub faults: SharedFaults,
 }
@@ -92,6 +96,7 @@ impl StoreConfig {
             io_threads: 0,
             chunk_workers: 2,
             verify: VerifyPolicy::Full,
+            recycle_files: true,
             permissions: Permissions::default(),
             faults: None,
         }
@@ -106,7 +111,18 @@ struct Core {
     pool: Arc<StagingPool>,
     layout: Layout,
     namespace: Fingerprint,
-    capacity: u64,
+    /// `capacity_bytes` as configured: the bound on a single chunk.
+    configured_capacity: u64,
+    /// What eviction keeps the index within: the configured capacity, lowered
+    /// when the filesystem fills up first (ENOSPC). Never raised again.
+    capacity: AtomicU64,
+    /// Set when `capacity` was first lowered; taken once by whoever logs it.
+    capacity_notice: Mutex<Option<String>>,
+    /// Bytes of puts between eviction and publication: they count against the
+    /// capacity, so that each of several concurrent puts evicts (and can
+    /// recycle) its own victim instead of all seeing the same free space.
+    reserved: AtomicU64,
+    recycle_files: bool,
     segment_bytes: usize,
     file_mode: u32,
     support: Vec<FsSupport>,
@@ -184,7 +200,11 @@ impl BlockStore {
             pool: pool.clone(),
             layout,
             namespace,
-            capacity: config.capacity_bytes,
+            configured_capacity: config.capacity_bytes,
+            capacity: AtomicU64::new(config.capacity_bytes),
+            capacity_notice: Mutex::new(None),
+            reserved: AtomicU64::new(0),
+            recycle_files: config.recycle_files,
             segment_bytes: config.segment_bytes,
             file_mode: config.permissions.file_mode,
             support,
@@ -244,8 +264,9 @@ impl BlockStore {
             return Err(EngineError::invalid(format!("length {length} exceeds the slot size {}", pool.slot_bytes())));
         }
         let file_len = format::file_len(length);
-        if file_len as u64 > self.core.capacity {
-            return Err(EngineError::invalid(format!("a {file_len}-byte chunk cannot fit the capacity of {} bytes", self.core.capacity)));
+        if file_len as u64 > self.core.configured_capacity {
+            let cap = self.core.configured_capacity;
+            return Err(EngineError::invalid(format!("a {file_len}-byte chunk cannot fit the capacity of {cap} bytes")));
         }
         let id = self.core.ops.allocate(timeout)?;
         if let Err(e) = pool.pin_io(slot) {
@@ -267,12 +288,15 @@ impl BlockStore {
             file_len,
             payload_len: length,
             started,
+            enospc_retried: false,
+            reserved: 0,
         };
-        self.core.make_room(file_len as u64, hash);
-        let shard = self.core.layout.shard_dir(hash);
-        match files::open_for_write(&shard, self.core.support[root], ctx.direct, self.core.file_mode) {
+        let reuse = self.core.recycle_files.then_some(root);
+        let victim = self.core.reserve_room(&mut ctx, reuse);
+        match self.core.open_chunk_file(&mut ctx, victim) {
             Ok(f) => ctx.write_file = Some(f),
             Err(e) => {
+                let shard = self.core.layout.shard_dir(hash);
                 let msg = format!("creating chunk file in {}: {e}", shard.display());
                 self.core.fail_early(id, ctx, e.raw_os_error(), msg);
                 return Ok(id);
@@ -308,6 +332,8 @@ impl BlockStore {
             file_len: 0,
             payload_len: 0,
             started: Instant::now(),
+            enospc_retried: false,
+            reserved: 0,
         };
         let path = self.core.layout.chunk_path(hash);
         let (fd, size) = match files::open_for_read(&path, ctx.direct) {
@@ -415,8 +441,20 @@ impl BlockStore {
         self.core.index.lock().unwrap().used_bytes()
     }
 
+    /// The capacity eviction enforces now: `capacity_bytes` as configured,
+    /// or lower once the filesystem filled up before it (ENOSPC).
     pub fn capacity_bytes(&self) -> u64 {
-        self.core.capacity
+        self.core.capacity.load(Ordering::Relaxed)
+    }
+
+    pub fn configured_capacity_bytes(&self) -> u64 {
+        self.core.configured_capacity
+    }
+
+    /// A message the first time ENOSPC lowered the capacity, once: for the
+    /// caller to log (the engine has no logger).
+    pub fn take_capacity_notice(&self) -> Option<String> {
+        self.core.capacity_notice.lock().unwrap().take()
     }
 
     pub fn backend_name(&self) -> &'static str {
@@ -524,7 +562,7 @@ fn chunk_worker(core: &Core, backend: &dyn Backend) {
             }
             Job::Finish { id, ctx, error } => match ctx.kind {
                 OpKind::Get => core.finish_get(id, ctx, error),
-                OpKind::Put => core.finish_put(id, ctx, error),
+                OpKind::Put => core.finish_put(id, ctx, error, backend),
             },
         }
         core.jobs.record_cpu(me, clock_ns(clock));
@@ -582,7 +620,10 @@ fn scan(layout: &Layout) -> Result<ChunkIndex> {
                 let Some(name) = name.to_str() else { continue };
                 let Ok(meta) = entry.metadata() else { continue };
                 if name.starts_with(TEMP_PREFIX) {
-                    let age = meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default();
+                    // ctime, not mtime: claiming an evicted file for reuse renames it
+                    // (fresh ctime) but keeps the old mtime until it is written.
+                    let changed = SystemTime::UNIX_EPOCH + Duration::new(meta.ctime().max(0) as u64, meta.ctime_nsec().clamp(0, 999_999_999) as u32);
+                    let age = now.duration_since(changed).unwrap_or_default();
                     if age > STALE_TEMP_AGE || files::temp_writer_gone(&entry.path(), name) {
                         let _ = std::fs::remove_file(entry.path());
                     }
@@ -607,11 +648,98 @@ fn scan(layout: &Layout) -> Result<ChunkIndex> {
 }
 
 impl Core {
-    fn make_room(&self, incoming: u64, keep: u128) {
-        let victims = self.index.lock().unwrap().victims(incoming, self.capacity, keep);
+    /// Makes room for a put and reserves its bytes until it is published or fails.
+    fn reserve_room(&self, ctx: &mut OpContext, reuse: Option<usize>) -> Option<u128> {
+        ctx.reserved = ctx.file_len as u64;
+        self.make_room(ctx.reserved, ctx.hash, reuse)
+    }
+
+    /// Drops a put's reservation (idempotent). A published chunk's bytes move
+    /// from reserved to used under the index lock, never counted twice.
+    fn release_reservation(&self, ctx: &mut OpContext) {
+        self.reserved.fetch_sub(std::mem::take(&mut ctx.reserved), Ordering::Relaxed);
+    }
+
+    /// Evicts least recently used chunks until `incoming` more bytes (beyond
+    /// the indexed and the reserved ones) fit, and reserves them.
+    /// With `reuse` = a root, the first victim on that root is not unlinked:
+    /// it leaves the index and is returned for the caller to overwrite.
+    fn make_room(&self, incoming: u64, keep: u128, reuse: Option<usize>) -> Option<u128> {
+        let capacity = self.capacity.load(Ordering::Relaxed);
+        let victims = {
+            let index = self.index.lock().unwrap();
+            let reserved = self.reserved.fetch_add(incoming, Ordering::Relaxed);
+            index.victims(incoming + reserved, capacity, keep)
+        };
+        let mut kept = None;
+        for (hash, _) in victims {
+            if kept.is_none() && reuse == Some(self.layout.root_of(hash)) {
+                if let Some(len) = self.index.lock().unwrap().remove(hash) {
+                    Stats::add(&self.stats.evicted_bytes, len);
+                    Stats::add(&self.stats.evictions, 1);
+                    kept = Some(hash);
+                }
+                continue;
+            }
+            if self.remove_chunk(hash) {
+                Stats::add(&self.stats.evictions, 1);
+            }
+        }
+        kept
+    }
+
+    /// The file a put writes: the evicted `victim` when it can be claimed,
+    /// else a fresh one. A fresh file that hits ENOSPC makes room and is
+    /// tried once more.
+    fn open_chunk_file(&self, ctx: &mut OpContext, victim: Option<u128>) -> std::io::Result<files::PendingFile> {
+        let shard = self.layout.shard_dir(ctx.hash);
+        if let Some(v) = victim {
+            match files::claim_for_reuse(&self.layout.chunk_path(v), &shard, ctx.file_len, ctx.direct) {
+                Ok(f) => {
+                    Stats::add(&self.stats.recycled_files, 1);
+                    return Ok(f);
+                }
+                // Read by someone right now, taken by another process, or no flock here.
+                Err(_) => Stats::add(&self.stats.recycle_skipped, 1),
+            }
+        }
+        let support = self.support[ctx.root];
+        match files::open_for_write(&shard, support, ctx.direct, self.file_mode) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && !ctx.enospc_retried => {
+                ctx.enospc_retried = true;
+                self.on_enospc(ctx.file_len as u64, ctx.hash);
+                files::open_for_write(&shard, support, ctx.direct, self.file_mode)
+            }
+            other => other,
+        }
+    }
+
+    /// The filesystem is full before the capacity is: lower the capacity to
+    /// what the index holds now (what did fit; never below one chunk) and
+    /// evict least recently used chunks until this chunk and one more like
+    /// it fit, so that the next write does not hit ENOSPC again at once.
+    fn on_enospc(&self, incoming: u64, keep: u128) {
+        let victims = {
+            let index = self.index.lock().unwrap();
+            let fits = index.used_bytes().max(incoming);
+            let before = self.capacity.fetch_min(fits, Ordering::Relaxed);
+            if fits < before {
+                let mut notice = self.capacity_notice.lock().unwrap();
+                if Stats::add_first(&self.stats.capacity_lowered, 1) {
+                    *notice = Some(format!(
+                        "filesystem full before capacity_bytes ({} bytes): evicting on ENOSPC; capacity lowered to {fits} bytes \
+                         (stats capacity_bytes shows the current value)",
+                        self.configured_capacity
+                    ));
+                }
+            }
+            index.victims(incoming.saturating_mul(2), fits, keep)
+        };
+        Stats::add(&self.stats.enospc_retries, 1);
         for (hash, _) in victims {
             if self.remove_chunk(hash) {
                 Stats::add(&self.stats.evictions, 1);
+                Stats::add(&self.stats.enospc_evictions, 1);
             }
         }
     }
@@ -643,6 +771,7 @@ impl Core {
 
     /// Single exit of every operation: closes files, unpins the slot, counts, signals.
     fn finish(&self, id: OpId, mut ctx: OpContext, mut outcome: Outcome) {
+        self.release_reservation(&mut ctx);
         if ctx.read_fd >= 0 {
             if !ctx.direct {
                 files::drop_cached_pages(ctx.read_fd, false);
@@ -721,18 +850,25 @@ impl Core {
         };
         if adopted {
             // A chunk another process wrote now counts here too: stay within capacity.
-            self.make_room(0, ctx.hash);
+            self.make_room(0, ctx.hash, None);
         }
         let len = header.payload_len;
         self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""));
     }
 
-    fn finish_put(&self, id: OpId, mut ctx: OpContext, error: Option<SegmentError>) {
+    fn finish_put(&self, id: OpId, mut ctx: OpContext, error: Option<SegmentError>, backend: &dyn Backend) {
         if let Some(err) = error {
             let errno = match err {
                 SegmentError::Errno(e) => e,
                 SegmentError::Eof => libc::EIO,
             };
+            if errno == libc::ENOSPC && !ctx.enospc_retried {
+                // Once: evict, then write the whole (still sealed) slot again.
+                ctx.enospc_retried = true;
+                self.on_enospc(ctx.file_len as u64, ctx.hash);
+                let fd = ctx.write_file.as_ref().expect("put without a file").fd;
+                return submit(self, backend, id, ctx, fd, true);
+            }
             if errno == libc::ENOSPC {
                 Stats::add(&self.stats.write_enospc, 1);
             }
@@ -751,9 +887,13 @@ impl Core {
                 if !first {
                     Stats::add(&self.stats.write_races, 1);
                 }
-                self.index.lock().unwrap().insert(ctx.hash, ctx.file_len as u64);
+                {
+                    let mut index = self.index.lock().unwrap();
+                    index.insert(ctx.hash, ctx.file_len as u64);
+                    self.release_reservation(&mut ctx);
+                }
                 // Concurrent puts each made room for themselves only; trim the overshoot.
-                self.make_room(0, ctx.hash);
+                self.make_room(0, ctx.hash, None);
                 let len = ctx.payload_len as u64;
                 self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""))
             }
