@@ -139,6 +139,7 @@ class BlockStore:
         direct_io: Literal["required", "optional", "disabled"] = "optional",
         register_buffers: bool = True,
         segment_bytes: int = 4 << 20,
+        write_segment_bytes: int = 0,
         max_inflight: int = 1024,
         submit_timeout: float | None = 30.0,
         io_threads: int = 0,
@@ -150,7 +151,9 @@ class BlockStore:
         allow_insecure_root: bool = False,
     ) -> None:
         """``chunk_workers`` threads checksum, verify and publish chunks, off the
-        caller's and the ring's threads. ``verify="header"`` skips the payload
+        caller's and the ring's threads. Reads move in ``segment_bytes`` pieces
+        in flight together; writes in ``write_segment_bytes`` pieces, 0 = the
+        whole chunk in one transfer (faster for writes on ext4). ``verify="header"`` skips the payload
         CRC on reads (header, namespace, key and length are still checked): only
         for storage that checksums data itself. ``recycle_files`` overwrites the
         file a write evicts instead of allocating a new one (faster on ext4/xfs;

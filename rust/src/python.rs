@@ -321,7 +321,7 @@ struct PyBlockStore {
 impl PyBlockStore {
     #[new]
     #[pyo3(signature = (dirs, pool, *, namespace, capacity_bytes, queue_depth=32, backend="auto", direct_io="optional",
-                        register_buffers=true, segment_bytes=4<<20, max_inflight=1024, submit_timeout=Some(30.0),
+                        register_buffers=true, segment_bytes=4<<20, write_segment_bytes=0, max_inflight=1024, submit_timeout=Some(30.0),
                         io_threads=0, chunk_workers=2, verify="full", recycle_files=true, dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
@@ -336,6 +336,7 @@ impl PyBlockStore {
         direct_io: &str,
         register_buffers: bool,
         segment_bytes: usize,
+        write_segment_bytes: usize,
         max_inflight: usize,
         submit_timeout: Option<f64>,
         io_threads: usize,
@@ -354,6 +355,7 @@ impl PyBlockStore {
         config.direct_io = DirectIoPolicy::parse(direct_io).map_err(to_py)?;
         config.register_buffers = register_buffers;
         config.segment_bytes = segment_bytes;
+        config.write_segment_bytes = write_segment_bytes;
         config.max_inflight = max_inflight;
         config.io_threads = io_threads;
         config.chunk_workers = chunk_workers;

@@ -69,6 +69,10 @@ pub struct StoreConfig {
     pub direct_io: DirectIoPolicy,
     pub register_buffers: bool,
     pub segment_bytes: usize,
+    /// Segment size of writes; 0 = the whole chunk in one transfer (measured
+    /// faster on ext4: one direct write per file instead of several that
+    /// contend for the inode; reads still gain from parallel segments).
+    pub write_segment_bytes: usize,
     pub max_inflight: usize,
     pub io_threads: usize,
     /// Threads that checksum, verify and publish chunks.
@@ -92,6 +96,7 @@ impl StoreConfig {
             direct_io: DirectIoPolicy::Optional,
             register_buffers: true,
             segment_bytes: 4 << 20,
+            write_segment_bytes: 0,
             max_inflight: 1024,
             io_threads: 0,
             chunk_workers: 2,
@@ -124,6 +129,7 @@ struct Core {
     reserved: AtomicU64,
     recycle_files: bool,
     segment_bytes: usize,
+    write_segment_bytes: usize,
     file_mode: u32,
     support: Vec<FsSupport>,
     direct_active: Vec<bool>,
@@ -155,6 +161,9 @@ impl BlockStore {
         }
         if config.segment_bytes < IO_ALIGN || config.segment_bytes % IO_ALIGN != 0 {
             return Err(EngineError::invalid(format!("segment_bytes must be a positive multiple of {IO_ALIGN}")));
+        }
+        if config.write_segment_bytes % IO_ALIGN != 0 {
+            return Err(EngineError::invalid(format!("write_segment_bytes must be 0 (whole chunk) or a multiple of {IO_ALIGN}")));
         }
         if config.queue_depth == 0 || config.queue_depth > 4096 {
             return Err(EngineError::invalid("queue_depth must be in 1..=4096"));
@@ -206,6 +215,7 @@ impl BlockStore {
             reserved: AtomicU64::new(0),
             recycle_files: config.recycle_files,
             segment_bytes: config.segment_bytes,
+            write_segment_bytes: config.write_segment_bytes,
             file_mode: config.permissions.file_mode,
             support,
             direct_active,
@@ -520,7 +530,11 @@ impl Drop for BlockStore {
 
 /// Splits an operation into segments and hands them to the backend.
 fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
-    let seg_bytes = core.segment_bytes;
+    let seg_bytes = match (write, core.write_segment_bytes) {
+        (false, _) => core.segment_bytes,
+        (true, 0) => ctx.file_len,
+        (true, w) => w,
+    };
     let n = ctx.file_len.div_ceil(seg_bytes);
     let slot = ctx.slot;
     let base = core.pool.slot_ptr(slot);

@@ -18,7 +18,10 @@ const T: Option<Duration> = Some(Duration::from_secs(30));
 fn config(dir: &Path, backend: BackendChoice) -> StoreConfig {
     let mut c = StoreConfig::new(vec![dir.to_path_buf()], "test-namespace", 1 << 30);
     c.backend = backend;
+    // Small segments in both directions: multi-segment transfers, partial
+    // last segments and per-segment faults are exercised everywhere.
     c.segment_bytes = 64 << 10;
+    c.write_segment_bytes = 64 << 10;
     c
 }
 
@@ -59,11 +62,14 @@ fn round_trip(store: &BlockStore, pool: &StagingPool, key: &[u8], len: usize, se
 
 #[test]
 fn every_backend_round_trips_multi_segment_chunks() {
-    for (backend, fixed) in [(BackendChoice::IoUring, true), (BackendChoice::IoUring, false), (BackendChoice::Threads, false)] {
+    let cases = [(BackendChoice::IoUring, true, 0), (BackendChoice::IoUring, false, 64 << 10), (BackendChoice::Threads, false, 0)];
+    for (backend, fixed, write_segment) in cases {
         let dir = tempfile::tempdir().unwrap();
         let pool = Arc::new(StagingPool::create(3 << 20, 4, None).unwrap());
         let mut c = config(dir.path(), backend);
         c.register_buffers = fixed;
+        // 0: the default, each chunk written in one transfer.
+        c.write_segment_bytes = write_segment;
         let store = open(c, &pool);
         assert_eq!(store.fixed_buffers(), fixed);
         assert!(store.direct_io(), "ext4/tmp supports O_DIRECT here");
@@ -77,13 +83,23 @@ fn every_backend_round_trips_multi_segment_chunks() {
 #[test]
 fn short_transfers_are_resubmitted_until_complete() {
     for backend in [BackendChoice::IoUring, BackendChoice::Threads] {
-        let dir = tempfile::tempdir().unwrap();
-        let pool = Arc::new(StagingPool::create(1 << 20, 2, None).unwrap());
-        let mut c = config(dir.path(), backend);
-        c.faults = Some(Arc::new(FaultPlan { max_transfer: Some(12288), ..Default::default() }));
-        let store = open(c, &pool);
-        round_trip(&store, &pool, b"short-io", 1 << 20, 9);
+        // A whole-chunk write (the default) cut short is resubmitted the same way.
+        for write_segment in [64 << 10, 0] {
+            let dir = tempfile::tempdir().unwrap();
+            let pool = Arc::new(StagingPool::create(1 << 20, 2, None).unwrap());
+            let mut c = config(dir.path(), backend);
+            c.write_segment_bytes = write_segment;
+            c.faults = Some(Arc::new(FaultPlan { max_transfer: Some(12288), ..Default::default() }));
+            let store = open(c, &pool);
+            round_trip(&store, &pool, b"short-io", 1 << 20, 9);
+        }
     }
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(1 << 20, 2, None).unwrap());
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.write_segment_bytes = 1000;
+    let err = BlockStore::open(c, pool).err().expect("unaligned write segment refused");
+    assert!(err.to_string().contains("write_segment_bytes"), "{err}");
 }
 
 #[test]
