@@ -146,6 +146,7 @@ class BlockStore:
         chunk_workers: int = 2,
         verify: Literal["full", "header"] = "full",
         recycle_files: bool = True,
+        background_scan: bool = False,
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         allow_insecure_root: bool = False,
@@ -158,7 +159,10 @@ class BlockStore:
         for storage that checksums data itself. ``recycle_files`` overwrites the
         file a write evicts instead of allocating a new one (faster on ext4/xfs;
         a reader never sees it change: it is claimed under a lock and a private
-        name, and published by rename)."""
+        name, and published by rename). ``background_scan`` returns at once and
+        rebuilds the index in a thread (for stores of very many chunks): until
+        ``scan_complete``, ``get``/``probe`` work as always but index answers
+        (``contains``, ``len``, ``used_bytes``) miss chunks not yet scanned."""
     def put(self, key: bytes, slot: int, length: int) -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
         visible atomically once complete; an existing chunk is success."""
@@ -173,6 +177,10 @@ class BlockStore:
         directories since this store scanned, and indexes them."""
     def chunk_length(self, key: bytes) -> int | None: ...
     def evict(self, key: bytes) -> bool: ...
+    def wait_scan(self, timeout: float | None = None) -> bool:
+        """Wait for the open-time index scan; False on timeout."""
+    @property
+    def scan_complete(self) -> bool: ...
     def rescan(self) -> int:
         """Rebuild the index from the directories; returns chunks found."""
     def __len__(self) -> int: ...

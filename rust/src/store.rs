@@ -2,12 +2,11 @@
 //! backend, verifies what it reads, publishes what it writes atomically, and
 //! keeps the on-disk index within its capacity.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crate::backend::threads::ThreadBackend;
 use crate::backend::uring::UringBackend;
@@ -17,7 +16,8 @@ use crate::error::{EngineError, Result};
 use crate::files::{self, DirectIoPolicy, FsSupport};
 use crate::format::{self, Fingerprint, HEADER_BYTES, IO_ALIGN, MAX_KEY_BYTES};
 use crate::index::ChunkIndex;
-use crate::layout::{parse_chunk_name, Layout, Permissions, TEMP_PREFIX};
+use crate::layout::{Layout, Permissions};
+use crate::scan::{self, ScanProgress, ScanReport};
 use crate::ops::{OpContext, OpId, OpKind, OpTable, Outcome, Status};
 use crate::staging::StagingPool;
 use crate::stats::Stats;
@@ -81,6 +81,9 @@ pub struct StoreConfig {
     /// Overwrite the chunk file a write evicts instead of unlinking it and
     /// allocating a fresh one (see `files::claim_for_reuse`).
     pub recycle_files: bool,
+    /// Rebuild the index in a background thread instead of before `open`
+    /// returns (see `scan`): for stores of very many chunks.
+    pub background_scan: bool,
     pub permissions: Permissions,
     pub faults: SharedFaults,
 }
@@ -102,15 +105,13 @@ impl StoreConfig {
             chunk_workers: 2,
             verify: VerifyPolicy::Full,
             recycle_files: true,
+            background_scan: false,
             permissions: Permissions::default(),
             faults: None,
         }
     }
 }
 
-/// Temporary files older than this belong to a dead writer (also when their
-/// writer's lock cannot tell, e.g. filesystems without flock).
-const STALE_TEMP_AGE: Duration = Duration::from_secs(600);
 
 struct Core {
     pool: Arc<StagingPool>,
@@ -128,6 +129,7 @@ struct Core {
     /// recycle) its own victim instead of all seeing the same free space.
     reserved: AtomicU64,
     recycle_files: bool,
+    scan: ScanProgress,
     segment_bytes: usize,
     write_segment_bytes: usize,
     file_mode: u32,
@@ -144,6 +146,7 @@ pub struct BlockStore {
     core: Arc<Core>,
     backend: Arc<dyn Backend>,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    scanner: Mutex<Option<JoinHandle<()>>>,
     closed: AtomicBool,
 }
 
@@ -200,10 +203,16 @@ impl BlockStore {
             direct_active.push(direct);
         }
 
-        let scan_start = Instant::now();
-        let index = scan(&layout)?;
-        let scan_time = scan_start.elapsed();
-        let scanned_chunks = index.len();
+        let (index, scan_progress) = if config.background_scan {
+            let mut index = ChunkIndex::default();
+            index.begin_scan();
+            (index, ScanProgress::default())
+        } else {
+            let start = Instant::now();
+            let index = scan::build_index(&scan::collect(&layout, &AtomicBool::new(false))?);
+            let report = ScanReport { chunks: index.len(), time: start.elapsed(), ..Default::default() };
+            (index, ScanProgress::completed(report))
+        };
 
         let core = Arc::new(Core {
             pool: pool.clone(),
@@ -214,6 +223,7 @@ impl BlockStore {
             capacity_notice: Mutex::new(None),
             reserved: AtomicU64::new(0),
             recycle_files: config.recycle_files,
+            scan: scan_progress,
             segment_bytes: config.segment_bytes,
             write_segment_bytes: config.write_segment_bytes,
             file_mode: config.permissions.file_mode,
@@ -241,8 +251,28 @@ impl BlockStore {
                 }
             }
         }
-        let report = OpenReport { fallbacks: core.stats.fallbacks(), scanned_chunks, scan_time };
-        Ok((BlockStore { core, backend, workers: Mutex::new(workers), closed: AtomicBool::new(false) }, report))
+        let mut scanner = None;
+        if config.background_scan {
+            let (c, faults) = (core.clone(), config.faults.clone());
+            let spawned = std::thread::Builder::new()
+                .name("pykvcache-scan".into())
+                .spawn(move || c.scan.run(&c.layout, &c.index, &faults));
+            match spawned {
+                Ok(h) => scanner = Some(h),
+                Err(e) => {
+                    core.jobs.stop();
+                    for w in workers {
+                        let _ = w.join();
+                    }
+                    backend.shutdown();
+                    return Err(EngineError::io("starting the index scan", e));
+                }
+            }
+        }
+        let done = core.scan.report();
+        let report = OpenReport { fallbacks: core.stats.fallbacks(), scanned_chunks: done.chunks, scan_time: done.time };
+        let store = BlockStore { core, backend, workers: Mutex::new(workers), scanner: Mutex::new(scanner), closed: AtomicBool::new(false) };
+        Ok((store, report))
     }
 
     fn check_open(&self) -> Result<()> {
@@ -433,10 +463,22 @@ impl BlockStore {
     }
 
     pub fn rescan(&self) -> Result<usize> {
-        let fresh = scan(&self.core.layout)?;
+        // A background scan still running would merge stale findings afterwards.
+        self.core.scan.wait(None);
+        let fresh = scan::build_index(&scan::collect(&self.core.layout, &AtomicBool::new(false))?);
         let n = fresh.len();
         *self.core.index.lock().unwrap() = fresh;
         Ok(n)
+    }
+
+    /// The open-time scan: done or not, chunks it indexed, how long it took.
+    pub fn scan_report(&self) -> ScanReport {
+        self.core.scan.report()
+    }
+
+    /// Waits for the open-time scan; false on timeout.
+    pub fn wait_scan(&self, timeout: Option<Duration>) -> bool {
+        self.core.scan.wait(timeout)
     }
 
     pub fn len(&self) -> usize {
@@ -512,6 +554,10 @@ impl BlockStore {
     pub fn close(&self) {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
+        }
+        self.core.scan.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.scanner.lock().unwrap().take() {
+            let _ = h.join();
         }
         self.core.ops.drain();
         self.core.jobs.stop();
@@ -614,51 +660,6 @@ fn make_backend(config: &StoreConfig, core: &Arc<Core>) -> Result<Box<dyn Backen
         }
         Err(e) => Err(EngineError::BackendUnavailable(format!("io_uring unavailable: {e}"))),
     }
-}
-
-/// Rebuilds the index from the directory tree, oldest files least recent.
-/// Temporary files of dead writers (lock released, or too old) are removed on the way.
-fn scan(layout: &Layout) -> Result<ChunkIndex> {
-    let now = SystemTime::now();
-    let mut found: Vec<(SystemTime, u128, u64)> = Vec::new();
-    for ns_dir in layout.ns_dirs() {
-        for sub in 0..=255u8 {
-            let dir = ns_dir.join(format!("{sub:02x}"));
-            let entries = match std::fs::read_dir(&dir) {
-                Ok(e) => e,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(EngineError::io(format!("scanning {}", dir.display()), e)),
-            };
-            for entry in entries.flatten() {
-                let name = entry.file_name();
-                let Some(name) = name.to_str() else { continue };
-                let Ok(meta) = entry.metadata() else { continue };
-                if name.starts_with(TEMP_PREFIX) {
-                    // ctime, not mtime: claiming an evicted file for reuse renames it
-                    // (fresh ctime) but keeps the old mtime until it is written.
-                    let changed = SystemTime::UNIX_EPOCH + Duration::new(meta.ctime().max(0) as u64, meta.ctime_nsec().clamp(0, 999_999_999) as u32);
-                    let age = now.duration_since(changed).unwrap_or_default();
-                    if age > STALE_TEMP_AGE || files::temp_writer_gone(&entry.path(), name) {
-                        let _ = std::fs::remove_file(entry.path());
-                    }
-                    continue;
-                }
-                // Only regular files with a chunk name; symlinks and strays are ignored.
-                if !meta.file_type().is_file() {
-                    continue;
-                }
-                if let Some(hash) = parse_chunk_name(name) {
-                    found.push((meta.modified().unwrap_or(now), hash, meta.len()));
-                }
-            }
-        }
-    }
-    found.sort_unstable_by_key(|(t, h, _)| (*t, *h));
-    let mut index = ChunkIndex::default();
-    for (_, hash, len) in found {
-        index.insert(hash, len);
-    }
-    Ok(index)
 }
 
 impl Core {

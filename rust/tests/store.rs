@@ -546,3 +546,71 @@ fn operations_on_unacquired_or_busy_slots_are_refused() {
     assert!(store.put(b"", a, 10, T).is_err(), "empty key");
     pool.release(a).unwrap();
 }
+
+#[test]
+fn a_background_scan_serves_at_once_and_never_revives_what_was_evicted_meanwhile() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(64 << 10, 2, None).unwrap());
+    let file_len = 4096 + 4096;
+    let old: Vec<Vec<u8>> = (0..20).map(|i| format!("old-{i}").into_bytes()).collect();
+    {
+        let store = open(config(dir.path(), BackendChoice::IoUring), &pool);
+        let a = pool.acquire(T).unwrap();
+        for (i, k) in old.iter().enumerate() {
+            fill(&pool, a, 4096, i as u8);
+            assert_eq!(wait(&store, store.put(k, a, 4096, T).unwrap()).status, Status::Ok);
+        }
+        pool.release(a).unwrap();
+    }
+    // Hold the scan between walking the tree and merging: the store is observed mid-scan.
+    let hold = Arc::new(std::sync::Mutex::new(()));
+    let guard = hold.lock().unwrap();
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.background_scan = true;
+    c.capacity_bytes = 20 * file_len;
+    c.faults = Some(Arc::new(FaultPlan { scan_hold: Some(hold.clone()), ..Default::default() }));
+    let store = open(c, &pool);
+    assert!(!store.scan_report().done);
+    assert_eq!(store.len(), 0, "nothing indexed yet");
+    assert!(!store.contains(&old[0]), "an unknown key reads as absent while scanning");
+    let a = pool.acquire(T).unwrap();
+    let o = wait(&store, store.get(&old[0], a, T).unwrap());
+    assert_eq!(o.status, Status::Ok, "get reads the file, not the index: {}", o.message);
+    let mut expect = vec![0u8; 4096];
+    fill_vec(&mut expect, 0);
+    assert_eq!(payload(&pool, a, 4096), expect);
+    assert!(store.probe(&old[1]), "probe finds it on disk and indexes it");
+    assert!(store.evict(&old[2]));
+    fill(&pool, a, 4096, 99);
+    assert_eq!(wait(&store, store.put(b"new", a, 4096, T).unwrap()).status, Status::Ok);
+    assert_eq!(store.len(), 3);
+    assert!(!store.wait_scan(Some(Duration::from_millis(50))));
+
+    drop(guard);
+    assert!(store.wait_scan(T));
+    let r = store.scan_report();
+    assert!(r.done && r.error.is_none());
+    assert_eq!(r.chunks, 17, "the 20 old chunks less the 2 indexed meanwhile and the evicted one");
+    assert_eq!(store.len(), 20);
+    assert!(!store.contains(&old[2]), "evicted during the scan: not revived");
+    assert!(store.contains(&old[3]) && store.contains(b"new"));
+    assert_eq!(store.used_bytes(), 20 * file_len);
+    // Scanned chunks are less recent than anything used during the scan:
+    // the next put evicts the oldest scanned one.
+    fill(&pool, a, 4096, 100);
+    assert_eq!(wait(&store, store.put(b"newer", a, 4096, T).unwrap()).status, Status::Ok);
+    assert!(!store.contains(&old[3]));
+    assert!(store.contains(&old[0]) && store.contains(&old[1]) && store.contains(b"new"));
+    pool.release(a).unwrap();
+}
+
+#[test]
+fn closing_during_a_background_scan_does_not_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(64 << 10, 2, None).unwrap());
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.background_scan = true;
+    let store = open(c, &pool);
+    store.close();
+    assert!(store.scan_report().done);
+}
