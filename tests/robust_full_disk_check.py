@@ -1,11 +1,11 @@
 """The full-disk scenario where capacity_bytes exceeds what the filesystem
-holds, as a plain function so that the test can run it in-process (O_TMPFILE
+holds (ENOSPC evicts and lowers the capacity), as a plain function so that the test can run it in-process (O_TMPFILE
 path) and in a child whose filesystems lack O_TMPFILE (temp + rename path).
 
 usage (child): robust_full_disk_check.py DIR rename  -> prints a JSON report"""
 
-import errno
 import json
+import logging
 import os
 import sys
 
@@ -25,50 +25,54 @@ def chunk_bytes(path) -> int:
     return sum(os.stat(f).st_blocks * 512 for f in chunk_files(path))
 
 
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
 def fill_past_full(kv, store_dir) -> dict:
+    """capacity_bytes (1 TiB) far above what the filesystem holds: ENOSPC makes
+    the store evict LRU chunks, retry, and lower its capacity to what fits."""
     pool = kv.StagingPool(PAYLOAD, 1)
     slot = pool.acquire()
+    records = _Records()
+    logging.getLogger("pykvcache").addHandler(records)
     store = kv.BlockStore([str(store_dir)], pool, namespace="robust-full", capacity_bytes=1 << 40)
-    stored, failures = [], 0
     free_at_open = free_bytes(store_dir)
-    for i in range(200):
-        key = b"full-%03d" % i
+    fs_bytes = free_at_open + chunk_bytes(store_dir)
+    keys = [b"full-%03d" % i for i in range(3 * fs_bytes // (PAYLOAD + 4096))]  # 3x the filesystem
+    for key in keys:
         r = put_bytes(store, pool, slot, key, payload_for(key, PAYLOAD, PAYLOAD))
-        if r.ok:
-            assert failures == 0, "a write succeeded after the disk was full without anything freed"
-            stored.append(key)
-            continue
-        # Write failed: cleanly, with the errno, and without leaking space or files.
-        assert r.status == "error" and r.errno == errno.ENOSPC, (r.status, r.errno, r.message)
-        if failures == 0:
-            free_at_full, files_at_full = free_bytes(store_dir), len(chunk_files(store_dir))
-        else:
-            assert free_bytes(store_dir) == free_at_full, "a failed write leaked space"
-        assert len(chunk_files(store_dir)) == files_at_full and temp_files(store_dir) == []
-        assert not store.contains(key)
-        failures += 1
-        if failures == 20:
-            break
-    assert stored and failures == 20, (len(stored), failures)
-    # Every byte the filesystem lost is in a visible chunk: failed writes hold none.
-    assert free_at_open - free_bytes(store_dir) == chunk_bytes(store_dir)
+        assert r.ok, (key, r.status, r.errno, r.message)
+        assert store.used_bytes <= store.capacity_bytes
+    logging.getLogger("pykvcache").removeHandler(records)
     s = store.stats()
-    assert s["write_enospc"] == failures and s["write_errors"] == failures and s["writes"] == len(stored)
-    # Nothing already stored was lost, and loads keep working on a full disk.
-    for key in stored:
+    assert s["write_enospc"] == 0 and s["write_errors"] == 0 and s["writes"] == len(keys)
+    assert s["enospc_retries"] >= 1 and s["enospc_evictions"] >= 1 and s["capacity_lowered"] >= 1
+    assert s["configured_capacity_bytes"] == 1 << 40
+    assert store.capacity_bytes < fs_bytes, "capacity lowered to what the filesystem holds"
+    lowered = [m for m in records.messages if "ENOSPC" in m]
+    assert len(lowered) == 1, records.messages
+    # Nothing leaked: every byte the filesystem lost is in a visible chunk.
+    assert temp_files(store_dir) == []
+    assert free_at_open - free_bytes(store_dir) == chunk_bytes(store_dir)
+    kept = [k for k in keys if store.contains(k)]
+    assert kept and kept == keys[-len(kept):], "LRU keeps the newest chunks"
+    assert len(chunk_files(store_dir)) == len(kept)
+    for key in keys:
         r, data = get_bytes(store, pool, slot, key)
-        assert r.ok and data == payload_for(key, PAYLOAD, PAYLOAD), key
-    # The engine does not evict on ENOSPC by itself; evicting makes room again.
-    for key in stored[:2]:
-        assert store.evict(key)
-    again = [b"again-%d" % i for i in range(2)]
-    for key in again:
-        assert put_bytes(store, pool, slot, key, payload_for(key, PAYLOAD, PAYLOAD)).ok
-    for key in stored[2:] + again:
-        r, data = get_bytes(store, pool, slot, key)
-        assert r.ok and data == payload_for(key, PAYLOAD, PAYLOAD), key
-    report = {"stored_before_full": len(stored), "enospc_failures": failures, "reads_ok_after_full": len(stored),
-              "lost": 0, "stored_after_evicting_2": len(again), "fallbacks": s["fallbacks"]}
+        if key in kept:
+            assert r.ok and data == payload_for(key, PAYLOAD, PAYLOAD), key
+        else:
+            assert r.status == "miss", key
+    report = {"puts": len(keys), "failed": 0, "enospc_retries": s["enospc_retries"],
+              "enospc_evictions": s["enospc_evictions"], "evictions": s["evictions"],
+              "capacity_lowered_to": store.capacity_bytes, "filesystem_bytes": fs_bytes,
+              "kept_and_loaded": len(kept), "recycled_files": s["recycled_files"], "fallbacks": s["fallbacks"]}
     store.close()
     return report
 

@@ -40,6 +40,18 @@ def test_engine_case_writes_then_reads_every_chunk(tmp_path):
     assert not any(p.is_file() for p in (tmp_path / "engine").rglob("*"))
 
 
+def test_engine_case_overwrites_a_full_store_with_and_without_recycling(tmp_path):
+    case = EngineCase(chunk_bytes=1 * MiB, queue_depth=2, total_bytes=6 * MiB, overwrite=True)
+    phases = run_engine_case(case, tmp_path / "engine", disk=_disk(tmp_path), cold=False)
+    assert [p.direction for p in phases] == ["write", "read", "overwrite", "overwrite_no_recycle"]
+    over, fresh = phases[2], phases[3]
+    for p in (over, fresh):
+        assert p.errors == 0 and p.chunks == 6 and p.info["evictions"] == 6
+    assert over.info["recycled_files"] + over.info["recycle_skipped"] == 6 and over.info["recycled_files"] > 0
+    assert fresh.info["recycled_files"] == 0
+    assert not any(p.is_file() for p in (tmp_path / "engine").rglob("*"))
+
+
 def test_job_shapes_split_chunks_like_the_fs_tier_jobs():
     assert split_jobs(5, "one_job") == [[0, 1, 2, 3, 4]]
     assert split_jobs(10, "jobs_of_8") == [list(range(8)), [8, 9]]
@@ -88,7 +100,9 @@ def test_run_bench_end_to_end_through_the_cli(tmp_path, monkeypatch):
     assert "pykvcache engine vs fio" in md and "x fio best" in md
     raw = json.loads((out / "results.json").read_text())
     summary = raw["parts"]["storage"]["raw"]["summary"]
-    assert {(s["direction"], s["chunk_bytes"]) for s in summary} == {("read", MiB), ("write", MiB)}
+    assert {(s["direction"], s["chunk_bytes"]) for s in summary} == {
+        (d, MiB) for d in ("read", "write", "overwrite", "overwrite_no_recycle")
+    }
     for s in summary:
         assert s["engine_gbps"] > 0 and s["fio_best_gbps"] > 0
         assert s["ratio_best"] == pytest.approx(s["engine_gbps"] / s["fio_best_gbps"])

@@ -134,5 +134,14 @@ def test_chunk_files_layout_writes_fresh_files_then_reads_them(runner):
     runner.run(write)
     assert not (runner.chunk_dir / "sentinel").exists()
     assert len(list(runner.chunk_dir.iterdir())) == 6
+    # An overwrite writes over the same files (same inodes), as recycling does.
+    inodes = {f.name: f.stat().st_ino for f in runner.chunk_dir.iterdir()}
+    over = FioJob(rw="write", block_bytes=1 * MiB, iodepth=2, numjobs=1, runtime_s=0, chunk_files=6, overwrite=True)
+    o = runner.run(over)
+    assert o.bytes == 6 * MiB and "overwrite" in over.label
+    assert {f.name: f.stat().st_ino for f in runner.chunk_dir.iterdir()} == inodes
+    runner.cleanup()
+    with pytest.raises(FioError, match="write of the same shape first"):
+        runner.run(over)
     runner.cleanup()
     assert not runner.chunk_dir.exists()

@@ -1,7 +1,7 @@
 """Full disk on a size-limited tmpfs: with capacity_bytes below the
-filesystem size eviction keeps writes succeeding; above it, writes fail
-cleanly with ENOSPC (counted, no space or files leaked), nothing stored is
-lost and loads keep working."""
+filesystem size eviction keeps writes succeeding; above it, ENOSPC evicts
+LRU chunks, retries the write and lowers the capacity to what fits (no write
+fails, no space or files leaked, the newest chunks load)."""
 
 import json
 import os
@@ -42,7 +42,7 @@ def test_capacity_below_filesystem_size_evicts_instead_of_failing(mounted):
     store.close()
 
 
-def test_capacity_above_filesystem_size_fails_writes_cleanly(mounted):
+def test_capacity_above_filesystem_size_evicts_on_enospc(mounted):
     fs = mounted("tmpfs", "size=4m,mode=0700")
     report = fill_past_full(kv, fs)
     print("full-disk report (O_TMPFILE):", report)

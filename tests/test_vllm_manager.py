@@ -225,6 +225,7 @@ def test_persistence_reset_and_declared_stats(tmp_path):
         declared = set(metric_definitions())
         emitted = set(stats.data["data"])
         assert emitted and emitted <= declared
+        assert "vllm:pykvcache_disk_capacity_bytes" in emitted
         second.manager.reset_cache()
         assert len(second.manager.store) == 0 and len(second.manager.cache) == 0
         assert second.manager.lookup(_key(1), ReqContext(req_id="r")) is LookupResult.MISS

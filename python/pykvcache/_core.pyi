@@ -139,19 +139,30 @@ class BlockStore:
         direct_io: Literal["required", "optional", "disabled"] = "optional",
         register_buffers: bool = True,
         segment_bytes: int = 4 << 20,
+        write_segment_bytes: int = 0,
         max_inflight: int = 1024,
         submit_timeout: float | None = 30.0,
         io_threads: int = 0,
         chunk_workers: int = 2,
         verify: Literal["full", "header"] = "full",
+        recycle_files: bool = True,
+        background_scan: bool = False,
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         allow_insecure_root: bool = False,
     ) -> None:
         """``chunk_workers`` threads checksum, verify and publish chunks, off the
-        caller's and the ring's threads. ``verify="header"`` skips the payload
+        caller's and the ring's threads. Reads move in ``segment_bytes`` pieces
+        in flight together; writes in ``write_segment_bytes`` pieces, 0 = the
+        whole chunk in one transfer (faster for writes on ext4). ``verify="header"`` skips the payload
         CRC on reads (header, namespace, key and length are still checked): only
-        for storage that checksums data itself."""
+        for storage that checksums data itself. ``recycle_files`` overwrites the
+        file a write evicts instead of allocating a new one (faster on ext4/xfs;
+        a reader never sees it change: it is claimed under a lock and a private
+        name, and published by rename). ``background_scan`` returns at once and
+        rebuilds the index in a thread (for stores of very many chunks): until
+        ``scan_complete``, ``get``/``probe`` work as always but index answers
+        (``contains``, ``len``, ``used_bytes``) miss chunks not yet scanned."""
     def put(self, key: bytes, slot: int, length: int) -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
         visible atomically once complete; an existing chunk is success."""
@@ -171,13 +182,19 @@ class BlockStore:
         directories since this store scanned, and indexes them."""
     def chunk_length(self, key: bytes) -> int | None: ...
     def evict(self, key: bytes) -> bool: ...
+    def wait_scan(self, timeout: float | None = None) -> bool:
+        """Wait for the open-time index scan; False on timeout."""
+    @property
+    def scan_complete(self) -> bool: ...
     def rescan(self) -> int:
         """Rebuild the index from the directories; returns chunks found."""
     def __len__(self) -> int: ...
     @property
     def used_bytes(self) -> int: ...
     @property
-    def capacity_bytes(self) -> int: ...
+    def capacity_bytes(self) -> int:
+        """Capacity eviction enforces now: as configured, or lower once the
+        filesystem filled up first (ENOSPC; logged once, see ``stats()``)."""
     @property
     def backend(self) -> Literal["io_uring", "threads"]: ...
     @property

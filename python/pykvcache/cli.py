@@ -106,7 +106,9 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--repeats", type=int, default=None, help="repeats per measurement (medians are reported)")
     parser.add_argument("--chunk-mib", type=_size_list, default=None, help="engine/fio chunk sizes in MiB, e.g. 2,8,28")
     parser.add_argument("--queue-depths", type=_int_list, default=None, help="chunk operations in flight, e.g. 1,8,32")
-    parser.add_argument("--segment-mib", type=float, default=None, help="override the engine's I/O segment size (MiB)")
+    parser.add_argument("--segment-mib", type=float, default=None, help="override the engine's read segment size (MiB)")
+    parser.add_argument("--write-segment-mib", type=float, default=None,
+                        help="engine write segment size (MiB; default: each chunk in one write)")
     parser.add_argument("--verify", choices=("full", "header"), default=None,
                         help="engine read verification (default full: header + payload CRC)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
@@ -147,6 +149,8 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
             config.queue_depths = args.queue_depths
         if args.segment_mib:
             config.store_kwargs["segment_bytes"] = int(args.segment_mib * MiB)
+        if args.write_segment_mib:
+            config.store_kwargs["write_segment_bytes"] = int(args.write_segment_mib * MiB)
         if args.verify:
             config.store_kwargs["verify"] = args.verify
         config.cold_reads = not args.warm

@@ -3,6 +3,7 @@
 //! buffered I/O, and probing what a filesystem supports.
 
 use std::os::fd::RawFd;
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -68,28 +69,127 @@ fn direct_flag(direct: bool) -> i32 {
 /// Opens a chunk for reading: the fd and, for a regular file, its size.
 /// Anything else (FIFO, device, ...) comes back with no size, for the caller
 /// to reject; it is never switched to O_DIRECT or read.
+///
+/// A regular file is read under a shared `flock`, and only if it is still the
+/// file at `path` once locked: evicted files are recycled in place (see
+/// `claim_for_reuse`), and a recycler overwrites a file only while it holds
+/// the exclusive lock. A file being recycled, or moved away between open and
+/// lock, comes back as `ENOENT` (a miss), never as another chunk's bytes.
 pub fn open_for_read(path: &Path, direct: bool) -> std::io::Result<(RawFd, Option<u64>)> {
     // O_NONBLOCK so that opening a FIFO planted at a chunk path cannot hang;
     // O_DIRECT only once the file is known to be regular (a FIFO refuses it).
     let fd = open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0)?;
-    let size = match regular_file_size(fd) {
-        Ok(size) => size,
+    let checked = regular_file_size(fd).and_then(|size| {
+        if size.is_some() {
+            lock_if_current(fd, path, libc::LOCK_SH)?;
+            set_blocking(fd, direct)?;
+        }
+        Ok(size)
+    });
+    match checked {
+        Ok(size) => Ok((fd, size)),
         Err(e) => {
             close(fd);
-            return Err(e);
-        }
-    };
-    if size.is_some() {
-        // io_uring honours O_NONBLOCK on regular files too: clear it.
-        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
-        let wanted = (flags & !libc::O_NONBLOCK) | direct_flag(direct);
-        if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, wanted) } < 0 {
-            let e = std::io::Error::last_os_error();
-            close(fd);
-            return Err(e);
+            Err(e)
         }
     }
-    Ok((fd, size))
+}
+
+/// Clears O_NONBLOCK (io_uring honours it on regular files too) and sets the
+/// direct-I/O flag.
+fn set_blocking(fd: RawFd, direct: bool) -> std::io::Result<()> {
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    let wanted = (flags & !libc::O_NONBLOCK) | direct_flag(direct);
+    if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, wanted) } < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+fn gone() -> std::io::Error {
+    std::io::Error::from_raw_os_error(libc::ENOENT)
+}
+
+/// Takes `how` (LOCK_SH/LOCK_EX) without waiting, then checks that `path`
+/// still names the locked file. A lock held by someone else, or a file moved
+/// away, is `ENOENT`. Filesystems without flock (`ENOLCK`, `EOPNOTSUPP`)
+/// give readers no lock: recyclers there never get theirs, so never overwrite.
+fn lock_if_current(fd: RawFd, path: &Path, how: i32) -> std::io::Result<()> {
+    if unsafe { libc::flock(fd, how | libc::LOCK_NB) } != 0 {
+        let e = std::io::Error::last_os_error();
+        return match e.raw_os_error() {
+            Some(libc::EWOULDBLOCK) => Err(gone()),
+            _ if how == libc::LOCK_SH => Ok(()),
+            _ => Err(e),
+        };
+    }
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(fd, &mut st) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.dev() == st.st_dev && m.ino() == st.st_ino => Ok(()),
+        _ => Err(gone()),
+    }
+}
+
+/// Takes an evicted chunk file for a new chunk instead of unlinking it:
+/// overwriting allocated blocks skips the block allocation and metadata
+/// journaling a fresh file costs (ext4: ~25% of write bandwidth).
+///
+/// The victim is first renamed to a private temp name in `dir` (atomic: of
+/// several processes evicting the same file, one gets it), then locked
+/// exclusively -- which fails while any reader holds its shared lock -- and
+/// checked to still be that name. Until published it is a temp file locked by
+/// its writer, so a crash leaves an orphan the next scan removes, never a
+/// half-written file under a chunk name. On failure the victim is gone from
+/// its chunk path either way (it was evicted) and the caller writes a fresh file.
+pub fn claim_for_reuse(victim: &Path, dir: &Path, file_len: usize, direct: bool) -> std::io::Result<PendingFile> {
+    let temp = temp_name(dir);
+    let (src, dst) = (cpath(victim)?, cpath(&temp)?);
+    if unsafe { libc::rename(src.as_ptr(), dst.as_ptr()) } != 0 {
+        let e = std::io::Error::last_os_error();
+        let _ = std::fs::remove_file(victim);
+        return Err(e);
+    }
+    let claimed = open_raw(&temp, libc::O_WRONLY | libc::O_NONBLOCK, 0).and_then(|fd| {
+        let prepared = (|| {
+            if regular_file_size(fd)?.is_none() {
+                return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
+            }
+            lock_if_current(fd, &temp, libc::LOCK_EX)?;
+            set_blocking(fd, direct)?;
+            // A longer victim keeps no stale tail; a shorter one grows as it is written.
+            let size = regular_file_size(fd)?.unwrap_or(0);
+            if size > file_len as u64 && unsafe { libc::ftruncate(fd, file_len as libc::off_t) } != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        })();
+        match prepared {
+            Ok(()) => Ok(fd),
+            Err(e) => {
+                close(fd);
+                Err(e)
+            }
+        }
+    });
+    match claimed {
+        Ok(fd) => Ok(PendingFile { fd, temp_path: Some(temp) }),
+        Err(e) => {
+            let _ = std::fs::remove_file(&temp);
+            Err(e)
+        }
+    }
+}
+
+fn cpath(path: &Path) -> std::io::Result<std::ffi::CString> {
+    cstring(path).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+fn temp_name(dir: &Path) -> std::path::PathBuf {
+    let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
+    dir.join(format!("{TEMP_PREFIX}{}-{n}", std::process::id()))
 }
 
 pub fn open_for_write(dir: &Path, support: FsSupport, direct: bool, mode: u32) -> std::io::Result<PendingFile> {
@@ -97,8 +197,7 @@ pub fn open_for_write(dir: &Path, support: FsSupport, direct: bool, mode: u32) -
         let fd = open_raw(dir, libc::O_TMPFILE | libc::O_WRONLY | direct_flag(direct), mode)?;
         return Ok(PendingFile { fd, temp_path: None });
     }
-    let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-    let temp = dir.join(format!("{TEMP_PREFIX}{}-{n}", std::process::id()));
+    let temp = temp_name(dir);
     let fd = open_raw(&temp, libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | direct_flag(direct), mode)?;
     // Held until the file is published or discarded; the kernel drops it when
     // the writer dies, which is how a scan tells an orphan from a live write.

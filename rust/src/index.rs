@@ -1,7 +1,7 @@
 //! In-memory index of the chunks present on disk, in LRU order, with the
 //! byte accounting that enforces the capacity limit.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -9,15 +9,64 @@ struct Entry {
     tick: u64,
 }
 
-#[derive(Default)]
 pub struct ChunkIndex {
     entries: HashMap<u128, Entry>,
     lru: BTreeMap<u64, u128>,
+    /// Ticks start in the middle of the range: new entries count up, chunks
+    /// a background scan found count down (older than anything indexed).
     next_tick: u64,
+    low_tick: u64,
     used: u64,
+    /// While a background scan runs: chunks removed meanwhile, which the scan
+    /// may have seen before they went and must not bring back.
+    removed_during_scan: Option<HashSet<u128>>,
+}
+
+const MID_TICK: u64 = 1 << 63;
+
+impl Default for ChunkIndex {
+    fn default() -> Self {
+        ChunkIndex {
+            entries: HashMap::new(),
+            lru: BTreeMap::new(),
+            next_tick: MID_TICK,
+            low_tick: MID_TICK,
+            used: 0,
+            removed_during_scan: None,
+        }
+    }
 }
 
 impl ChunkIndex {
+    /// A background scan starts: removals are remembered until `merge_scanned`.
+    pub fn begin_scan(&mut self) {
+        self.removed_during_scan = Some(HashSet::new());
+    }
+
+    pub fn scanning(&self) -> bool {
+        self.removed_during_scan.is_some()
+    }
+
+    /// Adds what a background scan found (oldest first) as less recently used
+    /// than every chunk indexed meanwhile; skips chunks indexed or removed
+    /// since the scan started (the live view is newer). Returns how many were added.
+    pub fn merge_scanned(&mut self, found: &[(u128, u64)]) -> usize {
+        let removed = self.removed_during_scan.take().unwrap_or_default();
+        let mut added = 0;
+        for &(hash, file_len) in found.iter().rev() {
+            if self.entries.contains_key(&hash) || removed.contains(&hash) {
+                continue;
+            }
+            self.low_tick -= 1;
+            let tick = self.low_tick;
+            self.entries.insert(hash, Entry { file_len, tick });
+            self.lru.insert(tick, hash);
+            self.used += file_len;
+            added += 1;
+        }
+        added
+    }
+
     pub fn len(&self) -> usize {
         self.entries.len()
     }
@@ -57,6 +106,9 @@ impl ChunkIndex {
     }
 
     pub fn remove(&mut self, hash: u128) -> Option<u64> {
+        if let Some(removed) = &mut self.removed_during_scan {
+            removed.insert(hash);
+        }
         let e = self.entries.remove(&hash)?;
         self.lru.remove(&e.tick);
         self.used -= e.file_len;
@@ -107,5 +159,26 @@ mod tests {
         assert_eq!(ix.used_bytes(), 300);
         ix.insert(3, 50);
         assert_eq!(ix.used_bytes(), 250, "re-insert replaces the old size");
+    }
+
+    #[test]
+    fn a_background_scan_merges_as_least_recent_and_never_revives_removed_chunks() {
+        let mut ix = ChunkIndex::default();
+        ix.begin_scan();
+        ix.insert(10, 100); // written while the scan ran
+        ix.insert(11, 100);
+        ix.remove(11); // ... and evicted again
+        ix.remove(3); // an old chunk evicted (by path) before the scan reached the index
+        let found = [(1, 10), (2, 10), (3, 10), (10, 10), (11, 10)]; // oldest first
+        assert_eq!(ix.merge_scanned(&found), 2);
+        assert!(!ix.scanning());
+        assert!(ix.contains(1) && ix.contains(2) && !ix.contains(3) && !ix.contains(11));
+        assert_eq!(ix.file_len(10), Some(100), "the live entry wins");
+        assert_eq!(ix.used_bytes(), 120);
+        // LRU: scanned chunks oldest first, then what was written meanwhile.
+        let order: Vec<u128> = ix.victims(1000, 0, 0).into_iter().map(|(h, _)| h).collect();
+        assert_eq!(order, vec![1, 2, 10]);
+        ix.remove(1);
+        assert_eq!(ix.merge_scanned(&[(1, 10)]), 1, "outside a scan nothing is remembered");
     }
 }

@@ -11,6 +11,7 @@ pub mod format;
 pub mod index;
 pub mod layout;
 pub mod ops;
+pub mod scan;
 pub mod staging;
 pub mod stats;
 pub mod store;

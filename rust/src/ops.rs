@@ -65,6 +65,10 @@ pub struct OpContext {
     pub started: Instant,
     /// A prefetch: its transfers yield to demand ones (see backend::classes).
     pub background: bool,
+    /// A put that hit ENOSPC evicts and retries once.
+    pub enospc_retried: bool,
+    /// Bytes this put reserved against the capacity (0 once released).
+    pub reserved: u64,
 }
 
 struct OpEntry {

@@ -311,16 +311,14 @@ impl Drop for PyIoHandle {
 struct PyBlockStore {
     inner: Arc<store::BlockStore>,
     submit_timeout: Option<Duration>,
-    scanned_chunks: usize,
-    scan_time: Duration,
 }
 
 #[pymethods]
 impl PyBlockStore {
     #[new]
     #[pyo3(signature = (dirs, pool, *, namespace, capacity_bytes, queue_depth=32, backend="auto", direct_io="optional",
-                        register_buffers=true, segment_bytes=4<<20, max_inflight=1024, submit_timeout=Some(30.0),
-                        io_threads=0, chunk_workers=2, verify="full", dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
+                        register_buffers=true, segment_bytes=4<<20, write_segment_bytes=0, max_inflight=1024, submit_timeout=Some(30.0),
+                        io_threads=0, chunk_workers=2, verify="full", recycle_files=true, background_scan=false, dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -334,11 +332,14 @@ impl PyBlockStore {
         direct_io: &str,
         register_buffers: bool,
         segment_bytes: usize,
+        write_segment_bytes: usize,
         max_inflight: usize,
         submit_timeout: Option<f64>,
         io_threads: usize,
         chunk_workers: usize,
         verify: &str,
+        recycle_files: bool,
+        background_scan: bool,
         dir_mode: u32,
         file_mode: u32,
         allow_insecure_root: bool,
@@ -351,10 +352,13 @@ impl PyBlockStore {
         config.direct_io = DirectIoPolicy::parse(direct_io).map_err(to_py)?;
         config.register_buffers = register_buffers;
         config.segment_bytes = segment_bytes;
+        config.write_segment_bytes = write_segment_bytes;
         config.max_inflight = max_inflight;
         config.io_threads = io_threads;
         config.chunk_workers = chunk_workers;
         config.verify = VerifyPolicy::parse(verify).map_err(to_py)?;
+        config.recycle_files = recycle_files;
+        config.background_scan = background_scan;
         config.permissions = Permissions { dir_mode, file_mode, allow_insecure_root };
         if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
             config.faults = Some(Arc::new(crate::backend::FaultPlan {
@@ -370,13 +374,18 @@ impl PyBlockStore {
         for f in &report.fallbacks {
             logger.call_method1("warning", ("fallback: %s", f))?;
         }
-        Ok(PyBlockStore { inner: Arc::new(store), submit_timeout, scanned_chunks: report.scanned_chunks, scan_time: report.scan_time })
+        Ok(PyBlockStore { inner: Arc::new(store), submit_timeout })
     }
 
     fn put(&self, py: Python<'_>, key: Vec<u8>, slot: usize, length: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
+        if let Some(notice) = self.inner.take_capacity_notice() {
+            // ENOSPC lowered the capacity (on a worker thread, during an earlier put): logged once.
+            let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
+            logger.call_method1("warning", ("%s", notice))?;
+        }
         Ok(PyIoHandle { store: self.inner.clone(), id, op: "put", key, slot, result: None })
     }
 
@@ -409,6 +418,19 @@ impl PyBlockStore {
 
     fn evict(&self, key: &[u8]) -> bool {
         self.inner.evict(key)
+    }
+
+    /// Waits for the open-time index scan (background_scan=True); False on timeout.
+    #[pyo3(signature = (timeout=None))]
+    fn wait_scan(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
+        let t = timeout_of(timeout)?;
+        let store = self.inner.clone();
+        Ok(py.detach(move || store.wait_scan(t)))
+    }
+
+    #[getter]
+    fn scan_complete(&self) -> bool {
+        self.inner.scan_report().done
     }
 
     fn rescan(&self, py: Python<'_>) -> PyResult<usize> {
@@ -459,10 +481,14 @@ impl PyBlockStore {
         d.set_item("chunks", self.inner.len())?;
         d.set_item("used_bytes", self.inner.used_bytes())?;
         d.set_item("capacity_bytes", self.inner.capacity_bytes())?;
+        d.set_item("configured_capacity_bytes", self.inner.configured_capacity_bytes())?;
         d.set_item("backend_cpu_s", self.inner.backend_cpu_ns() as f64 / 1e9)?;
         d.set_item("chunk_worker_cpu_s", self.inner.chunk_worker_cpu_ns() as f64 / 1e9)?;
-        d.set_item("open_scan_chunks", self.scanned_chunks)?;
-        d.set_item("open_scan_s", self.scan_time.as_secs_f64())?;
+        let scan = self.inner.scan_report();
+        d.set_item("scan_complete", scan.done)?;
+        d.set_item("open_scan_chunks", scan.chunks)?;
+        d.set_item("open_scan_s", scan.time.as_secs_f64())?;
+        d.set_item("open_scan_error", scan.error.unwrap_or_default())?;
         d.set_item("staging_free_slots", self.inner.pool().free_slots())?;
         Ok(d)
     }

@@ -25,6 +25,16 @@ pub struct Stats {
     pub write_races: AtomicU64,
     pub evictions: AtomicU64,
     pub evicted_bytes: AtomicU64,
+    /// Puts that overwrote an evicted chunk file instead of allocating a new one.
+    pub recycled_files: AtomicU64,
+    /// Evicted files that could not be claimed (being read, taken by another
+    /// process, no flock): unlinked, and a fresh file written.
+    pub recycle_skipped: AtomicU64,
+    /// ENOSPC seen by a put (each followed by eviction and one retry).
+    pub enospc_retries: AtomicU64,
+    pub enospc_evictions: AtomicU64,
+    /// Times ENOSPC lowered the effective capacity.
+    pub capacity_lowered: AtomicU64,
     pub read_latency_us: [AtomicU64; 16],
     pub write_latency_us: [AtomicU64; 16],
     pub read_latency_sum_us: AtomicU64,
@@ -35,6 +45,11 @@ pub struct Stats {
 impl Stats {
     pub fn add(counter: &AtomicU64, n: u64) {
         counter.fetch_add(n, Relaxed);
+    }
+
+    /// Adds `n`; true when the counter was zero before (a first occurrence).
+    pub fn add_first(counter: &AtomicU64, n: u64) -> bool {
+        counter.fetch_add(n, Relaxed) == 0
     }
 
     pub fn observe(hist: &[AtomicU64; 16], sum: &AtomicU64, latency: Duration) {
@@ -76,6 +91,11 @@ impl Stats {
             ("write_races", g(&self.write_races)),
             ("evictions", g(&self.evictions)),
             ("evicted_bytes", g(&self.evicted_bytes)),
+            ("recycled_files", g(&self.recycled_files)),
+            ("recycle_skipped", g(&self.recycle_skipped)),
+            ("enospc_retries", g(&self.enospc_retries)),
+            ("enospc_evictions", g(&self.enospc_evictions)),
+            ("capacity_lowered", g(&self.capacity_lowered)),
             ("read_latency_sum_us", g(&self.read_latency_sum_us)),
             ("write_latency_sum_us", g(&self.write_latency_sum_us)),
         ]

@@ -3,10 +3,10 @@
 //! keeps the on-disk index within its capacity.
 
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant};
 
 use crate::backend::threads::ThreadBackend;
 use crate::backend::uring::UringBackend;
@@ -16,7 +16,8 @@ use crate::error::{EngineError, Result};
 use crate::files::{self, DirectIoPolicy, FsSupport};
 use crate::format::{self, Fingerprint, HEADER_BYTES, IO_ALIGN, MAX_KEY_BYTES};
 use crate::index::ChunkIndex;
-use crate::layout::{parse_chunk_name, Layout, Permissions, TEMP_PREFIX};
+use crate::layout::{Layout, Permissions};
+use crate::scan::{self, ScanProgress, ScanReport};
 use crate::ops::{OpContext, OpId, OpKind, OpTable, Outcome, Status};
 use crate::staging::StagingPool;
 use crate::stats::Stats;
@@ -68,11 +69,21 @@ pub struct StoreConfig {
     pub direct_io: DirectIoPolicy,
     pub register_buffers: bool,
     pub segment_bytes: usize,
+    /// Segment size of writes; 0 = the whole chunk in one transfer (measured
+    /// faster on ext4: one direct write per file instead of several that
+    /// contend for the inode; reads still gain from parallel segments).
+    pub write_segment_bytes: usize,
     pub max_inflight: usize,
     pub io_threads: usize,
     /// Threads that checksum, verify and publish chunks.
     pub chunk_workers: usize,
     pub verify: VerifyPolicy,
+    /// Overwrite the chunk file a write evicts instead of unlinking it and
+    /// allocating a fresh one (see `files::claim_for_reuse`).
+    pub recycle_files: bool,
+    /// Rebuild the index in a background thread instead of before `open`
+    /// returns (see `scan`): for stores of very many chunks.
+    pub background_scan: bool,
     pub permissions: Permissions,
     pub faults: SharedFaults,
 }
@@ -88,26 +99,39 @@ impl StoreConfig {
             direct_io: DirectIoPolicy::Optional,
             register_buffers: true,
             segment_bytes: 4 << 20,
+            write_segment_bytes: 0,
             max_inflight: 1024,
             io_threads: 0,
             chunk_workers: 2,
             verify: VerifyPolicy::Full,
+            recycle_files: true,
+            background_scan: false,
             permissions: Permissions::default(),
             faults: None,
         }
     }
 }
 
-/// Temporary files older than this belong to a dead writer (also when their
-/// writer's lock cannot tell, e.g. filesystems without flock).
-const STALE_TEMP_AGE: Duration = Duration::from_secs(600);
 
 struct Core {
     pool: Arc<StagingPool>,
     layout: Layout,
     namespace: Fingerprint,
-    capacity: u64,
+    /// `capacity_bytes` as configured: the bound on a single chunk.
+    configured_capacity: u64,
+    /// What eviction keeps the index within: the configured capacity, lowered
+    /// when the filesystem fills up first (ENOSPC). Never raised again.
+    capacity: AtomicU64,
+    /// Set when `capacity` was first lowered; taken once by whoever logs it.
+    capacity_notice: Mutex<Option<String>>,
+    /// Bytes of puts between eviction and publication: they count against the
+    /// capacity, so that each of several concurrent puts evicts (and can
+    /// recycle) its own victim instead of all seeing the same free space.
+    reserved: AtomicU64,
+    recycle_files: bool,
+    scan: ScanProgress,
     segment_bytes: usize,
+    write_segment_bytes: usize,
     file_mode: u32,
     support: Vec<FsSupport>,
     direct_active: Vec<bool>,
@@ -122,6 +146,7 @@ pub struct BlockStore {
     core: Arc<Core>,
     backend: Arc<dyn Backend>,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    scanner: Mutex<Option<JoinHandle<()>>>,
     closed: AtomicBool,
 }
 
@@ -139,6 +164,9 @@ impl BlockStore {
         }
         if config.segment_bytes < IO_ALIGN || config.segment_bytes % IO_ALIGN != 0 {
             return Err(EngineError::invalid(format!("segment_bytes must be a positive multiple of {IO_ALIGN}")));
+        }
+        if config.write_segment_bytes % IO_ALIGN != 0 {
+            return Err(EngineError::invalid(format!("write_segment_bytes must be 0 (whole chunk) or a multiple of {IO_ALIGN}")));
         }
         if config.queue_depth == 0 || config.queue_depth > 4096 {
             return Err(EngineError::invalid("queue_depth must be in 1..=4096"));
@@ -175,17 +203,29 @@ impl BlockStore {
             direct_active.push(direct);
         }
 
-        let scan_start = Instant::now();
-        let index = scan(&layout)?;
-        let scan_time = scan_start.elapsed();
-        let scanned_chunks = index.len();
+        let (index, scan_progress) = if config.background_scan {
+            let mut index = ChunkIndex::default();
+            index.begin_scan();
+            (index, ScanProgress::default())
+        } else {
+            let start = Instant::now();
+            let index = scan::build_index(&scan::collect(&layout, &AtomicBool::new(false))?);
+            let report = ScanReport { chunks: index.len(), time: start.elapsed(), ..Default::default() };
+            (index, ScanProgress::completed(report))
+        };
 
         let core = Arc::new(Core {
             pool: pool.clone(),
             layout,
             namespace,
-            capacity: config.capacity_bytes,
+            configured_capacity: config.capacity_bytes,
+            capacity: AtomicU64::new(config.capacity_bytes),
+            capacity_notice: Mutex::new(None),
+            reserved: AtomicU64::new(0),
+            recycle_files: config.recycle_files,
+            scan: scan_progress,
             segment_bytes: config.segment_bytes,
+            write_segment_bytes: config.write_segment_bytes,
             file_mode: config.permissions.file_mode,
             support,
             direct_active,
@@ -211,8 +251,28 @@ impl BlockStore {
                 }
             }
         }
-        let report = OpenReport { fallbacks: core.stats.fallbacks(), scanned_chunks, scan_time };
-        Ok((BlockStore { core, backend, workers: Mutex::new(workers), closed: AtomicBool::new(false) }, report))
+        let mut scanner = None;
+        if config.background_scan {
+            let (c, faults) = (core.clone(), config.faults.clone());
+            let spawned = std::thread::Builder::new()
+                .name("pykvcache-scan".into())
+                .spawn(move || c.scan.run(&c.layout, &c.index, &faults));
+            match spawned {
+                Ok(h) => scanner = Some(h),
+                Err(e) => {
+                    core.jobs.stop();
+                    for w in workers {
+                        let _ = w.join();
+                    }
+                    backend.shutdown();
+                    return Err(EngineError::io("starting the index scan", e));
+                }
+            }
+        }
+        let done = core.scan.report();
+        let report = OpenReport { fallbacks: core.stats.fallbacks(), scanned_chunks: done.chunks, scan_time: done.time };
+        let store = BlockStore { core, backend, workers: Mutex::new(workers), scanner: Mutex::new(scanner), closed: AtomicBool::new(false) };
+        Ok((store, report))
     }
 
     fn check_open(&self) -> Result<()> {
@@ -244,8 +304,9 @@ impl BlockStore {
             return Err(EngineError::invalid(format!("length {length} exceeds the slot size {}", pool.slot_bytes())));
         }
         let file_len = format::file_len(length);
-        if file_len as u64 > self.core.capacity {
-            return Err(EngineError::invalid(format!("a {file_len}-byte chunk cannot fit the capacity of {} bytes", self.core.capacity)));
+        if file_len as u64 > self.core.configured_capacity {
+            let cap = self.core.configured_capacity;
+            return Err(EngineError::invalid(format!("a {file_len}-byte chunk cannot fit the capacity of {cap} bytes")));
         }
         let id = self.core.ops.allocate(timeout)?;
         if let Err(e) = pool.pin_io(slot) {
@@ -268,12 +329,15 @@ impl BlockStore {
             payload_len: length,
             started,
             background: false,
+            enospc_retried: false,
+            reserved: 0,
         };
-        self.core.make_room(file_len as u64, hash);
-        let shard = self.core.layout.shard_dir(hash);
-        match files::open_for_write(&shard, self.core.support[root], ctx.direct, self.core.file_mode) {
+        let reuse = self.core.recycle_files.then_some(root);
+        let victim = self.core.reserve_room(&mut ctx, reuse);
+        match self.core.open_chunk_file(&mut ctx, victim) {
             Ok(f) => ctx.write_file = Some(f),
             Err(e) => {
+                let shard = self.core.layout.shard_dir(hash);
                 let msg = format!("creating chunk file in {}: {e}", shard.display());
                 self.core.fail_early(id, ctx, e.raw_os_error(), msg);
                 return Ok(id);
@@ -324,6 +388,8 @@ impl BlockStore {
             payload_len: 0,
             started: Instant::now(),
             background,
+            enospc_retried: false,
+            reserved: 0,
         };
         let path = self.core.layout.chunk_path(hash);
         let (fd, size) = match files::open_for_read(&path, ctx.direct) {
@@ -413,10 +479,22 @@ impl BlockStore {
     }
 
     pub fn rescan(&self) -> Result<usize> {
-        let fresh = scan(&self.core.layout)?;
+        // A background scan still running would merge stale findings afterwards.
+        self.core.scan.wait(None);
+        let fresh = scan::build_index(&scan::collect(&self.core.layout, &AtomicBool::new(false))?);
         let n = fresh.len();
         *self.core.index.lock().unwrap() = fresh;
         Ok(n)
+    }
+
+    /// The open-time scan: done or not, chunks it indexed, how long it took.
+    pub fn scan_report(&self) -> ScanReport {
+        self.core.scan.report()
+    }
+
+    /// Waits for the open-time scan; false on timeout.
+    pub fn wait_scan(&self, timeout: Option<Duration>) -> bool {
+        self.core.scan.wait(timeout)
     }
 
     pub fn len(&self) -> usize {
@@ -431,8 +509,20 @@ impl BlockStore {
         self.core.index.lock().unwrap().used_bytes()
     }
 
+    /// The capacity eviction enforces now: `capacity_bytes` as configured,
+    /// or lower once the filesystem filled up before it (ENOSPC).
     pub fn capacity_bytes(&self) -> u64 {
-        self.core.capacity
+        self.core.capacity.load(Ordering::Relaxed)
+    }
+
+    pub fn configured_capacity_bytes(&self) -> u64 {
+        self.core.configured_capacity
+    }
+
+    /// A message the first time ENOSPC lowered the capacity, once: for the
+    /// caller to log (the engine has no logger).
+    pub fn take_capacity_notice(&self) -> Option<String> {
+        self.core.capacity_notice.lock().unwrap().take()
     }
 
     pub fn backend_name(&self) -> &'static str {
@@ -481,6 +571,10 @@ impl BlockStore {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
+        self.core.scan.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.scanner.lock().unwrap().take() {
+            let _ = h.join();
+        }
         self.core.ops.drain();
         self.core.jobs.stop();
         for w in self.workers.lock().unwrap().drain(..) {
@@ -498,7 +592,11 @@ impl Drop for BlockStore {
 
 /// Splits an operation into segments and hands them to the backend.
 fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
-    let seg_bytes = core.segment_bytes;
+    let seg_bytes = match (write, core.write_segment_bytes) {
+        (false, _) => core.segment_bytes,
+        (true, 0) => ctx.file_len,
+        (true, w) => w,
+    };
     let n = ctx.file_len.div_ceil(seg_bytes);
     let slot = ctx.slot;
     let base = core.pool.slot_ptr(slot);
@@ -542,7 +640,7 @@ fn chunk_worker(core: &Core, backend: &dyn Backend) {
             }
             Job::Finish { id, ctx, error } => match ctx.kind {
                 OpKind::Get => core.finish_get(id, ctx, error),
-                OpKind::Put => core.finish_put(id, ctx, error),
+                OpKind::Put => core.finish_put(id, ctx, error, backend),
             },
         }
         core.jobs.record_cpu(me, clock_ns(clock));
@@ -582,54 +680,99 @@ fn make_backend(config: &StoreConfig, core: &Arc<Core>) -> Result<Box<dyn Backen
     }
 }
 
-/// Rebuilds the index from the directory tree, oldest files least recent.
-/// Temporary files of dead writers (lock released, or too old) are removed on the way.
-fn scan(layout: &Layout) -> Result<ChunkIndex> {
-    let now = SystemTime::now();
-    let mut found: Vec<(SystemTime, u128, u64)> = Vec::new();
-    for ns_dir in layout.ns_dirs() {
-        for sub in 0..=255u8 {
-            let dir = ns_dir.join(format!("{sub:02x}"));
-            let entries = match std::fs::read_dir(&dir) {
-                Ok(e) => e,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(EngineError::io(format!("scanning {}", dir.display()), e)),
-            };
-            for entry in entries.flatten() {
-                let name = entry.file_name();
-                let Some(name) = name.to_str() else { continue };
-                let Ok(meta) = entry.metadata() else { continue };
-                if name.starts_with(TEMP_PREFIX) {
-                    let age = meta.modified().ok().and_then(|m| now.duration_since(m).ok()).unwrap_or_default();
-                    if age > STALE_TEMP_AGE || files::temp_writer_gone(&entry.path(), name) {
-                        let _ = std::fs::remove_file(entry.path());
-                    }
-                    continue;
+impl Core {
+    /// Makes room for a put and reserves its bytes until it is published or fails.
+    fn reserve_room(&self, ctx: &mut OpContext, reuse: Option<usize>) -> Option<u128> {
+        ctx.reserved = ctx.file_len as u64;
+        self.make_room(ctx.reserved, ctx.hash, reuse)
+    }
+
+    /// Drops a put's reservation (idempotent). A published chunk's bytes move
+    /// from reserved to used under the index lock, never counted twice.
+    fn release_reservation(&self, ctx: &mut OpContext) {
+        self.reserved.fetch_sub(std::mem::take(&mut ctx.reserved), Ordering::Relaxed);
+    }
+
+    /// Evicts least recently used chunks until `incoming` more bytes (beyond
+    /// the indexed and the reserved ones) fit, and reserves them.
+    /// With `reuse` = a root, the first victim on that root is not unlinked:
+    /// it leaves the index and is returned for the caller to overwrite.
+    fn make_room(&self, incoming: u64, keep: u128, reuse: Option<usize>) -> Option<u128> {
+        let capacity = self.capacity.load(Ordering::Relaxed);
+        let victims = {
+            let index = self.index.lock().unwrap();
+            let reserved = self.reserved.fetch_add(incoming, Ordering::Relaxed);
+            index.victims(incoming + reserved, capacity, keep)
+        };
+        let mut kept = None;
+        for (hash, _) in victims {
+            if kept.is_none() && reuse == Some(self.layout.root_of(hash)) {
+                if let Some(len) = self.index.lock().unwrap().remove(hash) {
+                    Stats::add(&self.stats.evicted_bytes, len);
+                    Stats::add(&self.stats.evictions, 1);
+                    kept = Some(hash);
                 }
-                // Only regular files with a chunk name; symlinks and strays are ignored.
-                if !meta.file_type().is_file() {
-                    continue;
-                }
-                if let Some(hash) = parse_chunk_name(name) {
-                    found.push((meta.modified().unwrap_or(now), hash, meta.len()));
-                }
+                continue;
+            }
+            if self.remove_chunk(hash) {
+                Stats::add(&self.stats.evictions, 1);
             }
         }
+        kept
     }
-    found.sort_unstable_by_key(|(t, h, _)| (*t, *h));
-    let mut index = ChunkIndex::default();
-    for (_, hash, len) in found {
-        index.insert(hash, len);
-    }
-    Ok(index)
-}
 
-impl Core {
-    fn make_room(&self, incoming: u64, keep: u128) {
-        let victims = self.index.lock().unwrap().victims(incoming, self.capacity, keep);
+    /// The file a put writes: the evicted `victim` when it can be claimed,
+    /// else a fresh one. A fresh file that hits ENOSPC makes room and is
+    /// tried once more.
+    fn open_chunk_file(&self, ctx: &mut OpContext, victim: Option<u128>) -> std::io::Result<files::PendingFile> {
+        let shard = self.layout.shard_dir(ctx.hash);
+        if let Some(v) = victim {
+            match files::claim_for_reuse(&self.layout.chunk_path(v), &shard, ctx.file_len, ctx.direct) {
+                Ok(f) => {
+                    Stats::add(&self.stats.recycled_files, 1);
+                    return Ok(f);
+                }
+                // Read by someone right now, taken by another process, or no flock here.
+                Err(_) => Stats::add(&self.stats.recycle_skipped, 1),
+            }
+        }
+        let support = self.support[ctx.root];
+        match files::open_for_write(&shard, support, ctx.direct, self.file_mode) {
+            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && !ctx.enospc_retried => {
+                ctx.enospc_retried = true;
+                self.on_enospc(ctx.file_len as u64, ctx.hash);
+                files::open_for_write(&shard, support, ctx.direct, self.file_mode)
+            }
+            other => other,
+        }
+    }
+
+    /// The filesystem is full before the capacity is: lower the capacity to
+    /// what the index holds now (what did fit; never below one chunk) and
+    /// evict least recently used chunks until this chunk and one more like
+    /// it fit, so that the next write does not hit ENOSPC again at once.
+    fn on_enospc(&self, incoming: u64, keep: u128) {
+        let victims = {
+            let index = self.index.lock().unwrap();
+            let fits = index.used_bytes().max(incoming);
+            let before = self.capacity.fetch_min(fits, Ordering::Relaxed);
+            if fits < before {
+                let mut notice = self.capacity_notice.lock().unwrap();
+                if Stats::add_first(&self.stats.capacity_lowered, 1) {
+                    *notice = Some(format!(
+                        "filesystem full before capacity_bytes ({} bytes): evicting on ENOSPC; capacity lowered to {fits} bytes \
+                         (stats capacity_bytes shows the current value)",
+                        self.configured_capacity
+                    ));
+                }
+            }
+            index.victims(incoming.saturating_mul(2), fits, keep)
+        };
+        Stats::add(&self.stats.enospc_retries, 1);
         for (hash, _) in victims {
             if self.remove_chunk(hash) {
                 Stats::add(&self.stats.evictions, 1);
+                Stats::add(&self.stats.enospc_evictions, 1);
             }
         }
     }
@@ -661,6 +804,7 @@ impl Core {
 
     /// Single exit of every operation: closes files, unpins the slot, counts, signals.
     fn finish(&self, id: OpId, mut ctx: OpContext, mut outcome: Outcome) {
+        self.release_reservation(&mut ctx);
         if ctx.read_fd >= 0 {
             if !ctx.direct {
                 files::drop_cached_pages(ctx.read_fd, false);
@@ -739,18 +883,25 @@ impl Core {
         };
         if adopted {
             // A chunk another process wrote now counts here too: stay within capacity.
-            self.make_room(0, ctx.hash);
+            self.make_room(0, ctx.hash, None);
         }
         let len = header.payload_len;
         self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""));
     }
 
-    fn finish_put(&self, id: OpId, mut ctx: OpContext, error: Option<SegmentError>) {
+    fn finish_put(&self, id: OpId, mut ctx: OpContext, error: Option<SegmentError>, backend: &dyn Backend) {
         if let Some(err) = error {
             let errno = match err {
                 SegmentError::Errno(e) => e,
                 SegmentError::Eof => libc::EIO,
             };
+            if errno == libc::ENOSPC && !ctx.enospc_retried {
+                // Once: evict, then write the whole (still sealed) slot again.
+                ctx.enospc_retried = true;
+                self.on_enospc(ctx.file_len as u64, ctx.hash);
+                let fd = ctx.write_file.as_ref().expect("put without a file").fd;
+                return submit(self, backend, id, ctx, fd, true);
+            }
             if errno == libc::ENOSPC {
                 Stats::add(&self.stats.write_enospc, 1);
             }
@@ -769,9 +920,13 @@ impl Core {
                 if !first {
                     Stats::add(&self.stats.write_races, 1);
                 }
-                self.index.lock().unwrap().insert(ctx.hash, ctx.file_len as u64);
+                {
+                    let mut index = self.index.lock().unwrap();
+                    index.insert(ctx.hash, ctx.file_len as u64);
+                    self.release_reservation(&mut ctx);
+                }
                 // Concurrent puts each made room for themselves only; trim the overshoot.
-                self.make_room(0, ctx.hash);
+                self.make_room(0, ctx.hash, None);
                 let len = ctx.payload_len as u64;
                 self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""))
             }

@@ -18,7 +18,10 @@ const T: Option<Duration> = Some(Duration::from_secs(30));
 fn config(dir: &Path, backend: BackendChoice) -> StoreConfig {
     let mut c = StoreConfig::new(vec![dir.to_path_buf()], "test-namespace", 1 << 30);
     c.backend = backend;
+    // Small segments in both directions: multi-segment transfers, partial
+    // last segments and per-segment faults are exercised everywhere.
     c.segment_bytes = 64 << 10;
+    c.write_segment_bytes = 64 << 10;
     c
 }
 
@@ -59,11 +62,14 @@ fn round_trip(store: &BlockStore, pool: &StagingPool, key: &[u8], len: usize, se
 
 #[test]
 fn every_backend_round_trips_multi_segment_chunks() {
-    for (backend, fixed) in [(BackendChoice::IoUring, true), (BackendChoice::IoUring, false), (BackendChoice::Threads, false)] {
+    let cases = [(BackendChoice::IoUring, true, 0), (BackendChoice::IoUring, false, 64 << 10), (BackendChoice::Threads, false, 0)];
+    for (backend, fixed, write_segment) in cases {
         let dir = tempfile::tempdir().unwrap();
         let pool = Arc::new(StagingPool::create(3 << 20, 4, None).unwrap());
         let mut c = config(dir.path(), backend);
         c.register_buffers = fixed;
+        // 0: the default, each chunk written in one transfer.
+        c.write_segment_bytes = write_segment;
         let store = open(c, &pool);
         assert_eq!(store.fixed_buffers(), fixed);
         assert!(store.direct_io(), "ext4/tmp supports O_DIRECT here");
@@ -77,13 +83,23 @@ fn every_backend_round_trips_multi_segment_chunks() {
 #[test]
 fn short_transfers_are_resubmitted_until_complete() {
     for backend in [BackendChoice::IoUring, BackendChoice::Threads] {
-        let dir = tempfile::tempdir().unwrap();
-        let pool = Arc::new(StagingPool::create(1 << 20, 2, None).unwrap());
-        let mut c = config(dir.path(), backend);
-        c.faults = Some(Arc::new(FaultPlan { max_transfer: Some(12288), ..Default::default() }));
-        let store = open(c, &pool);
-        round_trip(&store, &pool, b"short-io", 1 << 20, 9);
+        // A whole-chunk write (the default) cut short is resubmitted the same way.
+        for write_segment in [64 << 10, 0] {
+            let dir = tempfile::tempdir().unwrap();
+            let pool = Arc::new(StagingPool::create(1 << 20, 2, None).unwrap());
+            let mut c = config(dir.path(), backend);
+            c.write_segment_bytes = write_segment;
+            c.faults = Some(Arc::new(FaultPlan { max_transfer: Some(12288), ..Default::default() }));
+            let store = open(c, &pool);
+            round_trip(&store, &pool, b"short-io", 1 << 20, 9);
+        }
     }
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(1 << 20, 2, None).unwrap());
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.write_segment_bytes = 1000;
+    let err = BlockStore::open(c, pool).err().expect("unaligned write segment refused");
+    assert!(err.to_string().contains("write_segment_bytes"), "{err}");
 }
 
 #[test]
@@ -121,26 +137,267 @@ fn mount(fstype: &str, opts: &str, dir: &Path) -> Option<TmpfsMount> {
     Some(TmpfsMount(dir.to_path_buf()))
 }
 
+fn counter(store: &BlockStore, name: &str) -> u64 {
+    store.stats().counters().iter().find(|(n, _)| *n == name).unwrap_or_else(|| panic!("no counter {name}")).1
+}
+
+fn temp_files(store: &BlockStore) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for ns in store.namespace_dirs() {
+        for shard in std::fs::read_dir(ns).unwrap().flatten() {
+            if shard.path().is_dir() {
+                out.extend(shard.path().read_dir().unwrap().flatten().map(|e| e.path()).filter(|p| {
+                    p.file_name().unwrap().to_str().unwrap().starts_with(".tmp-")
+                }));
+            }
+        }
+    }
+    out
+}
+
 #[test]
-fn full_filesystem_reports_enospc_and_keeps_serving() {
+fn full_filesystem_evicts_on_enospc_and_lowers_the_capacity() {
     let dir = tempfile::tempdir().unwrap();
     let Some(_m) = mount("tmpfs", "size=2m,mode=0700", dir.path()) else { return };
     let pool = Arc::new(StagingPool::create(4 << 20, 2, None).unwrap());
+    // Capacity far above the 2 MiB the filesystem holds (tmpfs takes O_DIRECT
+    // since Linux 6.6; older kernels run this on the buffered fallback).
     let store = open(config(dir.path(), BackendChoice::IoUring), &pool);
-    round_trip(&store, &pool, b"fits", 64 << 10, 5);
     let a = pool.acquire(T).unwrap();
+    let keys: Vec<Vec<u8>> = (0..60).map(|i| format!("fill-{i}").into_bytes()).collect(); // ~4 MiB
+    for (i, k) in keys.iter().enumerate() {
+        fill(&pool, a, 64 << 10, i as u8);
+        let o = wait(&store, store.put(k, a, 64 << 10, T).unwrap());
+        assert_eq!(o.status, Status::Ok, "put {i}: ENOSPC must evict and retry: {}", o.message);
+    }
+    assert_eq!(counter(&store, "write_enospc"), 0, "no put failed");
+    assert!(counter(&store, "enospc_retries") >= 1);
+    assert!(counter(&store, "enospc_evictions") >= 1);
+    assert!(store.capacity_bytes() < 2 << 20, "capacity lowered to what fits: {}", store.capacity_bytes());
+    assert_eq!(store.configured_capacity_bytes(), 1 << 30);
+    assert!(store.used_bytes() <= store.capacity_bytes());
+    let notice = store.take_capacity_notice().expect("lowering is reported");
+    assert!(notice.contains("ENOSPC"), "{notice}");
+    assert!(store.take_capacity_notice().is_none(), "reported once");
+    // LRU kept the newest chunks, and they hold the right bytes.
+    let kept: Vec<usize> = (0..keys.len()).filter(|&i| store.contains(&keys[i])).collect();
+    assert!(!kept.is_empty() && kept == ((keys.len() - kept.len())..keys.len()).collect::<Vec<_>>(), "{kept:?}");
+    for &i in &kept {
+        let o = wait(&store, store.get(&keys[i], a, T).unwrap());
+        assert_eq!(o.status, Status::Ok, "{}", o.message);
+        let mut expect = vec![0u8; 64 << 10];
+        fill_vec(&mut expect, i as u8);
+        assert_eq!(payload(&pool, a, 64 << 10), expect);
+    }
+    assert!(temp_files(&store).is_empty());
+
+    // A chunk larger than the whole filesystem still fails cleanly, once retried.
     fill(&pool, a, 4 << 20, 6);
     let o = wait(&store, store.put(b"too-big", a, 4 << 20, T).unwrap());
     assert_eq!(o.status, Status::Error);
     assert_eq!(o.errno, Some(libc::ENOSPC), "{}", o.message);
     assert!(!store.contains(b"too-big"));
-    assert_eq!(store.stats().counters().iter().find(|(n, _)| *n == "write_enospc").unwrap().1, 1);
+    assert_eq!(counter(&store, "write_enospc"), 1);
+    assert!(temp_files(&store).is_empty(), "nothing leaked");
     pool.release(a).unwrap();
-    // The earlier chunk is intact and the store still works.
-    let b = pool.acquire(T).unwrap();
-    assert_eq!(wait(&store, store.get(b"fits", b, T).unwrap()).status, Status::Ok);
-    pool.release(b).unwrap();
     round_trip(&store, &pool, b"fits-again", 64 << 10, 7);
+}
+
+fn fill_vec(v: &mut [u8], seed: u8) {
+    for (j, b) in v.iter_mut().enumerate() {
+        *b = (j as u8).wrapping_mul(31).wrapping_add(seed);
+    }
+}
+
+fn chunk_file(store: &BlockStore, key: &[u8]) -> PathBuf {
+    let h = pykvcache::format::key_hash(key);
+    store.namespace_dirs()[0].join(format!("{:02x}", (h & 0xff) as u8)).join(format!("{h:032x}.kvc"))
+}
+
+fn inode(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(p).unwrap().ino()
+}
+
+#[test]
+fn evicted_files_are_overwritten_in_place_of_new_ones() {
+    for backend in [BackendChoice::IoUring, BackendChoice::Threads] {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = Arc::new(StagingPool::create(128 << 10, 2, None).unwrap());
+        let mut c = config(dir.path(), backend);
+        c.capacity_bytes = 3 * ((128 << 10) + 4096);
+        let store = open(c, &pool);
+        let a = pool.acquire(T).unwrap();
+        // Each put from the fourth on evicts exactly one chunk; chunk 3 shrinks
+        // chunk 0's file (truncated), chunk 6 grows chunk 3's.
+        let lens = [128 << 10, 128 << 10, 128 << 10, 5_000, 128 << 10, 128 << 10, 128 << 10];
+        let mut inodes = Vec::new();
+        for (i, &len) in lens.iter().enumerate() {
+            fill(&pool, a, len, i as u8);
+            let key = [i as u8];
+            assert_eq!(wait(&store, store.put(&key, a, len, T).unwrap()).status, Status::Ok);
+            let path = chunk_file(&store, &key);
+            let file_len = 4096 + (len as u64).div_ceil(4096) * 4096;
+            assert_eq!(std::fs::metadata(&path).unwrap().len(), file_len, "no stale tail after reuse");
+            inodes.push(inode(&path));
+        }
+        assert_eq!(counter(&store, "recycled_files"), 4, "each put beyond capacity reuses its victim");
+        assert_eq!(counter(&store, "recycle_skipped"), 0);
+        assert_eq!(inodes[3..], inodes[..4], "chunk i+3 lives in the file chunk i was evicted from");
+        for (i, &len) in lens.iter().enumerate() {
+            let o = wait(&store, store.get(&[i as u8], a, T).unwrap());
+            if i < 4 {
+                assert_eq!(o.status, Status::Miss);
+            } else {
+                assert_eq!(o.status, Status::Ok, "{}", o.message);
+                let mut expect = vec![0u8; len];
+                fill_vec(&mut expect, i as u8);
+                assert_eq!(payload(&pool, a, len), expect);
+            }
+        }
+        assert!(temp_files(&store).is_empty());
+        pool.release(a).unwrap();
+    }
+}
+
+#[test]
+fn concurrent_puts_at_capacity_each_recycle_their_own_victim() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(256 << 10, 8, None).unwrap());
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.capacity_bytes = 8 * ((256 << 10) + 4096);
+    let store = open(c, &pool);
+    let slots: Vec<usize> = (0..8).map(|_| pool.acquire(T).unwrap()).collect();
+    for round in 0..2u8 {
+        // All eight in flight at once: in-flight bytes are reserved, so each
+        // put evicts one chunk instead of all seeing the same free space.
+        let ids: Vec<OpId> = slots
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| {
+                fill(&pool, s, 256 << 10, round * 8 + i as u8);
+                store.put(&[round, i as u8], s, 256 << 10, T).unwrap()
+            })
+            .collect();
+        for id in ids {
+            assert_eq!(wait(&store, id).status, Status::Ok);
+        }
+        assert!(store.used_bytes() <= store.capacity_bytes());
+    }
+    assert_eq!(counter(&store, "evictions"), 8);
+    assert_eq!(counter(&store, "recycled_files"), 8);
+    for (i, &s) in slots.iter().enumerate() {
+        assert_eq!(wait(&store, store.get(&[0, i as u8], s, T).unwrap()).status, Status::Miss);
+        assert_eq!(wait(&store, store.get(&[1, i as u8], s, T).unwrap()).status, Status::Ok);
+        let mut expect = vec![0u8; 256 << 10];
+        fill_vec(&mut expect, 8 + i as u8);
+        assert_eq!(payload(&pool, s, 256 << 10), expect);
+    }
+    assert!(temp_files(&store).is_empty());
+    for s in slots {
+        pool.release(s).unwrap();
+    }
+}
+
+#[test]
+fn recycling_can_be_turned_off() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(64 << 10, 2, None).unwrap());
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.capacity_bytes = (64 << 10) + 4096;
+    c.recycle_files = false;
+    let store = open(c, &pool);
+    round_trip(&store, &pool, b"one", 64 << 10, 1);
+    round_trip(&store, &pool, b"two", 64 << 10, 2);
+    assert_eq!(counter(&store, "evictions"), 1);
+    assert_eq!(counter(&store, "recycled_files"), 0);
+}
+
+/// What a reader in another process holds while reading: a shared flock.
+fn lock(path: &Path, how: i32) -> std::fs::File {
+    use std::os::fd::AsRawFd;
+    let f = std::fs::File::open(path).unwrap();
+    assert_eq!(unsafe { libc::flock(f.as_raw_fd(), how | libc::LOCK_NB) }, 0);
+    f
+}
+
+#[test]
+fn a_file_being_read_is_never_overwritten() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(64 << 10, 2, None).unwrap());
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.capacity_bytes = (64 << 10) + 4096;
+    let store = open(c, &pool);
+    let a = pool.acquire(T).unwrap();
+    fill(&pool, a, 64 << 10, 1);
+    assert_eq!(wait(&store, store.put(b"held", a, 64 << 10, T).unwrap()).status, Status::Ok);
+    let path = chunk_file(&store, b"held");
+    let before = std::fs::read(&path).unwrap();
+    let reader = lock(&path, libc::LOCK_SH);
+    fill(&pool, a, 64 << 10, 2);
+    assert_eq!(wait(&store, store.put(b"next", a, 64 << 10, T).unwrap()).status, Status::Ok);
+    assert_eq!(counter(&store, "recycle_skipped"), 1, "a locked victim is not claimed");
+    assert_eq!(counter(&store, "recycled_files"), 0);
+    assert!(!path.exists(), "the victim is still evicted");
+    let mut after = Vec::new();
+    use std::io::{Read, Seek};
+    let mut r = reader;
+    r.seek(std::io::SeekFrom::Start(0)).unwrap();
+    r.read_to_end(&mut after).unwrap();
+    assert_eq!(after, before, "the open reader still sees the old chunk, unchanged");
+    assert!(temp_files(&store).is_empty());
+    let o = wait(&store, store.get(b"next", a, T).unwrap());
+    assert_eq!(o.status, Status::Ok);
+    pool.release(a).unwrap();
+}
+
+#[test]
+fn a_chunk_locked_by_a_recycler_is_a_miss_not_corrupt() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(64 << 10, 2, None).unwrap());
+    let store = open(config(dir.path(), BackendChoice::IoUring), &pool);
+    let a = pool.acquire(T).unwrap();
+    fill(&pool, a, 64 << 10, 1);
+    assert_eq!(wait(&store, store.put(b"k", a, 64 << 10, T).unwrap()).status, Status::Ok);
+    let path = chunk_file(&store, b"k");
+    // Another process claiming it holds the exclusive lock while it overwrites.
+    let recycler = lock(&path, libc::LOCK_EX);
+    let o = wait(&store, store.get(b"k", a, T).unwrap());
+    assert_eq!(o.status, Status::Miss, "{}", o.message);
+    assert_eq!(counter(&store, "corrupt_chunks"), 0);
+    assert!(path.exists(), "a miss removes nothing");
+    drop(recycler);
+    assert!(store.probe(b"k"));
+    assert_eq!(wait(&store, store.get(b"k", a, T).unwrap()).status, Status::Ok);
+    pool.release(a).unwrap();
+}
+
+#[test]
+fn a_victim_on_another_root_is_unlinked_not_moved() {
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let pool = Arc::new(StagingPool::create(64 << 10, 2, None).unwrap());
+    let mut c = config(d1.path(), BackendChoice::IoUring);
+    c.dirs.push(d2.path().to_path_buf());
+    c.capacity_bytes = (64 << 10) + 4096;
+    let store = open(c, &pool);
+    let a = pool.acquire(T).unwrap();
+    let roots = |k: &[u8]| (pykvcache::format::key_hash(k) >> 64) as u64 % 2;
+    let keys: Vec<Vec<u8>> = (0..12u8).map(|i| vec![i]).collect();
+    let mut same = 0;
+    for (i, k) in keys.iter().enumerate() {
+        fill(&pool, a, 64 << 10, i as u8);
+        assert_eq!(wait(&store, store.put(k, a, 64 << 10, T).unwrap()).status, Status::Ok);
+        if i > 0 && roots(k) == roots(&keys[i - 1]) {
+            same += 1;
+        }
+    }
+    assert_eq!(counter(&store, "recycled_files"), same, "only victims on the writer's root are reused");
+    assert!(same > 0 && same < 11, "both cases occur with these keys ({same})");
+    assert_eq!(counter(&store, "evictions"), 11);
+    assert_eq!(store.len(), 1);
+    let o = wait(&store, store.get(&keys[11], a, T).unwrap());
+    assert_eq!(o.status, Status::Ok);
+    pool.release(a).unwrap();
 }
 
 #[test]
@@ -288,4 +545,72 @@ fn operations_on_unacquired_or_busy_slots_are_refused() {
     assert!(store.put(b"k", a, (64 << 10) + 1, T).is_err(), "longer than a slot");
     assert!(store.put(b"", a, 10, T).is_err(), "empty key");
     pool.release(a).unwrap();
+}
+
+#[test]
+fn a_background_scan_serves_at_once_and_never_revives_what_was_evicted_meanwhile() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(64 << 10, 2, None).unwrap());
+    let file_len = 4096 + 4096;
+    let old: Vec<Vec<u8>> = (0..20).map(|i| format!("old-{i}").into_bytes()).collect();
+    {
+        let store = open(config(dir.path(), BackendChoice::IoUring), &pool);
+        let a = pool.acquire(T).unwrap();
+        for (i, k) in old.iter().enumerate() {
+            fill(&pool, a, 4096, i as u8);
+            assert_eq!(wait(&store, store.put(k, a, 4096, T).unwrap()).status, Status::Ok);
+        }
+        pool.release(a).unwrap();
+    }
+    // Hold the scan between walking the tree and merging: the store is observed mid-scan.
+    let hold = Arc::new(std::sync::Mutex::new(()));
+    let guard = hold.lock().unwrap();
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.background_scan = true;
+    c.capacity_bytes = 20 * file_len;
+    c.faults = Some(Arc::new(FaultPlan { scan_hold: Some(hold.clone()), ..Default::default() }));
+    let store = open(c, &pool);
+    assert!(!store.scan_report().done);
+    assert_eq!(store.len(), 0, "nothing indexed yet");
+    assert!(!store.contains(&old[0]), "an unknown key reads as absent while scanning");
+    let a = pool.acquire(T).unwrap();
+    let o = wait(&store, store.get(&old[0], a, T).unwrap());
+    assert_eq!(o.status, Status::Ok, "get reads the file, not the index: {}", o.message);
+    let mut expect = vec![0u8; 4096];
+    fill_vec(&mut expect, 0);
+    assert_eq!(payload(&pool, a, 4096), expect);
+    assert!(store.probe(&old[1]), "probe finds it on disk and indexes it");
+    assert!(store.evict(&old[2]));
+    fill(&pool, a, 4096, 99);
+    assert_eq!(wait(&store, store.put(b"new", a, 4096, T).unwrap()).status, Status::Ok);
+    assert_eq!(store.len(), 3);
+    assert!(!store.wait_scan(Some(Duration::from_millis(50))));
+
+    drop(guard);
+    assert!(store.wait_scan(T));
+    let r = store.scan_report();
+    assert!(r.done && r.error.is_none());
+    assert_eq!(r.chunks, 17, "the 20 old chunks less the 2 indexed meanwhile and the evicted one");
+    assert_eq!(store.len(), 20);
+    assert!(!store.contains(&old[2]), "evicted during the scan: not revived");
+    assert!(store.contains(&old[3]) && store.contains(b"new"));
+    assert_eq!(store.used_bytes(), 20 * file_len);
+    // Scanned chunks are less recent than anything used during the scan:
+    // the next put evicts the oldest scanned one.
+    fill(&pool, a, 4096, 100);
+    assert_eq!(wait(&store, store.put(b"newer", a, 4096, T).unwrap()).status, Status::Ok);
+    assert!(!store.contains(&old[3]));
+    assert!(store.contains(&old[0]) && store.contains(&old[1]) && store.contains(b"new"));
+    pool.release(a).unwrap();
+}
+
+#[test]
+fn closing_during_a_background_scan_does_not_hang() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(64 << 10, 2, None).unwrap());
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.background_scan = true;
+    let store = open(c, &pool);
+    store.close();
+    assert!(store.scan_report().done);
 }

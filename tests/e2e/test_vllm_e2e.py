@@ -292,10 +292,15 @@ def test_full_disk_keeps_serving_identical_tokens(baseline, full_disk_tenants):
     expected = baseline["by_name"]["first"]["tokens"][0]
     assert phases["tenant_a"]["tokens"] == [expected]
     assert phases["fill_disk"]["tokens"] == baseline["by_name"]["fillers"]["tokens"]
-    assert _metric(phases["fill_disk"], "write_errors") > 0, "the 3 MiB disk never filled up"
-    # What was stored before the disk filled is still served.
+    # The 3 MiB disk filled up: ENOSPC evicted least recently used chunks and
+    # lowered the capacity to what fits, instead of failing every later store.
+    fill = phases["fill_disk"]
+    assert _metric(fill, "disk_capacity_bytes") < 3 << 20, "the 3 MiB disk never filled up"
+    assert _metric(fill, "disk_used_bytes") <= _metric(fill, "disk_capacity_bytes")
+    assert _metric(fill, "disk_writes") > 0
+    # Tenant A's chunks may have been evicted (LRU) to make room: still identical tokens.
     again = phases["tenant_a_again"]
-    assert again["num_cached_tokens"][0] >= 800 and again["tokens"] == [expected]
+    assert again["tokens"] == [expected]
     assert _metric(again, "corrupt_chunks") == 0
 
 

@@ -2,9 +2,14 @@
 with a fixed number of chunk operations in flight (the queue depth a caller
 sees), timed and CPU-metered the same way as every other system here.
 
-Each case writes fresh chunk files, then (caches dropped when root) reads them
-all back; the device counters tell whether the bytes really moved, and the last
-chunks read are compared byte for byte with what was written.
+Each case writes fresh chunk files into an empty store sized to hold exactly
+them, then (caches dropped when root) reads them all back; the device counters
+tell whether the bytes really moved, and the last chunks read are compared byte
+for byte with what was written. With ``overwrite`` it then writes as many new
+chunks into the full store -- the steady state of a cache tier, every put
+evicting one chunk -- once with evicted files recycled (the default) and once,
+reopened with ``recycle_files=False``, with each victim unlinked and a fresh
+file allocated.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ from .cpu_meter import CpuMeter
 from .payload import digest, expected_digest, payload
 from .results import PhaseResult
 
+HEADER_BYTES = 4096
+
 
 class BenchDataError(RuntimeError):
     """A benchmark phase returned errors or wrong data: its numbers are void."""
@@ -32,6 +39,8 @@ class EngineCase:
     total_bytes: int
     # Extra BlockStore keyword arguments (segment_bytes, register_buffers, ...).
     store_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Also measure writes into the full store (phases "overwrite", "overwrite_no_recycle").
+    overwrite: bool = False
 
     @property
     def chunks(self) -> int:
@@ -99,7 +108,9 @@ def run_engine_case(
         with pool.view(s) as v:
             v[:] = payload(i, chunk)
     keys = [f"bench-{chunk}-{qd}-{repeat}-{i}".encode() for i in range(case.chunks)]
-    store = open_store(directory, pool, 2 * case.chunks * (chunk + (1 << 20)), namespace, **case.store_kwargs)
+    # Exactly the chunks of one pass: the first pass fills it, later passes evict.
+    capacity = case.chunks * (HEADER_BYTES + -(-chunk // 4096) * 4096)
+    store = open_store(directory, pool, capacity, namespace, **case.store_kwargs)
     params = {"queue_depth": qd, "repeat": repeat, **case.store_kwargs}
     results: list[PhaseResult] = []
     try:
@@ -133,6 +144,11 @@ def run_engine_case(
                 if digest(v) != expected_digest(i, chunk):
                     raise BenchDataError(f"pykvcache read back wrong data into slot {s}")
         results[-1].info["stats"] = _plain(store.stats())
+        if case.overwrite:
+            results.append(_overwrite(store, keys, slots, chunk, params, info, disk, "overwrite"))
+            store.close()
+            store = open_store(directory, pool, capacity, namespace, **{**case.store_kwargs, "recycle_files": False})
+            results.append(_overwrite(store, keys, slots, chunk, params, info, disk, "overwrite_no_recycle"))
     finally:
         store.close()
         for s in slots:
@@ -142,6 +158,28 @@ def run_engine_case(
             shutil.rmtree(d, ignore_errors=True)
         settle()
     return results
+
+
+def _overwrite(store: Any, keys: list[bytes], slots: list[int], chunk: int, params: dict[str, Any],
+               info: dict[str, Any], disk: DiskCounter | None, direction: str) -> PhaseResult:
+    """One pass of new keys into the full store: each put evicts one chunk."""
+    new_keys = [k + b"-" + direction.encode() for k in keys]
+    before = store.stats()
+    settle()
+    d0 = disk.sample() if disk else None
+    with CpuMeter() as meter:
+        ok, errors = pump(store, "put", new_keys, slots, chunk)
+    d1 = disk.sample() if disk else None
+    assert meter.result is not None
+    after = store.stats()
+    counts = {k: after[k] - before[k] for k in ("evictions", "recycled_files", "recycle_skipped")}
+    phase = PhaseResult.measured("pykvcache", direction, chunk, ok, meter.result, params,
+                                 DiskCounter.delta(d0, d1), None, errors, {**info, **counts})
+    if errors:
+        raise BenchDataError(f"pykvcache {direction} had {len(errors)} errors, first: {errors[0]}")
+    if counts["evictions"] < len(keys) - len(slots):
+        raise BenchDataError(f"pykvcache {direction}: only {counts['evictions']} evictions for {len(keys)} puts")
+    return phase
 
 
 def _namespace_dirs(store: Any, directory: Path) -> list[Path]:

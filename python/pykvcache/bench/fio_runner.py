@@ -40,10 +40,14 @@ class FioJob:
     # engine's own layout -- N fresh files of one chunk each, written once
     # (allocating, like the engine's puts) and read back once.
     chunk_files: int = 0
+    # Chunk files only: write over the files a previous write of the same
+    # shape left (allocated blocks), as the engine does when it recycles.
+    overwrite: bool = False
 
     @property
     def label(self) -> str:
         layout = f" files={self.chunk_files}" if self.chunk_files else ""
+        layout += " overwrite" if self.overwrite else ""
         return f"fio {self.rw} bs={self.block_bytes >> 20}MiB qd={self.iodepth} jobs={self.numjobs}{layout}"
 
     @property
@@ -237,11 +241,11 @@ class FioRunner:
 
     def run(self, job: FioJob) -> FioResult:
         if job.chunk_files:
-            if job.rw == "write":
+            if job.rw == "write" and not job.overwrite:
                 # Fresh files every time, as the engine's puts create them.
                 shutil.rmtree(self.chunk_dir, ignore_errors=True)
             elif not self.chunk_dir.exists():
-                raise FioError("a chunk-files read needs the chunk-files write of the same shape first")
+                raise FioError("a chunk-files read or overwrite needs the chunk-files write of the same shape first")
             self.chunk_dir.mkdir(parents=True, exist_ok=True)
         else:
             self.precondition(max(job.numjobs, self._prepared))

@@ -1,7 +1,7 @@
 """Part "engine_profile" (not run by default): what limits the engine.
 
 The same engine case is run with one store setting changed at a time --
-segment size, ring depth, fixed buffers, O_DIRECT, backend -- interleaved per
+read/write segment size, ring depth, fixed buffers, O_DIRECT, backend -- interleaved per
 repeat, and the CPU is split by thread (caller, ring thread, io-wq workers).
 Changing a setting that does not matter leaves the ratio near 1.0.
 """
@@ -22,11 +22,13 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "segment 1 MiB": {"segment_bytes": 1 * MiB},
     "segment 16 MiB": {"segment_bytes": 16 * MiB},
     "segment 32 MiB": {"segment_bytes": 32 * MiB},
+    "write segment 4 MiB": {"write_segment_bytes": 4 * MiB},
     "ring depth 8": {"queue_depth": 8},
     "ring depth 128": {"queue_depth": 128},
     "no fixed buffers": {"register_buffers": False},
     "buffered (no O_DIRECT)": {"direct_io": "disabled"},
     "threads backend": {"backend": "threads"},
+    "no file recycling": {"recycle_files": False},
 }
 
 
@@ -60,7 +62,7 @@ def run(ctx: BenchContext) -> PartOutput:
         for chunk in _chunks(cfg):
             names = list(VARIANTS) if rep % 2 == 0 else list(reversed(VARIANTS))
             for name in names:
-                case = EngineCase(chunk, qd, cfg.engine_bytes, {**cfg.store_kwargs, **VARIANTS[name]})
+                case = EngineCase(chunk, qd, cfg.engine_bytes, {**cfg.store_kwargs, **VARIANTS[name]}, overwrite=True)
                 for p in run_engine_case(case, Path(cfg.directory) / "profile", disk=ctx.disk, cold=cfg.cold_reads, repeat=rep):
                     p.params["variant"] = name
                     phases.append(p)
@@ -77,7 +79,7 @@ def run(ctx: BenchContext) -> PartOutput:
             }
     rows = []
     for chunk in _chunks(cfg):
-        for direction in ("read", "write"):
+        for direction in ("read", "write", "overwrite"):
             base = med.get(("default", direction, chunk))
             for name in VARIANTS:
                 m = med.get((name, direction, chunk))
@@ -96,7 +98,8 @@ def run(ctx: BenchContext) -> PartOutput:
             title=f"Engine variants at QD {qd} (medians; CPU split from the first repeat)",
             header=["chunk MiB", "op", "variant", "GB/s", "x default", "CPU-s/GB", "caller thread", "ring thread", "io-wq workers"],
             rows=rows,
-            note="CPU columns are CPU-seconds per GB. The ring thread verifies checksums on reads; the caller computes them on writes.",
+            note="CPU columns are CPU-seconds per GB. Chunk workers verify checksums on reads and compute them on writes. "
+            "write = fresh chunks into an empty store; overwrite = new chunks into the full store (each put evicts one).",
         )
     )
     out.raw = {"phases": [p.to_dict() for p in phases]}

@@ -431,6 +431,7 @@ class NvmeOffloadingManager(OffloadingManager):
         self.metrics.set_gauge("staging_slots_total", self.cache.num_slots)
         self.metrics.set_gauge("disk_used_bytes", self.store.used_bytes)
         self.metrics.set_gauge("disk_chunks", len(self.store))
+        self.metrics.set_gauge("disk_capacity_bytes", self.store.capacity_bytes)
         return self.metrics.take_stats()
 
     def shutdown(self) -> None:

@@ -64,6 +64,7 @@ GAUGES = {
     "staging_slots_total": "Staging slots in the shared region.",
     "disk_used_bytes": "Bytes of chunk files under this namespace.",
     "disk_chunks": "Chunk files under this namespace.",
+    "disk_capacity_bytes": "Capacity eviction enforces: capacity_bytes, or lower once the filesystem filled up first (ENOSPC).",
     "lookahead_queue_requests": "Waiting requests known to the lookahead queue.",
     "lookahead_slots_held": "Staging slots held by preloads for waiting requests.",
     "lookup_hold_slots": "Staging slots held by lookups of waiting (not yet scheduled) requests.",

@@ -74,6 +74,9 @@ pub struct FaultPlan {
     /// Fail the n-th submitted transfer (1-based) with this errno.
     pub fail_nth: Option<(u64, i32)>,
     pub counter: AtomicU64,
+    /// A background index scan takes this lock between walking the tree and
+    /// merging what it found: a test holding it observes the store mid-scan.
+    pub scan_hold: Option<std::sync::Arc<std::sync::Mutex<()>>>,
 }
 
 impl FaultPlan {

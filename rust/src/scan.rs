@@ -1,0 +1,141 @@
+//! Rebuilding the index from the directory tree: in the opening thread, or
+//! in the background for very large stores (100k chunks take seconds cold),
+//! while the store already serves.
+//!
+//! During a background scan `get` and `probe` work as always (they look at
+//! the file, not the index); only index answers (`contains`, `len`,
+//! `used_bytes`, eviction) are incomplete: an unknown key reads as absent.
+//! What the scan finds is merged as least recently used, without reviving a
+//! chunk removed while it ran (`ChunkIndex::merge_scanned`).
+
+use std::os::unix::fs::MetadataExt;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Condvar, Mutex};
+use std::time::{Duration, Instant, SystemTime};
+
+use crate::backend::SharedFaults;
+use crate::error::{EngineError, Result};
+use crate::files;
+use crate::index::ChunkIndex;
+use crate::layout::{parse_chunk_name, Layout, TEMP_PREFIX};
+
+/// Temporary files whose inode changed longer ago than this belong to a dead
+/// writer (also when their writer's lock cannot tell, e.g. without flock).
+const STALE_TEMP_AGE: Duration = Duration::from_secs(600);
+
+/// Chunks on disk as (key hash, file length), oldest modification first.
+/// Temporary files of dead writers (lock released, or too old) are removed
+/// on the way. `stop` ends the walk early (the store is closing).
+pub fn collect(layout: &Layout, stop: &AtomicBool) -> Result<Vec<(u128, u64)>> {
+    let now = SystemTime::now();
+    let mut found: Vec<(SystemTime, u128, u64)> = Vec::new();
+    for ns_dir in layout.ns_dirs() {
+        for sub in 0..=255u8 {
+            if stop.load(Ordering::Relaxed) {
+                return Ok(Vec::new());
+            }
+            let dir = ns_dir.join(format!("{sub:02x}"));
+            let entries = match std::fs::read_dir(&dir) {
+                Ok(e) => e,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(EngineError::io(format!("scanning {}", dir.display()), e)),
+            };
+            for entry in entries.flatten() {
+                let name = entry.file_name();
+                let Some(name) = name.to_str() else { continue };
+                let Ok(meta) = entry.metadata() else { continue };
+                if name.starts_with(TEMP_PREFIX) {
+                    // ctime, not mtime: claiming an evicted file for reuse renames it
+                    // (fresh ctime) but keeps the old mtime until it is written.
+                    let changed = SystemTime::UNIX_EPOCH
+                        + Duration::new(meta.ctime().max(0) as u64, meta.ctime_nsec().clamp(0, 999_999_999) as u32);
+                    let age = now.duration_since(changed).unwrap_or_default();
+                    if age > STALE_TEMP_AGE || files::temp_writer_gone(&entry.path(), name) {
+                        let _ = std::fs::remove_file(entry.path());
+                    }
+                    continue;
+                }
+                // Only regular files with a chunk name; symlinks and strays are ignored.
+                if !meta.file_type().is_file() {
+                    continue;
+                }
+                if let Some(hash) = parse_chunk_name(name) {
+                    found.push((meta.modified().unwrap_or(now), hash, meta.len()));
+                }
+            }
+        }
+    }
+    found.sort_unstable_by_key(|(t, h, _)| (*t, *h));
+    Ok(found.into_iter().map(|(_, h, l)| (h, l)).collect())
+}
+
+/// The index of what `collect` found, oldest least recent.
+pub fn build_index(found: &[(u128, u64)]) -> ChunkIndex {
+    let mut index = ChunkIndex::default();
+    for &(hash, len) in found {
+        index.insert(hash, len);
+    }
+    index
+}
+
+/// How the open-time scan went: chunks indexed, time taken, whether done.
+#[derive(Clone, Debug, Default)]
+pub struct ScanReport {
+    pub done: bool,
+    pub chunks: usize,
+    pub time: Duration,
+    pub error: Option<String>,
+}
+
+/// Progress of a background scan, for waiters.
+#[derive(Default)]
+pub struct ScanProgress {
+    state: Mutex<ScanReport>,
+    finished: Condvar,
+    pub stop: AtomicBool,
+}
+
+impl ScanProgress {
+    pub fn completed(report: ScanReport) -> Self {
+        ScanProgress { state: Mutex::new(ScanReport { done: true, ..report }), ..Default::default() }
+    }
+
+    pub fn report(&self) -> ScanReport {
+        self.state.lock().unwrap().clone()
+    }
+
+    /// Waits until the scan is done; false on timeout.
+    pub fn wait(&self, timeout: Option<Duration>) -> bool {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mut st = self.state.lock().unwrap();
+        while !st.done {
+            let left = match deadline {
+                None => Duration::from_secs(3600),
+                Some(d) => match d.checked_duration_since(Instant::now()) {
+                    Some(l) if !l.is_zero() => l,
+                    _ => return false,
+                },
+            };
+            st = self.finished.wait_timeout(st, left).unwrap().0;
+        }
+        true
+    }
+
+    /// Walks the tree and merges what it found into `index` (which the
+    /// caller put into scanning mode before the store started serving).
+    pub fn run(&self, layout: &Layout, index: &Mutex<ChunkIndex>, faults: &SharedFaults) {
+        let start = Instant::now();
+        let found = collect(layout, &self.stop);
+        let _held = faults.as_ref().and_then(|f| f.scan_hold.as_ref()).map(|m| m.lock().unwrap());
+        let (chunks, error) = match found {
+            Ok(found) => (index.lock().unwrap().merge_scanned(&found), None),
+            Err(e) => {
+                // Nothing merged: the store goes on with what it indexes from now on.
+                index.lock().unwrap().merge_scanned(&[]);
+                (0, Some(e.to_string()))
+            }
+        };
+        *self.state.lock().unwrap() = ScanReport { done: true, chunks, time: start.elapsed(), error };
+        self.finished.notify_all();
+    }
+}
