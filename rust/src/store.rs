@@ -165,7 +165,7 @@ impl BlockStore {
         if config.segment_bytes < IO_ALIGN || config.segment_bytes % IO_ALIGN != 0 {
             return Err(EngineError::invalid(format!("segment_bytes must be a positive multiple of {IO_ALIGN}")));
         }
-        if config.write_segment_bytes % IO_ALIGN != 0 {
+        if !config.write_segment_bytes.is_multiple_of(IO_ALIGN) {
             return Err(EngineError::invalid(format!("write_segment_bytes must be 0 (whole chunk) or a multiple of {IO_ALIGN}")));
         }
         if config.queue_depth == 0 || config.queue_depth > 4096 {
