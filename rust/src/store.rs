@@ -734,8 +734,10 @@ impl Core {
                 None => files::open_for_write(&shard, support, ctx.direct, self.file_mode),
             };
             // Preallocation also finds a full disk before any byte is written.
+            // A recycled file at least as long is allocated already.
             let ready = opened.and_then(|f| {
-                if !(self.preallocate && support.fallocate) {
+                let allocated = || files::regular_file_size(f.fd).ok().flatten().unwrap_or(0) >= ctx.file_len as u64;
+                if !(self.preallocate && support.fallocate) || (f.temp_path.is_some() && allocated()) {
                     return Ok(f);
                 }
                 match files::preallocate(f.fd, ctx.file_len) {
