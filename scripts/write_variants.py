@@ -28,6 +28,7 @@ from pykvcache.bench.fio_runner import FioJob, FioRunner
 VARIANTS = {
     "whole-chunk writes (default)": {},
     "4 MiB write segments": {"write_segment_bytes": 4 * MiB},
+    "no preallocation": {"preallocate": False},
 }
 
 

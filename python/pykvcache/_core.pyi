@@ -147,6 +147,7 @@ class BlockStore:
         verify: Literal["full", "header"] = "full",
         recycle_files: bool = True,
         background_scan: bool = False,
+        preallocate: bool = True,
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         allow_insecure_root: bool = False,
@@ -162,7 +163,9 @@ class BlockStore:
         name, and published by rename). ``background_scan`` returns at once and
         rebuilds the index in a thread (for stores of very many chunks): until
         ``scan_complete``, ``get``/``probe`` work as always but index answers
-        (``contains``, ``len``, ``used_bytes``) miss chunks not yet scanned."""
+        (``contains``, ``len``, ``used_bytes``) miss chunks not yet scanned.
+        ``preallocate`` allocates each chunk file (fallocate) before writing it:
+        on ext4 a direct write into allocated space is not an extending write."""
     def put(self, key: bytes, slot: int, length: int) -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
         visible atomically once complete; an existing chunk is success."""

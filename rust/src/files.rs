@@ -37,6 +37,7 @@ impl DirectIoPolicy {
 pub struct FsSupport {
     pub direct: bool,
     pub tmpfile: bool,
+    pub fallocate: bool,
 }
 
 /// A file opened for writing a new chunk, not yet visible under its name.
@@ -243,6 +244,22 @@ pub fn publish(file: &PendingFile, final_path: &Path) -> std::io::Result<bool> {
     Err(e)
 }
 
+/// Allocates the whole file before it is written. On ext4 a direct write
+/// past the end of a file is an extending write (exclusive inode lock, size
+/// update and orphan handling in the journal at completion); into allocated
+/// space it is not. Measured: fresh-file writes 0.65x -> 0.82x of fio's best.
+pub fn preallocate(fd: RawFd, len: usize) -> std::io::Result<()> {
+    loop {
+        if unsafe { libc::fallocate(fd, 0, 0, len as libc::off_t) } == 0 {
+            return Ok(());
+        }
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+}
+
 pub fn discard(file: &PendingFile) {
     if let Some(temp) = &file.temp_path {
         let _ = std::fs::remove_file(temp);
@@ -285,6 +302,15 @@ pub fn probe(dir: &Path, mode: u32) -> FsSupport {
         Err(_) => false,
     };
     let probe_path = dir.join(format!("{TEMP_PREFIX}probe-{}-{}", std::process::id(), TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)));
+    let fallocate = match open_raw(&probe_path, libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, mode) {
+        Ok(fd) => {
+            let ok = preallocate(fd, IO_ALIGN).is_ok();
+            close(fd);
+            let _ = std::fs::remove_file(&probe_path);
+            ok
+        }
+        Err(_) => false,
+    };
     let direct = match open_raw(&probe_path, libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_DIRECT, mode) {
         Ok(fd) => {
             let layout = std::alloc::Layout::from_size_align(IO_ALIGN, IO_ALIGN).unwrap();
@@ -298,5 +324,5 @@ pub fn probe(dir: &Path, mode: u32) -> FsSupport {
         Err(_) => false,
     };
     let _ = std::fs::remove_file(&probe_path);
-    FsSupport { direct, tmpfile }
+    FsSupport { direct, tmpfile, fallocate }
 }

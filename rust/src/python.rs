@@ -318,7 +318,7 @@ impl PyBlockStore {
     #[new]
     #[pyo3(signature = (dirs, pool, *, namespace, capacity_bytes, queue_depth=32, backend="auto", direct_io="optional",
                         register_buffers=true, segment_bytes=4<<20, write_segment_bytes=0, max_inflight=1024, submit_timeout=Some(30.0),
-                        io_threads=0, chunk_workers=2, verify="full", recycle_files=true, background_scan=false, dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
+                        io_threads=0, chunk_workers=2, verify="full", recycle_files=true, background_scan=false, preallocate=true, dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -340,6 +340,7 @@ impl PyBlockStore {
         verify: &str,
         recycle_files: bool,
         background_scan: bool,
+        preallocate: bool,
         dir_mode: u32,
         file_mode: u32,
         allow_insecure_root: bool,
@@ -359,6 +360,7 @@ impl PyBlockStore {
         config.verify = VerifyPolicy::parse(verify).map_err(to_py)?;
         config.recycle_files = recycle_files;
         config.background_scan = background_scan;
+        config.preallocate = preallocate;
         config.permissions = Permissions { dir_mode, file_mode, allow_insecure_root };
         if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
             config.faults = Some(Arc::new(crate::backend::FaultPlan {

@@ -84,6 +84,8 @@ pub struct StoreConfig {
     /// Rebuild the index in a background thread instead of before `open`
     /// returns (see `scan`): for stores of very many chunks.
     pub background_scan: bool,
+    /// Allocate each chunk file (fallocate) before writing it (see `files::preallocate`).
+    pub preallocate: bool,
     pub permissions: Permissions,
     pub faults: SharedFaults,
 }
@@ -106,6 +108,7 @@ impl StoreConfig {
             verify: VerifyPolicy::Full,
             recycle_files: true,
             background_scan: false,
+            preallocate: true,
             permissions: Permissions::default(),
             faults: None,
         }
@@ -129,6 +132,7 @@ struct Core {
     /// recycle) its own victim instead of all seeing the same free space.
     reserved: AtomicU64,
     recycle_files: bool,
+    preallocate: bool,
     scan: ScanProgress,
     segment_bytes: usize,
     write_segment_bytes: usize,
@@ -165,7 +169,7 @@ impl BlockStore {
         if config.segment_bytes < IO_ALIGN || config.segment_bytes % IO_ALIGN != 0 {
             return Err(EngineError::invalid(format!("segment_bytes must be a positive multiple of {IO_ALIGN}")));
         }
-        if config.write_segment_bytes % IO_ALIGN != 0 {
+        if !config.write_segment_bytes.is_multiple_of(IO_ALIGN) {
             return Err(EngineError::invalid(format!("write_segment_bytes must be 0 (whole chunk) or a multiple of {IO_ALIGN}")));
         }
         if config.queue_depth == 0 || config.queue_depth > 4096 {
@@ -184,6 +188,9 @@ impl BlockStore {
             let s = files::probe(dir, config.permissions.file_mode);
             if !s.tmpfile {
                 stats.record_fallback(format!("O_TMPFILE unsupported in {}: using temp file + rename", dir.display()));
+            }
+            if config.preallocate && !s.fallocate {
+                stats.record_fallback(format!("fallocate unsupported in {}: blocks are allocated by the writes", dir.display()));
             }
             let direct = match (config.direct_io, s.direct) {
                 (DirectIoPolicy::Disabled, _) => false,
@@ -223,6 +230,7 @@ impl BlockStore {
             capacity_notice: Mutex::new(None),
             reserved: AtomicU64::new(0),
             recycle_files: config.recycle_files,
+            preallocate: config.preallocate,
             scan: scan_progress,
             segment_bytes: config.segment_bytes,
             write_segment_bytes: config.write_segment_bytes,
@@ -726,24 +734,45 @@ impl Core {
     /// tried once more.
     fn open_chunk_file(&self, ctx: &mut OpContext, victim: Option<u128>) -> std::io::Result<files::PendingFile> {
         let shard = self.layout.shard_dir(ctx.hash);
-        if let Some(v) = victim {
-            match files::claim_for_reuse(&self.layout.chunk_path(v), &shard, ctx.file_len, ctx.direct) {
-                Ok(f) => {
-                    Stats::add(&self.stats.recycled_files, 1);
+        let support = self.support[ctx.root];
+        let mut claimed = victim.and_then(|v| match files::claim_for_reuse(&self.layout.chunk_path(v), &shard, ctx.file_len, ctx.direct) {
+            Ok(f) => {
+                Stats::add(&self.stats.recycled_files, 1);
+                Some(f)
+            }
+            // Read by someone right now, taken by another process, or no flock here.
+            Err(_) => {
+                Stats::add(&self.stats.recycle_skipped, 1);
+                None
+            }
+        });
+        loop {
+            let opened = match claimed.take() {
+                Some(f) => Ok(f),
+                None => files::open_for_write(&shard, support, ctx.direct, self.file_mode),
+            };
+            // Preallocation also finds a full disk before any byte is written.
+            // A recycled file at least as long is allocated already.
+            let ready = opened.and_then(|f| {
+                let allocated = || files::regular_file_size(f.fd).ok().flatten().unwrap_or(0) >= ctx.file_len as u64;
+                if !(self.preallocate && support.fallocate) || (f.temp_path.is_some() && allocated()) {
                     return Ok(f);
                 }
-                // Read by someone right now, taken by another process, or no flock here.
-                Err(_) => Stats::add(&self.stats.recycle_skipped, 1),
+                match files::preallocate(f.fd, ctx.file_len) {
+                    Ok(()) => Ok(f),
+                    Err(e) => {
+                        files::discard(&f);
+                        Err(e)
+                    }
+                }
+            });
+            match ready {
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && !ctx.enospc_retried => {
+                    ctx.enospc_retried = true;
+                    self.on_enospc(ctx.file_len as u64, ctx.hash);
+                }
+                other => return other,
             }
-        }
-        let support = self.support[ctx.root];
-        match files::open_for_write(&shard, support, ctx.direct, self.file_mode) {
-            Err(e) if e.raw_os_error() == Some(libc::ENOSPC) && !ctx.enospc_retried => {
-                ctx.enospc_retried = true;
-                self.on_enospc(ctx.file_len as u64, ctx.hash);
-                files::open_for_write(&shard, support, ctx.direct, self.file_mode)
-            }
-            other => other,
         }
     }
 

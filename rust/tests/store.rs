@@ -62,12 +62,17 @@ fn round_trip(store: &BlockStore, pool: &StagingPool, key: &[u8], len: usize, se
 
 #[test]
 fn every_backend_round_trips_multi_segment_chunks() {
-    let cases = [(BackendChoice::IoUring, true, 0), (BackendChoice::IoUring, false, 64 << 10), (BackendChoice::Threads, false, 0)];
-    for (backend, fixed, write_segment) in cases {
+    let cases = [
+        (BackendChoice::IoUring, true, 0, true),
+        (BackendChoice::IoUring, false, 64 << 10, false),
+        (BackendChoice::Threads, false, 0, true),
+    ];
+    for (backend, fixed, write_segment, preallocate) in cases {
         let dir = tempfile::tempdir().unwrap();
         let pool = Arc::new(StagingPool::create(3 << 20, 4, None).unwrap());
         let mut c = config(dir.path(), backend);
         c.register_buffers = fixed;
+        c.preallocate = preallocate;
         // 0: the default, each chunk written in one transfer.
         c.write_segment_bytes = write_segment;
         let store = open(c, &pool);
@@ -157,12 +162,22 @@ fn temp_files(store: &BlockStore) -> Vec<PathBuf> {
 
 #[test]
 fn full_filesystem_evicts_on_enospc_and_lowers_the_capacity() {
+    // With preallocation fallocate meets the full disk; without, the write does.
+    for preallocate in [true, false] {
+        full_filesystem_case(preallocate);
+    }
+}
+
+fn full_filesystem_case(preallocate: bool) {
     let dir = tempfile::tempdir().unwrap();
     let Some(_m) = mount("tmpfs", "size=2m,mode=0700", dir.path()) else { return };
     let pool = Arc::new(StagingPool::create(4 << 20, 2, None).unwrap());
     // Capacity far above the 2 MiB the filesystem holds (tmpfs takes O_DIRECT
     // since Linux 6.6; older kernels run this on the buffered fallback).
-    let store = open(config(dir.path(), BackendChoice::IoUring), &pool);
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.preallocate = preallocate;
+    let store = open(c, &pool);
+    assert!(store.stats().fallbacks().is_empty(), "tmpfs supports fallocate: {:?}", store.stats().fallbacks());
     let a = pool.acquire(T).unwrap();
     let keys: Vec<Vec<u8>> = (0..60).map(|i| format!("fill-{i}").into_bytes()).collect(); // ~4 MiB
     for (i, k) in keys.iter().enumerate() {
@@ -411,6 +426,8 @@ fn filesystem_refusing_o_direct_falls_back_or_fails_by_policy() {
     let store = open(config(dir.path(), BackendChoice::IoUring), &pool);
     assert!(!store.direct_io());
     assert!(store.stats().fallbacks().iter().any(|f| f.contains("O_DIRECT refused")));
+    // ramfs has no fallocate either: chunk files are allocated by the writes.
+    assert!(store.stats().fallbacks().iter().any(|f| f.contains("fallocate unsupported")), "{:?}", store.stats().fallbacks());
     round_trip(&store, &pool, b"buffered", 1 << 20, 8);
 }
 
