@@ -244,11 +244,13 @@ def test_queued_request_is_staged_before_it_is_scheduled(scenario_result):
                 assert _delta(r, name, "lookup_waited_requests") == 1, name
     print(f"\n[lookahead] on-batches (ready, waited): {ready}", file=sys.stderr)
     # Staged before it was scheduled: Q's first lookup found its whole gated
-    # prefix in staging. H decodes ~2x longer than the read on an idle
-    # machine; a read stuck behind other I/O on the shared disk may still be
-    # in flight when H ends, so one batch in PAIRS may have waited.
+    # prefix in staging. H decodes ~2x longer than the throttled read on an
+    # idle machine, but other I/O on the disk behind the loop device can
+    # stretch a read by seconds (seen: 3.3 s for a 0.44 s read while another
+    # test suite filled the disk), so a read may still be in flight when H
+    # ends: a majority of the batches, not all, is asserted.
     assert all(sum(v) == 1 for v in ready.values()), ready
-    assert sum(v[0] for v in ready.values()) >= PAIRS - 1, ready
+    assert sum(v[0] for v in ready.values()) > PAIRS // 2, ready
 
 
 def test_lookahead_lowers_arrival_to_first_token(scenario_result):
