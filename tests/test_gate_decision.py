@@ -119,6 +119,7 @@ def test_counters_and_gauges():
     g = gate.gauges()
     assert g["gate_break_even_tokens"] == pytest.approx(be)
     assert g["gate_disk_bandwidth_mbps"] == pytest.approx(1000)
+    assert g["gate_step_load_ms"] == 0.0
 
 
 def test_online_observations_reach_the_decision():

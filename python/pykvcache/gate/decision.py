@@ -69,6 +69,7 @@ GATE_GAUGES = {
     "gate_break_even_tokens": "Current break-even prefix length (tokens, with no I/O queued).",
     "gate_disk_bandwidth_mbps": "Current effective disk bandwidth estimate (MB/s) used by the gate.",
     "gate_fixed_load_ms": "Current fixed cost estimate of one load (ms) used by the gate.",
+    "gate_step_load_ms": "Calibrated cost of any load inside the engine (ms; vLLM's asynchronous load step).",
 }
 
 
@@ -199,4 +200,5 @@ class AdmissionGate:
             "gate_break_even_tokens": be if be != float("inf") else -1.0,
             "gate_disk_bandwidth_mbps": model.load.disk_bytes_per_s / 1e6,
             "gate_fixed_load_ms": model.load.fixed_s * 1e3,
+            "gate_step_load_ms": model.load.step_s * 1e3,
         }
