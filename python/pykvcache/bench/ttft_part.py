@@ -279,20 +279,44 @@ def _tokens(x: float | None) -> str:
     return f"{x:.2f}" if x < 10 else f"{x:.0f}"
 
 
-def paired(records: list[dict[str, Any]], load_mode: str, gated_mode: str, n: int) -> list[tuple[float, float, float]]:
-    """``(recompute, load, gated)`` TTFTs of each repeat at length ``n``: measured
-    back to back on the same prefix, so a burst of other work on the machine
-    (which lasts seconds) mostly hits all three alike."""
+#: A repeat is disturbed at a length when its load from staging (the cheapest,
+#: least variable mode, measured in every repeat) took more than this many
+#: times the fastest one at that length.
+DISTURBED_FACTOR = 3.0
+MIN_UNDISTURBED = 3
+
+
+def disturbed(records: list[dict[str, Any]], n: int) -> set[int]:
+    """Repeats at length ``n`` during which other work slowed the machine down
+    (seen here: 10-40x for seconds while another engineer's build ran). Under
+    CPU contention computing slows more than loading, so such a repeat moves
+    the crossover itself, not only its noise. Empty when fewer than
+    ``MIN_UNDISTURBED`` repeats would remain."""
+    staged = {r["repeat"]: r["ttft_s"] for r in records if r["prefix_tokens"] == n and r["mode"] == "staging"}
+    if not staged:
+        return set()
+    floor = min(staged.values())
+    out = {rep for rep, t in staged.items() if t > DISTURBED_FACTOR * floor}
+    return out if len(staged) - len(out) >= MIN_UNDISTURBED else set()
+
+
+def paired(records: list[dict[str, Any]], load_mode: str, gated_mode: str, n: int,
+           skip: set[int] = frozenset()) -> list[tuple[float, float, float]]:
+    """``(recompute, load, gated)`` TTFTs of each repeat at length ``n`` (but
+    the ``skip`` ones): measured back to back on the same prefix, so slow
+    drift on the machine hits all three alike."""
     by_repeat: dict[int, dict[str, float]] = {}
     for r in records:
-        if r["prefix_tokens"] == n and r["mode"] in ("recompute", load_mode, gated_mode):
+        if r["prefix_tokens"] == n and r["mode"] in ("recompute", load_mode, gated_mode) \
+                and r["repeat"] not in skip:
             by_repeat.setdefault(r["repeat"], {})[r["mode"]] = r["ttft_s"]
     return [(m["recompute"], m[load_mode], m[gated_mode]) for _, m in sorted(by_repeat.items())
             if len(m) == 3]
 
 
 STATS = {
-    "paired": "paired per repeat: medians of the per-repeat differences and ratios",
+    "paired": "paired per repeat: medians of the per-repeat differences and ratios, over the repeats not "
+              "disturbed by other work (load from staging within 3x its fastest at that length)",
     "medians": "medians of each cell, independently (diagnostic)",
     "best": "best of the repeats: the least disturbed run of each cell (diagnostic)",
 }
@@ -306,10 +330,13 @@ def _variant(out: PartOutput, records: list, lengths: list[int], load_mode: str,
     that median). ``medians`` / ``best``: each cell on its own (diagnostics)."""
     med = medians(records, min if stat == "best" else statistics.median)
     rows, worst, gains = [], None, []
+    excluded = 0
     for n in lengths:
         rec, load, gated = med[("recompute", n)], med[(load_mode, n)], med[(gated_mode, n)]
         if stat == "paired":
-            trio = paired(records, load_mode, gated_mode, n)
+            skip = disturbed(records, n)
+            excluded += len(skip)
+            trio = paired(records, load_mode, gated_mode, n, skip)
             gain = statistics.median(r - ld for r, ld, _ in trio)
             ratio = statistics.median(g / (ld if gain > 0 else r) for r, ld, g in trio)
         else:
@@ -328,8 +355,12 @@ def _variant(out: PartOutput, records: list, lengths: list[int], load_mode: str,
         header.append("load from staging ms")
     header += ["gated ms", "gate choice", "gated / better path", "recompute - load ms"]
     kind, measured = crossover(lengths, [0.0] * len(lengths), gains)
-    out.tables.append(Table(title=f"TTFT, {label} ({stat})", header=header, rows=rows,
-                            note=STATS[stat] + ("; the ms columns are medians of each cell" if stat == "paired" else "")))
+    note = STATS[stat]
+    if stat == "paired":
+        total = sum(1 for r in records if r["mode"] == "staging")
+        note += f"; {excluded} of {total} (length, repeat) cells excluded as disturbed; the ms columns are " \
+                "medians of each cell over all repeats"
+    out.tables.append(Table(title=f"TTFT, {label} ({stat})", header=header, rows=rows, note=note))
     assert worst is not None
     prefix = "" if stat == "paired" else f"(diagnostic, {stat}) "
     out.targets[f"{prefix}gated TTFT <= {GATED_TOLERANCE:.1f} x min(load, recompute) at every length ({label})"] = (
