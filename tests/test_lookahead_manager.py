@@ -195,6 +195,42 @@ def test_queued_request_is_staged_before_its_first_lookup(tmp_path):
         h.close()
 
 
+def test_preempted_request_is_queued_again_and_staged_before_it_resumes(tmp_path):
+    h = Harness(tmp_path / "kv", num_slots=32, lookahead_slots=16, window=4, gate=_gate())
+    try:
+        keys = [_key(i) for i in range(6)]
+        h.write_to_disk(keys)
+        h.m.cache.clear()
+        h.queue("r1", keys, arrival=1.0)
+        h.settle()
+        ctx, hits = h.probe("r1", keys)
+        h.load(ctx, keys)
+        h.step(scheduled=["r1"])
+        pre = h.m.preloader
+        assert "r1" not in pre.queue and "r1" in pre.running
+        # While r1 ran, staging went to other chunks; then vLLM preempts it
+        # (its device blocks are freed, it waits again at the front).
+        h.m.cache.clear()
+        h.m.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=["r1"]))
+        h.settle()
+        m = h.m.metrics.totals
+        assert m["lookahead_requeued_preempted"] == 1
+        assert m["lookahead_preload_reads"] == 12 and h.store_obj.stats()["prefetches"] == 12
+        ctx, hits = h.probe("r1", keys)
+        assert hits == 6  # staged again before vLLM asked
+        h.load(ctx, keys)
+        # Rescheduled: vLLM lists it among the cached requests (resumed).
+        h.m.on_request_resumed("r1")
+        assert "r1" not in pre.queue and not pre.held and "r1" in pre.running
+        h.m.on_request_finished(ReqContext(req_id="r1"))
+        assert "r1" not in pre.running
+        # A finished request is never queued again.
+        h.m.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=["r1"]))
+        assert "r1" not in pre.queue and m["lookahead_requeued_preempted"] == 1
+    finally:
+        h.close()
+
+
 def test_shared_prefix_is_read_once_and_window_and_budget_bound_preloads(tmp_path):
     h = Harness(tmp_path / "kv", num_slots=40, lookahead_slots=10, window=2, gate=_gate())
     try:

@@ -112,6 +112,15 @@ class PyKvCacheConnector(OffloadingConnector):
             device_cached_tokens=lambda: self._device_cached_tokens(request),
         ))
 
+    def build_connector_meta(self, scheduler_output):
+        if self._manager is not None:
+            # A preempted request that runs again is listed among the cached
+            # requests, not the new ones: its lookahead holds end here.
+            cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+            for req_id in getattr(cached, "resumed_req_ids", None) or ():
+                self._manager.on_request_resumed(req_id)
+        return super().build_connector_meta(scheduler_output)
+
     def _device_cached_tokens(self, request) -> int:
         """Prompt tokens the device prefix cache already holds (not worth
         preloading); 0 when unknown."""

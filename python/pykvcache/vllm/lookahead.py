@@ -103,6 +103,8 @@ class Preloader:
         self.held: dict[bytes, set[Hashable]] = {}
         #: chunks read by a preload that no load has used yet
         self.unused: dict[bytes, None] = {}
+        #: scheduled requests, kept until they finish: a preempted one is queued again
+        self.running: dict[Hashable, WaitingRequest] = {}
         self.peak_held = 0
 
     @property
@@ -123,7 +125,12 @@ class Preloader:
     def forget(self, req_id: Hashable, *, cancelled: bool) -> None:
         """The request left the queue: scheduled (its lookups now hold what it
         needs) or finished/aborted. Its preload holds are released."""
-        if self.queue.remove(req_id) is None:
+        req = self.queue.remove(req_id)
+        if cancelled:
+            self.running.pop(req_id, None)
+        elif req is not None:
+            self.running[req_id] = req
+        if req is None:
             return
         owner = self.owner(req_id)
         held_any = False
@@ -137,6 +144,15 @@ class Preloader:
         self.manager.cache.release_owner(owner)
         if cancelled and held_any:
             self.manager.metrics.inc("lookahead_cancelled_requests")
+
+    def preempted(self, req_id: Hashable) -> None:
+        """vLLM preempted a running request: its KV blocks are freed and it
+        waits again (at the front: its arrival is old), so its prefix is worth
+        staging again before it is rescheduled."""
+        req = self.running.pop(req_id, None)
+        if req is not None and self.enabled:
+            self.queue.add(req)
+            self.manager.metrics.inc("lookahead_requeued_preempted")
 
     # -- accounting ---------------------------------------------------------------
     def loaded(self, keys) -> None:
@@ -162,6 +178,7 @@ class Preloader:
     def clear(self) -> None:
         for req in list(self.queue):
             self.forget(req.req_id, cancelled=False)
+        self.running.clear()
         self.held.clear()
         self.unused.clear()
 

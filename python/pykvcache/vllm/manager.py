@@ -374,9 +374,16 @@ class NvmeOffloadingManager(OffloadingManager):
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._release_request(req_context.req_id, finished=True)
 
+    def on_request_resumed(self, req_id: str) -> None:
+        """A preempted request was scheduled again (vLLM reports it among the
+        cached requests, not the new ones): as for a newly scheduled request."""
+        self._release_request(req_id, finished=False)
+
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         for req_id in context.new_req_ids:
             self._release_request(req_id, finished=False)
+        for req_id in getattr(context, "preempted_req_ids", None) or ():
+            self.preloader.preempted(req_id)
         self.poll_io()
         self._submit_writes()
         # After the writes: a preload never takes a slot before the step's

@@ -54,6 +54,7 @@ COUNTERS = {
     "lookahead_budget_stops": "Planning passes stopped by the lookahead byte budget.",
     "lookahead_gate_skipped_chunks": "Chunks of waiting requests not preloaded because the gate would recompute them.",
     "lookahead_cancelled_requests": "Requests that left the lookahead queue (finished, aborted) while holding preloads.",
+    "lookahead_requeued_preempted": "Preempted requests queued for lookahead again (their prefix is staged before they resume).",
 }
 COUNTERS.update(GATE_COUNTERS)
 COUNTERS.update(STORE_COUNTERS)
