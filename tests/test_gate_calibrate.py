@@ -69,6 +69,19 @@ def test_load_path_fit_recovers_step_and_rate():
     assert calibrate.fit_load_path([calibrate.Point(32, [-1e-3])], bpt, 1e9) == (0.0, 1e9)
 
 
+def test_disk_step_is_what_a_disk_load_adds_beyond_the_modelled_read():
+    bpt, fixed, bw = 2048.0, 2e-4, 1e9
+    extra = 1.1e-3  # e.g. the scheduler step a request waits while its chunks are read
+    path = {"disk_extra_points": [
+        calibrate.Point(n, [fixed + n * bpt / bw + extra + e for e in (-2e-4, 0.0, 5e-3)])
+        for n in (32, 64, 128, 512, 2048)]}
+    assert calibrate.fit_disk_step(path, fixed, bw, bpt) == pytest.approx(extra, rel=0.01)
+    # Faster than the modelled read (noise, or a pessimistic storage sweep): 0, never negative.
+    quick = {"disk_extra_points": [calibrate.Point(64, [1e-5]), calibrate.Point(128, [2e-5])]}
+    assert calibrate.fit_disk_step(quick, fixed, bw, bpt) == 0.0
+    assert calibrate.fit_disk_step({}, fixed, bw, bpt) == 0.0
+
+
 def test_recompute_fit_uses_the_paired_medians_through_the_origin():
     b, c = 24e-6, 5e-9
     paired = [calibrate.Point(n, [b * n + c * n * n + e for e in (-2e-4, 0.0, 0.05)])
@@ -142,6 +155,10 @@ def test_profile_is_sane(calibrated):
     assert [pt["tokens"] for pt in path["points"]] == [pt["tokens"] for pt in points]
     assert path["incomplete_loads"] == 0
     assert model.load.step_s == p.load["step_s"] >= 0
+    # Loads from the disk (staging emptied, files kept) measured at every length too.
+    disk = path["disk_minus_staging_points"]
+    assert [pt["tokens"] for pt in disk] == [pt["tokens"] for pt in points]
+    assert model.load.disk_step_s == p.load["disk_step_s"] >= 0
     assert model.load.h2d_bytes_per_s <= p.load["copy"]["bytes_per_s"] * 1.0001
     # The break-even is the model's own.
     assert p.break_even_tokens is not None

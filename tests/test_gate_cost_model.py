@@ -122,3 +122,16 @@ def test_saving_includes_attention_over_earlier_tokens():
     # The same 256 tokens cost more to compute deep in a prompt.
     assert curve.compute_cost(4096, 4352) > curve.compute_cost(0, 256)
     assert curve.compute_cost(0, 4352) == pytest.approx(curve.time(4352) - curve.time(0))
+
+
+def test_disk_step_is_paid_once_by_loads_that_read_the_disk():
+    load = LoadCost(fixed_s=1e-4, disk_bytes_per_s=1e9, h2d_bytes_per_s=1e10, step_s=5e-4, disk_step_s=1e-3)
+    staged_only = load.time(0, staged_bytes=1e6)
+    assert staged_only == pytest.approx(5e-4 + 1e6 / 1e10)
+    assert load.time(1e6) == pytest.approx(5e-4 + 1e-4 + 1e-3 + 1e6 / 1e9 + 1e6 / 1e10)
+    prefill = PrefillCurve(0.0, 2e-5, 0.0)
+    without = CostModel(prefill, LoadCost(1e-4, 1e9, 1e10, 5e-4), 2048.0)
+    with_step = without.with_load(load)
+    # A per-load cost moves the break-even by cost / (per-token gain).
+    gain = 2e-5 - 2048.0 * (1 / 1e9 + 1 / 1e10)
+    assert with_step.break_even_tokens() - without.break_even_tokens() == pytest.approx(1e-3 / gain)

@@ -68,3 +68,13 @@ def test_invalid_observations_are_ignored():
     assert online.current() is BASE
     with pytest.raises(ValueError):
         OnlineLoadModel(BASE, alpha=0)
+
+
+def test_engine_step_costs_are_kept_while_the_device_is_learned():
+    base = LoadCost(0.001, 2e9, 10e9, step_s=5e-4, disk_step_s=1.2e-3)
+    online = OnlineLoadModel(base)
+    for _ in range(30):
+        online.observe(8e6, 0.010)  # a slower device than calibrated
+    current = online.current()
+    assert current.disk_bytes_per_s < base.disk_bytes_per_s
+    assert (current.step_s, current.disk_step_s) == (base.step_s, base.disk_step_s)

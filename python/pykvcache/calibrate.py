@@ -231,7 +231,7 @@ def _queued_ttft(out) -> float | None:
 
 
 def measure_load_path(llm, lengths: list[int], repeats: int, vocab: int, seed: int, tick, *,
-                      suffix_tokens: int, reset=None) -> dict[str, Any]:
+                      suffix_tokens: int, reset=None, reset_staging=None) -> dict[str, Any]:
     """What any load costs end to end in vLLM, storage aside.
 
     The engine must run pykvcache's connector with the gate off (every
@@ -244,6 +244,11 @@ def measure_load_path(llm, lengths: list[int], repeats: int, vocab: int, seed: i
     medians are fitted with ``step + n * per_token``. ``reset()`` empties the
     device prefix cache and returns whether it could (default:
     ``llm.reset_prefix_cache()``).
+
+    With ``reset_staging`` (empties the device cache and pykvcache's staging,
+    keeping the files), ``P + s3`` is then loaded from the disk: the paired
+    ``TTFT(disk) - TTFT(staging)`` is what a disk load adds in the engine
+    (``disk_extra_points``; see :func:`fit_disk_step`).
     """
     from vllm import SamplingParams
 
@@ -268,29 +273,36 @@ def measure_load_path(llm, lengths: list[int], repeats: int, vocab: int, seed: i
             time.sleep(0.05)
         raise RuntimeError("vLLM refused to reset its prefix cache (requests still hold blocks)")
 
-    def once(n: int) -> tuple[float, float, int] | None:
+    def once(n: int) -> tuple | None:
         prefix = tokens(n)
         computed = _queued_ttft(generate(prefix + tokens(suffix_tokens)))
         empty_device_cache()
         base = _queued_ttft(generate(tokens(suffix_tokens)))
         out = generate(prefix + tokens(suffix_tokens))
         staged = _queued_ttft(out)
+        disk = disk_cached = None
+        if reset_staging is not None and reset_staging():
+            from_disk = generate(prefix + tokens(suffix_tokens))
+            disk, disk_cached = _queued_ttft(from_disk), int(from_disk.num_cached_tokens or 0)
         if base is None or staged is None or computed is None:
             return None
-        return staged, base, computed, int(out.num_cached_tokens or 0)
+        return staged, base, computed, int(out.num_cached_tokens or 0), disk, disk_cached
 
     for n in (lengths[0], lengths[-1]):  # warm-up: the first loads pay one-off costs
         once(n)
     points = {n: Point(n) for n in lengths}
     recompute = {n: Point(n) for n in lengths}
+    disk_extra = {n: Point(n) for n in lengths}
     short_loads = 0
     for r in range(repeats):
         for n in (lengths if r % 2 == 0 else lengths[::-1]):
             got = once(n)
             if got is None:
                 raise RuntimeError("vLLM reports no per-request timestamps (disable_log_stats=False?)")
-            staged, base, computed, cached = got
+            staged, base, computed, cached, disk, disk_cached = got
             recompute[n].samples.append(computed - base)
+            if disk is not None and disk_cached >= n and cached >= n:
+                disk_extra[n].samples.append(disk - staged)
             if cached < n:
                 short_loads += 1  # the prefix was not (all) loaded: not a load-path sample
                 tick(f"{n} tokens: only {cached} loaded")
@@ -302,7 +314,24 @@ def measure_load_path(llm, lengths: list[int], repeats: int, vocab: int, seed: i
     if len(measured) < 2:
         raise RuntimeError(f"too few loads came from staging ({short_loads} did not); is the gate off?")
     return {"points": measured, "recompute_points": [recompute[n] for n in lengths],
+            "disk_extra_points": [p for p in disk_extra.values() if p.samples],
             "short_loads": short_loads, "suffix_tokens": suffix_tokens}
+
+
+def fit_disk_step(path: dict[str, Any], fixed_s: float, disk_bytes_per_s: float,
+                  bytes_per_token: float) -> float:
+    """What a load from the disk costs in the engine beyond the read the
+    storage sweep measured (``fixed + bytes / BW``): the median over lengths of
+    the paired ``TTFT(disk) - TTFT(staging)`` medians minus that read, never
+    below 0. vLLM defers a request whose chunks are still being read to a later
+    scheduler step; the raw read time does not see that step."""
+    residuals = sorted(p.median - (fixed_s + p.x * bytes_per_token / disk_bytes_per_s)
+                       for p in path.get("disk_extra_points", ()))
+    if not residuals:
+        return 0.0
+    mid = len(residuals) // 2
+    median = residuals[mid] if len(residuals) % 2 else 0.5 * (residuals[mid - 1] + residuals[mid])
+    return max(0.0, median)
 
 
 def fit_recompute(path: dict[str, Any], sweep: list[Point]) -> tuple[Any, str]:
@@ -588,6 +617,7 @@ def run(args: argparse.Namespace) -> int:
             "capacity_bytes": max(1 << 30, 8 * staging_chunks * per_rank * tp * chunk_guess),
             "staging_bytes": max(64 * MiB, staging_chunks * (per_rank * tp * chunk_guess + 4096)),
             "gate": False,
+            "wipe_on_reset": False,  # the disk-path measurement empties staging, not the files
             "direct_io": args.direct_io,
             "backend": args.backend,
             **({"block_size": args.chunk_tokens} if args.chunk_tokens else {}),
@@ -653,7 +683,8 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
         tick = progress.phase("load path", repeats * len(path_lengths))
         try:
             path = measure_load_path(llm, path_lengths, repeats, vocab, args.seed + 1, tick,
-                                     suffix_tokens=suffix)
+                                     suffix_tokens=suffix,
+                                     reset_staging=lambda: bool(llm.reset_prefix_cache(reset_connector=True)))
         except RuntimeError as exc:
             print(f"pykvcache calibrate: load path measurement failed: {exc}", file=sys.stderr)
             return 1
@@ -678,7 +709,8 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
         prefill, prefill_source = fit_recompute(path, prefill_points)
         fixed, disk_bw = LoadCost.fit_disk([(p.x, p.median) for p in storage["points"]])
         step_s, path_bw = fit_load_path(path["points"], bytes_per_token, copy["bytes_per_s"])
-        load = LoadCost(fixed, disk_bw, path_bw, step_s)
+        disk_step_s = fit_disk_step(path, fixed, disk_bw, bytes_per_token)
+        load = LoadCost(fixed, disk_bw, path_bw, step_s, disk_step_s)
         model_cost = CostModel(prefill, load, bytes_per_token)
     except ValueError as exc:
         print(f"pykvcache calibrate: the measurements cannot be fitted: {exc}. "
@@ -709,12 +741,14 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
         },
         load={
             "fixed_s": fixed, "disk_bytes_per_s": disk_bw, "h2d_bytes_per_s": path_bw, "step_s": step_s,
+            "disk_step_s": disk_step_s,
             "chunk_bytes": chunk_bytes, "copy": copy,
             "points": [p.as_dict("bytes") for p in storage["points"]],
             "path": {"what": "TTFT of a prefix loaded from staging minus TTFT of its suffix alone "
                              "(arrival -> first token, through vLLM)",
                      "suffix_tokens": path["suffix_tokens"], "incomplete_loads": path["short_loads"],
-                     "points": [p.as_dict("tokens") for p in path["points"]]},
+                     "points": [p.as_dict("tokens") for p in path["points"]],
+                     "disk_minus_staging_points": [p.as_dict("tokens") for p in path["disk_extra_points"]]},
         },
         break_even_tokens=None if math.isinf(break_even) else break_even,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -219,19 +219,25 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gate
         manager.flush()
         return bool(llm.reset_prefix_cache())
 
+    def reset_staging() -> bool:
+        manager.flush()
+        return bool(llm.reset_prefix_cache(reset_connector=True))  # files stay (wipe_on_reset off)
+
     path = cal.measure_load_path(llm, cal_lengths, repeats, vocab, scenario["seed"] + 11, tick,
-                                 suffix_tokens=scenario["suffix_tokens"], reset=reset)
+                                 suffix_tokens=scenario["suffix_tokens"], reset=reset,
+                                 reset_staging=reset_staging)
     try:
         prefill, prefill_source = cal.fit_recompute(path, points)
         fixed, disk_bw = LoadCost.fit_disk([(p.x, p.median) for p in storage["points"]])
         step_s, path_bw = cal.fit_load_path(path["points"], chunk_bytes / ct, copy["bytes_per_s"])
+        disk_step_s = cal.fit_disk_step(path, fixed, disk_bw, chunk_bytes / ct)
     except ValueError as exc:
         raise RuntimeError(
             f"the calibration cannot be fitted ({exc}); medians: prefill "
             + ", ".join(f"{p.x} tokens {p.median * 1e3:.1f} ms" for p in points)
             + "; reads " + ", ".join(f"{p.x} B {p.median * 1e3:.2f} ms" for p in storage["points"])
             + ". Is the machine busy? More repeats help.") from exc
-    model = CostModel(prefill, LoadCost(fixed, disk_bw, path_bw, step_s), chunk_bytes / ct)
+    model = CostModel(prefill, LoadCost(fixed, disk_bw, path_bw, step_s, disk_step_s), chunk_bytes / ct)
     return {
         "model": model,
         "source": "calibrated in this run (pykvcache.calibrate's measurements)",
@@ -239,6 +245,7 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gate
         "prefill_points": [p.as_dict("tokens") for p in points],
         "load_points": [p.as_dict("bytes") for p in storage["points"]],
         "path_points": [p.as_dict("tokens") for p in path["points"]],
+        "disk_minus_staging_points": [p.as_dict("tokens") for p in path["disk_extra_points"]],
         "recompute_points": [p.as_dict("tokens") for p in path["recompute_points"]],
         "prefill_fitted_to": prefill_source,
         "storage": {k: v for k, v in storage.items() if k != "points"},
@@ -285,7 +292,7 @@ def slow_model(model: Any, break_even_tokens: float) -> tuple[Any, float]:
     if extra <= 0:
         raise ValueError(f"loading {n:.0f} tokens already costs more than computing them; no slow variant")
     load = LoadCost(model.load.fixed_s + extra, model.load.disk_bytes_per_s, model.load.h2d_bytes_per_s,
-                    model.load.step_s)
+                    model.load.step_s, model.load.disk_step_s)
     return model.with_load(load), extra
 
 
@@ -294,7 +301,8 @@ def describe_model(model: Any) -> dict[str, Any]:
     return {
         "prefill": {"a": model.prefill.a, "b": model.prefill.b, "c": model.prefill.c},
         "load": {"fixed_s": model.load.fixed_s, "disk_bytes_per_s": model.load.disk_bytes_per_s,
-                 "h2d_bytes_per_s": model.load.h2d_bytes_per_s, "step_s": model.load.step_s},
+                 "h2d_bytes_per_s": model.load.h2d_bytes_per_s, "step_s": model.load.step_s,
+                 "disk_step_s": model.load.disk_step_s},
         "bytes_per_token": model.bytes_per_token,
         "break_even_tokens": None if math.isinf(be) else be,
     }

@@ -503,6 +503,9 @@ def _notes(result: dict[str, Any], base: dict[str, Any], opts: TtftOptions) -> l
         "request computes a scheduler step after its copy; measured as TTFT of a prefix loaded from staging "
         "minus TTFT of its suffix alone) + the storage read (fixed "
         f"{m['load']['fixed_s'] * 1e3:.3f} ms + {m['load']['disk_bytes_per_s'] / 1e6:.0f} MB/s, cold) + "
+        f"{(m['load'].get('disk_step_s') or 0.0) * 1e3:.2f} ms more when anything comes from the disk (a request "
+        "whose chunks are being read waits for a later scheduler step; measured as a load from disk minus a "
+        "load from staging of the same prefix, minus the read) + "
         f"{m['load']['h2d_bytes_per_s'] / 1e9:.2f} GB/s for everything that scales with the prefix in the "
         f"load path. One {ct}-token chunk: ~{prefill_chunk * 1e3:.2f} ms to compute, ~{load_chunk * 1e3:.3f} ms "
         "to read and copy, plus the per-load step.")

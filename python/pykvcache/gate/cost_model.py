@@ -131,9 +131,15 @@ class LoadCost:
     #: (vLLM's asynchronous load: one more scheduler step before the request
     #: computes). Not refined online: it does not depend on the device.
     step_s: float = 0.0
+    #: What a load from the disk costs in the engine beyond the read itself
+    #: and ``step_s`` (vLLM defers a request whose chunks are still being read
+    #: to a later scheduler step). Measured through vLLM by ``calibrate`` as a
+    #: disk load minus a staging load of the same prefix, minus the modelled
+    #: read. Not refined online (online observations are raw read times).
+    disk_step_s: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("fixed_s", "step_s"):
+        for name in ("fixed_s", "step_s", "disk_step_s"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"{name} (load cost) must be finite and >= 0 (got {value})")
@@ -147,7 +153,7 @@ class LoadCost:
             return 0.0
         cost = self.step_s + (disk_bytes + staged_bytes) / self.h2d_bytes_per_s
         if disk_bytes > 0:
-            cost += self.fixed_s + (queued_bytes + disk_bytes) / self.disk_bytes_per_s
+            cost += self.fixed_s + self.disk_step_s + (queued_bytes + disk_bytes) / self.disk_bytes_per_s
         return cost
 
     @staticmethod
@@ -192,7 +198,8 @@ class CostModel:
         per_token_load = self.bytes_per_token * (
             1.0 / self.load.disk_bytes_per_s + 1.0 / self.load.h2d_bytes_per_s
         )
-        fixed = self.load.step_s + self.load.fixed_s + queued_bytes / self.load.disk_bytes_per_s
+        fixed = (self.load.step_s + self.load.fixed_s + self.load.disk_step_s
+                 + queued_bytes / self.load.disk_bytes_per_s)
         b = self.prefill.b - per_token_load
         c = self.prefill.c
         # Solve c*n^2 + b*n - fixed = 0 for its positive root.

@@ -70,6 +70,7 @@ GATE_GAUGES = {
     "gate_disk_bandwidth_mbps": "Current effective disk bandwidth estimate (MB/s) used by the gate.",
     "gate_fixed_load_ms": "Current fixed cost estimate of one load (ms) used by the gate.",
     "gate_step_load_ms": "Calibrated cost of any load inside the engine (ms; vLLM's asynchronous load step).",
+    "gate_disk_step_ms": "Calibrated extra cost of a load from disk inside the engine beyond the read (ms).",
 }
 
 
@@ -111,7 +112,7 @@ class AdmissionGate:
         chunk_bytes = self.chunk_bytes
         copy_per_chunk = chunk_bytes / load.h2d_bytes_per_s
         read_per_chunk = chunk_bytes / load.disk_bytes_per_s
-        first_read = load.fixed_s + queued_bytes / load.disk_bytes_per_s
+        first_read = load.fixed_s + load.disk_step_s + queued_bytes / load.disk_bytes_per_s
         step = load.step_s  # any load, staged or not
 
         ct = self.chunk_tokens
@@ -201,4 +202,5 @@ class AdmissionGate:
             "gate_disk_bandwidth_mbps": model.load.disk_bytes_per_s / 1e6,
             "gate_fixed_load_ms": model.load.fixed_s * 1e3,
             "gate_step_load_ms": model.load.step_s * 1e3,
+            "gate_disk_step_ms": model.load.disk_step_s * 1e3,
         }

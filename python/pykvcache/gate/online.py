@@ -79,7 +79,8 @@ class OnlineLoadModel:
         self._fixed = min(self._fixed_floor * self.max_factor,
                           max(self.base.fixed_s / self.max_factor, fixed))
         self.samples += 1
-        self._current = LoadCost(self._fixed, self._bw, self.base.h2d_bytes_per_s, self.base.step_s)
+        self._current = LoadCost(self._fixed, self._bw, self.base.h2d_bytes_per_s, self.base.step_s,
+                                 self.base.disk_step_s)
 
     def state(self) -> dict[str, float]:
         return {

@@ -108,7 +108,7 @@ class GateProfile:
     hardware: dict[str, Any]
     storage: dict[str, Any]  # dir, device, fstype, direct_io, backend
     prefill: dict[str, Any]  # a, b, c (+ measured points)
-    load: dict[str, Any]  # fixed_s, disk_bytes_per_s, h2d_bytes_per_s, step_s (+ measured points)
+    load: dict[str, Any]  # fixed_s, disk_bytes_per_s, h2d_bytes_per_s, step_s, disk_step_s (+ points)
     break_even_tokens: float | None  # None: loading never pays
     created: str
     pykvcache_version: str
@@ -122,7 +122,8 @@ class GateProfile:
         return CostModel(
             PrefillCurve(float(p["a"]), float(p["b"]), float(p["c"])),
             LoadCost(float(ld["fixed_s"]), float(ld["disk_bytes_per_s"]),
-                     INF if h2d is None else float(h2d), float(ld.get("step_s", 0.0))),
+                     INF if h2d is None else float(h2d), float(ld.get("step_s", 0.0)),
+                     float(ld.get("disk_step_s", 0.0))),
             float(self.kv_bytes_per_token),
         )
 
