@@ -46,6 +46,23 @@ def _rusage_s() -> tuple[float, float]:
     return r.ru_utime, r.ru_stime
 
 
+class CpuPerGb:
+    """CPU figures of a result with ``cpu_user_s``, ``cpu_sys_s`` and ``bytes``
+    (the engine's phases and fio's jobs are compared on the same terms)."""
+
+    cpu_user_s: float
+    cpu_sys_s: float
+    bytes: int
+
+    @property
+    def cpu_s(self) -> float:
+        return self.cpu_user_s + self.cpu_sys_s
+
+    @property
+    def cpu_s_per_gb(self) -> float | None:
+        return self.cpu_s / (self.bytes / 1e9) if self.bytes else None
+
+
 @dataclass
 class CpuSample:
     wall_s: float

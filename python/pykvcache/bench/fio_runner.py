@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .cold_cache import DiskCounter
+from .cpu_meter import CpuPerGb
 
 FILE_PREFIX = "pykvcache-fio"
 
@@ -56,7 +57,7 @@ class FioJob:
 
 
 @dataclass
-class FioResult:
+class FioResult(CpuPerGb):
     job: FioJob
     bytes: int
     seconds: float
@@ -70,14 +71,6 @@ class FioResult:
     @property
     def gbps(self) -> float:
         return self.bw_bytes_s / 1e9
-
-    @property
-    def cpu_s(self) -> float:
-        return self.cpu_user_s + self.cpu_sys_s
-
-    @property
-    def cpu_s_per_gb(self) -> float | None:
-        return self.cpu_s / (self.bytes / 1e9) if self.bytes else None
 
     def to_dict(self) -> dict:
         d = asdict(self)

@@ -13,9 +13,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .cpu_meter import CpuPerGb
+
 
 @dataclass
-class PhaseResult:
+class PhaseResult(CpuPerGb):
     system: str  # "pykvcache", "fs_tier", "fio"
     direction: str  # "write" | "read"
     chunk_bytes: int
@@ -46,14 +48,6 @@ class PhaseResult:
     @property
     def gbps(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-    @property
-    def cpu_s(self) -> float:
-        return self.cpu_user_s + self.cpu_sys_s
-
-    @property
-    def cpu_s_per_gb(self) -> float | None:
-        return self.cpu_s / (self.bytes / 1e9) if self.bytes else None
 
     @property
     def device_fraction(self) -> float | None:
