@@ -1,20 +1,24 @@
 //! CPU work per chunk, kept off both the submitting thread (vLLM's scheduler
 //! calls `put`/`get` on its hot path) and the ring thread (which should only
 //! move bytes): sealing a chunk (payload CRC + header) before its write is
-//! submitted, and verifying / publishing a chunk once its transfer completed.
+//! submitted, checksumming each segment of a read as soon as it lands (so
+//! that verification overlaps the rest of the transfer), and verifying /
+//! publishing a chunk once its transfer completed.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 
-use crate::backend::SegmentError;
-use crate::ops::{OpContext, OpId};
+use crate::backend::Segment;
+use crate::ops::{Finished, OpId};
 
 pub enum Job {
-    /// Checksum the payload, write the header, then submit the transfer.
-    Seal { id: OpId, ctx: OpContext, fd: i32 },
+    /// Checksum a put's payload (already being written) and write its header.
+    Seal { id: OpId, transfer_fd: i32, slot: usize, payload_len: usize },
+    /// One segment of a fully verified read landed: checksum its payload piece.
+    VerifyPiece { seg: Segment },
     /// The transfer completed: verify (get) or publish (put), then complete.
-    Finish { id: OpId, ctx: OpContext, error: Option<SegmentError> },
+    Finish(Finished),
 }
 
 #[derive(Default)]

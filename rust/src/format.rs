@@ -81,6 +81,12 @@ pub enum FormatError {
 
 /// Writes a header for `payload` into `block` (at least HEADER_BYTES long).
 pub fn encode_header(block: &mut [u8], namespace: &Fingerprint, key: &[u8], payload: &[u8]) {
+    encode_header_for(block, namespace, key, payload.len() as u64, crc32c(payload));
+}
+
+/// `encode_header` from the payload's length and CRC-32C, for a writer that
+/// checksums the payload while it is already being written.
+pub fn encode_header_for(block: &mut [u8], namespace: &Fingerprint, key: &[u8], payload_len: u64, payload_crc: u32) {
     assert!(block.len() >= HEADER_BYTES && key.len() <= MAX_KEY_BYTES);
     let block = &mut block[..HEADER_BYTES];
     block.fill(0);
@@ -88,8 +94,8 @@ pub fn encode_header(block: &mut [u8], namespace: &Fingerprint, key: &[u8], payl
     put_u32(block, OFF_VERSION, FORMAT_VERSION);
     put_u32(block, OFF_HEADER_LEN, HEADER_BYTES as u32);
     block[OFF_NAMESPACE..OFF_NAMESPACE + 16].copy_from_slice(namespace);
-    put_u64(block, OFF_PAYLOAD_LEN, payload.len() as u64);
-    put_u32(block, OFF_PAYLOAD_CRC, crc32c(payload));
+    put_u64(block, OFF_PAYLOAD_LEN, payload_len);
+    put_u32(block, OFF_PAYLOAD_CRC, payload_crc);
     put_u32(block, OFF_KEY_LEN, key.len() as u32);
     block[OFF_KEY..OFF_KEY + key.len()].copy_from_slice(key);
     let crc = crc32c(block);

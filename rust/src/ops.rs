@@ -7,6 +7,7 @@ use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::backend::SegmentError;
+use crate::checksum::crc32c_combine;
 use crate::error::{EngineError, Result};
 use crate::files::PendingFile;
 
@@ -80,6 +81,25 @@ struct OpEntry {
     outcome: Option<Outcome>,
     /// The handle was dropped before completion: free the entry when done.
     detached: bool,
+    /// CRC-32C and length of the payload bytes of each read segment, filled
+    /// as segments are verified (any order); sized once at creation.
+    piece_crcs: Vec<(u32, u64)>,
+}
+
+/// CRC-32C of the first `len` payload bytes of a chunk, from the pieces
+/// checksummed while the rest of the chunk was still being read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixCrc {
+    pub crc: u32,
+    pub len: u64,
+}
+
+/// An operation whose last segment completed.
+pub struct Finished {
+    pub id: OpId,
+    pub ctx: OpContext,
+    pub error: Option<SegmentError>,
+    pub prefix_crc: PrefixCrc,
 }
 
 struct Table {
@@ -102,14 +122,24 @@ pub struct OpTable {
 }
 
 impl OpTable {
-    pub fn new(capacity: usize) -> Result<Self> {
+    /// `max_pieces`: the most segments one read can have.
+    pub fn new(capacity: usize, max_pieces: usize) -> Result<Self> {
         let capacity = capacity.max(1);
         let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if event_fd < 0 {
             return Err(EngineError::last_os("creating completion eventfd"));
         }
         let entries = (0..capacity)
-            .map(|_| OpEntry { generation: 0, busy: false, segs_left: 0, error: None, ctx: None, outcome: None, detached: false })
+            .map(|_| OpEntry {
+                generation: 0,
+                busy: false,
+                segs_left: 0,
+                error: None,
+                ctx: None,
+                outcome: None,
+                detached: false,
+                piece_crcs: vec![(0, 0); max_pieces],
+            })
             .collect();
         Ok(OpTable {
             table: Mutex::new(Table { entries, free: (0..capacity as u32).rev().collect() }),
@@ -162,21 +192,50 @@ impl OpTable {
         let e = &mut t.entries[id.index as usize];
         e.ctx = Some(ctx);
         e.segs_left = segments;
+        e.piece_crcs.fill((0, 0));
     }
 
-    /// Records one segment's result; returns the context when it was the last one.
-    pub fn segment_done(&self, index: u32, result: std::result::Result<(), SegmentError>) -> Option<(OpId, OpContext, Option<SegmentError>)> {
+    /// Runs `f` on the context of an operation in flight.
+    pub fn with_context<R>(&self, index: u32, f: impl FnOnce(&OpContext) -> R) -> R {
+        let t = self.table.lock().unwrap();
+        f(t.entries[index as usize].ctx.as_ref().expect("operation without context"))
+    }
+
+    /// File length of an operation in flight (its segments' bounds).
+    pub fn file_len(&self, index: u32) -> usize {
+        let t = self.table.lock().unwrap();
+        t.entries[index as usize].ctx.as_ref().map_or(0, |c| c.file_len)
+    }
+
+    /// Records one segment's result and, for a verified read segment, the
+    /// CRC of its payload piece (`(piece number, crc, length)`); returns the
+    /// operation when it was the last segment, with the pieces combined.
+    pub fn segment_done(&self, index: u32, result: std::result::Result<(), SegmentError>, piece: Option<(usize, u32, u64)>) -> Option<Finished> {
         let mut t = self.table.lock().unwrap();
         let e = &mut t.entries[index as usize];
         if let Err(err) = result {
             e.error.get_or_insert(err);
+        }
+        if let Some((n, crc, len)) = piece {
+            match e.piece_crcs.get_mut(n) {
+                Some(p) => *p = (crc, len),
+                // Cannot happen (reads larger than a slot are refused); if it
+                // did, the combined CRC would not match: corrupt, not served.
+                None => {
+                    e.error.get_or_insert(SegmentError::Eof);
+                }
+            }
         }
         e.segs_left -= 1;
         if e.segs_left > 0 {
             return None;
         }
         let ctx = e.ctx.take().expect("operation without context");
-        Some((OpId { index, generation: e.generation }, ctx, e.error.take()))
+        let prefix_crc = e.piece_crcs.iter().fold(PrefixCrc::default(), |acc, &(crc, len)| PrefixCrc {
+            crc: crc32c_combine(acc.crc, crc, len),
+            len: acc.len + len,
+        });
+        Some(Finished { id: OpId { index, generation: e.generation }, ctx, error: e.error.take(), prefix_crc })
     }
 
     pub fn complete(&self, id: OpId, outcome: Outcome) {

@@ -14,11 +14,12 @@ use crate::backend::{clock_ns, thread_cpu_clock, Backend, Segment, SegmentError,
 use crate::chunk_workers::{Job, JobQueue};
 use crate::error::{EngineError, Result};
 use crate::files::{self, DirectIoPolicy, FsSupport};
-use crate::format::{self, Fingerprint, HEADER_BYTES, IO_ALIGN, MAX_KEY_BYTES};
+use crate::checksum::{crc32c, crc32c_combine};
+use crate::format::{self, Fingerprint, FormatError, HEADER_BYTES, IO_ALIGN, MAX_KEY_BYTES};
 use crate::index::ChunkIndex;
 use crate::layout::{Layout, Permissions};
 use crate::scan::{self, ScanProgress, ScanReport};
-use crate::ops::{OpContext, OpId, OpKind, OpTable, Outcome, Status};
+use crate::ops::{Finished, OpContext, OpId, OpKind, OpTable, Outcome, PrefixCrc, Status};
 use crate::staging::StagingPool;
 use crate::stats::Stats;
 
@@ -238,7 +239,7 @@ impl BlockStore {
             support,
             direct_active,
             index: Mutex::new(index),
-            ops: OpTable::new(config.max_inflight)?,
+            ops: OpTable::new(config.max_inflight, max_read_len(&pool).div_ceil(config.segment_bytes))?,
             stats,
             verify: config.verify,
             jobs: JobQueue::default(),
@@ -352,8 +353,19 @@ impl BlockStore {
             }
         }
         let fd = ctx.write_file.as_ref().unwrap().fd;
-        // Checksumming 28 MiB takes ~1.5 ms: not on the caller's (scheduler's) thread.
-        self.core.jobs.push(Job::Seal { id, ctx, fd });
+        // The payload leaves at once; its checksum (~1.5 ms for 28 MiB: not on
+        // the caller's thread) is computed by a chunk worker meanwhile and the
+        // header block written last, so the CRC pass overlaps the transfer.
+        // The chunk becomes visible only after both writes (publish).
+        let core = &self.core;
+        unsafe {
+            let pad = file_len - HEADER_BYTES - length;
+            std::ptr::write_bytes(pool.payload_ptr(slot).add(length), 0, pad);
+        }
+        let t = Transfer { op: id.index, slot, base: pool.slot_ptr(slot), fd, write: true, background: false };
+        core.ops.start(id, ctx, segment_count(HEADER_BYTES, file_len, core.write_segment_bytes) as u32 + 1);
+        submit_range(&*self.backend, t, HEADER_BYTES, file_len, core.write_segment_bytes);
+        core.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length });
         Ok(id)
     }
 
@@ -425,7 +437,7 @@ impl BlockStore {
             self.core.corrupt(id, ctx, "not a regular file".into());
             return Ok(id);
         };
-        let max_len = HEADER_BYTES + format::round_up(pool.slot_bytes(), IO_ALIGN);
+        let max_len = max_read_len(pool);
         if size > max_len && size % IO_ALIGN == 0 {
             // Possibly a valid chunk from a process with larger slots sharing
             // the directory: not ours to judge or delete, just not loadable here.
@@ -598,35 +610,65 @@ impl Drop for BlockStore {
     }
 }
 
-/// Splits an operation into segments and hands them to the backend.
+/// The longest chunk file a read accepts: one that fills a slot.
+fn max_read_len(pool: &StagingPool) -> usize {
+    HEADER_BYTES + format::round_up(pool.slot_bytes(), IO_ALIGN)
+}
+
+/// Transfers `[from, to)` takes at `seg_bytes` a piece (0: one transfer).
+fn segment_count(from: usize, to: usize, seg_bytes: usize) -> usize {
+    match (to > from, seg_bytes) {
+        (false, _) => 0,
+        (true, 0) => 1,
+        (true, s) => (to - from).div_ceil(s),
+    }
+}
+
+/// Hands an operation's whole file to the backend: reads, and a put's
+/// rewrite after ENOSPC (its slot is sealed by then).
 fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
-    let seg_bytes = match (write, core.write_segment_bytes) {
-        (false, _) => core.segment_bytes,
-        (true, 0) => ctx.file_len,
-        (true, w) => w,
+    let seg_bytes = if write { core.write_segment_bytes } else { core.segment_bytes };
+    let (slot, file_len, background) = (ctx.slot, ctx.file_len, ctx.background);
+    let t = Transfer { op: id.index, slot, base: core.pool.slot_ptr(slot), fd, write, background };
+    core.ops.start(id, ctx, segment_count(0, file_len, seg_bytes) as u32);
+    submit_range(backend, t, 0, file_len, seg_bytes);
+}
+
+/// What the segments of one operation share.
+#[derive(Clone, Copy)]
+struct Transfer {
+    op: u32,
+    slot: usize,
+    base: *mut u8,
+    fd: i32,
+    write: bool,
+    background: bool,
+}
+
+/// Hands bytes `[from, to)` of a file, from the same offsets of the slot at
+/// `base`, to the backend in segments that start at multiples of `seg_bytes`
+/// from `from` (reads number their checksum pieces by it).
+fn submit_range(backend: &dyn Backend, t: Transfer, from: usize, to: usize, seg_bytes: usize) {
+    let seg_bytes = if seg_bytes == 0 { to.saturating_sub(from).max(1) } else { seg_bytes };
+    let blank = Segment {
+        op: t.op,
+        fd: t.fd,
+        buf: std::ptr::null_mut(),
+        len: 0,
+        offset: 0,
+        write: t.write,
+        buf_index: Some(t.slot as u16),
+        background: t.background,
     };
-    let n = ctx.file_len.div_ceil(seg_bytes);
-    let slot = ctx.slot;
-    let base = core.pool.slot_ptr(slot);
-    let file_len = ctx.file_len;
-    let background = ctx.background;
-    core.ops.start(id, ctx, n as u32);
     // Small fixed batch on the stack: no per-I/O heap allocation.
-    let mut batch = [Segment { op: 0, fd: -1, buf: std::ptr::null_mut(), len: 0, offset: 0, write, buf_index: None, background }; 16];
+    let mut batch = [blank; 16];
     let mut filled = 0;
-    for i in 0..n {
-        let offset = i * seg_bytes;
-        batch[filled] = Segment {
-            op: id.index,
-            fd,
-            buf: unsafe { base.add(offset) },
-            len: seg_bytes.min(file_len - offset),
-            offset: offset as u64,
-            write,
-            buf_index: Some(slot as u16),
-            background,
-        };
+    let mut offset = from;
+    while offset < to {
+        let len = seg_bytes.min(to - offset);
+        batch[filled] = Segment { buf: unsafe { t.base.add(offset) }, len, offset: offset as u64, ..blank };
         filled += 1;
+        offset += len;
         if filled == batch.len() {
             backend.submit(&batch[..filled]);
             filled = 0;
@@ -642,14 +684,17 @@ fn chunk_worker(core: &Core, backend: &dyn Backend) {
     let clock = thread_cpu_clock();
     while let Some(job) = core.jobs.pop() {
         match job {
-            Job::Seal { id, ctx, fd } => {
-                core.seal(&ctx);
-                submit(core, backend, id, ctx, fd, true);
+            Job::Seal { id, transfer_fd, slot, payload_len } => {
+                core.seal(id, slot, payload_len);
+                let t = Transfer { op: id.index, slot, base: core.pool.slot_ptr(slot), fd: transfer_fd, write: true, background: false };
+                submit_range(backend, t, 0, HEADER_BYTES, 0);
             }
-            Job::Finish { id, ctx, error } => match ctx.kind {
-                OpKind::Get => core.finish_get(id, ctx, error),
-                OpKind::Put => core.finish_put(id, ctx, error, backend),
-            },
+            Job::VerifyPiece { seg } => {
+                if let Some(done) = core.verify_piece(&seg) {
+                    core.finish_op(done, backend);
+                }
+            }
+            Job::Finish(done) => core.finish_op(done, backend),
         }
         core.jobs.record_cpu(me, clock_ns(clock));
     }
@@ -866,20 +911,44 @@ impl Core {
         self.ops.complete(id, outcome);
     }
 
-    /// Header and zeroed padding are written into the slot in place, so the
-    /// whole file leaves in aligned transfers straight from staging.
-    fn seal(&self, ctx: &OpContext) {
+    /// Writes the header block into the slot in place (the padding was
+    /// zeroed by `put`), so the whole file leaves in aligned transfers
+    /// straight from staging.
+    fn seal(&self, id: OpId, slot: usize, payload_len: usize) {
         let pool = &self.pool;
-        unsafe {
-            let payload = std::slice::from_raw_parts(pool.payload_ptr(ctx.slot), ctx.payload_len);
-            let header = std::slice::from_raw_parts_mut(pool.slot_ptr(ctx.slot), HEADER_BYTES);
-            format::encode_header(header, &self.namespace, &ctx.key, payload);
-            let pad = ctx.file_len - HEADER_BYTES - ctx.payload_len;
-            std::ptr::write_bytes(pool.payload_ptr(ctx.slot).add(ctx.payload_len), 0, pad);
+        let payload = unsafe { std::slice::from_raw_parts(pool.payload_ptr(slot), payload_len) };
+        let crc = crc32c(payload);
+        let header = unsafe { std::slice::from_raw_parts_mut(pool.slot_ptr(slot), HEADER_BYTES) };
+        self.ops.with_context(id.index, |ctx| format::encode_header_for(header, &self.namespace, &ctx.key, payload_len as u64, crc));
+    }
+
+    fn finish_op(&self, done: Finished, backend: &dyn Backend) {
+        let Finished { id, ctx, error, prefix_crc } = done;
+        match ctx.kind {
+            OpKind::Get => self.finish_get(id, ctx, error, prefix_crc),
+            OpKind::Put => self.finish_put(id, ctx, error, backend),
         }
     }
 
-    fn finish_get(&self, id: OpId, ctx: OpContext, error: Option<SegmentError>) {
+    /// Checksums the payload bytes of one landed read segment that are
+    /// payload whatever the header says: those before the file's last 4 KiB
+    /// (padding is shorter than that). The rest is checked in `finish_get`.
+    fn verify_piece(&self, seg: &Segment) -> Option<Finished> {
+        let file_len = self.ops.file_len(seg.op);
+        let offset = seg.offset as usize;
+        let start = offset.max(HEADER_BYTES);
+        let end = (offset + seg.len).min(file_len.saturating_sub(IO_ALIGN));
+        let piece = offset / self.segment_bytes;
+        let (crc, len) = if end > start {
+            let bytes = unsafe { std::slice::from_raw_parts(seg.buf.add(start - offset), end - start) };
+            (crc32c(bytes), (end - start) as u64)
+        } else {
+            (0, 0)
+        };
+        self.ops.segment_done(seg.op, Ok(()), Some((piece, crc, len)))
+    }
+
+    fn finish_get(&self, id: OpId, ctx: OpContext, error: Option<SegmentError>, prefix_crc: PrefixCrc) {
         match error {
             Some(SegmentError::Eof) => return self.corrupt(id, ctx, "file shorter than its size (truncated while reading)".into()),
             Some(SegmentError::Errno(errno)) => {
@@ -896,8 +965,12 @@ impl Core {
         };
         let payload = unsafe { std::slice::from_raw_parts(self.pool.payload_ptr(ctx.slot), header.payload_len as usize) };
         if self.verify == VerifyPolicy::Full {
-            if let Err(e) = format::verify_payload(&header, payload) {
-                return self.corrupt(id, ctx, e.to_string());
+            // `decode_header` checked that the payload fills the file to its
+            // last 4 KiB, so the verified prefix never exceeds it.
+            let rest = &payload[prefix_crc.len as usize..];
+            let crc = crc32c_combine(prefix_crc.crc, crc32c(rest), rest.len() as u64);
+            if crc != header.payload_crc {
+                return self.corrupt(id, ctx, FormatError::PayloadCrc.to_string());
             }
         }
         let adopted = {
@@ -972,8 +1045,11 @@ impl Core {
 
 impl SegmentSink for Core {
     fn segment_done(&self, seg: &Segment, result: std::result::Result<(), SegmentError>) {
-        if let Some((id, ctx, error)) = self.ops.segment_done(seg.op, result) {
-            self.jobs.push(Job::Finish { id, ctx, error });
+        if !seg.write && result.is_ok() && self.verify == VerifyPolicy::Full {
+            return self.jobs.push(Job::VerifyPiece { seg: *seg });
+        }
+        if let Some(done) = self.ops.segment_done(seg.op, result, None) {
+            self.jobs.push(Job::Finish(done));
         }
     }
 }
