@@ -52,6 +52,17 @@ def test_engine_case_overwrites_a_full_store_with_and_without_recycling(tmp_path
     assert not any(p.is_file() for p in (tmp_path / "engine").rglob("*"))
 
 
+def test_engine_case_fills_a_preformatted_store_by_overwriting_fillers(tmp_path):
+    case = EngineCase(chunk_bytes=1 * MiB, queue_depth=2, total_bytes=6 * MiB, preformat=True)
+    phases = run_engine_case(case, tmp_path / "engine", disk=_disk(tmp_path), cold=False)
+    assert [p.direction for p in phases] == ["write", "read", "write_preformatted"]
+    pre = phases[2]
+    assert pre.errors == 0 and pre.chunks == 6 and pre.info["fillers"] == 6 and pre.info["preformat_gbps"] > 0
+    # Every put evicted a filler and overwrote its file.
+    assert pre.info["evictions"] == 6 and pre.info["recycled_files"] == 6
+    assert not any(p.is_file() for p in (tmp_path / "engine").rglob("*"))
+
+
 def test_job_shapes_split_chunks_like_the_fs_tier_jobs():
     assert split_jobs(5, "one_job") == [[0, 1, 2, 3, 4]]
     assert split_jobs(10, "jobs_of_8") == [list(range(8)), [8, 9]]
@@ -101,7 +112,7 @@ def test_run_bench_end_to_end_through_the_cli(tmp_path, monkeypatch):
     raw = json.loads((out / "results.json").read_text())
     summary = raw["parts"]["storage"]["raw"]["summary"]
     assert {(s["direction"], s["chunk_bytes"]) for s in summary} == {
-        (d, MiB) for d in ("read", "write", "overwrite", "overwrite_no_recycle")
+        (d, MiB) for d in ("read", "write", "write_preformatted", "overwrite", "overwrite_no_recycle")
     }
     for s in summary:
         assert s["engine_gbps"] > 0 and s["fio_best_gbps"] > 0

@@ -19,6 +19,7 @@ from pykvcache._core import (
     StoreError,
     __version__,
 )
+from pykvcache.preformat import PreformatReport, preformat
 
 __all__ = [
     "FORMAT_VERSION",
@@ -29,8 +30,10 @@ __all__ = [
     "IoHandle",
     "IoResult",
     "PoolExhausted",
+    "PreformatReport",
     "PykvcacheError",
     "StagingPool",
     "StoreError",
     "__version__",
+    "preformat",
 ]

@@ -185,15 +185,25 @@ class BlockStore:
         directories since this store scanned, and indexes them."""
     def chunk_length(self, key: bytes) -> int | None: ...
     def evict(self, key: bytes) -> bool: ...
+    def mark_filler(self, key: bytes) -> bool:
+        """Make the chunk ``key`` a filler (see ``pykvcache.preformat``): first
+        to be evicted (its file then recycled by a put), not counted in
+        ``len()``; its mtime becomes the Unix epoch so later scans agree.
+        False when the chunk is not indexed."""
     def wait_scan(self, timeout: float | None = None) -> bool:
         """Wait for the open-time index scan; False on timeout."""
     @property
     def scan_complete(self) -> bool: ...
     def rescan(self) -> int:
         """Rebuild the index from the directories; returns chunks found."""
-    def __len__(self) -> int: ...
+    def __len__(self) -> int:
+        """Chunks indexed, fillers not counted."""
     @property
     def used_bytes(self) -> int: ...
+    @property
+    def committed_bytes(self) -> int:
+        """``used_bytes`` plus what puts in flight reserved (eviction weighs
+        this against the capacity)."""
     @property
     def capacity_bytes(self) -> int:
         """Capacity eviction enforces now: as configured, or lower once the

@@ -326,3 +326,11 @@ pub fn probe(dir: &Path, mode: u32) -> FsSupport {
     let _ = std::fs::remove_file(&probe_path);
     FsSupport { direct, tmpfile, fallocate }
 }
+
+/// Marks a filler chunk file (see `BlockStore::mark_filler`). O_NOFOLLOW: a
+/// symlink planted at a chunk path is never followed.
+pub fn set_mtime_to_epoch(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new().write(true).custom_flags(libc::O_NOFOLLOW).open(path)?;
+    f.set_modified(std::time::SystemTime::UNIX_EPOCH)
+}

@@ -9,8 +9,20 @@ struct Entry {
     tick: u64,
 }
 
+/// A chunk file found on disk by a scan.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Found {
+    pub hash: u128,
+    pub file_len: u64,
+    /// Written by `preformat` to be overwritten (see `ChunkIndex::demote_filler`).
+    pub filler: bool,
+}
+
 pub struct ChunkIndex {
     entries: HashMap<u128, Entry>,
+    /// Filler chunks: allocated, fully written files that only hold space
+    /// for the first puts to overwrite; always least recently used.
+    fillers: HashSet<u128>,
     lru: BTreeMap<u64, u128>,
     /// Ticks start in the middle of the range: new entries count up, chunks
     /// a background scan found count down (older than anything indexed).
@@ -28,6 +40,7 @@ impl Default for ChunkIndex {
     fn default() -> Self {
         ChunkIndex {
             entries: HashMap::new(),
+            fillers: HashSet::new(),
             lru: BTreeMap::new(),
             next_tick: MID_TICK,
             low_tick: MID_TICK,
@@ -50,21 +63,42 @@ impl ChunkIndex {
     /// Adds what a background scan found (oldest first) as less recently used
     /// than every chunk indexed meanwhile; skips chunks indexed or removed
     /// since the scan started (the live view is newer). Returns how many were added.
-    pub fn merge_scanned(&mut self, found: &[(u128, u64)]) -> usize {
+    pub fn merge_scanned(&mut self, found: &[Found]) -> usize {
         let removed = self.removed_during_scan.take().unwrap_or_default();
         let mut added = 0;
-        for &(hash, file_len) in found.iter().rev() {
-            if self.entries.contains_key(&hash) || removed.contains(&hash) {
+        for f in found.iter().rev() {
+            if self.entries.contains_key(&f.hash) || removed.contains(&f.hash) {
                 continue;
             }
-            self.low_tick -= 1;
-            let tick = self.low_tick;
-            self.entries.insert(hash, Entry { file_len, tick });
-            self.lru.insert(tick, hash);
-            self.used += file_len;
+            self.insert_oldest(f.hash, f.file_len);
+            if f.filler {
+                self.fillers.insert(f.hash);
+            }
             added += 1;
         }
         added
+    }
+
+    fn insert_oldest(&mut self, hash: u128, file_len: u64) {
+        self.low_tick -= 1;
+        let tick = self.low_tick;
+        self.entries.insert(hash, Entry { file_len, tick });
+        self.lru.insert(tick, hash);
+        self.used += file_len;
+    }
+
+    /// Makes an indexed chunk a filler: least recently used of all, so the
+    /// next put that needs room overwrites it (recycling its allocated file)
+    /// before any real chunk is evicted.
+    pub fn demote_filler(&mut self, hash: u128) -> bool {
+        let Some(len) = self.remove_entry(hash) else { return false };
+        self.insert_oldest(hash, len);
+        self.fillers.insert(hash);
+        true
+    }
+
+    pub fn filler_count(&self) -> usize {
+        self.fillers.len()
     }
 
     pub fn len(&self) -> usize {
@@ -109,6 +143,11 @@ impl ChunkIndex {
         if let Some(removed) = &mut self.removed_during_scan {
             removed.insert(hash);
         }
+        self.remove_entry(hash)
+    }
+
+    fn remove_entry(&mut self, hash: u128) -> Option<u64> {
+        self.fillers.remove(&hash);
         let e = self.entries.remove(&hash)?;
         self.lru.remove(&e.tick);
         self.used -= e.file_len;
@@ -169,7 +208,7 @@ mod tests {
         ix.insert(11, 100);
         ix.remove(11); // ... and evicted again
         ix.remove(3); // an old chunk evicted (by path) before the scan reached the index
-        let found = [(1, 10), (2, 10), (3, 10), (10, 10), (11, 10)]; // oldest first
+        let found: Vec<Found> = [1, 2, 3, 10, 11].map(|hash| Found { hash, file_len: 10, filler: false }).to_vec(); // oldest first
         assert_eq!(ix.merge_scanned(&found), 2);
         assert!(!ix.scanning());
         assert!(ix.contains(1) && ix.contains(2) && !ix.contains(3) && !ix.contains(11));
@@ -179,6 +218,23 @@ mod tests {
         let order: Vec<u128> = ix.victims(1000, 0, 0).into_iter().map(|(h, _)| h).collect();
         assert_eq!(order, vec![1, 2, 10]);
         ix.remove(1);
-        assert_eq!(ix.merge_scanned(&[(1, 10)]), 1, "outside a scan nothing is remembered");
+        assert_eq!(ix.merge_scanned(&[Found { hash: 1, file_len: 10, filler: false }]), 1, "outside a scan nothing is remembered");
+    }
+
+    #[test]
+    fn fillers_go_first_and_are_counted_until_replaced() {
+        let mut ix = ChunkIndex::default();
+        for h in 1..=4u128 {
+            ix.insert(h, 100);
+        }
+        assert!(ix.demote_filler(3) && ix.demote_filler(4) && !ix.demote_filler(9));
+        assert_eq!((ix.filler_count(), ix.used_bytes(), ix.len()), (2, 400, 4));
+        let order: Vec<u128> = ix.victims(400, 400, 0).into_iter().map(|(h, _)| h).collect();
+        assert_eq!(order, vec![4, 3, 1, 2], "fillers first (last demoted first), then LRU");
+        ix.remove(4);
+        ix.insert(3, 100); // the same key written for real
+        assert_eq!(ix.filler_count(), 0);
+        ix.merge_scanned(&[Found { hash: 7, file_len: 50, filler: true }]);
+        assert_eq!(ix.filler_count(), 1);
     }
 }

@@ -422,6 +422,10 @@ impl PyBlockStore {
         self.inner.evict(key)
     }
 
+    fn mark_filler(&self, key: &[u8]) -> PyResult<bool> {
+        self.inner.mark_filler(key).map_err(to_py)
+    }
+
     /// Waits for the open-time index scan (background_scan=True); False on timeout.
     #[pyo3(signature = (timeout=None))]
     fn wait_scan(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
@@ -446,6 +450,9 @@ impl PyBlockStore {
 
     #[getter]
     fn used_bytes(&self) -> u64 { self.inner.used_bytes() }
+
+    #[getter]
+    fn committed_bytes(&self) -> u64 { self.inner.committed_bytes() }
     #[getter]
     fn capacity_bytes(&self) -> u64 { self.inner.capacity_bytes() }
     #[getter]
@@ -481,6 +488,7 @@ impl PyBlockStore {
         d.set_item("fallbacks", s.fallbacks())?;
         d.set_item("inflight", self.inner.in_flight())?;
         d.set_item("chunks", self.inner.len())?;
+        d.set_item("filler_chunks", self.inner.filler_count())?;
         d.set_item("used_bytes", self.inner.used_bytes())?;
         d.set_item("capacity_bytes", self.inner.capacity_bytes())?;
         d.set_item("configured_capacity_bytes", self.inner.configured_capacity_bytes())?;

@@ -16,17 +16,19 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::backend::SharedFaults;
 use crate::error::{EngineError, Result};
 use crate::files;
-use crate::index::ChunkIndex;
+use crate::index::{ChunkIndex, Found};
 use crate::layout::{parse_chunk_name, Layout, TEMP_PREFIX};
 
 /// Temporary files whose inode changed longer ago than this belong to a dead
 /// writer (also when their writer's lock cannot tell, e.g. without flock).
 const STALE_TEMP_AGE: Duration = Duration::from_secs(600);
 
-/// Chunks on disk as (key hash, file length), oldest modification first.
-/// Temporary files of dead writers (lock released, or too old) are removed
-/// on the way. `stop` ends the walk early (the store is closing).
-pub fn collect(layout: &Layout, stop: &AtomicBool) -> Result<Vec<(u128, u64)>> {
+/// Chunks on disk, oldest modification first. Fillers carry the Unix epoch
+/// as their modification time (`files::mark_filler`): they sort first, i.e.
+/// least recently used. Temporary files of dead writers (lock released, or
+/// too old) are removed on the way. `stop` ends the walk early (the store is
+/// closing).
+pub fn collect(layout: &Layout, stop: &AtomicBool) -> Result<Vec<Found>> {
     let now = SystemTime::now();
     let mut found: Vec<(SystemTime, u128, u64)> = Vec::new();
     for ns_dir in layout.ns_dirs() {
@@ -66,15 +68,15 @@ pub fn collect(layout: &Layout, stop: &AtomicBool) -> Result<Vec<(u128, u64)>> {
         }
     }
     found.sort_unstable_by_key(|(t, h, _)| (*t, *h));
-    Ok(found.into_iter().map(|(_, h, l)| (h, l)).collect())
+    let filler = |t: SystemTime| t == SystemTime::UNIX_EPOCH;
+    Ok(found.into_iter().map(|(t, hash, file_len)| Found { hash, file_len, filler: filler(t) }).collect())
 }
 
 /// The index of what `collect` found, oldest least recent.
-pub fn build_index(found: &[(u128, u64)]) -> ChunkIndex {
+pub fn build_index(found: &[Found]) -> ChunkIndex {
     let mut index = ChunkIndex::default();
-    for &(hash, len) in found {
-        index.insert(hash, len);
-    }
+    index.begin_scan();
+    index.merge_scanned(found);
     index
 }
 

@@ -517,8 +517,31 @@ impl BlockStore {
         self.core.scan.wait(timeout)
     }
 
+    /// Chunks indexed, fillers not counted (they hold space, not data).
     pub fn len(&self) -> usize {
-        self.core.index.lock().unwrap().len()
+        let index = self.core.index.lock().unwrap();
+        index.len() - index.filler_count()
+    }
+
+    pub fn filler_count(&self) -> usize {
+        self.core.index.lock().unwrap().filler_count()
+    }
+
+    /// Turns the chunk `key` (just written, by `preformat`) into a filler:
+    /// its file's mtime becomes the Unix epoch (so every later scan, in any
+    /// process, sees it as a filler and least recently used) and it moves to
+    /// the front of the eviction order. A put that needs room then overwrites
+    /// its allocated, already written blocks instead of making ext4 allocate
+    /// a new file: the first fill of a preformatted store runs at the speed
+    /// of the steady state. False when the chunk is not indexed here.
+    pub fn mark_filler(&self, key: &[u8]) -> Result<bool> {
+        let hash = format::key_hash(key);
+        let path = self.core.layout.chunk_path(hash);
+        match files::set_mtime_to_epoch(&path) {
+            Ok(()) => Ok(self.core.index.lock().unwrap().demote_filler(hash)),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => Ok(false),
+            Err(e) => Err(EngineError::io(format!("marking {} as a filler", path.display()), e)),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
@@ -527,6 +550,14 @@ impl BlockStore {
 
     pub fn used_bytes(&self) -> u64 {
         self.core.index.lock().unwrap().used_bytes()
+    }
+
+    /// `used_bytes` plus the bytes puts in flight reserved: what eviction
+    /// weighs against the capacity. Exact: a put's bytes move from reserved
+    /// to used under the index lock.
+    pub fn committed_bytes(&self) -> u64 {
+        let index = self.core.index.lock().unwrap();
+        index.used_bytes() + self.core.reserved.load(Ordering::Relaxed)
     }
 
     /// The capacity eviction enforces now: `capacity_bytes` as configured,

@@ -9,7 +9,9 @@ for byte with what was written. With ``overwrite`` it then writes as many new
 chunks into the full store -- the steady state of a cache tier, every put
 evicting one chunk -- once with evicted files recycled (the default) and once,
 reopened with ``recycle_files=False``, with each victim unlinked and a fresh
-file allocated.
+file allocated. With ``preformat`` it finally empties the store, preformats it
+(``pykvcache.preformat``: filler chunks up to the capacity) and writes the
+chunks again: the first fill of a preformatted store ("write_preformatted").
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class EngineCase:
     store_kwargs: dict[str, Any] = field(default_factory=dict)
     # Also measure writes into the full store (phases "overwrite", "overwrite_no_recycle").
     overwrite: bool = False
+    # Also measure the first fill of a preformatted store (phase "write_preformatted").
+    preformat: bool = False
 
     @property
     def chunks(self) -> int:
@@ -149,6 +153,12 @@ def run_engine_case(
             store.close()
             store = open_store(directory, pool, capacity, namespace, **{**case.store_kwargs, "recycle_files": False})
             results.append(_overwrite(store, keys, slots, chunk, params, info, disk, "overwrite_no_recycle"))
+        if case.preformat:
+            store.close()
+            for d in _namespace_dirs(store, directory):
+                shutil.rmtree(d, ignore_errors=True)
+            store = open_store(directory, pool, capacity, namespace, **case.store_kwargs)
+            results.append(_write_preformatted(store, pool, keys, slots, chunk, params, info, disk))
     finally:
         store.close()
         for s in slots:
@@ -161,9 +171,9 @@ def run_engine_case(
 
 
 def _overwrite(store: Any, keys: list[bytes], slots: list[int], chunk: int, params: dict[str, Any],
-               info: dict[str, Any], disk: DiskCounter | None, direction: str) -> PhaseResult:
+               info: dict[str, Any], disk: DiskCounter | None, direction: str, suffix: bool = True) -> PhaseResult:
     """One pass of new keys into the full store: each put evicts one chunk."""
-    new_keys = [k + b"-" + direction.encode() for k in keys]
+    new_keys = [k + b"-" + direction.encode() for k in keys] if suffix else keys
     before = store.stats()
     settle()
     d0 = disk.sample() if disk else None
@@ -179,6 +189,29 @@ def _overwrite(store: Any, keys: list[bytes], slots: list[int], chunk: int, para
         raise BenchDataError(f"pykvcache {direction} had {len(errors)} errors, first: {errors[0]}")
     if counts["evictions"] < len(keys) - len(slots):
         raise BenchDataError(f"pykvcache {direction}: only {counts['evictions']} evictions for {len(keys)} puts")
+    return phase
+
+
+def _write_preformatted(store: Any, pool: Any, keys: list[bytes], slots: list[int], chunk: int,
+                        params: dict[str, Any], info: dict[str, Any], disk: DiskCounter | None) -> PhaseResult:
+    """Preformat the empty store (timed apart, in ``info``), then write every chunk once."""
+    from pykvcache import preformat
+
+    for s in slots:
+        pool.release(s)
+    try:
+        report = preformat(store, pool, queue_depth=len(slots))
+    finally:
+        for _ in slots:
+            pool.acquire()
+    # preformat zeroed the slots: put the payloads back.
+    for i, s in enumerate(slots):
+        with pool.view(s) as v:
+            v[:] = payload(i, chunk)
+    if report.chunks != len(keys):
+        raise BenchDataError(f"preformat wrote {report.chunks} fillers for a store of {len(keys)} chunks")
+    phase = _overwrite(store, keys, slots, chunk, params, info, disk, "write_preformatted", suffix=False)
+    phase.info.update(preformat_gbps=report.gb_per_s, preformat_s=report.seconds, fillers=report.chunks)
     return phase
 
 

@@ -20,9 +20,13 @@ from .parts import BenchContext, Figure, Part, PartOutput, Table, register_part
 from .results import PhaseResult, median_by, ratio
 
 RW = ("read", "write")
-# Rows of the table: fresh writes into an empty store, and writes into a full
-# store (each put evicts one chunk) with and without recycling evicted files.
-DIRECTIONS = ("read", "write", "overwrite", "overwrite_no_recycle")
+# Rows of the table: fresh writes into an empty store, the first fill of a
+# preformatted store (each put overwrites a filler's file), and writes into a
+# full store (each put evicts one chunk) with and without recycling evicted files.
+DIRECTIONS = ("read", "write", "write_preformatted", "overwrite", "overwrite_no_recycle")
+# Writes into allocated files, as fio's preconditioned files are: what the
+# "x best fio" target compares (fresh files are a diagnostic row).
+ALLOCATED = ("read", "write_preformatted", "overwrite")
 
 
 def _fio_rw(direction: str) -> str:
@@ -32,7 +36,8 @@ def _fio_rw(direction: str) -> str:
 
 
 def _cf_direction(direction: str) -> str:
-    return "overwrite" if direction.startswith("overwrite") else direction
+    """fio chunk-files phase of the same situation: writes into existing files are its overwrite."""
+    return "overwrite" if direction.startswith("overwrite") or direction == "write_preformatted" else direction
 # Name the engine gives its io_uring thread (per-thread CPU is grouped by name).
 RING_THREAD = "pykvcache-uring"
 
@@ -127,7 +132,7 @@ def measure(ctx: BenchContext) -> tuple[list[PhaseResult], list[str]]:
                         if no_engine:
                             step.advance("pykvcache engine unavailable")
                             continue
-                        case = EngineCase(chunk, qd, cfg.engine_bytes, dict(cfg.store_kwargs), overwrite=True)
+                        case = EngineCase(chunk, qd, cfg.engine_bytes, dict(cfg.store_kwargs), overwrite=True, preformat=True)
                         phases.extend(run_engine_case(case, eng_dir, disk=ctx.disk, cold=cfg.cold_reads, repeat=rep))
                         step.advance(f"pykvcache bs={chunk // MiB}MiB qd={qd} (repeat {rep + 1})")
 
@@ -212,24 +217,29 @@ def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
             "'fio best' and 'same QD' use large preconditioned files (registered files); 'fio chunk files' uses the "
             "engine's layout: one fresh file per chunk, written once without preallocation, then read back cold "
             "(and, for the overwrite rows, written over in place). write = fresh chunks into an empty store; "
+            "write_preformatted = the same chunks into an empty store first filled with filler chunks by "
+            "`pykvcache.preformat` (each put overwrites a filler's file; the preformat itself is not timed here); "
             "overwrite = new chunks into a full store, each put evicting one chunk and overwriting its file; "
             "overwrite_no_recycle = the same with each victim unlinked and a fresh file allocated.",
         )
     )  # fmt: skip
-    big = [s for s in summary if s["chunk_bytes"] >= 8 * MiB and s["direction"] in RW]
-    steady = [s for s in summary if s["chunk_bytes"] >= 8 * MiB and s["direction"] == "overwrite"]
-    if steady:
-        worst = min(steady, key=lambda s: s["ratio_best"] or 0)
-        out.targets["(steady state) engine writes into a full store >= 0.9x best fio at 8-28 MiB"] = (
-            all((s["ratio_best"] or 0) >= 0.9 for s in steady),
-            f"worst {worst['ratio_best']:.2f}x ({worst['chunk_bytes'] // MiB} MiB, engine QD {worst['engine_qd']})",
-        )
+    big = [s for s in summary if s["chunk_bytes"] >= 8 * MiB and s["direction"] in ALLOCATED]
+    fresh = [s for s in summary if s["chunk_bytes"] >= 8 * MiB and s["direction"] == "write"]
     if big:
         worst = min(big, key=lambda s: s["ratio_best"] or 0)
-        out.targets["engine >= 0.9x best fio at 8-28 MiB"] = (
+        out.targets["engine >= 0.9x best fio at 8-28 MiB (reads; writes into a preformatted or a full store)"] = (
             all((s["ratio_best"] or 0) >= 0.9 for s in big),
             f"worst {worst['ratio_best']:.2f}x ({worst['direction']}, {worst['chunk_bytes'] // MiB} MiB, engine QD {worst['engine_qd']})",
         )
+    if fresh:
+        worst = min(fresh, key=lambda s: s["ratio_best"] or 0)
+        cf_fresh = [s["ratio_chunk_files"] for s in fresh if s["ratio_chunk_files"] is not None]
+        out.targets["(diagnostic) first fill of an unformatted store (fresh files) >= 0.9x best fio"] = (
+            all((s["ratio_best"] or 0) >= 0.9 for s in fresh),
+            f"worst {worst['ratio_best']:.2f}x ({worst['chunk_bytes'] // MiB} MiB, engine QD {worst['engine_qd']})"
+            + (f"; {min(cf_fresh):.2f}-{max(cf_fresh):.2f}x fio writing fresh chunk files" if cf_fresh else ""),
+        )
+    if big:
         cf = [s for s in big if s["ratio_chunk_files"] is not None]
         if cf:
             worst_cf = min(cf, key=lambda s: s["ratio_chunk_files"])

@@ -1,0 +1,124 @@
+"""Preformatting a store: fill its free capacity with filler chunks.
+
+On ext4 the first write of a new file costs block allocation and the
+conversion of unwritten extents; overwriting a file whose blocks are allocated
+and written does not. A cache tier in its steady state overwrites (each put
+recycles the file of the chunk it evicts), but an empty store pays allocation
+for its whole first fill: measured at 0.5-0.7x of the best fio configuration
+on the development VM against 0.9-1.2x for writes into a full store.
+
+``preformat`` moves that cost out of serving, the way databases preallocate
+their data files: it writes zero-filled chunks of the store's chunk size until
+the capacity is reached, and marks each one a *filler*
+(``BlockStore.mark_filler``): least recently used of all, not counted as a
+chunk (``len(store)``, ``stats()["chunks"]``; ``stats()["filler_chunks"]``
+counts them), and recognised as such by every later scan (their mtime is the
+Unix epoch). The first puts of real chunks then evict fillers and overwrite
+their files. Fillers never displace real chunks: formatting stops at the free
+capacity, and a filler is always the first victim.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from pykvcache._core import HEADER_BYTES, BlockStore, StagingPool, StoreError
+
+FILLER_KEY_PREFIX = b"\0pykvcache-filler-"
+_ALIGN = 4096
+
+
+@dataclass(frozen=True)
+class PreformatReport:
+    chunks: int
+    bytes: int
+    seconds: float
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def chunk_file_bytes(payload_bytes: int) -> int:
+    """Bytes on disk of a chunk with this payload (header + padded payload)."""
+    return HEADER_BYTES + -(-payload_bytes // _ALIGN) * _ALIGN
+
+
+def preformat(
+    store: BlockStore,
+    pool: StagingPool,
+    *,
+    chunk_bytes: int | None = None,
+    max_bytes: int | None = None,
+    queue_depth: int = 8,
+    slot_timeout: float = 30.0,
+    progress: Callable[[int, int], Any] | None = None,
+) -> PreformatReport:
+    """Writes filler chunks into the free capacity of ``store``.
+
+    ``chunk_bytes``: payload size of each filler (default: the pool's slot
+    size, the chunk size a serving engine writes). ``max_bytes`` caps the
+    bytes written. Up to ``queue_depth`` fillers are in flight, one per staging
+    slot: one slot is waited for (``slot_timeout``), more are used only if free. ``progress(done_bytes, total_bytes)`` is called after
+    each filler. Raises ``StoreError`` when a write fails (the fillers written
+    so far stay, and stay fillers).
+    """
+    payload = pool.slot_bytes if chunk_bytes is None else chunk_bytes
+    if not 0 < payload <= pool.slot_bytes:
+        raise ValueError(f"chunk_bytes must be in 1..={pool.slot_bytes} (the slot size), got {payload}")
+    if queue_depth < 1:
+        raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+    file_len = chunk_file_bytes(payload)
+    free = store.capacity_bytes - store.committed_bytes
+    budget = free if max_bytes is None else min(free, max_bytes)
+    total = max(0, budget // file_len)
+    if total == 0:
+        return PreformatReport(0, 0, 0.0)
+
+    slots: list[int] = []
+    start = time.perf_counter()
+    done = 0
+    try:
+        # One slot is waited for; the others only if free now, so that a
+        # preformat beside a serving engine never starves it of staging.
+        slots.append(pool.acquire(timeout=slot_timeout))
+        while len(slots) < min(queue_depth, total) and (extra := pool.try_acquire()) is not None:
+            slots.append(extra)
+        for slot in slots:
+            with pool.view(slot) as view:
+                view[:payload] = bytes(payload)
+        tag = os.urandom(6).hex().encode()
+        free_slots = deque(slots)
+        inflight: deque[Any] = deque()
+
+        def retire() -> None:
+            nonlocal done
+            handle = inflight.popleft()
+            result = handle.wait()
+            free_slots.append(handle.slot)
+            if not result.ok:
+                raise StoreError(result.errno, f"preformat: writing a filler failed: {result.message}")
+            store.mark_filler(handle.key)
+            done += 1
+            if progress is not None:
+                progress(done * file_len, total * file_len)
+
+        for n in range(total):
+            if not free_slots:
+                retire()
+            # Stop early where the capacity shrank meanwhile (a full disk) or
+            # other writers took the room: fillers must never displace chunks.
+            if store.committed_bytes + file_len > store.capacity_bytes:
+                break
+            inflight.append(store.put(FILLER_KEY_PREFIX + tag + b"-%d" % n, free_slots.popleft(), payload))
+        while inflight:
+            retire()
+    finally:
+        for slot in slots:
+            pool.release(slot)
+    return PreformatReport(done, done * file_len, time.perf_counter() - start)
