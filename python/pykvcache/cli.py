@@ -113,6 +113,8 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
                         help="engine read verification (default full: header + payload CRC)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     parser.add_argument("--warm", action="store_true", help="do not drop caches before read phases")
+    parser.add_argument("--cold-metadata", action="store_true",
+                        help="also drop dentry/inode caches before read phases (default: page cache only)")
 
     def run(args: argparse.Namespace) -> int:
         from .bench import BenchConfig, quick, run_bench
@@ -154,6 +156,7 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
         if args.verify:
             config.store_kwargs["verify"] = args.verify
         config.cold_reads = not args.warm
+        config.cold_metadata = args.cold_metadata
         if args.no_progress:
             result = run_bench(config)
         else:

@@ -1080,6 +1080,13 @@ impl SegmentSink for Core {
             return self.jobs.push(Job::VerifyPiece { seg: *seg });
         }
         if let Some(done) = self.ops.segment_done(seg.op, result, None) {
+            if done.ctx.kind == OpKind::Get && self.verify == VerifyPolicy::Header {
+                // A 4 KiB header check: cheaper here than waking a chunk
+                // worker for it (a wake-up costs more CPU than the check, and
+                // at queue depth 1 every operation pays one).
+                let Finished { id, ctx, error, prefix_crc } = done;
+                return self.finish_get(id, ctx, error, prefix_crc);
+            }
             self.jobs.push(Job::Finish(done));
         }
     }

@@ -37,6 +37,8 @@ class BenchConfig:
     parts: list[str] | None = None
     repeats: int = 2
     cold_reads: bool = True
+    # Also drop dentry/inode caches before reads (see cold_cache.drop_caches).
+    cold_metadata: bool = False
     # Engine vs fio (the physical limit).
     chunk_sizes: list[int] = field(default_factory=lambda: [8 * MiB, 28 * MiB])
     queue_depths: list[int] = field(default_factory=lambda: [1, 8])

@@ -98,6 +98,7 @@ def run_engine_case(
     *,
     disk: DiskCounter | None = None,
     cold: bool = True,
+    cold_metadata: bool = False,
     repeat: int = 0,
     namespace: str = "pykvcache-bench",
 ) -> list[PhaseResult]:
@@ -115,7 +116,7 @@ def run_engine_case(
     # Exactly the chunks of one pass: the first pass fills it, later passes evict.
     capacity = case.chunks * (HEADER_BYTES + -(-chunk // 4096) * 4096)
     store = open_store(directory, pool, capacity, namespace, **case.store_kwargs)
-    params = {"queue_depth": qd, "repeat": repeat, **case.store_kwargs}
+    params = {"queue_depth": qd, "repeat": repeat, "cold_metadata": cold_metadata, **case.store_kwargs}
     results: list[PhaseResult] = []
     try:
         info = store_info(store)
@@ -125,7 +126,7 @@ def run_engine_case(
                 for s in slots:
                     with pool.view(s) as v:
                         v[:] = bytes(chunk)
-                dropped = drop_caches() if cold else False
+                dropped = drop_caches(cold_metadata) if cold else False
             else:
                 dropped = None
             settle()

@@ -237,6 +237,7 @@ def run_system_case(
     disk: DiskCounter | None,
     cold: bool,
     repeat: int,
+    cold_metadata: bool = False,
 ) -> list[PhaseResult]:
     """Store then load every chunk with ``system``. Returns [write, read]."""
     jobs = split_jobs(case.chunks, case.shape)
@@ -247,7 +248,7 @@ def run_system_case(
         if direction == "read":
             for i in _sample_indices(case.chunks):
                 _with_view(system, i, _zero)
-            dropped = drop_caches() if cold else False
+            dropped = drop_caches(cold_metadata) if cold else False
         settle()
         d0 = disk.sample() if disk else None
         with CpuMeter() as meter:
@@ -284,6 +285,7 @@ def run_fs_case(
     cold: bool,
     repeat: int,
     store_kwargs: dict[str, Any] | None = None,
+    cold_metadata: bool = False,
 ) -> list[PhaseResult]:
     """Both systems on one case, in the given order, each on fresh files."""
     results: list[PhaseResult] = []
@@ -291,7 +293,7 @@ def run_fs_case(
         keys = offload_keys(case.chunks, f"{name}-{case.chunk_bytes}-{case.shape}-{repeat}-{time.monotonic_ns()}")
         system = make_system(name, directory, case, store_kwargs)
         try:
-            results += run_system_case(system, case, keys, disk=disk, cold=cold, repeat=repeat)
+            results += run_system_case(system, case, keys, disk=disk, cold=cold, repeat=repeat, cold_metadata=cold_metadata)
         finally:
             system.close()
             shutil.rmtree(system.root, ignore_errors=True)

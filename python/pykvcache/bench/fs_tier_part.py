@@ -36,7 +36,8 @@ def measure(ctx: BenchContext) -> list[PhaseResult]:
                         order = list(SYSTEMS) if (rep + i) % 2 == 0 else list(reversed(SYSTEMS))
                         case = FsCase(chunk, cfg.fs_bytes, shape, contended)
                         phases += run_fs_case(
-                            case, root, order, disk=ctx.disk, cold=cfg.cold_reads, repeat=rep, store_kwargs=cfg.store_kwargs
+                            case, root, order, disk=ctx.disk, cold=cfg.cold_reads, repeat=rep, store_kwargs=cfg.store_kwargs,
+                            cold_metadata=cfg.cold_metadata,
                         )
                         cond = "contended" if contended else "idle"
                         step.advance(f"fs tier vs pykvcache {chunk // MiB}MiB {shape} {cond} (repeat {rep + 1})")

@@ -63,7 +63,8 @@ def run(ctx: BenchContext) -> PartOutput:
             names = list(VARIANTS) if rep % 2 == 0 else list(reversed(VARIANTS))
             for name in names:
                 case = EngineCase(chunk, qd, cfg.engine_bytes, {**cfg.store_kwargs, **VARIANTS[name]}, overwrite=True)
-                for p in run_engine_case(case, Path(cfg.directory) / "profile", disk=ctx.disk, cold=cfg.cold_reads, repeat=rep):
+                for p in run_engine_case(case, Path(cfg.directory) / "profile", disk=ctx.disk, cold=cfg.cold_reads, repeat=rep,
+                                         cold_metadata=cfg.cold_metadata):
                     p.params["variant"] = name
                     phases.append(p)
                 step.advance(f"{name} {chunk // MiB}MiB (repeat {rep + 1})")

@@ -93,10 +93,10 @@ def fio_phase(r: FioResult, repeat: int) -> PhaseResult:
     )
 
 
-def _before_fio(job: FioJob, cold: bool) -> None:
-    # Chunk-file reads open many files: make dentries and inodes cold, as for the engine.
+def _before_fio(job: FioJob, cold: bool, metadata: bool) -> None:
+    # Chunk-file reads: the same cache state as the engine's reads.
     if job.chunk_files and job.rw == "read" and cold:
-        drop_caches()
+        drop_caches(metadata)
     settle(0.1)
 
 
@@ -109,7 +109,7 @@ def measure(ctx: BenchContext) -> tuple[list[PhaseResult], list[str]]:
         fio_dir,
         cfg.fio_file_bytes,
         max(nj for nj, _ in fio_sweep_for(cfg)),
-        before_run=lambda job: _before_fio(job, cfg.cold_reads),
+        before_run=lambda job: _before_fio(job, cfg.cold_reads, cfg.cold_metadata),
         disk=ctx.disk,
     )
     phases: list[PhaseResult] = []
@@ -133,7 +133,8 @@ def measure(ctx: BenchContext) -> tuple[list[PhaseResult], list[str]]:
                             step.advance("pykvcache engine unavailable")
                             continue
                         case = EngineCase(chunk, qd, cfg.engine_bytes, dict(cfg.store_kwargs), overwrite=True, preformat=True)
-                        phases.extend(run_engine_case(case, eng_dir, disk=ctx.disk, cold=cfg.cold_reads, repeat=rep))
+                        phases.extend(run_engine_case(case, eng_dir, disk=ctx.disk, cold=cfg.cold_reads,
+                                                                  repeat=rep, cold_metadata=cfg.cold_metadata))
                         step.advance(f"pykvcache bs={chunk // MiB}MiB qd={qd} (repeat {rep + 1})")
 
                 for block in (fio_block, engine_block) if fio_first else (engine_block, fio_block):
@@ -296,7 +297,9 @@ def _cold_notes(phases: list[PhaseResult]) -> list[str]:
     notes = []
     if reads:
         dropped = sum(1 for p in reads if p.cold)
-        notes.append(f"pykvcache reads: page/dentry/inode caches dropped before {dropped} of {len(reads)} read phases.")
+        what = "page/dentry/inode caches" if any(p.params.get("cold_metadata") for p in reads) else (
+            "page cache (dentries/inodes kept, as in a serving store; `--cold-metadata` drops them too)")
+        notes.append(f"pykvcache reads: {what} dropped before {dropped} of {len(reads)} read phases.")
     if fr:
         notes.append(
             f"Device bytes read / payload bytes in pykvcache read phases: min {min(fr):.2f}, max {max(fr):.2f} "
