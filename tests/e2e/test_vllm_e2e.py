@@ -313,3 +313,45 @@ def test_tenants_with_different_cache_salts_never_share_chunks(baseline, full_di
     reads_before = _metric(phases["fill_disk"], "disk_reads")
     assert _metric(b, "disk_reads") == reads_before
     assert b["tokens"] == [baseline["by_name"]["first"]["tokens"][0]]
+
+
+PREFORMAT_CHUNKS = 80
+
+
+@pytest.fixture(scope="session")
+def preformatted(models, workdir, baseline):
+    """``preformat: true`` on a fresh directory sized for 80 chunks: filler
+    chunks take the capacity before serving, and every chunk vLLM then
+    stores overwrites a filler's file."""
+    xs, fillers, _ = _texts()
+    config = _kv_config(workdir / "preformatted", 24, capacity_bytes=PREFORMAT_CHUNKS * SLOT_FOOTPRINT,
+                        preformat=True)
+    scenario = {
+        "model": models["main"],
+        "llm": {"kv_transfer_config": config},
+        "phases": [
+            {"op": "generate", "name": "first", "prompts": xs},
+            {"op": "reset_prefix_cache"},
+            {"op": "generate", "name": "fillers", "prompts": fillers},
+            {"op": "generate", "name": "repeat", "prompts": [xs[0]]},
+        ],
+    }
+    return _run(scenario, workdir, "preformatted")
+
+
+def test_a_preformatted_store_serves_identical_tokens_from_recycled_filler_files(baseline, preformatted):
+    phases = preformatted["by_name"]
+    for name in ("first", "fillers", "repeat"):
+        assert phases[name]["tokens"] == baseline["by_name"][name]["tokens"], name
+    first = phases["first"]
+    writes = _metric(first, "disk_writes")
+    assert writes > 0
+    # Fillers took the whole capacity; each stored chunk overwrote one of them.
+    assert _metric(first, "disk_chunks") + _metric(first, "disk_filler_chunks") == PREFORMAT_CHUNKS
+    assert _metric(first, "disk_filler_chunks") == PREFORMAT_CHUNKS - writes
+    for name in ("first", "fillers", "repeat"):
+        assert _metric(phases[name], "disk_recycled_files") == _metric(phases[name], "disk_writes"), name
+    repeat = phases["repeat"]
+    assert repeat["num_cached_tokens"][0] >= 800
+    read = _metric(repeat, "disk_read_bytes") - _metric(phases["fillers"], "disk_read_bytes")
+    assert read >= CHUNK_BYTES, "the repeated prefix did not come back from disk"

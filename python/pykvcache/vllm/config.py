@@ -60,6 +60,8 @@ class PykvcacheConfig:
     model_id: str | None = None
     namespace_salt: str = ""
     wipe_on_reset: bool = True
+    # Fill the free capacity with filler chunks before serving (pykvcache.preformat).
+    preformat: bool = False
     # Break-even admission gate (docs/gate.md).
     gate_profile: str | None = None
     gate: bool = True
@@ -187,7 +189,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
     if extra.get("block_size") is not None and extra.get("blocks_per_chunk") is not None:
         problems.append("give only one of block_size (tokens per chunk) and blocks_per_chunk")
 
-    for name in ("register_buffers", "offload_prompt_only", "wipe_on_reset", "gate",
+    for name in ("register_buffers", "offload_prompt_only", "wipe_on_reset", "preformat", "gate",
                  "gate_online", "store_second_sighting"):
         if name in extra:
             values[name] = _parse_bool(name, extra[name], problems)

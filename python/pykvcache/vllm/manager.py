@@ -438,6 +438,9 @@ class NvmeOffloadingManager(OffloadingManager):
         self.metrics.set_gauge("staging_slots_total", self.cache.num_slots)
         self.metrics.set_gauge("disk_used_bytes", self.store.used_bytes)
         self.metrics.set_gauge("disk_chunks", len(self.store))
+        stats = self.store.stats()
+        self.metrics.set_gauge("disk_filler_chunks", stats["filler_chunks"])
+        self.metrics.set_gauge("disk_recycled_files", stats["recycled_files"])
         self.metrics.set_gauge("disk_capacity_bytes", self.store.capacity_bytes)
         return self.metrics.take_stats()
 

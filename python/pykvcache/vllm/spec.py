@@ -141,6 +141,8 @@ class NvmeOffloadingSpec(OffloadingSpec):
             except Exception:
                 pool.close()
                 raise
+            if self.settings.preformat:
+                self._preformat(store, pool)
             self._manager = NvmeOffloadingManager(
                 pool=pool,
                 store=store,
@@ -162,6 +164,34 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 store.fixed_buffers,
             )
         return self._manager
+
+    def _preformat(self, store, pool) -> None:
+        """Writes filler chunks up to capacity_bytes before serving starts, so
+        that the first fill overwrites allocated files (see pykvcache.preformat).
+        One-time: a later start finds the store full (fillers or chunks) and
+        writes nothing; an interrupted one continues where it stopped."""
+        from pykvcache.preformat import preformat
+
+        free = store.capacity_bytes - store.committed_bytes
+        if free < self.slot_footprint:
+            return
+        logger.info("pykvcache: preformatting %.1f MiB of %s (preformat: true; one-time)",
+                    free / (1 << 20), ", ".join(self.settings.storage_dirs))
+        next_report = [0.1]
+
+        def progress(done: int, total: int) -> None:
+            if done >= next_report[0] * total:
+                logger.info("pykvcache: preformat %.0f%% (%d of %d bytes)", 100 * done / total, done, total)
+                next_report[0] += 0.1
+
+        try:
+            report = preformat(store, pool, queue_depth=min(8, self.num_slots), progress=progress)
+        except OSError as exc:
+            # Only an optimisation: serve without it (what was written stays fillers).
+            logger.warning("pykvcache: preformat stopped: %s; serving continues", exc)
+            return
+        logger.info("pykvcache: preformat wrote %d filler chunk(s), %.2f GB in %.1f s (%.2f GB/s)",
+                    report.chunks, report.bytes / 1e9, report.seconds, report.gb_per_s)
 
     def get_worker(self, kv_caches):
         if self._worker is None:
