@@ -82,7 +82,9 @@ struct OpEntry {
     /// The handle was dropped before completion: free the entry when done.
     detached: bool,
     /// CRC-32C and length of the payload bytes of each read segment, filled
-    /// as segments are verified (any order); sized once at creation.
+    /// as segments are verified (any order). Grown to the most segments this
+    /// entry has carried, never shrunk: allocation stops once warm, and memory
+    /// follows the operations really in flight, not the configured maximum.
     piece_crcs: Vec<(u32, u64)>,
 }
 
@@ -122,8 +124,7 @@ pub struct OpTable {
 }
 
 impl OpTable {
-    /// `max_pieces`: the most segments one read can have.
-    pub fn new(capacity: usize, max_pieces: usize) -> Result<Self> {
+    pub fn new(capacity: usize) -> Result<Self> {
         let capacity = capacity.max(1);
         let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if event_fd < 0 {
@@ -138,7 +139,7 @@ impl OpTable {
                 ctx: None,
                 outcome: None,
                 detached: false,
-                piece_crcs: vec![(0, 0); max_pieces],
+                piece_crcs: Vec::new(),
             })
             .collect();
         Ok(OpTable {
@@ -192,7 +193,8 @@ impl OpTable {
         let e = &mut t.entries[id.index as usize];
         e.ctx = Some(ctx);
         e.segs_left = segments;
-        e.piece_crcs.fill((0, 0));
+        e.piece_crcs.clear();
+        e.piece_crcs.resize(segments as usize, (0, 0));
     }
 
     /// Runs `f` on the context of an operation in flight.
@@ -219,8 +221,8 @@ impl OpTable {
         if let Some((n, crc, len)) = piece {
             match e.piece_crcs.get_mut(n) {
                 Some(p) => *p = (crc, len),
-                // Cannot happen (reads larger than a slot are refused); if it
-                // did, the combined CRC would not match: corrupt, not served.
+                // Cannot happen (pieces are numbered by segment); if it did,
+                // the combined CRC would not match: corrupt, not served.
                 None => {
                     e.error.get_or_insert(SegmentError::Eof);
                 }

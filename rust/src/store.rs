@@ -239,7 +239,7 @@ impl BlockStore {
             support,
             direct_active,
             index: Mutex::new(index),
-            ops: OpTable::new(config.max_inflight, max_read_len(&pool).div_ceil(config.segment_bytes))?,
+            ops: OpTable::new(config.max_inflight)?,
             stats,
             verify: config.verify,
             jobs: JobQueue::default(),
