@@ -90,6 +90,9 @@ def test_preformat_refuses_bad_arguments_and_respects_max_bytes(store_dir):
             kv.preformat(store, pool, chunk_bytes=CHUNK + 1)
         with pytest.raises(ValueError, match="queue_depth"):
             kv.preformat(store, pool, queue_depth=0)
+        with pytest.raises(ValueError, match="max_seconds"):
+            kv.preformat(store, pool, max_seconds=0)
+        assert kv.preformat(store, pool, max_seconds=1e-9).chunks == 0, "the time limit stops it"
         assert kv.preformat(store, pool, max_bytes=3 * FILE + 1).chunks == 3
         assert kv.preformat(store, pool, chunk_bytes=CHUNK // 2).chunks > 0
         assert store.used_bytes <= N * FILE

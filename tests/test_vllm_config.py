@@ -88,3 +88,15 @@ def test_kv_transfer_config_helper_builds_a_valid_config(tmp_path):
     assert kv["kv_connector"] == "OffloadingConnector" and kv["kv_role"] == "kv_both"
     cfg = parse_extra_config(kv["kv_connector_extra_config"])
     assert cfg.capacity_bytes == 2 * GIB and cfg.storage_dirs == (str(tmp_path / "kv"),)
+
+
+def test_preformat_keys(tmp_path):
+    cfg = parse_extra_config(_base(tmp_path))
+    assert cfg.preformat is False and cfg.preformat_max_s == 300.0
+    cfg = parse_extra_config(_base(tmp_path, preformat=True, preformat_max_s=30))
+    assert cfg.preformat is True and cfg.preformat_max_s == 30.0
+    for bad in (0, -1, float("nan"), float("inf"), "60", True):
+        with pytest.raises(ConfigError, match="preformat_max_s must be"):
+            parse_extra_config(_base(tmp_path, preformat=True, preformat_max_s=bad))
+    with pytest.raises(ConfigError, match="preformat must be true or false"):
+        parse_extra_config(_base(tmp_path, preformat="yes"))

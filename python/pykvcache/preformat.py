@@ -57,6 +57,7 @@ def preformat(
     max_bytes: int | None = None,
     queue_depth: int = 8,
     slot_timeout: float = 30.0,
+    max_seconds: float | None = None,
     progress: Callable[[int, int], Any] | None = None,
 ) -> PreformatReport:
     """Writes filler chunks into the free capacity of ``store``.
@@ -64,7 +65,9 @@ def preformat(
     ``chunk_bytes``: payload size of each filler (default: the pool's slot
     size, the chunk size a serving engine writes). ``max_bytes`` caps the
     bytes written. Up to ``queue_depth`` fillers are in flight, one per staging
-    slot: one slot is waited for (``slot_timeout``), more are used only if free. ``progress(done_bytes, total_bytes)`` is called after
+    slot: one slot is waited for (``slot_timeout``), more are used only if free.
+    ``max_seconds`` stops issuing fillers after that long (a later call
+    continues: the free capacity is what is left). ``progress(done_bytes, total_bytes)`` is called after
     each filler. Raises ``StoreError`` when a write fails (the fillers written
     so far stay, and stay fillers).
     """
@@ -73,6 +76,8 @@ def preformat(
         raise ValueError(f"chunk_bytes must be in 1..={pool.slot_bytes} (the slot size), got {payload}")
     if queue_depth < 1:
         raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
+    if max_seconds is not None and not max_seconds > 0:
+        raise ValueError(f"max_seconds must be > 0 or None, got {max_seconds}")
     file_len = chunk_file_bytes(payload)
     free = store.capacity_bytes - store.committed_bytes
     budget = free if max_bytes is None else min(free, max_bytes)
@@ -114,6 +119,8 @@ def preformat(
             # Stop early where the capacity shrank meanwhile (a full disk) or
             # other writers took the room: fillers must never displace chunks.
             if store.committed_bytes + file_len > store.capacity_bytes:
+                break
+            if max_seconds is not None and time.perf_counter() - start > max_seconds:
                 break
             inflight.append(store.put(FILLER_KEY_PREFIX + tag + b"-%d" % n, free_slots.popleft(), payload))
         while inflight:

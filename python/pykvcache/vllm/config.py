@@ -62,6 +62,9 @@ class PykvcacheConfig:
     wipe_on_reset: bool = True
     # Fill the free capacity with filler chunks before serving (pykvcache.preformat).
     preformat: bool = False
+    # Start-up waits at most this long for it (vLLM gives an engine 600 s to
+    # become ready); the next start continues where it stopped.
+    preformat_max_s: float = 300.0
     # Break-even admission gate (docs/gate.md).
     gate_profile: str | None = None
     gate: bool = True
@@ -226,6 +229,12 @@ def _parse_gate_and_lookahead(extra: Mapping[str, Any], values: dict[str, Any],
             # A missing or foreign profile is not an error: the gate warns and
             # falls back to a conservative default when the engine starts.
             values["gate_profile"] = os.path.abspath(os.path.expanduser(os.fspath(profile)))
+    if "preformat_max_s" in extra:
+        limit = extra["preformat_max_s"]
+        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
+            problems.append(f"preformat_max_s must be a number of seconds > 0 (got {limit!r})")
+        else:
+            values["preformat_max_s"] = float(limit)
     if "gate_margin" in extra:
         margin = extra["gate_margin"]
         if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0 \

@@ -185,13 +185,17 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 next_report[0] += 0.1
 
         try:
-            report = preformat(store, pool, queue_depth=min(8, self.num_slots), progress=progress)
+            report = preformat(store, pool, queue_depth=min(8, self.num_slots),
+                               max_seconds=self.settings.preformat_max_s, progress=progress)
         except OSError as exc:
             # Only an optimisation: serve without it (what was written stays fillers).
             logger.warning("pykvcache: preformat stopped: %s; serving continues", exc)
             return
-        logger.info("pykvcache: preformat wrote %d filler chunk(s), %.2f GB in %.1f s (%.2f GB/s)",
-                    report.chunks, report.bytes / 1e9, report.seconds, report.gb_per_s)
+        left = store.capacity_bytes - store.committed_bytes
+        logger.info("pykvcache: preformat wrote %d filler chunk(s), %.2f GB in %.1f s (%.2f GB/s)%s",
+                    report.chunks, report.bytes / 1e9, report.seconds, report.gb_per_s,
+                    f"; stopped at preformat_max_s, {left / 1e9:.2f} GB left for the next start"
+                    if left >= self.slot_footprint else "")
 
     def get_worker(self, kv_caches):
         if self._worker is None:
