@@ -263,6 +263,33 @@ def test_header_only_verification_still_rejects_foreign_chunks(store_dir):
         make_store(store_dir, pool, verify="none")
 
 
+@pytest.mark.parametrize("backend", ["io_uring", "threads"])
+def test_header_only_writers_skip_the_payload_crc_and_full_readers_never_serve_their_chunks(store_dir, backend):
+    import struct
+
+    pool = kv.StagingPool(MiB, 2)
+    s = pool.acquire()
+    payload = os.urandom(MiB - 100)
+    header_only = make_store(store_dir, pool, verify="header", backend=backend)
+    fill(pool, s, payload)
+    assert header_only.put(b"unchecked", s, len(payload)).wait(10).ok
+    fill(pool, s, bytes(MiB))
+    assert header_only.get(b"unchecked", s).wait(10).ok and read(pool, s, len(payload)) == payload
+    header_only.close()
+    [path] = [os.path.join(r, f) for r, _, fs in os.walk(store_dir) for f in fs if f.endswith(".kvc")]
+    with open(path, "rb") as f:
+        head = f.read(64)
+    payload_crc, flags = struct.unpack_from("<I", head, 40)[0], struct.unpack_from("<I", head, 52)[0]
+    assert (payload_crc, flags) == (0, 1), "no payload CRC computed, and the header says so"
+
+    full = make_store(store_dir, pool, backend=backend)
+    r = full.get(b"unchecked", s).wait(10)
+    assert r.status == "miss" and "without a payload checksum" in r.message
+    assert os.path.exists(path), "a sound chunk is not deleted, only not served"
+    assert full.stats()["corrupt_chunks"] == 0
+    full.close()
+
+
 def test_background_scan_reports_and_waits(store_dir):
     pool = kv.StagingPool(64 * 1024, 2)
     s = pool.acquire()

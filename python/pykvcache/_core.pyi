@@ -156,8 +156,10 @@ class BlockStore:
         caller's and the ring's threads. Reads move in ``segment_bytes`` pieces
         in flight together; writes in ``write_segment_bytes`` pieces, 0 = the
         whole chunk in one transfer (faster for writes on ext4). ``verify="header"`` skips the payload
-        CRC on reads (header, namespace, key and length are still checked): only
-        for storage that checksums data itself. ``recycle_files`` overwrites the
+        CRC on reads (header, namespace, key and length are still checked) and
+        on writes (the header says so; a ``verify="full"`` store sharing the
+        directory reads such chunks as misses): only for storage that checksums
+        data itself. ``recycle_files`` overwrites the
         file a write evicts instead of allocating a new one (faster on ext4/xfs;
         a reader never sees it change: it is claimed under a lock and a private
         name, and published by rename). ``background_scan`` returns at once and

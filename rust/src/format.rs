@@ -24,7 +24,14 @@ const OFF_PAYLOAD_LEN: usize = 32;
 const OFF_PAYLOAD_CRC: usize = 40;
 const OFF_KEY_LEN: usize = 44;
 const OFF_HEADER_CRC: usize = 48;
+const OFF_FLAGS: usize = 52;
 const OFF_KEY: usize = 64;
+
+/// Header flag: the writer computed no payload checksum (`verify="header"`,
+/// for storage that checksums data itself); the payload CRC field is 0.
+/// Files written before flags existed have 0 here: checksummed.
+pub const FLAG_PAYLOAD_UNCHECKED: u32 = 1;
+const KNOWN_FLAGS: u32 = FLAG_PAYLOAD_UNCHECKED;
 
 pub type Fingerprint = [u8; 16];
 
@@ -52,7 +59,8 @@ pub fn file_len(payload_len: usize) -> usize {
 pub struct ChunkHeader {
     pub namespace: Fingerprint,
     pub payload_len: u64,
-    pub payload_crc: u32,
+    /// None: written without a payload checksum (FLAG_PAYLOAD_UNCHECKED).
+    pub payload_crc: Option<u32>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -77,16 +85,19 @@ pub enum FormatError {
     Length { declared: u64, file_len: u64 },
     #[error("payload checksum mismatch")]
     PayloadCrc,
+    #[error("unknown header flags {0:#x} (written by a newer pykvcache?)")]
+    Flags(u32),
 }
 
 /// Writes a header for `payload` into `block` (at least HEADER_BYTES long).
 pub fn encode_header(block: &mut [u8], namespace: &Fingerprint, key: &[u8], payload: &[u8]) {
-    encode_header_for(block, namespace, key, payload.len() as u64, crc32c(payload));
+    encode_header_for(block, namespace, key, payload.len() as u64, Some(crc32c(payload)));
 }
 
-/// `encode_header` from the payload's length and CRC-32C, for a writer that
-/// checksums the payload while it is already being written.
-pub fn encode_header_for(block: &mut [u8], namespace: &Fingerprint, key: &[u8], payload_len: u64, payload_crc: u32) {
+/// `encode_header` from the payload's length and CRC-32C (None: no payload
+/// checksum, flagged), for a writer that checksums the payload while it is
+/// already being written, or not at all.
+pub fn encode_header_for(block: &mut [u8], namespace: &Fingerprint, key: &[u8], payload_len: u64, payload_crc: Option<u32>) {
     assert!(block.len() >= HEADER_BYTES && key.len() <= MAX_KEY_BYTES);
     let block = &mut block[..HEADER_BYTES];
     block.fill(0);
@@ -95,7 +106,8 @@ pub fn encode_header_for(block: &mut [u8], namespace: &Fingerprint, key: &[u8], 
     put_u32(block, OFF_HEADER_LEN, HEADER_BYTES as u32);
     block[OFF_NAMESPACE..OFF_NAMESPACE + 16].copy_from_slice(namespace);
     put_u64(block, OFF_PAYLOAD_LEN, payload_len);
-    put_u32(block, OFF_PAYLOAD_CRC, payload_crc);
+    put_u32(block, OFF_PAYLOAD_CRC, payload_crc.unwrap_or(0));
+    put_u32(block, OFF_FLAGS, if payload_crc.is_some() { 0 } else { FLAG_PAYLOAD_UNCHECKED });
     put_u32(block, OFF_KEY_LEN, key.len() as u32);
     block[OFF_KEY..OFF_KEY + key.len()].copy_from_slice(key);
     let crc = crc32c(block);
@@ -149,15 +161,20 @@ pub fn decode_header(
     if expected != Some(file_len) {
         return Err(FormatError::Length { declared: payload_len, file_len });
     }
+    let flags = get_u32(block, OFF_FLAGS);
+    if flags & !KNOWN_FLAGS != 0 {
+        return Err(FormatError::Flags(flags));
+    }
+    let unchecked = flags & FLAG_PAYLOAD_UNCHECKED != 0;
     Ok(ChunkHeader {
         namespace: *namespace,
         payload_len,
-        payload_crc: get_u32(block, OFF_PAYLOAD_CRC),
+        payload_crc: (!unchecked).then(|| get_u32(block, OFF_PAYLOAD_CRC)),
     })
 }
 
 pub fn verify_payload(header: &ChunkHeader, payload: &[u8]) -> Result<(), FormatError> {
-    if payload.len() as u64 != header.payload_len || crc32c(payload) != header.payload_crc {
+    if payload.len() as u64 != header.payload_len || Some(crc32c(payload)) != header.payload_crc {
         return Err(FormatError::PayloadCrc);
     }
     Ok(())
@@ -216,6 +233,22 @@ mod tests {
         bad[100] ^= 1;
         assert_eq!(verify_payload(&h, &bad), Err(FormatError::PayloadCrc));
         assert_eq!(decode_header(&block[..100], &ns, b"k", len), Err(FormatError::Short));
+    }
+
+    #[test]
+    fn unchecked_payloads_are_flagged_and_unknown_flags_refused() {
+        let ns = namespace_fingerprint("ns");
+        let mut block = vec![0u8; HEADER_BYTES];
+        encode_header_for(&mut block, &ns, b"k", 5000, None);
+        let h = decode_header(&block, &ns, b"k", file_len(5000) as u64).unwrap();
+        assert_eq!((h.payload_len, h.payload_crc), (5000, None));
+        assert_eq!(verify_payload(&h, &[0u8; 5000]), Err(FormatError::PayloadCrc), "nothing to verify against");
+        assert_eq!(get_u32(&block, OFF_FLAGS), FLAG_PAYLOAD_UNCHECKED);
+        put_u32(&mut block, OFF_FLAGS, 0x4);
+        put_u32(&mut block, OFF_HEADER_CRC, 0);
+        let crc = crc32c(&block);
+        put_u32(&mut block, OFF_HEADER_CRC, crc);
+        assert_eq!(decode_header(&block, &ns, b"k", file_len(5000) as u64), Err(FormatError::Flags(0x4)));
     }
 
     #[test]

@@ -30,13 +30,15 @@ pub enum BackendChoice {
     Threads,
 }
 
-/// How much of a chunk a read verifies before it is served.
+/// How much of a chunk is checksummed: verified by reads, computed by writes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum VerifyPolicy {
     /// Header (magic, version, namespace, key, length, header CRC) and payload CRC.
     Full,
     /// Header only: for filesystems/devices that checksum data themselves
     /// (ZFS, btrfs, dm-integrity) when the payload pass costs too much CPU.
+    /// Writes then compute no payload CRC either (flagged in the header): a
+    /// `Full` reader sharing the directory treats such chunks as misses.
     Header,
 }
 
@@ -363,6 +365,15 @@ impl BlockStore {
             std::ptr::write_bytes(pool.payload_ptr(slot).add(length), 0, pad);
         }
         let t = Transfer { op: id.index, slot, base: pool.slot_ptr(slot), fd, write: true, background: false };
+        if core.verify == VerifyPolicy::Header {
+            // No payload checksum: the header is ready now and the whole file
+            // leaves in one go (storage that checksums data itself).
+            let header = unsafe { std::slice::from_raw_parts_mut(pool.slot_ptr(slot), HEADER_BYTES) };
+            format::encode_header_for(header, &core.namespace, key, length as u64, None);
+            core.ops.start(id, ctx, segment_count(0, file_len, core.write_segment_bytes) as u32);
+            submit_range(&*self.backend, t, 0, file_len, core.write_segment_bytes);
+            return Ok(id);
+        }
         core.ops.start(id, ctx, segment_count(HEADER_BYTES, file_len, core.write_segment_bytes) as u32 + 1);
         submit_range(&*self.backend, t, HEADER_BYTES, file_len, core.write_segment_bytes);
         core.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length });
@@ -950,7 +961,7 @@ impl Core {
         let payload = unsafe { std::slice::from_raw_parts(pool.payload_ptr(slot), payload_len) };
         let crc = crc32c(payload);
         let header = unsafe { std::slice::from_raw_parts_mut(pool.slot_ptr(slot), HEADER_BYTES) };
-        self.ops.with_context(id.index, |ctx| format::encode_header_for(header, &self.namespace, &ctx.key, payload_len as u64, crc));
+        self.ops.with_context(id.index, |ctx| format::encode_header_for(header, &self.namespace, &ctx.key, payload_len as u64, Some(crc)));
     }
 
     fn finish_op(&self, done: Finished, backend: &dyn Backend) {
@@ -992,15 +1003,23 @@ impl Core {
         let block = unsafe { std::slice::from_raw_parts(slot_ptr, HEADER_BYTES) };
         let header = match format::decode_header(block, &self.namespace, &ctx.key, ctx.file_len as u64) {
             Ok(h) => h,
+            // A sound header this build cannot interpret: not ours to delete.
+            Err(e @ FormatError::Flags(_)) => return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, e.to_string())),
             Err(e) => return self.corrupt(id, ctx, e.to_string()),
         };
         let payload = unsafe { std::slice::from_raw_parts(self.pool.payload_ptr(ctx.slot), header.payload_len as usize) };
         if self.verify == VerifyPolicy::Full {
             // `decode_header` checked that the payload fills the file to its
             // last 4 KiB, so the verified prefix never exceeds it.
+            let Some(expected) = header.payload_crc else {
+                // Written by a verify="header" store: sound, but nothing to
+                // check the payload against. Never served here, never deleted.
+                let msg = "chunk written without a payload checksum (verify=\"header\" writer); this store verifies payloads";
+                return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, msg));
+            };
             let rest = &payload[prefix_crc.len as usize..];
             let crc = crc32c_combine(prefix_crc.crc, crc32c(rest), rest.len() as u64);
-            if crc != header.payload_crc {
+            if crc != expected {
                 return self.corrupt(id, ctx, FormatError::PayloadCrc.to_string());
             }
         }
