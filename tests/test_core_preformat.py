@@ -96,3 +96,35 @@ def test_preformat_refuses_bad_arguments_and_respects_max_bytes(store_dir):
         assert kv.preformat(store, pool, max_bytes=3 * FILE + 1).chunks == 3
         assert kv.preformat(store, pool, chunk_bytes=CHUNK // 2).chunks > 0
         assert store.used_bytes <= N * FILE
+
+
+def test_background_preformat_yields_to_busy_io_stops_and_survives_a_closed_store(store_dir):
+    import threading
+    import time
+
+    pool = kv.StagingPool(CHUNK, 2)
+    busy = threading.Event()
+    busy.set()
+    with open_store(store_dir, pool) as store:
+        bg = kv.BackgroundPreformat(store, pool, busy=busy.is_set, poll_s=0.01).start()
+        time.sleep(0.3)
+        assert bg.chunks == 0 and not bg.finished.is_set(), "nothing written while serving I/O is in flight"
+        assert pool.free_slots == 1, "it holds one slot"
+        busy.clear()
+        assert bg.finished.wait(30) and bg.error is None
+        assert bg.chunks == N and store.stats()["filler_chunks"] == N and pool.free_slots == 2
+        # Full: a second one ends at once.
+        again = kv.BackgroundPreformat(store, pool).start()
+        assert again.finished.wait(10) and again.chunks == 0
+
+    # stop() while it waits for idle disk returns its slot.
+    with open_store(store_dir.parent / "other", pool) as store:
+        busy.set()
+        bg = kv.BackgroundPreformat(store, pool, busy=busy.is_set, poll_s=0.01).start()
+        time.sleep(0.05)
+        bg.stop()
+        assert bg.finished.is_set() and bg.chunks == 0 and bg.error is None and pool.free_slots == 2
+        # A store closed under it: the error is recorded, the thread ends, the slot comes back.
+        busy.clear()
+        bg = kv.BackgroundPreformat(store, pool, busy=lambda: store.close() or False).start()
+        assert bg.finished.wait(10) and bg.error is not None and pool.free_slots == 2

@@ -98,5 +98,7 @@ def test_preformat_keys(tmp_path):
     for bad in (0, -1, float("nan"), float("inf"), "60", True):
         with pytest.raises(ConfigError, match="preformat_max_s must be"):
             parse_extra_config(_base(tmp_path, preformat=True, preformat_max_s=bad))
-    with pytest.raises(ConfigError, match="preformat must be true or false"):
-        parse_extra_config(_base(tmp_path, preformat="yes"))
+    assert parse_extra_config(_base(tmp_path, preformat="background")).preformat == "background"
+    for bad in ("yes", 1, 0, None):
+        with pytest.raises(ConfigError, match="preformat must be true, false or"):
+            parse_extra_config(_base(tmp_path, preformat=bad))

@@ -250,3 +250,32 @@ def test_chunks_published_by_another_engine_become_hits(tmp_path):
     with ours.pool.view(int(slot)) as view:
         assert bytes(view[: LAYOUT.payload_bytes]) == _payload(7)
     assert ours.manager.metrics.totals["peer_chunks_found"] == 1
+
+
+def test_background_preformat_fills_the_store_yields_to_stores_and_restarts_after_a_wipe(tmp_path):
+    file_bytes = 4096 + LAYOUT.payload_bytes
+    capacity = 20 * file_bytes
+    pool = StagingPool(LAYOUT.payload_bytes, 6)
+
+    def open_store():
+        return BlockStore([str(tmp_path)], pool, namespace="test-ns", capacity_bytes=capacity)
+
+    manager = NvmeOffloadingManager(pool=pool, store=open_store(), layout=LAYOUT, reopen_store=open_store)
+    manager.start_background_preformat()
+    assert manager._preformatter.finished.wait(30)
+    assert manager.store.stats()["filler_chunks"] == 20 and len(manager.store) == 0
+    ctx = ReqContext(req_id="r")
+    keys = [_key(i) for i in range(5)]
+    out = manager.prepare_store(keys, ctx)
+    for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+        with pool.view(int(slot)) as view:
+            view[:] = _payload(int.from_bytes(key[:32], "big"))
+    manager.complete_store(out.keys_to_store, ctx)
+    manager.flush(timeout=30)
+    stats = manager.store.stats()
+    assert len(manager.store) == 5 and stats["filler_chunks"] == 15 and stats["recycled_files"] == 5
+    manager.reset_cache()  # wipes the files: the preformatter starts again on the new store
+    assert manager._preformatter is not None and manager._preformatter.finished.wait(30)
+    assert manager.store.stats()["filler_chunks"] == 20
+    manager.shutdown()
+    assert manager._preformatter is None

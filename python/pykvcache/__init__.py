@@ -19,12 +19,13 @@ from pykvcache._core import (
     StoreError,
     __version__,
 )
-from pykvcache.preformat import PreformatReport, preformat
+from pykvcache.preformat import BackgroundPreformat, PreformatReport, preformat
 
 __all__ = [
     "FORMAT_VERSION",
     "HEADER_BYTES",
     "BackendUnavailable",
+    "BackgroundPreformat",
     "BlockStore",
     "CorruptChunk",
     "IoHandle",

@@ -21,6 +21,7 @@ capacity, and a filler is always the first victim.
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -129,3 +130,86 @@ def preformat(
         for slot in slots:
             pool.release(slot)
     return PreformatReport(done, done * file_len, time.perf_counter() - start)
+
+
+class BackgroundPreformat:
+    """``preformat`` in a daemon thread while the store serves: one filler at
+    a time, none while ``busy()`` says serving I/O is in flight, so fillers
+    take only the disk time serving leaves. Holds one staging slot while it
+    runs (callers that account slots see it as pinned). ``stop()`` ends it
+    between two fillers and returns the slot; a failed write (or a store
+    closed under it) ends it too, recorded in ``error``.
+    """
+
+    def __init__(
+        self,
+        store: BlockStore,
+        pool: StagingPool,
+        *,
+        busy: Callable[[], bool] = lambda: False,
+        poll_s: float = 0.05,
+        chunk_bytes: int | None = None,
+        on_done: Callable[[BackgroundPreformat], Any] | None = None,
+    ) -> None:
+        self.store, self.pool = store, pool
+        self.payload = pool.slot_bytes if chunk_bytes is None else chunk_bytes
+        if not 0 < self.payload <= pool.slot_bytes:
+            raise ValueError(f"chunk_bytes must be in 1..={pool.slot_bytes} (the slot size), got {self.payload}")
+        self._busy, self._poll_s, self._on_done = busy, poll_s, on_done
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pykvcache-preformat", daemon=True)
+        self.chunks = 0
+        self.seconds = 0.0
+        self.error: BaseException | None = None
+        self.finished = threading.Event()
+
+    @property
+    def bytes(self) -> int:
+        return self.chunks * chunk_file_bytes(self.payload)
+
+    def start(self) -> BackgroundPreformat:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = 30.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        slot: int | None = None
+        file_len = chunk_file_bytes(self.payload)
+        try:
+            while slot is None and not self._stop.is_set():
+                slot = self.pool.try_acquire()
+                if slot is None:
+                    self._stop.wait(self._poll_s)
+            if slot is not None:
+                with self.pool.view(slot) as view:
+                    view[: self.payload] = bytes(self.payload)
+            tag = os.urandom(6).hex().encode()
+            while slot is not None and not self._stop.is_set():
+                if self.store.committed_bytes + file_len > self.store.capacity_bytes:
+                    break
+                if self._busy():
+                    self._stop.wait(self._poll_s)
+                    continue
+                key = FILLER_KEY_PREFIX + tag + b"-%d" % self.chunks
+                result = self.store.put(key, slot, self.payload).wait()
+                if not result.ok:
+                    raise StoreError(result.errno, f"background preformat: writing a filler failed: {result.message}")
+                self.store.mark_filler(key)
+                self.chunks += 1
+        except Exception as exc:  # noqa: BLE001 - recorded for the owner; the thread just ends
+            self.error = exc
+        finally:
+            if slot is not None:
+                try:
+                    self.pool.release(slot)
+                except Exception:  # noqa: BLE001 - the pool was closed under us
+                    pass
+            self.seconds = time.perf_counter() - start
+            self.finished.set()
+            if self._on_done is not None:
+                self._on_done(self)

@@ -60,8 +60,9 @@ class PykvcacheConfig:
     model_id: str | None = None
     namespace_salt: str = ""
     wipe_on_reset: bool = True
-    # Fill the free capacity with filler chunks before serving (pykvcache.preformat).
-    preformat: bool = False
+    # Fill the free capacity with filler chunks (pykvcache.preformat): true = before
+    # serving, "background" = while serving, yielding to serving I/O.
+    preformat: bool | str = False
     # Start-up waits at most this long for it (vLLM gives an engine 600 s to
     # become ready); the next start continues where it stopped.
     preformat_max_s: float = 300.0
@@ -192,7 +193,12 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
     if extra.get("block_size") is not None and extra.get("blocks_per_chunk") is not None:
         problems.append("give only one of block_size (tokens per chunk) and blocks_per_chunk")
 
-    for name in ("register_buffers", "offload_prompt_only", "wipe_on_reset", "preformat", "gate",
+    if "preformat" in extra:
+        if isinstance(extra["preformat"], bool) or extra["preformat"] == "background":
+            values["preformat"] = extra["preformat"]
+        else:
+            problems.append(f"preformat must be true, false or \"background\" (got {extra['preformat']!r})")
+    for name in ("register_buffers", "offload_prompt_only", "wipe_on_reset", "gate",
                  "gate_online", "store_second_sighting"):
         if name in extra:
             values[name] = _parse_bool(name, extra[name], problems)

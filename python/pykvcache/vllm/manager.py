@@ -123,6 +123,8 @@ class NvmeOffloadingManager(OffloadingManager):
         self._lookup_owned: dict[str, set[bytes]] = {}
         self._waited: set[str] = set()  # requests that met HIT_PENDING
         self._probed_absent: dict[bytes, float] = {}  # key -> next probe time
+        self._preformatter = None  # BackgroundPreformat while one runs
+        self._preformat_wanted = False  # start it again after a wipe
 
     # ------------------------------------------------------------------
     # Building blocks (also for a preloader / admission gate)
@@ -403,6 +405,7 @@ class NvmeOffloadingManager(OffloadingManager):
         """Forget everything: staging, pins and (unless ``wipe_on_reset`` is off)
         the chunk files of this namespace. Used after weight updates, when
         every stored KV is stale."""
+        self._stop_preformat()
         self.flush()
         removed = [entry.key for entry in self.cache]
         self.preloader.clear()
@@ -420,6 +423,8 @@ class NvmeOffloadingManager(OffloadingManager):
             for directory in dirs:
                 shutil.rmtree(directory, ignore_errors=True)
             self.store = self._reopen_store()
+            if self._preformat_wanted:
+                self.start_background_preformat()
         self._emit(removed, removed=True)
 
     def get_stats(self):
@@ -444,11 +449,38 @@ class NvmeOffloadingManager(OffloadingManager):
         self.metrics.set_gauge("disk_capacity_bytes", self.store.capacity_bytes)
         return self.metrics.take_stats()
 
+    def start_background_preformat(self) -> None:
+        """Fill the free capacity with filler chunks while serving (``preformat:
+        "background"``): one at a time, none while this manager has disk I/O in
+        flight or queued. Stopped by ``reset_cache`` and ``shutdown``."""
+        from pykvcache.preformat import BackgroundPreformat
+
+        def busy() -> bool:
+            return bool(self._reads or self._writes or self._write_queue)
+
+        def done(p: BackgroundPreformat) -> None:
+            if p.error is not None:
+                logger.warning("pykvcache: background preformat stopped after %d filler chunk(s): %s",
+                               p.chunks, p.error)
+            else:
+                logger.info("pykvcache: background preformat wrote %d filler chunk(s), %.2f GB in %.0f s",
+                            p.chunks, p.bytes / 1e9, p.seconds)
+
+        self._stop_preformat()
+        self._preformat_wanted = True
+        self._preformatter = BackgroundPreformat(self.store, self.pool, busy=busy, on_done=done).start()
+
+    def _stop_preformat(self) -> None:
+        if self._preformatter is not None:
+            self._preformatter.stop()
+            self._preformatter = None
+
     def shutdown(self) -> None:
         """Persist what was stored (pending writes complete), then unmap."""
         if self._closed:
             return
         self._closed = True
+        self._stop_preformat()
         try:
             self.flush(timeout=60.0)
         except Exception:  # noqa: BLE001 - shutting down anyway; say what was lost

@@ -141,7 +141,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
             except Exception:
                 pool.close()
                 raise
-            if self.settings.preformat:
+            if self.settings.preformat is True:
                 self._preformat(store, pool)
             self._manager = NvmeOffloadingManager(
                 pool=pool,
@@ -163,6 +163,12 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 self.num_slots, self.layout.payload_bytes, store.backend, store.direct_io,
                 store.fixed_buffers,
             )
+            if self.settings.preformat == "background":
+                free = store.capacity_bytes - store.committed_bytes
+                if free >= self.slot_footprint:
+                    logger.info("pykvcache: preformatting %.1f MiB in the background (preformat: background)",
+                                free / (1 << 20))
+                    self._manager.start_background_preformat()
         return self._manager
 
     def _preformat(self, store, pool) -> None:
