@@ -50,6 +50,37 @@ def chunk_file_bytes(payload_bytes: int) -> int:
     return HEADER_BYTES + -(-payload_bytes // _ALIGN) * _ALIGN
 
 
+class _Fillers:
+    """What every filler write shares: its size, its key, the room check and
+    what follows the write (a failure raises; a success becomes a filler)."""
+
+    def __init__(self, store: BlockStore, pool: StagingPool, chunk_bytes: int | None) -> None:
+        self.store, self.pool = store, pool
+        self.payload = pool.slot_bytes if chunk_bytes is None else chunk_bytes
+        if not 0 < self.payload <= pool.slot_bytes:
+            raise ValueError(f"chunk_bytes must be in 1..={pool.slot_bytes} (the slot size), got {self.payload}")
+        self.file_len = chunk_file_bytes(self.payload)
+        self._tag = os.urandom(6).hex().encode()
+
+    def zero(self, slot: int) -> None:
+        with self.pool.view(slot) as view:
+            view[: self.payload] = bytes(self.payload)
+
+    def room_for_one(self) -> bool:
+        # Checked before each filler: the capacity shrinks on a full disk and
+        # other writers take room; fillers must never displace chunks.
+        return self.store.committed_bytes + self.file_len <= self.store.capacity_bytes
+
+    def put(self, n: int, slot: int) -> Any:
+        return self.store.put(FILLER_KEY_PREFIX + self._tag + b"-%d" % n, slot, self.payload)
+
+    def written(self, handle: Any) -> None:
+        result = handle.wait()
+        if not result.ok:
+            raise StoreError(result.errno, f"preformat: writing a filler failed: {result.message}")
+        self.store.mark_filler(handle.key)
+
+
 def preformat(
     store: BlockStore,
     pool: StagingPool,
@@ -72,14 +103,12 @@ def preformat(
     each filler. Raises ``StoreError`` when a write fails (the fillers written
     so far stay, and stay fillers).
     """
-    payload = pool.slot_bytes if chunk_bytes is None else chunk_bytes
-    if not 0 < payload <= pool.slot_bytes:
-        raise ValueError(f"chunk_bytes must be in 1..={pool.slot_bytes} (the slot size), got {payload}")
+    fillers = _Fillers(store, pool, chunk_bytes)
     if queue_depth < 1:
         raise ValueError(f"queue_depth must be >= 1, got {queue_depth}")
     if max_seconds is not None and not max_seconds > 0:
         raise ValueError(f"max_seconds must be > 0 or None, got {max_seconds}")
-    file_len = chunk_file_bytes(payload)
+    file_len = fillers.file_len
     free = store.capacity_bytes - store.committed_bytes
     budget = free if max_bytes is None else min(free, max_bytes)
     total = max(0, budget // file_len)
@@ -96,20 +125,15 @@ def preformat(
         while len(slots) < min(queue_depth, total) and (extra := pool.try_acquire()) is not None:
             slots.append(extra)
         for slot in slots:
-            with pool.view(slot) as view:
-                view[:payload] = bytes(payload)
-        tag = os.urandom(6).hex().encode()
+            fillers.zero(slot)
         free_slots = deque(slots)
         inflight: deque[Any] = deque()
 
         def retire() -> None:
             nonlocal done
             handle = inflight.popleft()
-            result = handle.wait()
             free_slots.append(handle.slot)
-            if not result.ok:
-                raise StoreError(result.errno, f"preformat: writing a filler failed: {result.message}")
-            store.mark_filler(handle.key)
+            fillers.written(handle)
             done += 1
             if progress is not None:
                 progress(done * file_len, total * file_len)
@@ -117,13 +141,11 @@ def preformat(
         for n in range(total):
             if not free_slots:
                 retire()
-            # Stop early where the capacity shrank meanwhile (a full disk) or
-            # other writers took the room: fillers must never displace chunks.
-            if store.committed_bytes + file_len > store.capacity_bytes:
+            if not fillers.room_for_one():
                 break
             if max_seconds is not None and time.perf_counter() - start > max_seconds:
                 break
-            inflight.append(store.put(FILLER_KEY_PREFIX + tag + b"-%d" % n, free_slots.popleft(), payload))
+            inflight.append(fillers.put(n, free_slots.popleft()))
         while inflight:
             retire()
     finally:
@@ -151,10 +173,8 @@ class BackgroundPreformat:
         chunk_bytes: int | None = None,
         on_done: Callable[[BackgroundPreformat], Any] | None = None,
     ) -> None:
-        self.store, self.pool = store, pool
-        self.payload = pool.slot_bytes if chunk_bytes is None else chunk_bytes
-        if not 0 < self.payload <= pool.slot_bytes:
-            raise ValueError(f"chunk_bytes must be in 1..={pool.slot_bytes} (the slot size), got {self.payload}")
+        self.pool = pool
+        self._fillers = _Fillers(store, pool, chunk_bytes)
         self._busy, self._poll_s, self._on_done = busy, poll_s, on_done
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pykvcache-preformat", daemon=True)
@@ -165,7 +185,7 @@ class BackgroundPreformat:
 
     @property
     def bytes(self) -> int:
-        return self.chunks * chunk_file_bytes(self.payload)
+        return self.chunks * self._fillers.file_len
 
     def start(self) -> BackgroundPreformat:
         self._thread.start()
@@ -179,27 +199,21 @@ class BackgroundPreformat:
     def _run(self) -> None:
         start = time.perf_counter()
         slot: int | None = None
-        file_len = chunk_file_bytes(self.payload)
+        fillers = self._fillers
         try:
             while slot is None and not self._stop.is_set():
                 slot = self.pool.try_acquire()
                 if slot is None:
                     self._stop.wait(self._poll_s)
             if slot is not None:
-                with self.pool.view(slot) as view:
-                    view[: self.payload] = bytes(self.payload)
-            tag = os.urandom(6).hex().encode()
+                fillers.zero(slot)
             while slot is not None and not self._stop.is_set():
-                if self.store.committed_bytes + file_len > self.store.capacity_bytes:
+                if not fillers.room_for_one():
                     break
                 if self._busy():
                     self._stop.wait(self._poll_s)
                     continue
-                key = FILLER_KEY_PREFIX + tag + b"-%d" % self.chunks
-                result = self.store.put(key, slot, self.payload).wait()
-                if not result.ok:
-                    raise StoreError(result.errno, f"background preformat: writing a filler failed: {result.message}")
-                self.store.mark_filler(key)
+                fillers.written(fillers.put(self.chunks, slot))
                 self.chunks += 1
         except Exception as exc:  # noqa: BLE001 - recorded for the owner; the thread just ends
             self.error = exc

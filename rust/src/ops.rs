@@ -203,12 +203,6 @@ impl OpTable {
         f(t.entries[index as usize].ctx.as_ref().expect("operation without context"))
     }
 
-    /// File length of an operation in flight (its segments' bounds).
-    pub fn file_len(&self, index: u32) -> usize {
-        let t = self.table.lock().unwrap();
-        t.entries[index as usize].ctx.as_ref().map_or(0, |c| c.file_len)
-    }
-
     /// Records one segment's result and, for a verified read segment, the
     /// CRC of its payload piece (`(piece number, crc, length)`); returns the
     /// operation when it was the last segment, with the pieces combined.

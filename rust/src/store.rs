@@ -448,7 +448,7 @@ impl BlockStore {
             self.core.corrupt(id, ctx, "not a regular file".into());
             return Ok(id);
         };
-        let max_len = max_read_len(pool);
+        let max_len = HEADER_BYTES + format::round_up(pool.slot_bytes(), IO_ALIGN);
         if size > max_len && size % IO_ALIGN == 0 {
             // Possibly a valid chunk from a process with larger slots sharing
             // the directory: not ours to judge or delete, just not loadable here.
@@ -650,11 +650,6 @@ impl Drop for BlockStore {
     fn drop(&mut self) {
         self.close();
     }
-}
-
-/// The longest chunk file a read accepts: one that fills a slot.
-fn max_read_len(pool: &StagingPool) -> usize {
-    HEADER_BYTES + format::round_up(pool.slot_bytes(), IO_ALIGN)
 }
 
 /// Transfers `[from, to)` takes at `seg_bytes` a piece (0: one transfer).
@@ -976,7 +971,7 @@ impl Core {
     /// payload whatever the header says: those before the file's last 4 KiB
     /// (padding is shorter than that). The rest is checked in `finish_get`.
     fn verify_piece(&self, seg: &Segment) -> Option<Finished> {
-        let file_len = self.ops.file_len(seg.op);
+        let file_len = self.ops.with_context(seg.op, |ctx| ctx.file_len);
         let offset = seg.offset as usize;
         let start = offset.max(HEADER_BYTES);
         let end = (offset + seg.len).min(file_len.saturating_sub(IO_ALIGN));
