@@ -364,19 +364,20 @@ impl BlockStore {
             let pad = file_len - HEADER_BYTES - length;
             std::ptr::write_bytes(pool.payload_ptr(slot).add(length), 0, pad);
         }
-        let t = Transfer { op: id.index, slot, base: pool.slot_ptr(slot), fd, write: true, background: false };
-        if core.verify == VerifyPolicy::Header {
-            // No payload checksum: the header is ready now and the whole file
-            // leaves in one go (storage that checksums data itself).
+        // verify="header": no payload checksum, so the header is ready now and
+        // the whole file leaves in one go (storage that checksums data itself).
+        let sealed_now = core.verify == VerifyPolicy::Header;
+        if sealed_now {
             let header = unsafe { std::slice::from_raw_parts_mut(pool.slot_ptr(slot), HEADER_BYTES) };
             format::encode_header_for(header, &core.namespace, key, length as u64, None);
-            core.ops.start(id, ctx, segment_count(0, file_len, core.write_segment_bytes) as u32);
-            submit_range(&*self.backend, t, 0, file_len, core.write_segment_bytes);
-            return Ok(id);
         }
-        core.ops.start(id, ctx, segment_count(HEADER_BYTES, file_len, core.write_segment_bytes) as u32 + 1);
-        submit_range(&*self.backend, t, HEADER_BYTES, file_len, core.write_segment_bytes);
-        core.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length });
+        let from = if sealed_now { 0 } else { HEADER_BYTES };
+        let header_write = u32::from(!sealed_now);
+        core.ops.start(id, ctx, segment_count(from, file_len, core.write_segment_bytes) as u32 + header_write);
+        submit_range(&*self.backend, Transfer::of_slot(pool, id, slot, fd, true, false), from, file_len, core.write_segment_bytes);
+        if !sealed_now {
+            core.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length });
+        }
         Ok(id)
     }
 
@@ -665,8 +666,7 @@ fn segment_count(from: usize, to: usize, seg_bytes: usize) -> usize {
 /// rewrite after ENOSPC (its slot is sealed by then).
 fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
     let seg_bytes = if write { core.write_segment_bytes } else { core.segment_bytes };
-    let (slot, file_len, background) = (ctx.slot, ctx.file_len, ctx.background);
-    let t = Transfer { op: id.index, slot, base: core.pool.slot_ptr(slot), fd, write, background };
+    let (file_len, t) = (ctx.file_len, Transfer::of_slot(&core.pool, id, ctx.slot, fd, write, ctx.background));
     core.ops.start(id, ctx, segment_count(0, file_len, seg_bytes) as u32);
     submit_range(backend, t, 0, file_len, seg_bytes);
 }
@@ -680,6 +680,12 @@ struct Transfer {
     fd: i32,
     write: bool,
     background: bool,
+}
+
+impl Transfer {
+    fn of_slot(pool: &StagingPool, id: OpId, slot: usize, fd: i32, write: bool, background: bool) -> Self {
+        Transfer { op: id.index, slot, base: pool.slot_ptr(slot), fd, write, background }
+    }
 }
 
 /// Hands bytes `[from, to)` of a file, from the same offsets of the slot at
@@ -723,8 +729,7 @@ fn chunk_worker(core: &Core, backend: &dyn Backend) {
         match job {
             Job::Seal { id, transfer_fd, slot, payload_len } => {
                 core.seal(id, slot, payload_len);
-                let t = Transfer { op: id.index, slot, base: core.pool.slot_ptr(slot), fd: transfer_fd, write: true, background: false };
-                submit_range(backend, t, 0, HEADER_BYTES, 0);
+                submit_range(backend, Transfer::of_slot(&core.pool, id, slot, transfer_fd, true, false), 0, HEADER_BYTES, 0);
             }
             Job::VerifyPiece { seg } => {
                 if let Some(done) = core.verify_piece(&seg) {
