@@ -215,6 +215,14 @@ def _demo(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
+@subcommand("calibrate", "measure prefill and KV load times on this model and hardware; write the gate profile")
+def _calibrate(parser: argparse.ArgumentParser) -> Handler:
+    from . import calibrate
+
+    calibrate.add_arguments(parser)
+    return calibrate.run
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pykvcache", description="NVMe KV-cache tier for LLM serving engines")
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

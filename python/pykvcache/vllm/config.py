@@ -59,6 +59,8 @@ class PykvcacheConfig:
     offload_prompt_only: bool = False
     model_id: str | None = None
     namespace_salt: str = ""
+    # Content digest of the weights in the namespace (pykvcache.vllm.model_identity).
+    fingerprint_weights: bool = True
     wipe_on_reset: bool = True
     # Fill the free capacity with filler chunks (pykvcache.preformat): true = before
     # serving, "background" = while serving, yielding to serving I/O.
@@ -199,7 +201,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
         else:
             problems.append(f"preformat must be true, false or \"background\" (got {extra['preformat']!r})")
     for name in ("register_buffers", "offload_prompt_only", "wipe_on_reset", "gate",
-                 "gate_online", "store_second_sighting"):
+                 "gate_online", "store_second_sighting", "fingerprint_weights"):
         if name in extra:
             values[name] = _parse_bool(name, extra[name], problems)
     if "backend" in extra:

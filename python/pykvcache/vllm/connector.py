@@ -27,6 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.kv_offload.base import make_offload_key
 
 from pykvcache.vllm.config import ConfigError
+from pykvcache.vllm.host_config import publishing
 from pykvcache.vllm.lookahead import WaitingRequest
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
@@ -47,7 +48,8 @@ def _default_spec(vllm_config) -> None:
 class PyKvCacheConnector(OffloadingConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         _default_spec(vllm_config)
-        super().__init__(vllm_config, role, kv_cache_config)
+        with publishing(vllm_config):  # the spec fingerprints the model from it
+            super().__init__(vllm_config, role, kv_cache_config)
         self._manager = None
         self._groups: list[tuple[int, int, int]] = []
         if role != KVConnectorRole.SCHEDULER:

@@ -2,7 +2,8 @@
 under another.
 
 The fingerprint covers everything that changes the bytes of a chunk or their
-meaning: the weights' identity, the KV dtype and layout, the token span of a
+meaning: the model's identity (its resolved configuration and a content digest
+of its weights, :mod:`pykvcache.vllm.model_identity`), the KV dtype and layout, the token span of a
 block, a hash block and a chunk, how KV is split over workers (one chunk file
 holds one row per worker rank, so the world/TP/PP sizes are part of it but a
 single rank is not), the bytes per block, pykvcache's row layout and the
@@ -46,14 +47,20 @@ class NamespaceInputs:
     format_version: int
     row_layout_version: int = ROW_LAYOUT_VERSION
     salt: str = ""
+    #: sha256 of :func:`pykvcache.vllm.model_identity.model_identity` ("" = not computed).
+    model_identity: str = ""
 
     @classmethod
     def from_offloading_config(
-        cls, config: Any, *, format_version: int, model_id: str | None = None, salt: str = ""
+        cls, config: Any, *, format_version: int, model_id: str | None = None, salt: str = "",
+        model_identity: str = "",
     ) -> NamespaceInputs:
         par = config.parallel
         return cls(
-            model=model_id or config.model.name,
+            # The directory name, not the path: nodes that share a store keep
+            # their own copies of the weights in different places, and the
+            # weights' content is in model_identity.
+            model=model_id or model_label(config.model.name),
             dtype=str(config.model.dtype),
             kv_cache_layout=getattr(config, "kv_cache_layout", None),
             canonical_layout=bool(getattr(config, "canonical_layout", False)),
@@ -71,7 +78,17 @@ class NamespaceInputs:
             dcp_size=par.dcp_size,
             format_version=format_version,
             salt=salt,
+            model_identity=model_identity,
         )
+
+
+def model_label(model: str) -> str:
+    """The last path component of a model path or hub id."""
+    return model.rstrip("/").rsplit("/", 1)[-1] or model
+
+
+def identity_digest(identity: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def namespace_for(inputs: NamespaceInputs) -> str:

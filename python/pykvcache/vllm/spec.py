@@ -23,7 +23,9 @@ from pykvcache.vllm.config import (
 )
 from pykvcache.vllm.layout import ChunkLayout, round_up, staging_shm_name
 from pykvcache.vllm.metrics import metric_definitions
-from pykvcache.vllm.namespace import NamespaceInputs, namespace_for
+from pykvcache.vllm.host_config import find_vllm_config
+from pykvcache.vllm.model_identity import model_identity
+from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace_for
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
@@ -49,17 +51,14 @@ class NvmeOffloadingSpec(OffloadingSpec):
             bytes_per_block=config.worker_kv_bytes_per_block,
             world_size=config.parallel.world_size,
         )
-        from pykvcache._core import FORMAT_VERSION, HEADER_BYTES
+        from pykvcache._core import HEADER_BYTES
 
-        self.namespace = namespace_for(
-            NamespaceInputs.from_offloading_config(
-                config,
-                format_version=FORMAT_VERSION,
-                model_id=self.settings.model_id,
-                salt=self.settings.namespace_salt,
-            )
-        )
-        self.shm_name = staging_shm_name(config.engine_id, self.namespace)
+        # Found now, while vLLM is constructing the spec; read in get_manager.
+        self._vllm_config = find_vllm_config()
+        self._namespace: str | None = None
+        # The staging region belongs to this engine only: its name needs the
+        # engine id, not the model's identity (which workers never compute).
+        self.shm_name = staging_shm_name(config.engine_id, self._namespace_for(model_identity=""))
         slot_footprint = round_up(HEADER_BYTES + self.layout.payload_bytes, 4096)
         self.num_slots = self.settings.staging_bytes // slot_footprint
         if self.num_slots < MIN_STAGING_SLOTS:
@@ -73,6 +72,30 @@ class NvmeOffloadingSpec(OffloadingSpec):
         self.slot_footprint = slot_footprint
         self._manager = None
         self._worker = None
+
+    def _namespace_for(self, model_identity: str) -> str:
+        from pykvcache._core import FORMAT_VERSION
+
+        return namespace_for(
+            NamespaceInputs.from_offloading_config(
+                self.config,
+                format_version=FORMAT_VERSION,
+                model_id=self.settings.model_id,
+                salt=self.settings.namespace_salt,
+                model_identity=model_identity,
+            )
+        )
+
+    @property
+    def namespace(self) -> str:
+        """Where this engine's chunks live: layout + the model's identity
+        (resolved config and weights digest). Computed once, in the scheduler
+        process (reading the weights' samples costs milliseconds to a second)."""
+        if self._namespace is None:
+            identity = model_identity(self._vllm_config, self.config.model.name,
+                                      fingerprint_weights=self.settings.fingerprint_weights)
+            self._namespace = self._namespace_for(identity_digest(identity))
+        return self._namespace
 
     def _build_gating(self):
         """The break-even gate and store admission (None when both are off:

@@ -1,0 +1,246 @@
+"""Every command line the README shows runs, as a user types it.
+
+The README's shell blocks (```sh) are parsed here; each command must match one
+of the runners below, or this test fails ("a documented command no test
+runs" is how ``pykvcache calibrate`` once shipped without existing). Commands
+that run for minutes are run with ``--help`` after their documented arguments
+were parsed by the real parser (so a documented flag that does not exist fails
+too). The Python example is ``examples/direct_api.py``: the README's Python
+block must be an excerpt of it, and the file is run.
+
+Placeholders: ``<model>`` becomes the tiny offline model, ``/mnt/nvme0/kv`` and
+``/mnt/nvme1/kv`` temporary directories.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+EXAMPLE = ROOT / "examples" / "direct_api.py"
+BIN = Path(sys.executable).parent
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+
+
+def readme_commands() -> list[str]:
+    commands = []
+    for block in _blocks("sh"):
+        for line in block.replace("\\\n", " ").splitlines():
+            if line.strip() and not line.lstrip().startswith("#"):
+                commands.append(line.strip())
+    return commands
+
+
+def _split(command: str) -> tuple[dict[str, str], list[str]]:
+    """Leading NAME=value words are the environment, as in a shell."""
+    words = shlex.split(command, comments=True)
+    env = {}
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return env, words
+
+
+@pytest.fixture(scope="module")
+def placeholders(tmp_path_factory, request):
+    from pykvcache.testing.tiny_model import build_tiny_model
+
+    tmp = tmp_path_factory.mktemp("readme")
+    model = build_tiny_model(Path(request.config.cache.mkdir("pykvcache-tiny-models")))
+    return {"<model>": str(model), "/mnt/nvme0/kv": str(tmp / "nvme0"), "/mnt/nvme1/kv": str(tmp / "nvme1"),
+            "tmp": str(tmp)}
+
+
+def _substitute(words: list[str], placeholders: dict[str, str]) -> list[str]:
+    out = []
+    for w in words:
+        for k, v in placeholders.items():
+            if k != "tmp":
+                w = w.replace(k, v)
+        out.append(w)
+    return out
+
+
+def _run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 600, cwd=ROOT):
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", **(env or {}))
+    full_env["PATH"] = f"{BIN}:{full_env.get('PATH', '')}"
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=full_env, cwd=cwd)
+    assert proc.returncode == 0, f"{shlex.join(argv)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _make_recipe(target: str) -> list[str]:
+    """The commands `make <target>` runs, without the prerequisites (dry run)."""
+    out = _run(["make", "-n", "--no-print-directory", target]).stdout
+    return [line for line in out.splitlines() if line.strip()]
+
+
+def _parse_pykvcache(args: list[str]) -> None:
+    """The documented arguments parse with the real parser; then --help runs."""
+    from pykvcache.cli import build_parser
+
+    build_parser().parse_args(args)
+    _run([str(BIN / "pykvcache"), args[0], "--help"])
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _http(url: str, body: dict | None = None, timeout: float = 120):
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return r.read().decode()
+
+
+def _serve_openai(env: dict[str, str], words: list[str], placeholders: dict[str, str]) -> None:
+    """Starts the documented OpenAI server for real, sends completions, reads /metrics."""
+    port = _free_port()
+    argv = [sys.executable if words[0] == "python" else words[0], *words[1:], "--host", "127.0.0.1",
+            "--port", str(port)]
+    log = Path(placeholders["tmp"]) / f"server-{port}.log"
+    full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
+                                start_new_session=True)
+    try:
+        deadline = time.monotonic() + 400
+        while True:
+            assert proc.poll() is None, f"server exited ({proc.returncode}):\n{log.read_text()[-4000:]}"
+            try:
+                _http(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except OSError:
+                assert time.monotonic() < deadline, f"server not healthy:\n{log.read_text()[-4000:]}"
+                time.sleep(1)
+        from pykvcache.testing.tiny_model import synthetic_text
+
+        prompt = synthetic_text(200, seed=5)
+        model = json.loads(_http(f"http://127.0.0.1:{port}/v1/models"))["data"][0]["id"]
+        answers = [json.loads(_http(f"http://127.0.0.1:{port}/v1/completions",
+                                    {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}))
+                   for _ in range(2)]
+        assert answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
+        metrics = _http(f"http://127.0.0.1:{port}/metrics")
+        assert "vllm:pykvcache_disk_writes" in metrics, "pykvcache's metrics are not exported"
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _check_vllm_serve(words: list[str]) -> None:
+    """``vllm serve`` is what GPU users type; the CPU build cannot run that
+    console script (its distribution is ``vllm-cpu``, and the script asks for
+    ``vllm``'s version), so here its arguments go through vLLM's own serve
+    parser and pykvcache's validation of the connector config."""
+    from vllm.entrypoints.cli.serve import ServeSubcommand
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    from pykvcache.vllm.config import parse_extra_config
+
+    parser = FlexibleArgumentParser(prog="vllm")
+    subparsers = parser.add_subparsers(dest="subparser")
+    ServeSubcommand().subparser_init(subparsers)
+    args = parser.parse_args(words[1:])
+    parse_extra_config(json.loads(args.kv_transfer_config.model_dump_json())["kv_connector_extra_config"]
+                       if hasattr(args.kv_transfer_config, "model_dump_json")
+                       else args.kv_transfer_config.kv_connector_extra_config)
+
+
+def run_command(command: str, placeholders: dict[str, str]) -> str:
+    env, words = _split(command)
+    words = _substitute(words, placeholders)
+    if words[:2] == ["make", "demo"]:
+        _run(["make", "demo"], env, timeout=900)
+        record = json.loads((ROOT / "demo-out" / "demo.json").read_text())
+        assert record["ok"], record.get("checks")
+        return "ran"
+    if words[:2] == ["make", "test"]:
+        # CI (.ci/run) runs `make test` itself; here: the recipe runs both suites.
+        recipe = "\n".join(_make_recipe("test") + _make_recipe("test-rust") + _make_recipe("test-python"))
+        assert "cargo test" in recipe and "pytest" in recipe
+        return "recipe checked (CI runs it)"
+    if words[0] == "make" and len(words) == 2:
+        recipe = _make_recipe(words[1])
+        tools = [shlex.split(line) for line in recipe if "pykvcache.cli" in line]
+        assert tools, f"make {words[1]} runs no pykvcache command: {recipe}"
+        for tool in tools:
+            _parse_pykvcache(tool[tool.index("pykvcache.cli") + 1:])
+        return "recipe parsed, --help"
+    if words[0] == "pykvcache":
+        _parse_pykvcache(words[1:])
+        return "parsed, --help"
+    if words[:2] == ["python", "examples/direct_api.py"]:
+        out = _run([sys.executable, *words[1:], os.path.join(placeholders["tmp"], "example")], env).stdout
+        assert "get: ok" in out and "prefetch via asyncio: ok" in out
+        return "ran"
+    if words[:1] == ["python"] and words[1].startswith("scripts/gpu_"):
+        out = _run([sys.executable, *words[1:]], env, timeout=900).stdout
+        assert out.strip()
+        return "ran"
+    if words[:2] == ["pip", "install"] and words[-1] == ".":
+        target = os.path.join(placeholders["tmp"], "pip-target")
+        _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, *words[2:]],
+             env, timeout=900)
+        assert list(Path(target, "pykvcache").glob("_core*.so")), "the wheel has no engine"
+        return "installed into a scratch target"
+    if words[:2] == ["vllm", "serve"]:
+        _check_vllm_serve(words)
+        return "parsed by vLLM's serve parser"
+    if words[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]:
+        _serve_openai(env, words, placeholders)
+        return "served completions"
+    raise AssertionError(f"README shows a command no test runs: {command}")
+
+
+def test_the_readme_shows_commands():
+    commands = readme_commands()
+    assert any(c.startswith("make demo") for c in commands)
+    assert any(c.startswith("make test") for c in commands)
+
+
+@pytest.mark.vllm
+@needs_vllm
+@pytest.mark.parametrize("command", readme_commands(), ids=lambda c: c[:60])
+def test_every_readme_command_runs(command, placeholders):
+    print(run_command(command, placeholders))
+
+
+def test_the_python_example_in_the_readme_is_the_tested_file():
+    example = [line.strip() for line in EXAMPLE.read_text().splitlines()]
+    blocks = _blocks("python")
+    assert blocks, "the README shows no Python example"
+    for block in blocks:
+        position = 0
+        for line in block.splitlines():
+            if not line.strip() or line.strip() == "...":
+                continue
+            try:
+                position = example.index(line.strip(), position) + 1
+            except ValueError:
+                pytest.fail(f"README line not in examples/direct_api.py (in order): {line!r}")
