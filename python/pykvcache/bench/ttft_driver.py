@@ -502,7 +502,7 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
     llm = _start_engine(scenario)
     startup_s = time.monotonic() - started
     manager = _manager_of(llm)
-    if manager.gating is None:
+    if manager.gating.gate is None:
         raise RuntimeError("pykvcache's gate is not wired into the manager")
     vcfg = llm.llm_engine.vllm_config
     hf = vcfg.model_config.hf_config

@@ -40,6 +40,38 @@ class Plan:
     longest_read_s: float = 0.0
 
 
+class NoGating:
+    """The null strategy: every chunk a lookup finds is loaded, every chunk offered is stored."""
+
+    gate = None
+    admission = None
+    chunk_tokens = 1
+
+    def allows(self, key: bytes, req_context, state_of, queued_bytes: int) -> bool:
+        return True
+
+    def preload_gate(self) -> AdmissionGate | None:
+        return None
+
+    def drop(self, req_id: Hashable) -> None:
+        pass
+
+    def read_finished(self, key: bytes, ok: bool, latency_s: float = 0.0) -> int:
+        return 0
+
+    def admit_store(self, keys: Sequence[bytes], req_context) -> int:
+        return len(keys)
+
+    def take_counters(self) -> dict[str, float]:
+        return {}
+
+    def gauges(self) -> dict[str, float]:
+        return {}
+
+    def clear(self) -> None:
+        pass
+
+
 class GateWiring:
     def __init__(self, gate: AdmissionGate, *, chunk_tokens: int, chunk_bytes: int,
                  admission: StoreAdmission | None = None,
@@ -54,6 +86,18 @@ class GateWiring:
         self.observations = 0
 
     # -- lookups -------------------------------------------------------------
+    def allows(self, key: bytes, req_context, state_of: Callable[[bytes], ChunkState],
+               queued_bytes: int) -> bool:
+        """Whether this lookup's key is in the request's plan (decided at its first lookup)."""
+        return key in self.plan_for(key, req_context, state_of, queued_bytes).allowed
+
+    def preload_gate(self) -> AdmissionGate:
+        """Same cost model and online refinement, separate counters: a
+        preload's decision is not a request's decision."""
+        g = self.gate
+        return AdmissionGate(g.model, chunk_tokens=g.chunk_tokens, online=g.online,
+                             margin=g.margin, enabled=g.enabled)
+
     def plan_for(self, key: bytes, req_context, state_of: Callable[[bytes], ChunkState],
                  queued_bytes: int) -> Plan:
         req_id = req_context.req_id

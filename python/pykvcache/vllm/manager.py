@@ -54,8 +54,8 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from pykvcache.gate import AdmissionGate, ChunkState
-from pykvcache.vllm.gate_plan import GateWiring
+from pykvcache.gate import ChunkState
+from pykvcache.vllm.gate_plan import GateWiring, NoGating
 from pykvcache.vllm.layout import ChunkLayout
 from pykvcache.vllm.lookahead import Preloader, WaitingRequest
 from pykvcache.vllm.metrics import ManagerMetrics
@@ -105,18 +105,10 @@ class NvmeOffloadingManager(OffloadingManager):
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._closed = False
         self._shm_unlinked = False
-        self.gating = gating
-        chunk_tokens = gating.chunk_tokens if gating is not None else 1
-        preload_gate = None
-        if gating is not None:
-            g = gating.gate
-            # Same cost model and online refinement, separate counters: a
-            # preload's decision is not a request's decision.
-            preload_gate = AdmissionGate(g.model, chunk_tokens=g.chunk_tokens, online=g.online,
-                                         margin=g.margin, enabled=g.enabled)
+        self.gating: GateWiring | NoGating = gating if gating is not None else NoGating()
         self.preloader = Preloader(self, budget_slots=lookahead_slots, window=lookahead_requests,
-                                   gate=preload_gate, chunk_tokens=chunk_tokens,
-                                   by_priority=by_priority)
+                                   gate=self.gating.preload_gate(),
+                                   chunk_tokens=self.gating.chunk_tokens, by_priority=by_priority)
         self._lookup_hold_slots = lookup_hold_slots
         # Staging held by lookups of requests not scheduled yet: key -> holders.
         self._lookup_holders: dict[bytes, set[str]] = {}
@@ -221,11 +213,9 @@ class NvmeOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         req_id = req_context.req_id
-        if self.gating is not None:
-            plan = self.gating.plan_for(key, req_context, self.chunk_state, self.queued_bytes())
-            if key not in plan.allowed:
-                self.metrics.inc("gate_limited_lookups")
-                return LookupResult.MISS
+        if not self.gating.allows(key, req_context, self.chunk_state, self.queued_bytes()):
+            self.metrics.inc("gate_limited_lookups")
+            return LookupResult.MISS
         entry_before = self.cache.get(key)
         if entry_before is None and self._lookup_hold_slots is not None:
             # A new slot for a waiting request while other waiting requests
@@ -265,8 +255,7 @@ class NvmeOffloadingManager(OffloadingManager):
                     del self._lookup_holders[key]
         self._waited.discard(req_id)
         self.preloader.forget(req_id, cancelled=finished)
-        if self.gating is not None:
-            self.gating.drop(req_id)
+        self.gating.drop(req_id)
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         entry = self.cache.get(key)
@@ -316,10 +305,9 @@ class NvmeOffloadingManager(OffloadingManager):
     ) -> PrepareStoreOutput | None:
         self.poll_io()
         keys = list(dict.fromkeys(keys))
-        if self.gating is not None and self.gating.admission is not None:
-            # Admission keeps a prefix: a chunk stored after a skipped one
-            # could never be loaded.
-            keys = keys[: self.gating.admit_store(keys, req_context)]
+        # Admission keeps a prefix: a chunk stored after a skipped one could
+        # never be loaded.
+        keys = keys[: self.gating.admit_store(keys, req_context)]
         new_keys = [
             key for key in keys
             if key not in self.cache and not self.store.contains(key)
@@ -409,8 +397,7 @@ class NvmeOffloadingManager(OffloadingManager):
         self.flush()
         removed = [entry.key for entry in self.cache]
         self.preloader.clear()
-        if self.gating is not None:
-            self.gating.clear()
+        self.gating.clear()
         self._lookup_holders.clear()
         self._lookup_owned.clear()
         self._waited.clear()
@@ -430,11 +417,10 @@ class NvmeOffloadingManager(OffloadingManager):
     def get_stats(self):
         self.poll_io()
         self.preloader.sweep()
-        if self.gating is not None:
-            for name, value in self.gating.take_counters().items():
-                self.metrics.inc(name, value)
-            for name, value in self.gating.gauges().items():
-                self.metrics.set_gauge(name, value)
+        for name, value in self.gating.take_counters().items():
+            self.metrics.inc(name, value)
+        for name, value in self.gating.gauges().items():
+            self.metrics.set_gauge(name, value)
         self.metrics.set_gauge("lookahead_queue_requests", len(self.preloader.queue))
         self.metrics.set_gauge("lookahead_slots_held", len(self.preloader.held))
         self.metrics.set_gauge("lookup_hold_slots", len(self._lookup_holders))
@@ -537,10 +523,8 @@ class NvmeOffloadingManager(OffloadingManager):
     def _finish_read(self, key: bytes) -> None:
         handle = self._reads.pop(key)
         result = handle.wait()
-        if self.gating is not None:
-            self.metrics.inc("gate_load_observations",
-                             self.gating.read_finished(key, result.status == "ok",
-                                                     result.latency_s or 0.0))
+        self.metrics.inc("gate_load_observations",
+                         self.gating.read_finished(key, result.status == "ok", result.latency_s or 0.0))
         if result.status == "ok":
             self.metrics.inc("disk_reads")
             self.metrics.inc("disk_read_bytes", result.length)
