@@ -31,12 +31,12 @@ def make_store(path, pool, **kw):
     return kv.BlockStore([str(path)], pool, **kw)
 
 
-def run_isolated(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    """Runs `code` in a fresh interpreter; a hang is a test failure."""
+def run_isolated(code: str, store_dir, timeout: float = 60) -> subprocess.CompletedProcess:
+    """Runs `code` in a fresh interpreter (`store_dir` is its sys.argv[1]); a hang is a test failure."""
     env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
-                              timeout=timeout, env=env)
+        return subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(store_dir)], capture_output=True,
+                              text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"hung for {timeout} s; output so far: {e.stdout!r} {e.stderr!r}")
 
@@ -106,9 +106,9 @@ def test_store_sizes_and_put_lengths_are_checked(store_dir):
 
 
 REFUSED_OPS = """
-    import os, sys, tempfile, time
+    import sys, time
     import pykvcache as kv
-    d = tempfile.mkdtemp(); os.chmod(d, 0o700)
+    d = sys.argv[1]
     pool = kv.StagingPool(32 << 20, 2)
     # One slow put (8192 transfers of 4 KiB on one I/O thread) keeps slot a busy.
     store = kv.BlockStore([d], pool, namespace="n", capacity_bytes=1 << 30, backend="threads", io_threads=1,
@@ -135,21 +135,21 @@ REFUSED_OPS = """
 """
 
 
-def test_refused_operations_release_their_entry_and_close_completes():
+def test_refused_operations_release_their_entry_and_close_completes(store_dir):
     r = run_isolated(REFUSED_OPS + """
     t0 = time.monotonic()
     store.close()
     print("closed in", round(time.monotonic() - t0, 3))
-    """, timeout=30)
+    """, store_dir, timeout=30)
     assert r.returncode == 0, r.stderr
     assert "refused 12 inflight 0" in r.stdout and "closed in" in r.stdout, r.stdout
 
 
-def test_interpreter_exit_after_refused_operations_does_not_hang():
+def test_interpreter_exit_after_refused_operations_does_not_hang(store_dir):
     # The store is never closed: its destructor runs at interpreter exit.
     r = run_isolated(REFUSED_OPS + """
     print("exiting", flush=True)
-    """, timeout=30)
+    """, store_dir, timeout=30)
     assert r.returncode == 0, r.stderr
     assert "exiting" in r.stdout
 
@@ -277,12 +277,12 @@ def test_huge_timeouts_mean_forever_and_nan_or_negative_are_value_errors(store_d
     pool.release(got[0])
 
 
-def test_max_inflight_out_of_range_is_a_value_error_not_sigabrt():
+def test_max_inflight_out_of_range_is_a_value_error_not_sigabrt(store_dir):
     # Before: 2**33 entries were allocated up front and the process aborted.
     r = run_isolated("""
-    import os, tempfile
+    import sys
     import pykvcache as kv
-    d = tempfile.mkdtemp(); os.chmod(d, 0o700)
+    d = sys.argv[1]
     pool = kv.StagingPool(1 << 20, 2)
     for n in (2**33, 2**64, 0, -1, 65537):
         try:
@@ -294,7 +294,7 @@ def test_max_inflight_out_of_range_is_a_value_error_not_sigabrt():
             raise SystemExit(f"max_inflight={n} accepted")
     with kv.BlockStore([d], pool, namespace="n", capacity_bytes=1 << 30, max_inflight=65536) as store:
         print("max ok", store.inflight())
-    """)
+    """, store_dir)
     assert r.returncode != -signal.SIGABRT, "aborted (SIGABRT)"
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("refused") == 5 and "max ok 0" in r.stdout
