@@ -2,6 +2,14 @@
 
 Hand-written (as pydantic-core does) so that the public surface is reviewed,
 not generated. Every blocking call releases the GIL.
+
+Every ``timeout`` / ``submit_timeout`` is in seconds: ``None`` waits forever,
+and so does any value above 1e9 s (about 31.7 years; ``math.inf`` included).
+NaN or a negative value raises ``ValueError`` naming the argument. Every size
+and count (``slot_bytes``, ``num_slots``, ``capacity_bytes``, ``queue_depth``,
+``segment_bytes``, ``write_segment_bytes``, ``max_inflight``, ``io_threads``,
+``chunk_workers``, a put's ``length``) out of range, negative or past 2**64
+included, raises ``ValueError`` naming it (and its bounds where they are fixed).
 """
 
 from collections.abc import Sequence
@@ -39,6 +47,9 @@ class StagingPool:
     payload. Memory never grows past ``total_bytes``. With ``shm_name`` the
     region is a named shared-memory file (``/dev/shm/<shm_name>``) that other
     processes map with :meth:`attach`.
+
+    ``slot_bytes`` >= 1 and ``num_slots`` in 1..=65535; the whole pool must fit
+    the address space (checked: a size that would wrap raises ``ValueError``).
     """
 
     def __init__(
@@ -76,7 +87,7 @@ class StagingPool:
         """Offset of ``slot``'s payload from ``base_address``."""
     def acquire(self, timeout: float | None = 0.0) -> int:
         """Take a free slot. Blocks (GIL released) up to ``timeout`` seconds
-        (None = forever); raises :class:`PoolExhausted` after that."""
+        (None, or above 1e9 = forever); raises :class:`PoolExhausted` after that."""
     def try_acquire(self) -> int | None: ...
     def release(self, slot: int) -> None:
         """Return a slot. Raises :class:`PykvcacheError` while a view of it is
@@ -121,7 +132,8 @@ class IoHandle:
     def slot(self) -> int: ...
     def done(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> IoResult:
-        """Block (GIL released) until complete; raises TimeoutError on timeout."""
+        """Block (GIL released) until complete; raises TimeoutError on timeout
+        (None, or above 1e9 s = forever)."""
 
 @final
 class BlockStore:
@@ -167,10 +179,24 @@ class BlockStore:
         ``scan_complete``, ``get``/``probe`` work as always but index answers
         (``contains``, ``len``, ``used_bytes``) miss chunks not yet scanned.
         ``preallocate`` allocates each chunk file (fallocate) before writing it:
-        on ext4 a direct write into allocated space is not an extending write."""
+        on ext4 a direct write into allocated space is not an extending write.
+
+        Bounds (``ValueError`` naming the argument otherwise): ``queue_depth``
+        1..=4096, ``max_inflight`` 1..=65536 (the operation table is allocated
+        up front), ``io_threads`` 0..=1024 (0 = from ``queue_depth``),
+        ``chunk_workers`` at most 1024, ``segment_bytes`` a positive multiple
+        of 4096, ``write_segment_bytes`` 0 or a multiple of 4096,
+        ``capacity_bytes`` at least one chunk and below 2**64."""
     def put(self, key: bytes, slot: int, length: int) -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
-        visible atomically once complete; an existing chunk is success."""
+        visible atomically once complete; an existing chunk is success.
+        ``length`` above ``slot_bytes`` is a ``ValueError``. A slot that already
+        has I/O in flight raises :class:`PykvcacheError` (nothing is kept
+        reserved by the refusal); on a closed store, or one closing while this
+        call waits for an operation entry, raises :class:`PykvcacheError`
+        ("store is closed"). An operation admitted just before a concurrent
+        ``close()`` but not yet submitted completes with status ``error``
+        and its slot unpinned."""
     def get(self, key: bytes, slot: int) -> IoHandle:
         """Read chunk ``key`` into ``slot`` and verify it. Status ``miss`` when
         absent, ``corrupt`` when verification fails (the file is then removed)."""
@@ -225,6 +251,8 @@ class BlockStore:
     def inflight(self) -> int: ...
     def stats(self) -> dict[str, int | float | str | bool | list[int]]: ...
     def close(self) -> None:
-        """Drain in-flight I/O, stop the backend. Idempotent."""
+        """Drain in-flight I/O, stop the backend. Idempotent. Callers waiting
+        for an operation entry fail at once ("store is closed"); only I/O
+        already handed to the backend is waited for."""
     def __enter__(self) -> BlockStore: ...
     def __exit__(self, *exc: object) -> None: ...

@@ -75,6 +75,10 @@ pub struct OpContext {
 struct OpEntry {
     generation: u32,
     busy: bool,
+    /// Handed to the backend (`start`): it completes by itself, and closing
+    /// waits for it. An entry reserved but not started belongs to the thread
+    /// submitting it, which either starts, fails or cancels it.
+    started: bool,
     segs_left: u32,
     error: Option<SegmentError>,
     ctx: Option<OpContext>,
@@ -107,6 +111,8 @@ pub struct Finished {
 struct Table {
     entries: Vec<OpEntry>,
     free: Vec<u32>,
+    /// Set by `close`: nothing is reserved or started from then on.
+    closed: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -125,7 +131,8 @@ pub struct OpTable {
 
 impl OpTable {
     pub fn new(capacity: usize) -> Result<Self> {
-        let capacity = capacity.max(1);
+        // u32 indices: the store bounds `max_inflight` far below this.
+        let capacity = capacity.clamp(1, u32::MAX as usize);
         let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if event_fd < 0 {
             return Err(EngineError::last_os("creating completion eventfd"));
@@ -134,6 +141,7 @@ impl OpTable {
             .map(|_| OpEntry {
                 generation: 0,
                 busy: false,
+                started: false,
                 segs_left: 0,
                 error: None,
                 ctx: None,
@@ -143,7 +151,7 @@ impl OpTable {
             })
             .collect();
         Ok(OpTable {
-            table: Mutex::new(Table { entries, free: (0..capacity as u32).rev().collect() }),
+            table: Mutex::new(Table { entries, free: (0..capacity as u32).rev().collect(), closed: false }),
             completed: Condvar::new(),
             freed: Condvar::new(),
             capacity,
@@ -165,9 +173,15 @@ impl OpTable {
         let start = Instant::now();
         let mut t = self.table.lock().unwrap();
         loop {
+            if t.closed {
+                // Also wakes a caller that waited here while the store closed:
+                // it gets this error, not an entry nobody would ever complete.
+                return Err(EngineError::State("store is closed".into()));
+            }
             if let Some(index) = t.free.pop() {
                 let e = &mut t.entries[index as usize];
                 e.busy = true;
+                e.started = false;
                 e.generation = e.generation.wrapping_add(1);
                 e.segs_left = 0;
                 e.error = None;
@@ -188,13 +202,48 @@ impl OpTable {
         }
     }
 
-    pub fn start(&self, id: OpId, ctx: OpContext, segments: u32) {
+    /// Hands the operation to the backend's accounting. Refused (the context
+    /// given back) when the store closed since `allocate`: the backend may be
+    /// gone, so the caller fails the operation instead of submitting it. A
+    /// restart (a put's rewrite after ENOSPC) is always accepted: closing
+    /// waits for it.
+    // The context moves back by value on refusal (rare); boxing it would cost
+    // an allocation on every operation.
+    #[allow(clippy::result_large_err)]
+    pub fn start(&self, id: OpId, ctx: OpContext, segments: u32) -> std::result::Result<(), OpContext> {
         let mut t = self.table.lock().unwrap();
+        let closed = t.closed;
         let e = &mut t.entries[id.index as usize];
+        if closed && !e.started {
+            return Err(ctx);
+        }
+        e.started = true;
         e.ctx = Some(ctx);
         e.segs_left = segments;
         e.piece_crcs.clear();
         e.piece_crcs.resize(segments as usize, (0, 0));
+        Ok(())
+    }
+
+    /// Gives back an entry that was reserved but never started (the
+    /// submission was refused): no completion will ever free it otherwise.
+    pub fn cancel(&self, id: OpId) {
+        let mut t = self.table.lock().unwrap();
+        let e = &t.entries[id.index as usize];
+        if !e.busy || e.generation != id.generation || e.started {
+            debug_assert!(false, "cancel of an operation that is not reserved");
+            return;
+        }
+        Self::free_entry(&mut t, id.index);
+        drop(t);
+        self.freed.notify_one();
+    }
+
+    /// Refuses new operations from now on and wakes every caller waiting for
+    /// an entry (they fail with "store is closed").
+    pub fn close(&self) {
+        self.table.lock().unwrap().closed = true;
+        self.freed.notify_all();
     }
 
     /// Runs `f` on the context of an operation in flight.
@@ -267,7 +316,8 @@ impl OpTable {
     /// Waits for completion; `Ok(None)` on timeout. The entry stays reserved
     /// until `release` so that repeated waits see the same outcome.
     pub fn wait(&self, id: OpId, timeout: Option<Duration>) -> Result<Option<Outcome>> {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A deadline past what Instant can hold is no deadline.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut t = self.table.lock().unwrap();
         loop {
             if let Some(o) = &Self::entry(&mut t, id)?.outcome {
@@ -300,15 +350,19 @@ impl OpTable {
     fn free_entry(t: &mut Table, index: u32) {
         let e = &mut t.entries[index as usize];
         e.busy = false;
+        e.started = false;
         e.outcome = None;
         e.detached = false;
         t.free.push(index);
     }
 
-    /// Waits until nothing is in flight (used when closing).
+    /// Waits until nothing handed to the backend is in flight (used when
+    /// closing, after `close`). Entries only reserved are not waited for:
+    /// their submitter fails or cancels them (`start` refuses once closed),
+    /// so a submission that never started cannot hang the close.
     pub fn drain(&self) {
         let mut t = self.table.lock().unwrap();
-        while t.entries.iter().any(|e| e.busy && e.outcome.is_none()) {
+        while t.entries.iter().any(|e| e.busy && e.started && e.outcome.is_none()) {
             t = self.completed.wait_timeout(t, Duration::from_millis(100)).unwrap().0;
         }
     }
@@ -317,5 +371,102 @@ impl OpTable {
 impl Drop for OpTable {
     fn drop(&mut self) {
         unsafe { libc::close(self.event_fd) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn ctx() -> OpContext {
+        OpContext {
+            kind: OpKind::Get,
+            key: b"k".to_vec(),
+            hash: 1,
+            slot: 0,
+            root: 0,
+            direct: false,
+            read_fd: -1,
+            write_file: None,
+            file_len: 4096,
+            payload_len: 0,
+            started: Instant::now(),
+            background: false,
+            enospc_retried: false,
+            reserved: 0,
+        }
+    }
+
+    #[test]
+    fn a_refused_submission_gives_its_entry_back() {
+        // issue 14 item 6: `release` of an entry that was never started
+        // marked it detached and it stayed busy for good.
+        let ops = OpTable::new(2).unwrap();
+        for _ in 0..10 {
+            let id = ops.allocate(Some(Duration::ZERO)).unwrap();
+            ops.cancel(id);
+        }
+        assert_eq!(ops.in_flight(), 0);
+        let a = ops.allocate(Some(Duration::ZERO)).unwrap();
+        let b = ops.allocate(Some(Duration::ZERO)).unwrap();
+        assert_ne!(a.index, b.index, "both entries are free again");
+        assert!(matches!(ops.allocate(Some(Duration::ZERO)), Err(EngineError::QueueFull { .. })));
+        assert!(ops.is_done(OpId { index: a.index, generation: a.generation.wrapping_sub(1) }).is_err(), "old handles stay stale");
+    }
+
+    #[test]
+    fn close_wakes_waiters_and_refuses_unstarted_operations() {
+        // issue 14 item 8: a caller waiting for an entry while the store
+        // closes must fail, not take an entry after the drain.
+        let ops = Arc::new(OpTable::new(1).unwrap());
+        let held = ops.allocate(None).unwrap();
+        let o = ops.clone();
+        let waiter = std::thread::spawn(move || o.allocate(Some(Duration::from_secs(30))));
+        std::thread::sleep(Duration::from_millis(100));
+        let t0 = Instant::now();
+        ops.close();
+        let err = waiter.join().unwrap().unwrap_err();
+        assert!(err.to_string().contains("closed"), "{err}");
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        // Reserved before the close, started after it: refused, context given back.
+        assert!(ops.start(held, ctx(), 1).is_err());
+        // Not started, so the drain does not wait for it (it would hang).
+        ops.drain();
+        ops.complete(held, Outcome::new(Status::Error, 0, None, "closed"));
+        ops.release(held);
+        assert_eq!(ops.in_flight(), 0);
+        assert!(ops.allocate(Some(Duration::ZERO)).is_err(), "closed tables reserve nothing");
+    }
+
+    #[test]
+    fn started_operations_are_drained_and_may_restart_while_closing() {
+        let ops = Arc::new(OpTable::new(1).unwrap());
+        let id = ops.allocate(None).unwrap();
+        assert!(ops.start(id, ctx(), 1).is_ok());
+        ops.close();
+        // A put's rewrite after ENOSPC restarts a started operation: accepted.
+        let done = ops.segment_done(id.index, Ok(()), None).unwrap();
+        assert!(ops.start(id, done.ctx, 1).is_ok());
+        let o = ops.clone();
+        let finisher = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(100));
+            o.segment_done(id.index, Ok(()), None).unwrap();
+            o.complete(id, Outcome::new(Status::Ok, 0, None, ""));
+        });
+        ops.drain();
+        assert!(ops.is_done(id).unwrap(), "drain returned before the started operation completed");
+        finisher.join().unwrap();
+    }
+
+    #[test]
+    fn huge_wait_timeouts_do_not_overflow_the_clock() {
+        let ops = OpTable::new(1).unwrap();
+        let id = ops.allocate(None).unwrap();
+        assert!(ops.start(id, ctx(), 1).is_ok());
+        ops.segment_done(id.index, Ok(()), None).unwrap();
+        ops.complete(id, Outcome::new(Status::Ok, 0, None, ""));
+        // `Instant::now() + Duration::MAX` panics; a deadline past the clock is none.
+        assert!(ops.wait(id, Some(Duration::MAX)).unwrap().is_some());
     }
 }

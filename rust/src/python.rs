@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pyo3::exceptions::{PyTimeoutError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyMemoryView, PyTuple, PyType};
@@ -67,12 +67,52 @@ fn to_py(err: EngineError) -> PyErr {
     })
 }
 
-fn timeout_of(seconds: Option<f64>) -> PyResult<Option<Duration>> {
+/// Timeouts longer than this (about 31.7 years, `inf` included) mean "wait
+/// forever", like None: `Duration::from_secs_f64` panics past its range and
+/// `Instant + Duration` past the clock's, so huge values never reach them.
+const FOREVER_S: f64 = 1e9;
+
+/// The one conversion of every timeout argument: seconds, None = forever.
+fn timeout_of(name: &str, seconds: Option<f64>) -> PyResult<Option<Duration>> {
     match seconds {
         None => Ok(None),
-        Some(s) if s.is_finite() && s >= 0.0 => Ok(Some(Duration::from_secs_f64(s))),
-        Some(s) => Err(PyValueError::new_err(format!("timeout must be >= 0 seconds, got {s}"))),
+        Some(s) if s.is_nan() || s < 0.0 => Err(PyValueError::new_err(format!("{name} must be >= 0 seconds or None, got {s}"))),
+        Some(s) if s > FOREVER_S => Ok(None),
+        Some(s) => Duration::try_from_secs_f64(s).map(Some).map_err(|e| PyValueError::new_err(format!("{name}: {e}"))),
     }
+}
+
+/// A size or count from Python: an int that fits the engine's type, else a
+/// ValueError naming the argument (PyO3's own conversion raises a bare
+/// OverflowError). The engine then checks the real bounds, naming them too.
+fn int_arg<T: TryFrom<u64>>(ob: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
+    match ob.extract::<u64>() {
+        Ok(v) => T::try_from(v).map_err(|_| PyValueError::new_err(format!("{name} is too large, got {v}"))),
+        Err(e) if e.is_instance_of::<PyOverflowError>(ob.py()) => {
+            let what = if ob.lt(0)? { "must be >= 0" } else { "is too large" };
+            Err(PyValueError::new_err(format!("{name} {what}, got {ob}")))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// One `from_py_with` converter per argument: PyO3 passes no name to it.
+macro_rules! int_args {
+    ($($f:ident: $t:ty = $name:literal;)*) => {
+        $(fn $f(ob: &Bound<'_, PyAny>) -> PyResult<$t> { int_arg(ob, $name) })*
+    };
+}
+int_args! {
+    slot_bytes_arg: usize = "slot_bytes";
+    num_slots_arg: usize = "num_slots";
+    capacity_bytes_arg: u64 = "capacity_bytes";
+    queue_depth_arg: usize = "queue_depth";
+    segment_bytes_arg: usize = "segment_bytes";
+    write_segment_bytes_arg: usize = "write_segment_bytes";
+    max_inflight_arg: usize = "max_inflight";
+    io_threads_arg: usize = "io_threads";
+    chunk_workers_arg: usize = "chunk_workers";
+    length_arg: usize = "length";
 }
 
 // ---- staging
@@ -119,7 +159,12 @@ impl SlotBuffer {
 impl PyStagingPool {
     #[new]
     #[pyo3(signature = (slot_bytes, num_slots, *, shm_name=None))]
-    fn new(py: Python<'_>, slot_bytes: usize, num_slots: usize, shm_name: Option<String>) -> PyResult<Self> {
+    fn new(
+        py: Python<'_>,
+        #[pyo3(from_py_with = slot_bytes_arg)] slot_bytes: usize,
+        #[pyo3(from_py_with = num_slots_arg)] num_slots: usize,
+        shm_name: Option<String>,
+    ) -> PyResult<Self> {
         let inner = py.detach(|| staging::StagingPool::create(slot_bytes, num_slots, shm_name.as_deref())).map_err(to_py)?;
         Ok(PyStagingPool { inner: Arc::new(inner) })
     }
@@ -153,7 +198,7 @@ impl PyStagingPool {
 
     #[pyo3(signature = (timeout=Some(0.0)))]
     fn acquire(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<usize> {
-        let t = timeout_of(timeout)?;
+        let t = timeout_of("timeout", timeout)?;
         let pool = self.inner.clone();
         py.detach(move || pool.acquire(t)).map_err(to_py)
     }
@@ -279,7 +324,7 @@ impl PyIoHandle {
         if let Some(r) = &self.result {
             return Ok(r.clone_ref(py));
         }
-        let t = timeout_of(timeout)?;
+        let t = timeout_of("timeout", timeout)?;
         let (store, id) = (self.store.clone(), self.id);
         let outcome = py.detach(move || store.wait(id, t)).map_err(to_py)?;
         let Some(outcome) = outcome else {
@@ -307,7 +352,9 @@ impl Drop for PyIoHandle {
 
 // ---- store
 
-#[pyclass(name = "BlockStore", module = "pykvcache._core", frozen)]
+// weakref: `pykvcache.aio` ties its per-loop reader to the store object,
+// not to its id() or fd number (both are reused after a store is gone).
+#[pyclass(name = "BlockStore", module = "pykvcache._core", frozen, weakref)]
 struct PyBlockStore {
     inner: Arc<store::BlockStore>,
     submit_timeout: Option<Duration>,
@@ -326,17 +373,17 @@ impl PyBlockStore {
         dirs: Vec<PathBuf>,
         pool: &PyStagingPool,
         namespace: String,
-        capacity_bytes: u64,
-        queue_depth: usize,
+        #[pyo3(from_py_with = capacity_bytes_arg)] capacity_bytes: u64,
+        #[pyo3(from_py_with = queue_depth_arg)] queue_depth: usize,
         backend: &str,
         direct_io: &str,
         register_buffers: bool,
-        segment_bytes: usize,
-        write_segment_bytes: usize,
-        max_inflight: usize,
+        #[pyo3(from_py_with = segment_bytes_arg)] segment_bytes: usize,
+        #[pyo3(from_py_with = write_segment_bytes_arg)] write_segment_bytes: usize,
+        #[pyo3(from_py_with = max_inflight_arg)] max_inflight: usize,
         submit_timeout: Option<f64>,
-        io_threads: usize,
-        chunk_workers: usize,
+        #[pyo3(from_py_with = io_threads_arg)] io_threads: usize,
+        #[pyo3(from_py_with = chunk_workers_arg)] chunk_workers: usize,
         verify: &str,
         recycle_files: bool,
         background_scan: bool,
@@ -369,7 +416,7 @@ impl PyBlockStore {
                 ..Default::default()
             }));
         }
-        let submit_timeout = timeout_of(submit_timeout)?;
+        let submit_timeout = timeout_of("submit_timeout", submit_timeout)?;
         let pool = pool.inner.clone();
         let (store, report) = py.detach(move || store::BlockStore::open(config, pool)).map_err(to_py)?;
         let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
@@ -379,7 +426,7 @@ impl PyBlockStore {
         Ok(PyBlockStore { inner: Arc::new(store), submit_timeout })
     }
 
-    fn put(&self, py: Python<'_>, key: Vec<u8>, slot: usize, length: usize) -> PyResult<PyIoHandle> {
+    fn put(&self, py: Python<'_>, key: Vec<u8>, slot: usize, #[pyo3(from_py_with = length_arg)] length: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
@@ -429,7 +476,7 @@ impl PyBlockStore {
     /// Waits for the open-time index scan (background_scan=True); False on timeout.
     #[pyo3(signature = (timeout=None))]
     fn wait_scan(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<bool> {
-        let t = timeout_of(timeout)?;
+        let t = timeout_of("timeout", timeout)?;
         let store = self.inner.clone();
         Ok(py.detach(move || store.wait_scan(t)))
     }

@@ -108,7 +108,8 @@ impl ScanProgress {
 
     /// Waits until the scan is done; false on timeout.
     pub fn wait(&self, timeout: Option<Duration>) -> bool {
-        let deadline = timeout.map(|t| Instant::now() + t);
+        // A deadline past what Instant can hold is no deadline.
+        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
         let mut st = self.state.lock().unwrap();
         while !st.done {
             let left = match deadline {

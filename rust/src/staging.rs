@@ -18,6 +18,37 @@ const MAP_ALIGN: usize = 2 << 20;
 const TRAILER_BYTES: usize = 4096;
 const TRAILER_MAGIC: u64 = 0x5059_4b56_5354_4731; // "PYKVSTG1"
 
+/// Most slots of one pool: segments name their slot in a u16 (fixed-buffer index).
+pub const MAX_SLOTS: usize = u16::MAX as usize;
+
+/// The slot stride and data length of a pool, every step checked: the sizes
+/// come from users (or, on attach, from a file), and a stride that wrapped
+/// around would alias slots or point outside the mapping. The whole
+/// reservation must also stay within `isize::MAX`, the bound on pointer
+/// offsets and buffer lengths (a Python buffer's length is signed).
+fn layout(slot_bytes: usize, num_slots: usize) -> Result<(usize, usize)> {
+    if slot_bytes == 0 {
+        return Err(EngineError::invalid("slot_bytes must be positive, got 0"));
+    }
+    if num_slots == 0 || num_slots > MAX_SLOTS {
+        return Err(EngineError::invalid(format!("num_slots must be in 1..={MAX_SLOTS}, got {num_slots}")));
+    }
+    let too_big = || {
+        EngineError::invalid(format!(
+            "slot_bytes={slot_bytes} with num_slots={num_slots} is too large: the pool would not fit the address space"
+        ))
+    };
+    let stride = slot_bytes
+        .checked_next_multiple_of(IO_ALIGN)
+        .and_then(|p| p.checked_add(HEADER_BYTES))
+        .ok_or_else(too_big)?;
+    let data_len = stride.checked_mul(num_slots).ok_or_else(too_big)?;
+    match data_len.checked_add(TRAILER_BYTES + MAP_ALIGN) {
+        Some(total) if total <= isize::MAX as usize => Ok((stride, data_len)),
+        _ => Err(too_big()),
+    }
+}
+
 pub struct StagingPool {
     base: *mut u8,
     reserved: *mut u8,
@@ -49,16 +80,7 @@ impl StagingPool {
     /// Creates a pool of `num_slots` slots of `slot_bytes` payload each.
     /// With `shm_name`, backs it by `/dev/shm/<shm_name>` (created exclusively).
     pub fn create(slot_bytes: usize, num_slots: usize, shm_name: Option<&str>) -> Result<Self> {
-        if slot_bytes == 0 || num_slots == 0 {
-            return Err(EngineError::invalid("slot_bytes and num_slots must be positive"));
-        }
-        if num_slots > u16::MAX as usize {
-            return Err(EngineError::invalid("at most 65535 staging slots"));
-        }
-        let stride = HEADER_BYTES + round_up(slot_bytes, IO_ALIGN);
-        let data_len = stride
-            .checked_mul(num_slots)
-            .ok_or_else(|| EngineError::invalid("staging size overflows"))?;
+        let (stride, data_len) = layout(slot_bytes, num_slots)?;
         let mapped_len = data_len + TRAILER_BYTES;
         let (reserved, reserved_len, base) = reserve_aligned(mapped_len)?;
         let result = match shm_name {
@@ -93,7 +115,10 @@ impl StagingPool {
         let trailer = unsafe { std::slice::from_raw_parts(base.add(mapped_len - TRAILER_BYTES), 32) };
         let word = |i: usize| u64::from_le_bytes(trailer[i * 8..i * 8 + 8].try_into().unwrap()) as usize;
         let (magic, slot_bytes, stride, num_slots) = (word(0) as u64, word(1), word(2), word(3));
-        if magic != TRAILER_MAGIC || stride.checked_mul(num_slots).map(|n| n + TRAILER_BYTES) != Some(mapped_len) {
+        // The trailer is file content: its sizes must be the ones `create`
+        // derives, or slot pointers (and views) could reach past the mapping.
+        let consistent = layout(slot_bytes, num_slots).is_ok_and(|(s, d)| s == stride && d.checked_add(TRAILER_BYTES) == Some(mapped_len));
+        if magic != TRAILER_MAGIC || !consistent {
             unsafe { libc::munmap(reserved as *mut _, reserved_len) };
             return Err(EngineError::invalid(format!("{path} is not a pykvcache staging pool")));
         }
@@ -312,7 +337,8 @@ fn shm_path(name: &str) -> Result<String> {
 
 /// Reserves address space with room to align the mapping to 2 MiB.
 fn reserve_aligned(len: usize) -> Result<(*mut u8, usize, *mut u8)> {
-    let reserved_len = len + MAP_ALIGN;
+    // `len` may come from a file's size (attach): checked, never wrapped.
+    let reserved_len = len.checked_add(MAP_ALIGN).ok_or_else(|| EngineError::invalid("staging pool too large for the address space"))?;
     let p = unsafe {
         libc::mmap(std::ptr::null_mut(), reserved_len, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
     };
@@ -381,6 +407,31 @@ mod tests {
         for s in slots {
             pool.release(s).unwrap();
         }
+    }
+
+    #[test]
+    fn sizes_that_would_wrap_or_overflow_are_refused() {
+        // issue 14 item 5: 2**64-1 wrapped the stride to 4096, 2**64-4097 to 0.
+        let cases = [(usize::MAX, 2), (usize::MAX - 4096, 2), (isize::MAX as usize, 1), (1 << 62, 4), (0, 1), (4096, 0), (4096, MAX_SLOTS + 1)];
+        for (slot_bytes, num_slots) in cases {
+            let err = StagingPool::create(slot_bytes, num_slots, None).err();
+            assert!(matches!(err, Some(EngineError::InvalidArgument(_))), "{slot_bytes} x {num_slots}: {err:?}");
+        }
+        let (stride, data_len) = layout(4097, 3).unwrap();
+        assert_eq!((stride, data_len), (HEADER_BYTES + 8192, 3 * (HEADER_BYTES + 8192)));
+    }
+
+    #[test]
+    fn attach_refuses_a_trailer_whose_sizes_disagree() {
+        let name = format!("pykvcache-test-forged-{}", std::process::id());
+        let pool = StagingPool::create(8192, 2, Some(&name)).unwrap();
+        // A slot size beyond the stride (stride x slots still matching the
+        // file): views of it would reach past the mapping.
+        let trailer = unsafe { std::slice::from_raw_parts_mut(pool.region_ptr().add(pool.region_len()), 32) };
+        trailer[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
+        assert!(matches!(StagingPool::attach(&name), Err(EngineError::InvalidArgument(_))));
+        trailer[8..16].copy_from_slice(&8192u64.to_le_bytes());
+        assert!(StagingPool::attach(&name).is_ok());
     }
 
     #[test]

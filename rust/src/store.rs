@@ -23,6 +23,11 @@ use crate::ops::{Finished, OpContext, OpId, OpKind, OpTable, Outcome, PrefixCrc,
 use crate::staging::StagingPool;
 use crate::stats::Stats;
 
+/// Bound on `max_inflight` (the op table is allocated up front, ~200 bytes an entry).
+pub const MAX_INFLIGHT: usize = 1 << 16;
+/// Bound on `io_threads` and `chunk_workers`.
+pub const MAX_THREADS: usize = 1024;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendChoice {
     Auto,
@@ -178,6 +183,25 @@ impl BlockStore {
         if config.queue_depth == 0 || config.queue_depth > 4096 {
             return Err(EngineError::invalid("queue_depth must be in 1..=4096"));
         }
+        // Counts become table sizes and thread counts: bounded, so a typo is
+        // an error and not an allocation failure (abort) or a thread storm.
+        if config.max_inflight == 0 || config.max_inflight > MAX_INFLIGHT {
+            return Err(EngineError::invalid(format!("max_inflight must be in 1..={MAX_INFLIGHT}, got {}", config.max_inflight)));
+        }
+        if config.io_threads > MAX_THREADS {
+            return Err(EngineError::invalid(format!("io_threads must be in 0..={MAX_THREADS} (0 = auto), got {}", config.io_threads)));
+        }
+        if config.chunk_workers > MAX_THREADS {
+            return Err(EngineError::invalid(format!("chunk_workers must be at most {MAX_THREADS}, got {}", config.chunk_workers)));
+        }
+        // Segments of one operation are counted in a u32.
+        let smallest = config.segment_bytes.min(if config.write_segment_bytes == 0 { usize::MAX } else { config.write_segment_bytes });
+        if pool.stride() / smallest >= u32::MAX as usize {
+            return Err(EngineError::invalid(format!(
+                "segment_bytes/write_segment_bytes of {smallest} cut a {}-byte slot into too many segments",
+                pool.stride()
+            )));
+        }
         if config.capacity_bytes < format::file_len(1) as u64 {
             return Err(EngineError::invalid("capacity_bytes is too small to hold one chunk"));
         }
@@ -321,7 +345,8 @@ impl BlockStore {
         }
         let id = self.core.ops.allocate(timeout)?;
         if let Err(e) = pool.pin_io(slot) {
-            self.core.ops.release(id);
+            // Never started: `release` would wait for a completion that never comes.
+            self.core.ops.cancel(id);
             return Err(e);
         }
         let hash = format::key_hash(key);
@@ -373,7 +398,10 @@ impl BlockStore {
         }
         let from = if sealed_now { 0 } else { HEADER_BYTES };
         let header_write = u32::from(!sealed_now);
-        core.ops.start(id, ctx, segment_count(from, file_len, core.write_segment_bytes) as u32 + header_write);
+        if let Err(ctx) = core.ops.start(id, ctx, segment_count(from, file_len, core.write_segment_bytes) as u32 + header_write) {
+            core.fail_early(id, ctx, None, CLOSED_WHILE_SUBMITTING.into());
+            return Ok(id);
+        }
         submit_range(&*self.backend, Transfer::of_slot(pool, id, slot, fd, true, false), from, file_len, core.write_segment_bytes);
         if !sealed_now {
             core.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length });
@@ -402,7 +430,8 @@ impl BlockStore {
         let pool = &self.core.pool;
         let id = self.core.ops.allocate(timeout)?;
         if let Err(e) = pool.pin_io(slot) {
-            self.core.ops.release(id);
+            // Never started: `release` would wait for a completion that never comes.
+            self.core.ops.cancel(id);
             return Err(e);
         }
         let hash = format::key_hash(key);
@@ -634,6 +663,9 @@ impl BlockStore {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
+        // First: callers waiting for an op entry fail now instead of taking
+        // one after the drain and submitting to a stopped backend.
+        self.core.ops.close();
         self.core.scan.stop.store(true, Ordering::Relaxed);
         if let Some(h) = self.scanner.lock().unwrap().take() {
             let _ = h.join();
@@ -653,6 +685,10 @@ impl Drop for BlockStore {
     }
 }
 
+/// The outcome of an operation that reserved its entry just before the store
+/// closed: it fails (its slot unpinned) instead of going to a stopped backend.
+const CLOSED_WHILE_SUBMITTING: &str = "store closed while the operation was being submitted";
+
 /// Transfers `[from, to)` takes at `seg_bytes` a piece (0: one transfer).
 fn segment_count(from: usize, to: usize, seg_bytes: usize) -> usize {
     match (to > from, seg_bytes) {
@@ -667,7 +703,9 @@ fn segment_count(from: usize, to: usize, seg_bytes: usize) -> usize {
 fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
     let seg_bytes = if write { core.write_segment_bytes } else { core.segment_bytes };
     let (file_len, t) = (ctx.file_len, Transfer::of_slot(&core.pool, id, ctx.slot, fd, write, ctx.background));
-    core.ops.start(id, ctx, segment_count(0, file_len, seg_bytes) as u32);
+    if let Err(ctx) = core.ops.start(id, ctx, segment_count(0, file_len, seg_bytes) as u32) {
+        return core.fail_early(id, ctx, None, CLOSED_WHILE_SUBMITTING.into());
+    }
     submit_range(backend, t, 0, file_len, seg_bytes);
 }
 
