@@ -41,7 +41,10 @@ def fill_past_full(kv, store_dir) -> dict:
     slot = pool.acquire()
     records = _Records()
     logging.getLogger("pykvcache").addHandler(records)
-    store = kv.BlockStore([str(store_dir)], pool, namespace="robust-full", capacity_bytes=1 << 40)
+    # min_free_bytes=0: no free-space reserve, so that the filesystem really
+    # fills and the ENOSPC path (evict, retry, lower the capacity) is what runs.
+    store = kv.BlockStore([str(store_dir)], pool, namespace="robust-full", capacity_bytes=1 << 40,
+                          min_free_bytes=0)
     free_at_open = free_bytes(store_dir)
     fs_bytes = free_at_open + chunk_bytes(store_dir)
     keys = [b"full-%03d" % i for i in range(3 * fs_bytes // (PAYLOAD + 4096))]  # 3x the filesystem
@@ -57,6 +60,7 @@ def fill_past_full(kv, store_dir) -> dict:
     assert store.capacity_bytes < fs_bytes, "capacity lowered to what the filesystem holds"
     lowered = [m for m in records.messages if "ENOSPC" in m]
     assert len(lowered) == 1, records.messages
+    assert any("exceeds the storage filesystem size" in m for m in records.messages), records.messages
     # Nothing leaked: every byte the filesystem lost is in a visible chunk.
     assert temp_files(store_dir) == []
     assert free_at_open - free_bytes(store_dir) == chunk_bytes(store_dir)

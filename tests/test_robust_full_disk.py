@@ -9,8 +9,8 @@ import subprocess
 import sys
 
 import pykvcache as kv
-from robust_chunkfmt import chunk_files, get_bytes, payload_for, put_bytes
-from robust_full_disk_check import PAYLOAD, fill_past_full
+from robust_chunkfmt import chunk_files, get_bytes, payload_for, put_bytes, temp_files
+from robust_full_disk_check import PAYLOAD, fill_past_full, free_bytes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
@@ -56,3 +56,96 @@ def test_capacity_above_filesystem_size_on_the_rename_path(mounted):
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert any("O_TMPFILE unsupported" in f for f in report["fallbacks"])
     print("full-disk report (temp + rename):", report)
+
+
+WRITER = r"""
+import os, sys
+path, size = sys.argv[1], int(sys.argv[2])
+written = 0
+try:
+    with open(path, "wb") as f:
+        while written < size:
+            written += f.write(b"x" * min(65536, size - written))
+            f.flush()
+        os.fsync(f.fileno())
+except OSError as e:
+    print(written, e.errno)
+    raise SystemExit(0)
+print(written, 0)
+"""
+
+
+def _second_writer(path, size: int) -> tuple[int, int]:
+    """Another process writes a plain file: (bytes written, errno or 0)."""
+    out = subprocess.run([sys.executable, "-c", WRITER, str(path), str(size)],
+                         capture_output=True, text=True, timeout=60, check=True)
+    written, errno = out.stdout.split()
+    return int(written), int(errno)
+
+
+def _fill(store, pool, slot, prefix: str, count: int) -> list:
+    results = [put_bytes(store, pool, slot, b"%s-%03d" % (prefix.encode(), i),
+                         payload_for(b"%s-%03d" % (prefix.encode(), i), PAYLOAD, PAYLOAD))
+               for i in range(count)]
+    return results
+
+
+def test_free_space_reserve_leaves_room_for_another_writer(mounted, tmp_path):
+    """capacity_bytes far above an 8 MiB filesystem: the store stops 1 MiB
+    short of full (min_free_bytes), so a second process can still write; when
+    that writer takes the space, the store's next puts evict to restore it."""
+    fs = mounted("tmpfs", "size=8m,mode=0700")
+    reserve = 1 * MiB
+    pool = kv.StagingPool(PAYLOAD, 1)
+    slot = pool.acquire()
+    store = kv.BlockStore([str(fs / "kv")], pool, namespace="robust-reserve", capacity_bytes=1 << 40,
+                          min_free_bytes=reserve)
+    assert store.stats()["min_free_bytes"] == [reserve]
+    results = _fill(store, pool, slot, "a", 3 * 8 * MiB // (PAYLOAD + 4096))  # 3x the filesystem
+    assert all(r.ok for r in results), [(r.status, r.message) for r in results if not r.ok][:3]
+    s = store.stats()
+    assert s["write_enospc"] == 0 and s["enospc_retries"] == 0, "the reserve keeps ENOSPC away"
+    assert s["reserve_evictions"] > 0 and s["reserve_refused"] == 0
+    assert free_bytes(fs) >= reserve, free_bytes(fs)
+    assert len(store) > 0
+    # Another process writes into the reserve: it gets every byte.
+    written, errno = _second_writer(fs / "other.log", 768 << 10)
+    assert (written, errno) == (768 << 10, 0)
+    # The store now finds less than its reserve free: its puts evict its own
+    # chunks to give it back, and keep succeeding.
+    before = len(store)
+    results = _fill(store, pool, slot, "b", 8)
+    assert all(r.ok for r in results)
+    assert free_bytes(fs) >= reserve and len(store) < before
+    assert temp_files(fs) == []
+    print("reserve report:", {"chunks": len(store), "free": free_bytes(fs), "reserve": reserve,
+                              "reserve_evictions": store.stats()["reserve_evictions"]})
+    store.close()
+
+
+def test_default_reserve_is_five_percent_and_capacity_above_the_filesystem_warns(mounted, caplog):
+    fs = mounted("tmpfs", "size=8m,mode=0700")
+    total = os.statvfs(fs).f_blocks * os.statvfs(fs).f_frsize
+    pool = kv.StagingPool(PAYLOAD, 1)
+    slot = pool.acquire()
+    with caplog.at_level("WARNING", logger="pykvcache"):
+        store = kv.BlockStore([str(fs)], pool, namespace="robust-reserve", capacity_bytes=1 << 40)
+    assert [r for r in caplog.records if "exceeds the storage filesystem size" in r.getMessage()]
+    reserve = store.stats()["min_free_bytes"][0]
+    assert reserve == int(total * 0.05)
+    assert all(r.ok for r in _fill(store, pool, slot, "c", 2 * 8 * MiB // (PAYLOAD + 4096)))
+    assert free_bytes(fs) >= reserve and store.stats()["write_enospc"] == 0
+    store.close()
+
+
+def test_a_put_that_cannot_keep_the_reserve_is_refused_not_written(mounted):
+    fs = mounted("tmpfs", "size=4m,mode=0700")
+    pool = kv.StagingPool(PAYLOAD, 1)
+    slot = pool.acquire()
+    store = kv.BlockStore([str(fs)], pool, namespace="robust-reserve", capacity_bytes=1 << 40,
+                          min_free_bytes=8 * MiB)
+    r = put_bytes(store, pool, slot, b"refused", payload_for(b"refused", PAYLOAD, PAYLOAD))
+    assert r.status == "error" and r.errno == 28 and "min_free_bytes" in r.message
+    assert not store.contains(b"refused") and chunk_files(fs) == [] and temp_files(fs) == []
+    assert store.stats()["reserve_refused"] == 1
+    store.close()

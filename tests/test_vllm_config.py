@@ -102,3 +102,75 @@ def test_preformat_keys(tmp_path):
     for bad in ("yes", 1, 0, None):
         with pytest.raises(ConfigError, match="preformat must be true, false or"):
             parse_extra_config(_base(tmp_path, preformat=bad))
+
+
+def test_sizes_that_are_not_finite_or_too_large_are_config_errors(tmp_path):
+    # "infGiB" used to escape as a bare OverflowError, "nanGiB" as ValueError
+    # from int(); 2**64 would overflow the engine's 64-bit counter.
+    for name in ("capacity_bytes", "staging_bytes", "lookahead_bytes", "lookup_hold_bytes",
+                 "min_free_bytes"):
+        for bad in ("infGiB", "nanGiB", "-infGiB", "1e400GiB", 2**64, "99999999999TiB"):
+            with pytest.raises(ConfigError, match=name):
+                parse_extra_config(_base(tmp_path, **{name: bad}))
+    for name in ("queue_depth", "block_size", "max_inflight_writes", "lookahead_requests"):
+        with pytest.raises(ConfigError, match=name):
+            parse_extra_config(_base(tmp_path, **{name: 2**64}))
+
+
+def test_free_space_and_insecure_root_keys(tmp_path):
+    cfg = parse_extra_config(_base(tmp_path))
+    assert (cfg.min_free_bytes, cfg.min_free_fraction, cfg.allow_insecure_root) == (None, None, False)
+    cfg = parse_extra_config(_base(tmp_path, min_free_bytes="2GiB", min_free_fraction=0.1,
+                                   allow_insecure_root=True))
+    assert (cfg.min_free_bytes, cfg.min_free_fraction, cfg.allow_insecure_root) == (2 * GIB, 0.1, True)
+    assert parse_extra_config(_base(tmp_path, min_free_bytes=0)).min_free_bytes == 0
+    for bad in (1.0, -0.1, float("nan"), "5%", True):
+        with pytest.raises(ConfigError, match="min_free_fraction"):
+            parse_extra_config(_base(tmp_path, min_free_fraction=bad))
+    with pytest.raises(ConfigError, match="allow_insecure_root must be true or false"):
+        parse_extra_config(_base(tmp_path, allow_insecure_root="yes"))
+
+
+def test_storage_checks_before_anything_starts(tmp_path):
+    from pykvcache.vllm.config import validate_extra_config
+
+    real = tmp_path / "nvme0"
+    real.mkdir(mode=0o700)
+    link = tmp_path / "kv-link"
+    os.symlink(real, link)
+    validate_extra_config(_base(tmp_path, storage_dirs=[str(link)]))  # a symlinked root is fine
+    validate_extra_config(_base(tmp_path, storage_dirs=[str(tmp_path / "new" / "deeper")]))
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    dangling = tmp_path / "dangling"
+    os.symlink(tmp_path / "missing", dangling)
+    cases = [
+        ([str(open_dir)], {}, "world-writable"),
+        ([str(a_file / "sub")], {}, "cannot be created"),
+        ([str(dangling)], {}, "does not exist"),
+        ([str(real), str(link)], {}, "are the same directory"),
+        ([str(real)], {"min_free_bytes": 2**62}, "min_free_bytes"),
+    ]
+    for dirs, extra, fragment in cases:
+        with pytest.raises(ConfigError, match=fragment):
+            validate_extra_config(_base(tmp_path, storage_dirs=dirs, **extra))
+    validate_extra_config(_base(tmp_path, storage_dirs=[str(open_dir)], allow_insecure_root=True))
+    # parse and storage problems together, in one error
+    with pytest.raises(ConfigError) as info:
+        validate_extra_config(_base(tmp_path, storage_dirs=[str(open_dir)], capacity_bytes="infGiB"))
+    assert "capacity_bytes" in str(info.value)
+
+
+def test_the_helper_rejects_bad_settings_when_called(tmp_path):
+    from pykvcache.vllm.config import kv_transfer_config
+
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(ConfigError, match="world-writable"):
+        kv_transfer_config([str(open_dir)], "1GiB")
+    with pytest.raises(ConfigError, match="capacity_bytes"):
+        kv_transfer_config([str(tmp_path / "kv")], "infGiB")

@@ -163,6 +163,8 @@ class BlockStore:
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         allow_insecure_root: bool = False,
+        min_free_bytes: int | None = None,
+        min_free_fraction: float | None = None,
     ) -> None:
         """``chunk_workers`` threads checksum, verify and publish chunks, off the
         caller's and the ring's threads. Reads move in ``segment_bytes`` pieces
@@ -186,7 +188,15 @@ class BlockStore:
         up front), ``io_threads`` 0..=1024 (0 = from ``queue_depth``),
         ``chunk_workers`` at most 1024, ``segment_bytes`` a positive multiple
         of 4096, ``write_segment_bytes`` 0 or a multiple of 4096,
-        ``capacity_bytes`` at least one chunk and below 2**64."""
+        ``capacity_bytes`` at least one chunk and below 2**64.
+
+        ``min_free_bytes``/``min_free_fraction`` keep that much of each storage
+        filesystem free for other writers (the larger of the two; neither given:
+        5% of the filesystem, at most 16 GiB; ``min_free_bytes=0``: none): a put
+        evicts until its chunk fits and the reserve stays free, and fails with
+        ``ENOSPC`` when evicting every chunk there could not keep it. A symlinked
+        storage directory is resolved once, here (symlinks inside the store are
+        refused); a ``capacity_bytes`` above the filesystems' size is logged."""
     def put(self, key: bytes, slot: int, length: int) -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
         visible atomically once complete; an existing chunk is success.

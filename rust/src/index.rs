@@ -173,6 +173,24 @@ impl ChunkIndex {
         out
     }
 
+    /// Least recently used chunks matching `pick` whose bytes cover `need`,
+    /// skipping `keep`. Does not remove them.
+    pub fn victims_where(&self, mut need: u64, keep: u128, pick: impl Fn(u128) -> bool) -> Vec<(u128, u64)> {
+        let mut out = Vec::new();
+        for (_, &hash) in self.lru.iter() {
+            if need == 0 {
+                break;
+            }
+            if hash == keep || !pick(hash) {
+                continue;
+            }
+            let len = self.entries[&hash].file_len;
+            out.push((hash, len));
+            need = need.saturating_sub(len);
+        }
+        out
+    }
+
     fn bump(&mut self) -> u64 {
         self.next_tick += 1;
         self.next_tick
@@ -219,6 +237,18 @@ mod tests {
         assert_eq!(order, vec![1, 2, 10]);
         ix.remove(1);
         assert_eq!(ix.merge_scanned(&[Found { hash: 1, file_len: 10, filler: false }]), 1, "outside a scan nothing is remembered");
+    }
+
+    #[test]
+    fn victims_where_picks_matching_chunks_oldest_first() {
+        let mut ix = ChunkIndex::default();
+        for h in 1..=6u128 {
+            ix.insert(h, 100);
+        }
+        let even: Vec<u128> = ix.victims_where(150, 4, |h| h % 2 == 0).into_iter().map(|(h, _)| h).collect();
+        assert_eq!(even, vec![2, 6], "skips odd keys and the kept one");
+        assert!(ix.victims_where(0, 0, |_| true).is_empty());
+        assert_eq!(ix.victims_where(10_000, 0, |h| h > 4).len(), 2, "at most what matches");
     }
 
     #[test]

@@ -43,13 +43,8 @@ impl Layout {
         }
         let ns_hex = hex(namespace);
         let mut ns_dirs = Vec::with_capacity(roots.len());
-        for root in roots {
-            std::fs::DirBuilder::new()
-                .recursive(true)
-                .mode(perms.dir_mode)
-                .create(root)
-                .map_err(|e| EngineError::io(format!("creating storage directory {}", root.display()), e))?;
-            check_root(root, perms)?;
+        for configured in roots {
+            let root = resolve_root(configured, perms)?;
             let ns_dir = root.join(&ns_hex);
             for sub in 0..=255u8 {
                 let d = ns_dir.join(format!("{sub:02x}"));
@@ -118,6 +113,22 @@ fn require_real_dir(dir: &Path) -> Result<()> {
     Ok(())
 }
 
+/// Creates a configured storage directory if missing and returns its real
+/// path: a symlinked root (`/data/kv -> /mnt/nvme0/kv`) is what an operator
+/// means and is followed here, once; the store then works under the resolved
+/// path, where every directory below is checked to be real
+/// (`require_real_dir`) and chunk opens never follow symlinks.
+pub fn resolve_root(root: &Path, perms: &Permissions) -> Result<PathBuf> {
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(perms.dir_mode)
+        .create(root)
+        .map_err(|e| EngineError::io(format!("creating storage directory {}", root.display()), e))?;
+    let resolved = std::fs::canonicalize(root).map_err(|e| EngineError::io(format!("resolving storage directory {}", root.display()), e))?;
+    check_root(&resolved, perms)?;
+    Ok(resolved)
+}
+
 fn check_root(root: &Path, perms: &Permissions) -> Result<()> {
     let meta = std::fs::symlink_metadata(root).map_err(|e| EngineError::io(format!("inspecting {}", root.display()), e))?;
     if !meta.is_dir() {
@@ -129,14 +140,14 @@ fn check_root(root: &Path, perms: &Permissions) -> Result<()> {
     let me = unsafe { libc::geteuid() };
     if meta.uid() != me {
         return Err(EngineError::invalid(format!(
-            "storage directory {} is owned by uid {}, not by this process (uid {me}); pass allow_insecure_root to accept it",
+            "storage directory {} is owned by uid {}, not by this process (uid {me}); set allow_insecure_root (BlockStore keyword, vLLM key) to accept it",
             root.display(),
             meta.uid()
         )));
     }
     if meta.mode() & 0o002 != 0 {
         return Err(EngineError::invalid(format!(
-            "storage directory {} is world-writable; anyone could plant chunks (chmod o-w, or pass allow_insecure_root)",
+            "storage directory {} is world-writable; anyone could plant chunks (chmod o-w, or set allow_insecure_root: BlockStore keyword, vLLM key)",
             root.display()
         )));
     }

@@ -21,4 +21,4 @@ mod python;
 
 pub use error::{EngineError, Result};
 pub use staging::StagingPool;
-pub use store::{BackendChoice, BlockStore, StoreConfig, VerifyPolicy};
+pub use store::{BackendChoice, BlockStore, FreeSpaceReserve, StoreConfig, VerifyPolicy};

@@ -366,6 +366,7 @@ impl PyBlockStore {
     #[pyo3(signature = (dirs, pool, *, namespace, capacity_bytes, queue_depth=32, backend="auto", direct_io="optional",
                         register_buffers=true, segment_bytes=4<<20, write_segment_bytes=0, max_inflight=1024, submit_timeout=Some(30.0),
                         io_threads=0, chunk_workers=2, verify="full", recycle_files=true, background_scan=false, preallocate=true, dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
+                        min_free_bytes=None, min_free_fraction=None,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -391,6 +392,8 @@ impl PyBlockStore {
         dir_mode: u32,
         file_mode: u32,
         allow_insecure_root: bool,
+        min_free_bytes: Option<u64>,
+        min_free_fraction: Option<f64>,
         _fault_max_transfer: Option<usize>,
         _fault_fail_nth: Option<(u64, i32)>,
     ) -> PyResult<Self> {
@@ -409,6 +412,12 @@ impl PyBlockStore {
         config.background_scan = background_scan;
         config.preallocate = preallocate;
         config.permissions = Permissions { dir_mode, file_mode, allow_insecure_root };
+        if min_free_bytes.is_some() || min_free_fraction.is_some() {
+            config.min_free = store::FreeSpaceReserve::AtLeast {
+                bytes: min_free_bytes.unwrap_or(0),
+                fraction: min_free_fraction.unwrap_or(0.0),
+            };
+        }
         if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
             config.faults = Some(Arc::new(crate::backend::FaultPlan {
                 max_transfer: _fault_max_transfer,
@@ -421,7 +430,10 @@ impl PyBlockStore {
         let (store, report) = py.detach(move || store::BlockStore::open(config, pool)).map_err(to_py)?;
         let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
         for f in &report.fallbacks {
-            logger.call_method1("warning", ("fallback: %s", f))?;
+            logger.call_method1("warning", ("pykvcache fallback: %s", f))?;
+        }
+        for w in &report.warnings {
+            logger.call_method1("warning", ("pykvcache: %s", w))?;
         }
         Ok(PyBlockStore { inner: Arc::new(store), submit_timeout })
     }
@@ -433,7 +445,7 @@ impl PyBlockStore {
         if let Some(notice) = self.inner.take_capacity_notice() {
             // ENOSPC lowered the capacity (on a worker thread, during an earlier put): logged once.
             let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
-            logger.call_method1("warning", ("%s", notice))?;
+            logger.call_method1("warning", ("pykvcache: %s", notice))?;
         }
         Ok(PyIoHandle { store: self.inner.clone(), id, op: "put", key, slot, result: None })
     }
@@ -539,6 +551,7 @@ impl PyBlockStore {
         d.set_item("used_bytes", self.inner.used_bytes())?;
         d.set_item("capacity_bytes", self.inner.capacity_bytes())?;
         d.set_item("configured_capacity_bytes", self.inner.configured_capacity_bytes())?;
+        d.set_item("min_free_bytes", self.inner.min_free_bytes())?;
         d.set_item("backend_cpu_s", self.inner.backend_cpu_ns() as f64 / 1e9)?;
         d.set_item("chunk_worker_cpu_s", self.inner.chunk_worker_cpu_ns() as f64 / 1e9)?;
         let scan = self.inner.scan_report();

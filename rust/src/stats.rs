@@ -35,6 +35,10 @@ pub struct Stats {
     pub enospc_evictions: AtomicU64,
     /// Times ENOSPC lowered the effective capacity.
     pub capacity_lowered: AtomicU64,
+    /// Chunks evicted to keep the free-space reserve (beyond the capacity's).
+    pub reserve_evictions: AtomicU64,
+    /// Puts refused because evicting everything could not keep the reserve.
+    pub reserve_refused: AtomicU64,
     pub read_latency_us: [AtomicU64; 16],
     pub write_latency_us: [AtomicU64; 16],
     pub read_latency_sum_us: AtomicU64,
@@ -96,6 +100,8 @@ impl Stats {
             ("enospc_retries", g(&self.enospc_retries)),
             ("enospc_evictions", g(&self.enospc_evictions)),
             ("capacity_lowered", g(&self.capacity_lowered)),
+            ("reserve_evictions", g(&self.reserve_evictions)),
+            ("reserve_refused", g(&self.reserve_refused)),
             ("read_latency_sum_us", g(&self.read_latency_sum_us)),
             ("write_latency_sum_us", g(&self.write_latency_sum_us)),
         ]

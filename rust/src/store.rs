@@ -95,7 +95,34 @@ pub struct StoreConfig {
     /// Allocate each chunk file (fallocate) before writing it (see `files::preallocate`).
     pub preallocate: bool,
     pub permissions: Permissions,
+    /// Space kept free on each storage filesystem for other writers.
+    pub min_free: FreeSpaceReserve,
     pub faults: SharedFaults,
+}
+
+/// How much of each storage filesystem eviction keeps free for other writers
+/// (logs, downloads, a second store): a put first evicts until its bytes fit
+/// *and* this much stays free, and is refused when even an empty store could
+/// not keep it. Checked with one `statvfs` per put.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum FreeSpaceReserve {
+    /// `DEFAULT_RESERVE_FRACTION` of the filesystem, at most `DEFAULT_RESERVE_MAX` bytes.
+    Default,
+    /// At least these many bytes, and at least this fraction of the filesystem.
+    AtLeast { bytes: u64, fraction: f64 },
+}
+
+pub const DEFAULT_RESERVE_FRACTION: f64 = 0.05;
+pub const DEFAULT_RESERVE_MAX: u64 = 16 << 30;
+
+impl FreeSpaceReserve {
+    /// The reserve in bytes on a filesystem of `total` bytes.
+    pub fn bytes_for(self, total: u64) -> u64 {
+        match self {
+            Self::Default => ((total as f64 * DEFAULT_RESERVE_FRACTION) as u64).min(DEFAULT_RESERVE_MAX),
+            Self::AtLeast { bytes, fraction } => bytes.max((total as f64 * fraction) as u64),
+        }
+    }
 }
 
 impl StoreConfig {
@@ -118,6 +145,7 @@ impl StoreConfig {
             background_scan: false,
             preallocate: true,
             permissions: Permissions::default(),
+            min_free: FreeSpaceReserve::Default,
             faults: None,
         }
     }
@@ -135,6 +163,8 @@ struct Core {
     capacity: AtomicU64,
     /// Set when `capacity` was first lowered; taken once by whoever logs it.
     capacity_notice: Mutex<Option<String>>,
+    /// Bytes kept free on each root's filesystem (`FreeSpaceReserve`); 0 = none.
+    min_free: Vec<u64>,
     /// Bytes of puts between eviction and publication: they count against the
     /// capacity, so that each of several concurrent puts evicts (and can
     /// recycle) its own victim instead of all seeing the same free space.
@@ -165,6 +195,9 @@ pub struct BlockStore {
 /// What an opened store reports about the paths it took.
 pub struct OpenReport {
     pub fallbacks: Vec<String>,
+    /// Configuration that works but is probably not what was meant (the
+    /// capacity exceeds the filesystems): for the caller to log.
+    pub warnings: Vec<String>,
     pub scanned_chunks: usize,
     pub scan_time: Duration,
 }
@@ -205,6 +238,11 @@ impl BlockStore {
         if config.capacity_bytes < format::file_len(1) as u64 {
             return Err(EngineError::invalid("capacity_bytes is too small to hold one chunk"));
         }
+        if let FreeSpaceReserve::AtLeast { fraction, .. } = config.min_free {
+            if !(0.0..1.0).contains(&fraction) {
+                return Err(EngineError::invalid(format!("min_free_fraction must be in [0, 1), not {fraction}")));
+            }
+        }
         let namespace = format::namespace_fingerprint(&config.namespace);
         let layout = Layout::open(&config.dirs, &namespace, &config.namespace, &config.permissions)?;
         let stats = Stats::default();
@@ -237,6 +275,8 @@ impl BlockStore {
             direct_active.push(direct);
         }
 
+        let (min_free, warnings) = free_space_plan(&layout, &config)?;
+
         let (index, scan_progress) = if config.background_scan {
             let mut index = ChunkIndex::default();
             index.begin_scan();
@@ -255,6 +295,7 @@ impl BlockStore {
             configured_capacity: config.capacity_bytes,
             capacity: AtomicU64::new(config.capacity_bytes),
             capacity_notice: Mutex::new(None),
+            min_free,
             reserved: AtomicU64::new(0),
             recycle_files: config.recycle_files,
             preallocate: config.preallocate,
@@ -305,7 +346,7 @@ impl BlockStore {
             }
         }
         let done = core.scan.report();
-        let report = OpenReport { fallbacks: core.stats.fallbacks(), scanned_chunks: done.chunks, scan_time: done.time };
+        let report = OpenReport { fallbacks: core.stats.fallbacks(), warnings, scanned_chunks: done.chunks, scan_time: done.time };
         let store = BlockStore { core, backend, workers: Mutex::new(workers), scanner: Mutex::new(scanner), closed: AtomicBool::new(false) };
         Ok((store, report))
     }
@@ -369,7 +410,13 @@ impl BlockStore {
             reserved: 0,
         };
         let reuse = self.core.recycle_files.then_some(root);
-        let victim = self.core.reserve_room(&mut ctx, reuse);
+        let victim = match self.core.reserve_room(&mut ctx, reuse) {
+            Ok(victim) => victim,
+            Err(refused) => {
+                self.core.fail_early(id, ctx, Some(libc::ENOSPC), refused);
+                return Ok(id);
+            }
+        };
         match self.core.open_chunk_file(&mut ctx, victim) {
             Ok(f) => ctx.write_file = Some(f),
             Err(e) => {
@@ -611,6 +658,11 @@ impl BlockStore {
         self.core.configured_capacity
     }
 
+    /// Bytes kept free on each root's filesystem (`StoreConfig::min_free`).
+    pub fn min_free_bytes(&self) -> Vec<u64> {
+        self.core.min_free.clone()
+    }
+
     /// A message the first time ENOSPC lowered the capacity, once: for the
     /// caller to log (the engine has no logger).
     pub fn take_capacity_notice(&self) -> Option<String> {
@@ -780,6 +832,44 @@ fn chunk_worker(core: &Core, backend: &dyn Backend) {
     }
 }
 
+/// The free-space reserve of each root, and warnings about the capacity:
+/// above the filesystems' size, eviction (by the reserve) is what bounds the
+/// store, not `capacity_bytes`.
+fn free_space_plan(layout: &Layout, config: &StoreConfig) -> Result<(Vec<u64>, Vec<String>)> {
+    let mut reserves = Vec::new();
+    let mut seen = Vec::new();
+    let (mut total, mut kept_free) = (0u64, 0u64);
+    let mut warnings = Vec::new();
+    for dir in layout.ns_dirs() {
+        let space = files::fs_space(dir).map_err(|e| EngineError::io(format!("statvfs {}", dir.display()), e))?;
+        let reserve = config.min_free.bytes_for(space.total);
+        reserves.push(reserve);
+        if seen.contains(&space.fsid) {
+            continue;
+        }
+        seen.push(space.fsid);
+        total = total.saturating_add(space.total);
+        kept_free = kept_free.saturating_add(reserve);
+        if reserve > 0 && space.available < reserve {
+            warnings.push(format!(
+                "only {} bytes free on the filesystem of {} ({} bytes), less than the {reserve} bytes pykvcache keeps free \
+                 (min_free_bytes): puts evict this store's chunks there and are refused while that is not enough",
+                space.available,
+                dir.display(),
+                space.total
+            ));
+        }
+    }
+    if config.capacity_bytes > total {
+        warnings.push(format!(
+            "capacity_bytes ({} bytes) exceeds the storage filesystem size ({total} bytes): the store grows until \
+             {kept_free} bytes are left free (min_free_bytes) and evicts from there",
+            config.capacity_bytes
+        ));
+    }
+    Ok((reserves, warnings))
+}
+
 fn make_backend(config: &StoreConfig, core: &Arc<Core>) -> Result<Box<dyn Backend>> {
     let sink: Arc<dyn SegmentSink> = core.clone();
     let threads = if config.io_threads > 0 { config.io_threads } else { config.queue_depth.clamp(1, 16) };
@@ -814,10 +904,39 @@ fn make_backend(config: &StoreConfig, core: &Arc<Core>) -> Result<Box<dyn Backen
 }
 
 impl Core {
-    /// Makes room for a put and reserves its bytes until it is published or fails.
-    fn reserve_room(&self, ctx: &mut OpContext, reuse: Option<usize>) -> Option<u128> {
+    /// Makes room for a put and reserves its bytes until it is published or
+    /// fails: within the capacity, and keeping the free-space reserve on the
+    /// put's filesystem. Refused (a message) when even evicting every chunk on
+    /// that root could not keep the reserve: other writers' space comes first.
+    fn reserve_room(&self, ctx: &mut OpContext, reuse: Option<usize>) -> std::result::Result<Option<u128>, String> {
         ctx.reserved = ctx.file_len as u64;
-        self.make_room(ctx.reserved, ctx.hash, reuse)
+        let shortfall = self.free_space_shortfall(ctx.root, ctx.reserved);
+        let (victim, unmet) = self.make_room(ctx.reserved, ctx.hash, reuse, shortfall.map(|s| (ctx.root, s)));
+        if unmet > 0 {
+            Stats::add(&self.stats.reserve_refused, 1);
+            let dir = self.layout.ns_dirs()[ctx.root].display();
+            return Err(format!(
+                "not stored: keeping {} bytes free on the filesystem of {dir} (min_free_bytes) needs {unmet} bytes more \
+                 than evicting every chunk there frees",
+                self.min_free[ctx.root]
+            ));
+        }
+        Ok(victim)
+    }
+
+    /// Bytes to free on `root`'s filesystem so that `incoming` more leaves
+    /// its reserve free; None when there is no reserve or no shortfall.
+    /// What other puts reserved counts as not yet allocated (they may have
+    /// fallocated already: then this evicts a little early, never late).
+    fn free_space_shortfall(&self, root: usize, incoming: u64) -> Option<u64> {
+        let reserve = self.min_free[root];
+        if reserve == 0 {
+            return None;
+        }
+        let available = files::fs_space(&self.layout.ns_dirs()[root]).ok()?.available;
+        let pending = self.reserved.load(Ordering::Relaxed);
+        let short = reserve.saturating_add(incoming).saturating_add(pending).saturating_sub(available);
+        (short > 0).then_some(short)
     }
 
     /// Drops a put's reservation (idempotent). A published chunk's bytes move
@@ -830,12 +949,29 @@ impl Core {
     /// the indexed and the reserved ones) fit, and reserves them.
     /// With `reuse` = a root, the first victim on that root is not unlinked:
     /// it leaves the index and is returned for the caller to overwrite.
-    fn make_room(&self, incoming: u64, keep: u128, reuse: Option<usize>) -> Option<u128> {
+    /// With `fs_short` = (root, bytes), also evicts chunks on that root until
+    /// `bytes` are freed there (the free-space reserve); returns what of it no
+    /// chunk could cover.
+    fn make_room(&self, incoming: u64, keep: u128, reuse: Option<usize>, fs_short: Option<(usize, u64)>) -> (Option<u128>, u64) {
         let capacity = self.capacity.load(Ordering::Relaxed);
+        let mut unmet = 0;
         let victims = {
             let index = self.index.lock().unwrap();
             let reserved = self.reserved.fetch_add(incoming, Ordering::Relaxed);
-            index.victims(incoming + reserved, capacity, keep)
+            let mut victims = index.victims(incoming + reserved, capacity, keep);
+            if let Some((root, short)) = fs_short {
+                let on_root = |h: u128| self.layout.root_of(h) == root;
+                let freed: u64 = victims.iter().filter(|(h, _)| on_root(*h)).map(|(_, l)| l).sum();
+                if short > freed {
+                    let chosen: std::collections::HashSet<u128> = victims.iter().map(|(h, _)| *h).collect();
+                    let more = index.victims_where(short - freed, keep, |h| on_root(h) && !chosen.contains(&h));
+                    let got: u64 = more.iter().map(|(_, l)| l).sum();
+                    unmet = (short - freed).saturating_sub(got);
+                    Stats::add(&self.stats.reserve_evictions, more.len() as u64);
+                    victims.extend(more);
+                }
+            }
+            victims
         };
         let mut kept = None;
         for (hash, _) in victims {
@@ -851,7 +987,7 @@ impl Core {
                 Stats::add(&self.stats.evictions, 1);
             }
         }
-        kept
+        (kept, unmet)
     }
 
     /// The file a put writes: the evicted `victim` when it can be claimed,
@@ -1073,7 +1209,7 @@ impl Core {
         };
         if adopted {
             // A chunk another process wrote now counts here too: stay within capacity.
-            self.make_room(0, ctx.hash, None);
+            self.make_room(0, ctx.hash, None, None);
         }
         let len = header.payload_len;
         self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""));
@@ -1116,7 +1252,7 @@ impl Core {
                     self.release_reservation(&mut ctx);
                 }
                 // Concurrent puts each made room for themselves only; trim the overshoot.
-                self.make_room(0, ctx.hash, None);
+                self.make_room(0, ctx.hash, None, None);
                 let len = ctx.payload_len as u64;
                 self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""))
             }
@@ -1146,5 +1282,21 @@ impl SegmentSink for Core {
             }
             self.jobs.push(Job::Finish(done));
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_space_reserve_in_bytes() {
+        let tb = 1u64 << 40;
+        assert_eq!(FreeSpaceReserve::Default.bytes_for(100 << 30), 5 << 30, "5% of a 100 GiB filesystem");
+        assert_eq!(FreeSpaceReserve::Default.bytes_for(4 * tb), DEFAULT_RESERVE_MAX, "capped on large filesystems");
+        let r = FreeSpaceReserve::AtLeast { bytes: 1 << 30, fraction: 0.1 };
+        assert_eq!(r.bytes_for(100 << 30), 10 << 30, "the larger of the two");
+        assert_eq!(r.bytes_for(4 << 30), 1 << 30);
+        assert_eq!(FreeSpaceReserve::AtLeast { bytes: 0, fraction: 0.0 }.bytes_for(tb), 0, "off");
     }
 }

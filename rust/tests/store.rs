@@ -11,7 +11,7 @@ use std::time::Duration;
 use pykvcache::backend::FaultPlan;
 use pykvcache::files::DirectIoPolicy;
 use pykvcache::ops::{OpId, Status};
-use pykvcache::{BackendChoice, BlockStore, StagingPool, StoreConfig};
+use pykvcache::{BackendChoice, BlockStore, FreeSpaceReserve, StagingPool, StoreConfig};
 
 const T: Option<Duration> = Some(Duration::from_secs(30));
 
@@ -176,6 +176,8 @@ fn full_filesystem_case(preallocate: bool) {
     // since Linux 6.6; older kernels run this on the buffered fallback).
     let mut c = config(dir.path(), BackendChoice::IoUring);
     c.preallocate = preallocate;
+    // No free-space reserve: the filesystem must really fill for ENOSPC to happen.
+    c.min_free = FreeSpaceReserve::AtLeast { bytes: 0, fraction: 0.0 };
     let store = open(c, &pool);
     assert!(store.stats().fallbacks().is_empty(), "tmpfs supports fallocate: {:?}", store.stats().fallbacks());
     let a = pool.acquire(T).unwrap();

@@ -272,7 +272,9 @@ def full_disk_tenants(models, workdir, baseline):
     try:
         scenario = {
             "model": models["main"],
-            "llm": {"kv_transfer_config": _kv_config(mnt, 24)},
+            # min_free_bytes 0: no free-space reserve, so the disk really fills
+            # and the ENOSPC path is what runs (the reserve: test_robust_full_disk.py).
+            "llm": {"kv_transfer_config": _kv_config(mnt, 24, min_free_bytes=0)},
             "phases": [
                 {"op": "generate", "name": "tenant_a", "prompts": [{"text": xs[0], "salt": "tenant-a"}]},
                 {"op": "reset_prefix_cache"},

@@ -7,6 +7,7 @@ one crash at a time deep inside a worker process.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -30,6 +31,13 @@ BACKENDS = ("auto", "io_uring", "threads")
 DIRECT_IO_POLICIES = ("required", "optional", "disabled")
 
 GIB = 1 << 30
+
+#: Largest byte size accepted (the engine counts bytes in 64 bits).
+MAX_BYTES = (1 << 63) - 1
+#: Largest count accepted for integer keys (block_size, max_inflight_writes, ...).
+MAX_COUNT = 1 << 31
+#: The engine's io_uring queue depth limit.
+MAX_QUEUE_DEPTH = 4096
 
 #: Share of ``staging_bytes`` that preloads for waiting requests may hold, and
 #: that lookups of waiting (not yet scheduled) requests may hold, by default.
@@ -79,6 +87,12 @@ class PykvcacheConfig:
     lookahead_bytes: int | None = None
     lookahead_requests: int = 8
     lookup_hold_bytes: int | None = None
+    # Free space kept on each storage filesystem for other writers; None = the
+    # engine's default (5% of the filesystem, at most 16 GiB), 0 = none.
+    min_free_bytes: int | None = None
+    min_free_fraction: float | None = None
+    # Accept a storage root owned by another user or world-writable.
+    allow_insecure_root: bool = False
 
     @classmethod
     def keys(cls) -> frozenset[str]:
@@ -89,39 +103,49 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _parse_size(name: str, value: Any, problems: list[str]) -> int | None:
-    """Byte sizes: a positive int, or a string with a binary suffix ("64GiB")."""
+def _size_value(value: Any) -> int | None:
+    """The byte count a size means, or None when it is not one (negative,
+    not finite, unparsable); may exceed MAX_BYTES."""
     if _is_int(value):
-        if value <= 0:
-            problems.append(f"{name} must be > 0 (got {value})")
-            return None
-        return value
-    if isinstance(value, str):
-        text = value.strip().replace(" ", "")
-        units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-                 "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
-        for suffix, mult in units.items():
-            if text.upper().endswith(suffix):
-                number = text[: -len(suffix)]
-                try:
-                    parsed = int(float(number) * mult)
-                except ValueError:
-                    break
-                if parsed > 0:
-                    return parsed
-                break
-        else:
-            if text.isdigit() and int(text) > 0:
-                return int(text)
+        return value if value >= 0 else None
+    if not isinstance(value, str):
+        return None
+    text = value.strip().replace(" ", "")
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
+             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    for suffix, mult in units.items():
+        if text.upper().endswith(suffix):
+            try:
+                number = float(text[: -len(suffix)])
+            except ValueError:
+                return None
+            # "infGiB", "nanGiB", "1e400GiB": not sizes (int() of them would
+            # raise OverflowError/ValueError, not a ConfigError).
+            if not math.isfinite(number) or number < 0:
+                return None
+            return int(number * mult)
+    return int(text) if text.isdigit() else None
+
+
+def _parse_size(name: str, value: Any, problems: list[str], *, allow_zero: bool = False) -> int | None:
+    """Byte sizes: a positive int, or a string with a suffix ("64GiB", "2TB")."""
+    parsed = _size_value(value)
+    if parsed is not None and parsed > MAX_BYTES:
+        problems.append(f"{name} must be at most {MAX_BYTES} bytes (got {value!r})")
+        return None
+    if parsed is not None and (parsed > 0 or allow_zero):
+        return parsed
     problems.append(
-        f"{name} must be a positive number of bytes or a string such as '64GiB' (got {value!r})"
+        f"{name} must be a {'' if allow_zero else 'positive '}number of bytes or a string "
+        f"such as '64GiB' (got {value!r})"
     )
     return None
 
 
-def _parse_positive_int(name: str, value: Any, problems: list[str]) -> int | None:
-    if not _is_int(value) or value <= 0:
-        problems.append(f"{name} must be a positive integer (got {value!r})")
+def _parse_positive_int(name: str, value: Any, problems: list[str],
+                        limit: int = MAX_COUNT) -> int | None:
+    if not _is_int(value) or not 0 < value <= limit:
+        problems.append(f"{name} must be a positive integer, at most {limit} (got {value!r})")
         return None
     return value
 
@@ -151,7 +175,8 @@ def _parse_dirs(value: Any, problems: list[str]) -> tuple[str, ...] | None:
         return None
     dirs: list[str] = []
     for item in value:
-        if not isinstance(item, (str, os.PathLike)) or not os.fspath(item).strip():
+        if not isinstance(item, (str, os.PathLike)) or not os.fspath(item).strip() \
+                or "\0" in os.fspath(item):
             problems.append(f"storage_dirs entries must be non-empty paths (got {item!r})")
             continue
         path = os.path.abspath(os.path.expanduser(os.fspath(item)))
@@ -191,7 +216,18 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
 
     for name in ("block_size", "blocks_per_chunk", "queue_depth", "max_inflight_writes"):
         if extra.get(name) is not None:
-            values[name] = _parse_positive_int(name, extra[name], problems)
+            limit = MAX_QUEUE_DEPTH if name == "queue_depth" else MAX_COUNT
+            values[name] = _parse_positive_int(name, extra[name], problems, limit)
+    if extra.get("min_free_bytes") is not None:
+        values["min_free_bytes"] = _parse_size("min_free_bytes", extra["min_free_bytes"], problems,
+                                               allow_zero=True)
+    if extra.get("min_free_fraction") is not None:
+        fraction = extra["min_free_fraction"]
+        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
+                or not 0 <= fraction < 1:
+            problems.append(f"min_free_fraction must be a number in [0, 1) (got {fraction!r})")
+        else:
+            values["min_free_fraction"] = float(fraction)
     if extra.get("block_size") is not None and extra.get("blocks_per_chunk") is not None:
         problems.append("give only one of block_size (tokens per chunk) and blocks_per_chunk")
 
@@ -201,7 +237,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
         else:
             problems.append(f"preformat must be true, false or \"background\" (got {extra['preformat']!r})")
     for name in ("register_buffers", "offload_prompt_only", "wipe_on_reset", "gate",
-                 "gate_online", "store_second_sighting", "fingerprint_weights"):
+                 "gate_online", "store_second_sighting", "fingerprint_weights",
+                 "allow_insecure_root"):
         if name in extra:
             values[name] = _parse_bool(name, extra[name], problems)
     if "backend" in extra:
@@ -266,10 +303,73 @@ def _parse_gate_and_lookahead(extra: Mapping[str, Any], values: dict[str, Any],
                 values[name] = _parse_size(name, extra[name], problems)
     if "lookahead_requests" in extra:
         value = extra["lookahead_requests"]
-        if not _is_int(value) or value < 0:
-            problems.append(f"lookahead_requests must be an integer >= 0 (got {value!r})")
+        if not _is_int(value) or not 0 <= value <= MAX_COUNT:
+            problems.append(f"lookahead_requests must be an integer in 0..{MAX_COUNT} (got {value!r})")
         else:
             values["lookahead_requests"] = value
+
+
+def storage_problems(config: PykvcacheConfig) -> list[str]:
+    """What the engine would refuse about ``storage_dirs``, found without
+    creating anything (so that it can run in vLLM's front-end process, before
+    a model loads): each directory resolved through symlinks, usable (an
+    existing directory or creatable under a writable one), writable, owned by
+    this user and not world-writable (unless ``allow_insecure_root``), no two
+    entries the same directory, and a free-space reserve smaller than its
+    filesystem. The engine checks the same again when it opens the store."""
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    uid = os.geteuid()
+    for entry in config.storage_dirs:
+        real = os.path.realpath(entry)
+        if real in seen:
+            problems.append(f"storage_dirs entries {seen[real]} and {entry} are the same directory ({real})")
+            continue
+        seen[real] = entry
+        shown = entry if real == entry else f"{entry} (-> {real})"
+        if os.path.isdir(real):
+            st = os.stat(real)
+            if not config.allow_insecure_root and st.st_uid != uid:
+                problems.append(f"storage directory {shown} is owned by uid {st.st_uid}, not by this "
+                                f"process (uid {uid}); set allow_insecure_root: true to accept it")
+            elif not config.allow_insecure_root and st.st_mode & 0o002:
+                problems.append(f"storage directory {shown} is world-writable; anyone could plant "
+                                "chunks (chmod o-w, or set allow_insecure_root: true)")
+            if not os.access(real, os.W_OK | os.X_OK):
+                problems.append(f"storage directory {shown} is not writable by this process (uid {uid})")
+            existing = real
+        elif os.path.lexists(entry) and not os.path.exists(entry):
+            problems.append(f"storage_dirs entry {entry} is a symlink to {real}, which does not exist")
+            continue
+        elif os.path.lexists(real):
+            continue  # not a directory: reported by _parse_dirs
+        else:
+            existing = os.path.dirname(real)
+            while not os.path.exists(existing):
+                existing = os.path.dirname(existing)
+            if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+                problems.append(f"storage directory {shown} does not exist and cannot be created: "
+                                f"{existing} is not a writable directory")
+                continue
+        if config.min_free_bytes:
+            st = os.statvfs(existing)
+            size = st.f_blocks * st.f_frsize
+            if config.min_free_bytes >= size:
+                problems.append(f"min_free_bytes ({config.min_free_bytes}) is not smaller than the "
+                                f"filesystem of {shown} ({size} bytes): nothing could be stored")
+    return problems
+
+
+def validate_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
+    """:func:`parse_extra_config` plus :func:`storage_problems`: everything that
+    can be checked before a model loads, reported in one :class:`ConfigError`."""
+    config = parse_extra_config(extra)
+    problems = storage_problems(config)
+    if problems:
+        raise ConfigError(
+            "invalid pykvcache settings in kv_connector_extra_config:\n  - " + "\n  - ".join(problems)
+        )
+    return config
 
 
 def lookahead_budget_bytes(config: PykvcacheConfig) -> int:
@@ -287,8 +387,12 @@ def lookup_hold_budget_bytes(config: PykvcacheConfig) -> int:
 def kv_transfer_config(storage_dirs: list[str], capacity_bytes: int | str, **extra: Any) -> dict[str, Any]:
     """The ``kv_transfer_config`` dict that selects pykvcache's spec on vLLM's
     stock ``OffloadingConnector`` (pass it to ``vllm.LLM`` or as JSON to
-    ``--kv-transfer-config``); ``extra`` adds further keys of the table in the README."""
-    return {
+    ``--kv-transfer-config``); ``extra`` adds further keys of the table in the README.
+
+    Validated here (:func:`validate_extra_config`, raises :class:`ConfigError`):
+    vLLM hands the connector's settings to pykvcache only after the model has
+    loaded, so this is the earliest place a mistake can be reported."""
+    config = {
         "kv_connector": "OffloadingConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
@@ -299,3 +403,5 @@ def kv_transfer_config(storage_dirs: list[str], capacity_bytes: int | str, **ext
             **extra,
         },
     }
+    validate_extra_config(config["kv_connector_extra_config"])
+    return config

@@ -26,11 +26,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 )
 from vllm.v1.kv_offload.base import make_offload_key
 
-from pykvcache.vllm.config import ConfigError
+from pykvcache.vllm.config import ConfigError, validate_extra_config
 from pykvcache.vllm.host_config import publishing
+from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.lookahead import WaitingRequest
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
+route_engine_logs()
 
 SPEC_DEFAULTS = {"spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm"}
 
@@ -74,10 +76,28 @@ class PyKvCacheConnector(OffloadingConnector):
         ]
 
     @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # The one hook vLLM calls with the connector's settings in the
+        # front-end process before any model loads (while building the
+        # VllmConfig, when CUDA graphs are on): reject bad settings there, once,
+        # instead of in every worker after the model has loaded.
+        validate_extra_config({**SPEC_DEFAULTS, **(extra_config or {})})
+        return super().requires_piecewise_for_cudagraph(extra_config)
+
+    @classmethod
     def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
         _default_spec(vllm_config)
-        return super().build_prom_metrics(vllm_config, metric_types, labelnames,
+        prom = super().build_prom_metrics(vllm_config, metric_types, labelnames,
                                           per_engine_labelvalues)
+        # vLLM creates a labelled series on its first observation; observing
+        # every pykvcache counter at 0 now makes each series exist from
+        # start-up (a dashboard sees 0, not "no data", before any request).
+        from pykvcache.vllm.metrics import zero_counter_stats
+
+        zeros = zero_counter_stats()
+        for engine_idx in per_engine_labelvalues:
+            prom.observe(zeros.data, engine_idx)
+        return prom
 
     def on_new_request(self, request) -> None:
         super().on_new_request(request)

@@ -100,6 +100,9 @@ class NvmeOffloadingManager(OffloadingManager):
         self._max_inflight_writes = max(1, max_inflight_writes)
         self._reads: dict[bytes, object] = {}  # key -> IoHandle
         self._writes: dict[bytes, object] = {}
+        # (status, errno) of write failures logged so far: each kind is logged
+        # once at WARNING (a full disk would otherwise log every chunk).
+        self._write_failures_logged: set[tuple[str, int | None]] = set()
         self._write_queue: list[bytes] = []  # stored in staging, not yet submitted
         self._load_pins: dict[str, list[bytes]] = {}
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -569,8 +572,13 @@ class NvmeOffloadingManager(OffloadingManager):
             self.metrics.observe("disk_write_latency_seconds", result.latency_s)
         else:
             self.metrics.inc("write_errors")
-            logger.warning("pykvcache: write of chunk %s failed (%s: %s)",
-                           key.hex(), result.status, result.message)
+            kind = (result.status, result.errno)
+            first = kind not in self._write_failures_logged
+            self._write_failures_logged.add(kind)
+            logger.log(logging.WARNING if first else logging.DEBUG,
+                       "pykvcache: write of chunk %s failed (%s: %s)%s", key.hex(), result.status,
+                       result.message, "; further failures like it are counted in write_errors"
+                       if first else "")
         self.cache.unpin(key)
 
     def _emit(self, keys: list[bytes], *, removed: bool) -> None:

@@ -93,6 +93,18 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     return defs
 
 
+def zero_counter_stats():
+    """vLLM's stats object with every pykvcache counter increased by 0."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
+        OffloadingConnectorStats,
+    )
+
+    stats = OffloadingConnectorStats()
+    for name in COUNTERS:
+        stats.increase_counter(PREFIX + name, 0)
+    return stats
+
+
 class ManagerMetrics:
     """Cumulative totals (for :meth:`snapshot`) plus the increments not yet
     handed to vLLM (for :meth:`take_stats`)."""
@@ -100,7 +112,10 @@ class ManagerMetrics:
     def __init__(self) -> None:
         self.totals: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self.gauges: dict[str, float] = {}
-        self._pending_counters: dict[str, float] = {}
+        # Every counter at 0 in the first report: with the stock
+        # OffloadingConnector (no start-up hook) the series then exist from the
+        # first engine step on, not only after their first increment.
+        self._pending_counters: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self._pending_hist: dict[str, list[float]] = {}
         self._pending_gauges: dict[str, float] = {}
 

@@ -19,9 +19,10 @@ from pykvcache.vllm.config import (
     PykvcacheConfig,
     lookahead_budget_bytes,
     lookup_hold_budget_bytes,
-    parse_extra_config,
+    validate_extra_config,
 )
 from pykvcache.vllm.layout import ChunkLayout, round_up, staging_shm_name
+from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions
 from pykvcache.vllm.host_config import find_vllm_config
 from pykvcache.vllm.model_identity import model_identity
@@ -31,20 +32,27 @@ from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
+route_engine_logs()
+
 #: The fewest staging slots that let one chunk be written while another loads.
 MIN_STAGING_SLOTS = 4
+#: The most the engine's staging pool holds (slot numbers are 16-bit).
+MAX_STAGING_SLOTS = 65535
 
 
 class NvmeOffloadingSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]):
-        # Runs in the front-end process: the earliest place to reject bad settings.
-        parse_extra_config(extra_config)
+        # Runs in the front-end process, but only once the engine is up (vLLM
+        # builds its stat loggers after the engine core handshake): the early
+        # check is pykvcache.vllm.kv_transfer_config and, on CUDA,
+        # PyKvCacheConnector.requires_piecewise_for_cudagraph.
+        validate_extra_config(extra_config)
         return metric_definitions()
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self.settings: PykvcacheConfig = parse_extra_config(self.extra_config)
+        self.settings: PykvcacheConfig = validate_extra_config(self.extra_config)
         self.offload_prompt_only = self.settings.offload_prompt_only
         self.layout = ChunkLayout(
             blocks_per_chunk=self.blocks_per_chunk,
@@ -66,6 +74,22 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 f"staging_bytes={self.settings.staging_bytes} holds {self.num_slots} chunk(s) of "
                 f"{self.layout.payload_bytes} bytes; give at least "
                 f"{MIN_STAGING_SLOTS * slot_footprint} bytes or use a smaller block_size"
+            )
+        if self.num_slots > MAX_STAGING_SLOTS:
+            most = MAX_STAGING_SLOTS * slot_footprint
+            raise ConfigError(
+                f"staging_bytes={self.settings.staging_bytes} would hold {self.num_slots} staging "
+                f"slots of {slot_footprint} bytes, more than the {MAX_STAGING_SLOTS} the engine "
+                f"supports; give staging_bytes at most {most} ({most / (1 << 30):.1f} GiB) "
+                "or a larger block_size"
+            )
+        if self.settings.capacity_bytes < slot_footprint:
+            # The engine would start and then refuse every write.
+            raise ConfigError(
+                f"capacity_bytes={self.settings.capacity_bytes} is smaller than one chunk file "
+                f"({slot_footprint} bytes: {self.layout.payload_bytes} bytes of KV per chunk plus "
+                f"its header); give at least {slot_footprint} bytes (many chunks' worth to be "
+                "useful) or use a smaller block_size"
             )
         self.chunk_tokens = self.blocks_per_chunk * (self.tokens_per_block[0]
                                                      if self.tokens_per_block else 1)
@@ -123,8 +147,9 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 second_sighting=s.store_second_sighting,
             )
         be = gate.break_even_tokens()
+        # The reason for a default cost model was logged as a warning already.
         logger.info("pykvcache gate: %s, cost model from %s, break-even %s tokens%s",
-                    "on" if s.gate else "off (loads everything, counts)", source,
+                    "on" if s.gate else "off (loads everything, counts)", source.split(":", 1)[0],
                     "never" if be == float("inf") else f"{be:.0f}",
                     f", store admission min_tokens={s.store_min_tokens} "
                     f"second_sighting={s.store_second_sighting}" if admission else "")
@@ -145,6 +170,9 @@ class NvmeOffloadingSpec(OffloadingSpec):
             backend=s.backend,
             direct_io=s.direct_io,
             register_buffers=s.register_buffers,
+            allow_insecure_root=s.allow_insecure_root,
+            min_free_bytes=s.min_free_bytes,
+            min_free_fraction=s.min_free_fraction,
         )
 
     def get_manager(self):
@@ -180,11 +208,15 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 lookup_hold_slots=lookup_hold_budget_bytes(self.settings) // self.slot_footprint,
             )
             logger.info(
-                "pykvcache: namespace %s on %s: %d chunk(s) found, %d staging slots of %d bytes, "
-                "backend %s, direct I/O %s, fixed buffers %s",
-                self.namespace, ", ".join(self.settings.storage_dirs), len(store),
-                self.num_slots, self.layout.payload_bytes, store.backend, store.direct_io,
-                store.fixed_buffers,
+                "pykvcache: namespace %s on %s: capacity_bytes %d (%.2f GiB; keeps %s free on "
+                "the filesystem), %d chunk(s) found using %d bytes; staging_bytes %d (%.1f MiB): "
+                "%d slots of %d bytes of KV; backend %s, direct I/O %s, fixed buffers %s",
+                self.namespace, ", ".join(self.settings.storage_dirs),
+                store.capacity_bytes, store.capacity_bytes / (1 << 30),
+                " + ".join(f"{b / (1 << 30):.2f} GiB" for b in store.stats()["min_free_bytes"]),
+                len(store), store.used_bytes, self.settings.staging_bytes,
+                self.settings.staging_bytes / (1 << 20), self.num_slots,
+                self.layout.payload_bytes, store.backend, store.direct_io, store.fixed_buffers,
             )
             if self.settings.preformat == "background":
                 free = store.capacity_bytes - store.committed_bytes

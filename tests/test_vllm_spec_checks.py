@@ -1,0 +1,138 @@
+"""Start-up checks of NvmeOffloadingSpec that need the chunk size (known only
+once vLLM describes the KV cache): built from a real vLLM OffloadingConfig,
+no engine process."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+BYTES_PER_BLOCK = 65536  # 2 blocks per chunk -> 128 KiB of KV, a 132 KiB file
+
+
+def _config(extra: dict):
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
+        OffloadingModelConfig, OffloadingParallelConfig,
+    )
+
+    return OffloadingConfig(
+        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
+        worker_kv_bytes_per_block=BYTES_PER_BLOCK, enable_kv_cache_events=False,
+        extra_config={"spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm",
+                      "blocks_per_chunk": 2, **extra},
+        engine_id="e", model=OffloadingModelConfig("/m/tiny", "float32"),
+        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1,
+            data_parallel_rank_local=None, is_parallelism_agnostic=False),
+        kv_cache_layout="LBHNC",
+    )
+
+
+def _spec(tmp_path, **extra):
+    from pykvcache.vllm.spec import NvmeOffloadingSpec
+
+    extra.setdefault("storage_dirs", [str(tmp_path / "kv")])
+    extra.setdefault("capacity_bytes", "1GiB")
+    extra.setdefault("staging_bytes", "8MiB")
+    return NvmeOffloadingSpec(_config(extra))
+
+
+def test_capacity_below_one_chunk_is_refused_at_start_up(tmp_path):
+    from pykvcache.vllm.config import ConfigError
+
+    chunk_file = 4096 + 2 * BYTES_PER_BLOCK
+    with pytest.raises(ConfigError, match=rf"capacity_bytes=8192 is smaller than one chunk file \({chunk_file} bytes"):
+        _spec(tmp_path, capacity_bytes=8192)
+    assert _spec(tmp_path, capacity_bytes=chunk_file).settings.capacity_bytes == chunk_file
+
+
+def test_staging_beyond_the_slot_limit_names_the_key_and_what_fits(tmp_path):
+    from pykvcache.vllm.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _spec(tmp_path, staging_bytes="100TiB")
+    message = str(info.value)
+    most = 65535 * (4096 + 2 * BYTES_PER_BLOCK)
+    assert "staging_bytes" in message and f"at most {most}" in message, message
+
+
+def test_storage_keys_reach_the_engine(tmp_path):
+    """allow_insecure_root (the world-writable error tells vLLM users to set
+    it) and the free-space reserve are passed to the BlockStore."""
+    from pykvcache._core import StagingPool
+    from pykvcache.vllm.config import ConfigError
+
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(ConfigError, match="world-writable.*allow_insecure_root"):
+        _spec(tmp_path, storage_dirs=[str(open_dir)])
+    spec = _spec(tmp_path, storage_dirs=[str(open_dir)], allow_insecure_root=True,
+                 min_free_bytes="64MiB")
+    pool = StagingPool(spec.layout.payload_bytes, 4)
+    store = spec._open_store(pool)
+    try:
+        assert store.stats()["min_free_bytes"] == [64 << 20]
+    finally:
+        store.close()
+        pool.close()
+
+
+def test_the_first_stats_report_lists_every_counter_at_zero():
+    """With the stock OffloadingConnector vLLM creates a series on its first
+    observation: the manager's first report carries every counter (at 0)."""
+    from pykvcache.vllm.metrics import COUNTERS, PREFIX, ManagerMetrics
+
+    metrics = ManagerMetrics()
+    first = metrics.take_stats()
+    assert first is not None
+    values = first.reduce()
+    assert all(values[PREFIX + name] == 0 for name in COUNTERS)
+    assert metrics.take_stats() is None, "then only increments"
+    metrics.inc("disk_reads")
+    assert metrics.take_stats().reduce() == {PREFIX + "disk_reads": 1}
+
+
+def test_the_connector_checks_settings_in_vllms_front_end_hook(tmp_path):
+    """requires_piecewise_for_cudagraph is what vLLM calls with the settings
+    while it builds its config (CUDA graphs on), before any model loads."""
+    from pykvcache.vllm.config import ConfigError
+    from pykvcache.vllm.connector import PyKvCacheConnector
+
+    good = {"storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "1GiB"}
+    assert PyKvCacheConnector.requires_piecewise_for_cudagraph(good) is False
+    with pytest.raises(ConfigError, match="capacity_bytes"):
+        PyKvCacheConnector.requires_piecewise_for_cudagraph({**good, "capacity_bytes": "infGiB"})
+
+
+def test_a_kind_of_write_failure_is_logged_once_and_counted_always(tmp_path, caplog):
+    """A store that cannot keep its free-space reserve refuses every write:
+    one warning, not one per chunk; write_errors counts each."""
+    import logging
+
+    from test_vllm_manager import LAYOUT, Harness
+
+    from pykvcache import BlockStore
+
+    h = Harness(tmp_path / "kv")
+    h.manager.store.close()
+    h.manager.store = BlockStore(h.dirs, h.pool, namespace="test-ns", capacity_bytes=1 << 30,
+                                 min_free_bytes=(1 << 62))
+    try:
+        with caplog.at_level(logging.DEBUG, logger="vllm.pykvcache"):
+            h.store([1, 2, 3])
+            h.settle()
+        failed = [r for r in caplog.records if "write of chunk" in r.getMessage()]
+        assert [r.levelno for r in failed] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+        assert "min_free_bytes" in failed[0].getMessage()
+        assert h.manager.metrics.totals["write_errors"] == 3
+        assert LAYOUT.payload_bytes > 0
+    finally:
+        h.close()
