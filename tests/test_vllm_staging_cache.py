@@ -110,3 +110,28 @@ def test_mark_ready_records_origin(pool):
     cache.mark_ready(_key(0), Origin.DISK)
     entry = cache.get(_key(0))
     assert entry.state is EntryState.READY and entry.origin is Origin.DISK and entry.evictable
+
+
+def test_the_cache_is_the_one_book_of_who_holds_what(pool):
+    from pykvcache.vllm.staging_cache import LOAD, LOOKAHEAD, LOOKUP, owner
+
+    cache = StagingCache(pool)
+    for i in range(3):
+        _ready(cache, i)
+    cache.hold(owner(LOOKUP, "r1"), _key(0))
+    cache.hold(owner(LOOKUP, "r2"), _key(0))  # a shared prefix counts once
+    cache.hold(owner(LOOKUP, "r2"), _key(1))
+    cache.hold(owner(LOOKAHEAD, "r3"), _key(2))
+    cache.hold(owner(LOAD, "r1"), _key(0))
+    assert cache.count_held(LOOKUP) == 2 and cache.keys_held(LOOKUP) == {_key(0), _key(1)}
+    assert cache.is_held(_key(2), LOOKAHEAD) and not cache.is_held(_key(2), LOOKUP)
+    assert cache.held_by(owner(LOOKUP, "r2")) == {_key(0), _key(1)}
+    cache.release_owner(owner(LOOKUP, "r1"))
+    assert cache.count_held(LOOKUP) == 2  # r2 still holds key 0
+    cache.release(owner(LOAD, "r1"), _key(0))
+    cache.release_owner(owner(LOOKUP, "r2"))
+    assert cache.count_held(LOOKUP) == 0 and cache.count_held(LOAD) == 0
+    # Nothing holds 0 and 1 any more: they are evictable again; 2 is not.
+    assert cache.allocatable() == 1 + 2
+    cache.remove(_key(2))  # removal forgets its holders too
+    assert cache.count_held(LOOKAHEAD) == 0 and not cache.held_by(owner(LOOKAHEAD, "r3"))

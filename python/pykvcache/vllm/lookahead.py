@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from vllm.v1.kv_offload.base import LookupResult
 
 from pykvcache.gate import AdmissionGate, ChunkState
+from pykvcache.vllm.staging_cache import LOOKAHEAD, owner
 
 
 @dataclass(eq=False)
@@ -99,8 +100,6 @@ class Preloader:
         self.gate = gate
         self.chunk_tokens = chunk_tokens
         self.queue = LookaheadQueue(by_priority=by_priority)
-        #: key -> waiting requests a preload holds it for (a shared prefix once).
-        self.held: dict[bytes, set[Hashable]] = {}
         #: chunks read by a preload that no load has used yet
         self.unused: dict[bytes, None] = {}
         #: scheduled requests, kept until they finish: a preempted one is queued again
@@ -113,7 +112,12 @@ class Preloader:
 
     @staticmethod
     def owner(req_id: Hashable) -> tuple[str, Hashable]:
-        return ("lookahead", req_id)
+        return owner(LOOKAHEAD, req_id)
+
+    @property
+    def held(self) -> frozenset[bytes]:
+        """Chunks preloads hold (a shared prefix once); the staging cache keeps the books."""
+        return self.manager.cache.keys_held(LOOKAHEAD)
 
     # -- queue membership ---------------------------------------------------------
     def add(self, req: WaitingRequest) -> None:
@@ -132,16 +136,9 @@ class Preloader:
             self.running[req_id] = req
         if req is None:
             return
-        owner = self.owner(req_id)
-        held_any = False
-        for key in self.manager.cache.held_by(owner):
-            held_any = True
-            holders = self.held.get(key)
-            if holders is not None:
-                holders.discard(req_id)
-                if not holders:
-                    del self.held[key]
-        self.manager.cache.release_owner(owner)
+        holder = self.owner(req_id)
+        held_any = bool(self.manager.cache.held_by(holder))
+        self.manager.cache.release_owner(holder)
         if cancelled and held_any:
             self.manager.metrics.inc("lookahead_cancelled_requests")
 
@@ -170,7 +167,6 @@ class Preloader:
         gone = [key for key in self.unused if key not in cache]
         for key in gone:
             del self.unused[key]
-            self.held.pop(key, None)
         if gone:
             self.manager.metrics.inc("lookahead_wasted_bytes",
                                      len(gone) * self.manager.layout.payload_bytes)
@@ -179,7 +175,6 @@ class Preloader:
         for req in list(self.queue):
             self.forget(req.req_id, cancelled=False)
         self.running.clear()
-        self.held.clear()
         self.unused.clear()
 
     # -- planning -----------------------------------------------------------------
@@ -195,9 +190,9 @@ class Preloader:
             for keys in req.key_lists:
                 end = len(keys) if req.max_chunks is None else min(len(keys), skip + req.max_chunks)
                 if not self._preload(req.req_id, keys[skip:end], skip * self.chunk_tokens):
-                    self.peak_held = max(self.peak_held, len(self.held))
+                    self.peak_held = max(self.peak_held, self.manager.cache.count_held(LOOKAHEAD))
                     return
-        self.peak_held = max(self.peak_held, len(self.held))
+        self.peak_held = max(self.peak_held, self.manager.cache.count_held(LOOKAHEAD))
 
     def _preload(self, req_id: Hashable, keys: Sequence[bytes], start_tokens: int) -> bool:
         """Hold or read this request's gated prefix; False when the budget or
@@ -213,21 +208,20 @@ class Preloader:
             m.metrics.inc("lookahead_gate_skipped_chunks", decision.available_chunks - wanted)
         else:
             wanted = next((i for i, s in enumerate(states) if s is ChunkState.MISSING), len(keys))
-        owner = self.owner(req_id)
+        holder = self.owner(req_id)
         for key in keys[:wanted]:
             entry = cache.get(key)
             if entry is not None:
-                if owner not in entry.owners:
+                if holder not in entry.owners:
                     # Already staged (another request's preload, a store, a
                     # cached chunk): holding it costs no read, but it counts
                     # against the budget once.
-                    if key not in self.held and len(self.held) >= self.budget_slots:
+                    if not cache.is_held(key, LOOKAHEAD) and cache.count_held(LOOKAHEAD) >= self.budget_slots:
                         m.metrics.inc("lookahead_budget_stops")
                         return False
-                    cache.hold(owner, key)
-                    self.held.setdefault(key, set()).add(req_id)
+                    cache.hold(holder, key)
                 continue
-            if len(self.held) >= self.budget_slots:
+            if cache.count_held(LOOKAHEAD) >= self.budget_slots:
                 m.metrics.inc("lookahead_budget_stops")
                 return False
             if cache.allocatable() == 0:
@@ -238,9 +232,8 @@ class Preloader:
                 m.metrics.inc("lookahead_budget_stops")
                 return False
             # At background priority: a load the scheduler waits for now goes first.
-            if m.stage(key, owner=owner, background=True) is LookupResult.MISS:
+            if m.stage(key, owner=holder, background=True) is LookupResult.MISS:
                 return False  # no slot, or the read was refused
-            self.held.setdefault(key, set()).add(req_id)
             self.unused[key] = None
             m.metrics.inc("lookahead_preload_reads")
             m.metrics.inc("lookahead_preload_bytes", m.layout.payload_bytes)

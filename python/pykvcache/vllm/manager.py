@@ -59,7 +59,15 @@ from pykvcache.vllm.gate_plan import GateWiring, NoGating
 from pykvcache.vllm.layout import ChunkLayout
 from pykvcache.vllm.lookahead import Preloader, WaitingRequest
 from pykvcache.vllm.metrics import ManagerMetrics
-from pykvcache.vllm.staging_cache import EntryState, Origin, StagingCache
+from pykvcache.vllm.staging_cache import (
+    LOAD,
+    LOOKAHEAD,
+    LOOKUP,
+    EntryState,
+    Origin,
+    StagingCache,
+    owner,
+)
 from pykvcache.vllm.transfer_spec import StagingSlotsSpec
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
@@ -104,7 +112,6 @@ class NvmeOffloadingManager(OffloadingManager):
         # once at WARNING (a full disk would otherwise log every chunk).
         self._write_failures_logged: set[tuple[str, int | None]] = set()
         self._write_queue: list[bytes] = []  # stored in staging, not yet submitted
-        self._load_pins: dict[str, list[bytes]] = {}
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._closed = False
         self._shm_unlinked = False
@@ -112,10 +119,9 @@ class NvmeOffloadingManager(OffloadingManager):
         self.preloader = Preloader(self, budget_slots=lookahead_slots, window=lookahead_requests,
                                    gate=self.gating.preload_gate(),
                                    chunk_tokens=self.gating.chunk_tokens, by_priority=by_priority)
+        # Staging that lookups of requests not scheduled yet may hold (the
+        # cache knows who holds what: owners ("lookup", req_id)).
         self._lookup_hold_slots = lookup_hold_slots
-        # Staging held by lookups of requests not scheduled yet: key -> holders.
-        self._lookup_holders: dict[bytes, set[str]] = {}
-        self._lookup_owned: dict[str, set[bytes]] = {}
         self._waited: set[str] = set()  # requests that met HIT_PENDING
         self._probed_absent: dict[bytes, float] = {}  # key -> next probe time
         self._preformatter = None  # BackgroundPreformat while one runs
@@ -227,17 +233,14 @@ class NvmeOffloadingManager(OffloadingManager):
             # it at once and recompute a prefix that is on disk. The holders
             # are requests whose reads are in flight; they get scheduled and
             # release their holds, so the retry resolves.
-            others = len(self._lookup_holders) - len(self._lookup_owned.get(req_id, ()))
+            mine = owner(LOOKUP, req_id)
+            others = self.cache.count_held(LOOKUP) - len(self.cache.held_by(mine))
             if others >= self._lookup_hold_slots and self.store.contains(key):
                 self.metrics.inc("lookup_hold_cap_retries")
                 return LookupResult.RETRY
-        result = self.stage(key, owner=req_id)
+        result = self.stage(key, owner=owner(LOOKUP, req_id))
         if result is LookupResult.MISS:
             return result
-        owned = self._lookup_owned.setdefault(req_id, set())
-        if key not in owned:
-            owned.add(key)
-            self._lookup_holders.setdefault(key, set()).add(req_id)
         if result is LookupResult.HIT_PENDING:
             if req_id not in self._waited:
                 self._waited.add(req_id)
@@ -249,13 +252,7 @@ class NvmeOffloadingManager(OffloadingManager):
     def _release_request(self, req_id: str, *, finished: bool) -> None:
         """The request was scheduled or finished: its lookup holds, preload holds
         and gate plan end (a pending load pins what it still needs)."""
-        self.cache.release_owner(req_id)
-        for key in self._lookup_owned.pop(req_id, ()):
-            holders = self._lookup_holders.get(key)
-            if holders is not None:
-                holders.discard(req_id)
-                if not holders:
-                    del self._lookup_holders[key]
+        self.cache.release_owner(owner(LOOKUP, req_id))
         self._waited.discard(req_id)
         self.preloader.forget(req_id, cancelled=finished)
         self.gating.drop(req_id)
@@ -269,18 +266,18 @@ class NvmeOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext):
         slots = []
         pinned = []
+        loader = owner(LOAD, req_context.req_id)
         for key in keys:
             entry = self.cache.get(key)
             if entry is None or entry.state is not EntryState.READY:
                 # The connector only loads keys this manager answered HIT for,
                 # and held keys are never evicted; reaching this is a bug.
                 for done in pinned:
-                    self.cache.unpin(done)
+                    self.cache.release(loader, done)
                 raise RuntimeError(f"prepare_load of chunk {key.hex()} that is not staged")
-            self.cache.pin(key)
+            self.cache.hold(loader, key)
             pinned.append(key)
             slots.append(entry.slot)
-        self._load_pins.setdefault(req_context.req_id, []).extend(pinned)
         self.preloader.loaded(pinned)
         if pinned and req_context.req_id not in self._waited:
             self.metrics.inc("lookup_ready_requests")
@@ -295,13 +292,9 @@ class NvmeOffloadingManager(OffloadingManager):
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self._unlink_shared_name()
-        pins = self._load_pins.get(req_context.req_id, [])
+        loader = owner(LOAD, req_context.req_id)
         for key in keys:
-            if key in pins:
-                pins.remove(key)
-                self.cache.unpin(key)
-        if not pins:
-            self._load_pins.pop(req_context.req_id, None)
+            self.cache.release(loader, key)
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext
@@ -401,11 +394,8 @@ class NvmeOffloadingManager(OffloadingManager):
         removed = [entry.key for entry in self.cache]
         self.preloader.clear()
         self.gating.clear()
-        self._lookup_holders.clear()
-        self._lookup_owned.clear()
         self._waited.clear()
         self.cache.clear()
-        self._load_pins.clear()
         self._write_queue.clear()
         if self._reopen_store is not None:
             dirs = list(self.store.namespace_dir)
@@ -425,8 +415,8 @@ class NvmeOffloadingManager(OffloadingManager):
         for name, value in self.gating.gauges().items():
             self.metrics.set_gauge(name, value)
         self.metrics.set_gauge("lookahead_queue_requests", len(self.preloader.queue))
-        self.metrics.set_gauge("lookahead_slots_held", len(self.preloader.held))
-        self.metrics.set_gauge("lookup_hold_slots", len(self._lookup_holders))
+        self.metrics.set_gauge("lookahead_slots_held", self.cache.count_held(LOOKAHEAD))
+        self.metrics.set_gauge("lookup_hold_slots", self.cache.count_held(LOOKUP))
         self.metrics.set_gauge("staging_slots_used", len(self.cache))
         self.metrics.set_gauge("staging_slots_pinned", self.cache.pinned_slots())
         self.metrics.set_gauge("staging_slots_total", self.cache.num_slots)

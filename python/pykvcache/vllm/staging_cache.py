@@ -7,6 +7,13 @@ and worker copies into a slot (STORING) are never evicted, and every load,
 pending disk write and owner (a waiting request, a preloader) pins what it
 needs. Memory is bounded by the pool: there is never more than one entry per
 slot.
+
+This is the one place that knows who holds which slot. Owners are
+``(kind, request id)`` pairs (:func:`owner`): ``lookup`` for a waiting
+request between its lookups and its load, ``lookahead`` for a preload,
+``load`` for a load in flight to the workers. The manager and the preloader
+ask the cache (:meth:`held_by`, :meth:`keys_held`) instead of keeping their own
+books; disk writes pin (:meth:`pin`), they have no request.
 """
 
 from __future__ import annotations
@@ -21,6 +28,22 @@ from typing import Protocol
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
+
+
+LOOKUP = "lookup"
+LOOKAHEAD = "lookahead"
+LOAD = "load"
+
+
+def owner(kind: str, req_id: Hashable) -> tuple[str, Hashable]:
+    """The holder of a request's slots for one purpose."""
+    return (kind, req_id)
+
+
+def _kind_of(holder: Hashable) -> str | None:
+    if isinstance(holder, tuple) and len(holder) == 2 and isinstance(holder[0], str):
+        return holder[0]
+    return None
 
 
 class SlotAllocator(Protocol):
@@ -64,6 +87,8 @@ class StagingCache:
         # READY entries nobody holds, least recently used first.
         self._lru: OrderedDict[bytes, None] = OrderedDict()
         self._owned: dict[Hashable, set[bytes]] = {}
+        # kind -> key -> how many owners of that kind hold it
+        self._by_kind: dict[str, dict[bytes, int]] = {}
         # Slots the pool refused to take back (still exported or under I/O);
         # retried before every allocation instead of being lost.
         self._unreleased: list[int] = []
@@ -136,12 +161,13 @@ class StagingCache:
         if entry is None:
             return None
         self._lru.pop(key, None)
-        for owner in entry.owners:
-            owned = self._owned.get(owner)
+        for holder in entry.owners:
+            owned = self._owned.get(holder)
             if owned is not None:
                 owned.discard(key)
                 if not owned:
-                    del self._owned[owner]
+                    del self._owned[holder]
+            self._count(holder, key, -1)
         self._release_slot(entry.slot)
         return entry
 
@@ -163,6 +189,7 @@ class StagingCache:
         for key in list(self._entries):
             self.remove(key)
         self._owned.clear()
+        self._by_kind.clear()
 
     # -- state and pins ----------------------------------------------------
     def mark_ready(self, key: bytes, origin: Origin | None = None) -> None:
@@ -199,17 +226,54 @@ class StagingCache:
             return
         entry.owners.add(owner)
         self._owned.setdefault(owner, set()).add(key)
+        self._count(owner, key, +1)
         self._lru.pop(key, None)
+
+    def release(self, owner: Hashable, key: bytes) -> None:
+        """``owner`` no longer needs ``key`` (its other holds stay)."""
+        owned = self._owned.get(owner)
+        if owned is None or key not in owned:
+            return
+        owned.discard(key)
+        if not owned:
+            del self._owned[owner]
+        entry = self._entries.get(key)
+        if entry is not None:
+            entry.owners.discard(owner)
+            self._count(owner, key, -1)
+            self._refresh(entry)
 
     def release_owner(self, owner: Hashable) -> None:
         for key in self._owned.pop(owner, ()):
             entry = self._entries.get(key)
             if entry is not None:
                 entry.owners.discard(owner)
+                self._count(owner, key, -1)
                 self._refresh(entry)
 
     def held_by(self, owner: Hashable) -> frozenset[bytes]:
         return frozenset(self._owned.get(owner, ()))
+
+    def keys_held(self, kind: str) -> frozenset[bytes]:
+        """Keys held by at least one owner of ``kind`` (a shared prefix once)."""
+        return frozenset(self._by_kind.get(kind, ()))
+
+    def count_held(self, kind: str) -> int:
+        return len(self._by_kind.get(kind, ()))
+
+    def is_held(self, key: bytes, kind: str) -> bool:
+        return key in self._by_kind.get(kind, ())
+
+    def _count(self, holder: Hashable, key: bytes, delta: int) -> None:
+        kind = _kind_of(holder)
+        if kind is None:
+            return
+        keys = self._by_kind.setdefault(kind, {})
+        n = keys.get(key, 0) + delta
+        if n > 0:
+            keys[key] = n
+        else:
+            keys.pop(key, None)
 
     def _refresh(self, entry: StagingEntry) -> None:
         if entry.evictable:
