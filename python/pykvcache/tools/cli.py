@@ -49,40 +49,6 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
-class _RichProgress:
-    """Progress bars for benchmark parts (one bar per part)."""
-
-    def __init__(self) -> None:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-        self._p = Progress(
-            TextColumn("[bold]{task.fields[part]:<9}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("{task.description}"),
-            transient=False,
-        )
-
-    def __enter__(self) -> _RichProgress:
-        self._p.__enter__()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._p.__exit__(*exc)  # type: ignore[arg-type]
-
-    def part(self, name: str, total: int) -> _RichStep:
-        return _RichStep(self._p, self._p.add_task("", total=total, part=name))
-
-
-class _RichStep:
-    def __init__(self, progress: object, task: object) -> None:
-        self._p, self._t = progress, task
-
-    def advance(self, description: str = "") -> None:
-        self._p.update(self._t, advance=1, description=description)  # type: ignore[attr-defined]
-
-
 @subcommand("bench", "characterize the KV tier on this machine (vs fio and vLLM's fs tier)")
 def _bench(parser: argparse.ArgumentParser) -> Handler:
     from .bench.config import MiB
@@ -160,7 +126,9 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
         if args.no_progress:
             result = run_bench(config)
         else:
-            with _RichProgress() as progress:
+            from .progress import RichProgress
+
+            with RichProgress() as progress:
                 result = run_bench(config, progress)
         _print_summary(result)
         return 1 if result.failed else 0
@@ -217,7 +185,7 @@ def _demo(parser: argparse.ArgumentParser) -> Handler:
 
 @subcommand("calibrate", "measure prefill and KV load times on this model and hardware; write the gate profile")
 def _calibrate(parser: argparse.ArgumentParser) -> Handler:
-    from . import calibrate
+    from .calibrate import cli as calibrate
 
     calibrate.add_arguments(parser)
     return calibrate.run
@@ -236,7 +204,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     args.argv = argv  # recorded in every report as the exact command
-    return int(args.handler(args))
+    try:
+        return int(args.handler(args))
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "rich":
+            raise
+        # rich is the tools' dependency, not the product's (the ``tools`` extra).
+        print(f"pykvcache {args.command}: the `rich` package is not installed; "
+              "install the tools: pip install 'pykvcache[tools]'", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
