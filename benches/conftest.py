@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from pykvcache.bench import cold_cache
-from pykvcache.bench.cold_cache import DiskCounter
-from pykvcache.bench.machine import block_device_of
+from pykvcache.tools.bench import cold_cache
+from pykvcache.tools.bench.cold_cache import DiskCounter
+from pykvcache.tools.bench.machine import block_device_of
 
 MiB = 1 << 20
 

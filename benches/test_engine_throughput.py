@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from conftest import record
 
-from pykvcache.bench.engine_bench import EngineCase, run_engine_case
+from pykvcache.tools.bench.engine_bench import EngineCase, run_engine_case
 
 
 @pytest.mark.parametrize("queue_depth", [1, 8, 32])

@@ -8,8 +8,8 @@ import shutil
 import pytest
 from conftest import record
 
-from pykvcache.bench.fio_runner import FioJob, FioRunner
-from pykvcache.bench.storage_part import fio_phase
+from pykvcache.tools.bench.fio_runner import FioJob, FioRunner
+from pykvcache.tools.bench.storage_part import fio_phase
 
 pytestmark = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (apt-get install fio)")
 

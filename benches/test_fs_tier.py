@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 from conftest import record
 
-from pykvcache.bench.contention import CpuContention
-from pykvcache.bench.fs_tier_bench import FsCase, run_fs_case, vllm_fs_tier_available
+from pykvcache.tools.bench.contention import CpuContention
+from pykvcache.tools.bench.fs_tier_bench import FsCase, run_fs_case, vllm_fs_tier_available
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 

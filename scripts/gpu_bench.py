@@ -91,7 +91,7 @@ def pick_model(given: str | None, workdir: Path) -> tuple[str, str]:
 
 
 def storage(out: Path, directory: Path) -> int:
-    from pykvcache.bench import BenchConfig, run_bench
+    from pykvcache.tools.bench import BenchConfig, run_bench
 
     config = BenchConfig(out=out / "storage", directory=directory, parts=["storage", "fs_tier"], argv=sys.argv)
     result = run_bench(config)
@@ -136,7 +136,7 @@ def e2e_scenario(model: str, store: Path, generated: bool) -> dict:
 
 
 def e2e_prefix_reuse(model: str, generated: bool, out: Path, workdir: Path) -> tuple[int, dict]:
-    from pykvcache.bench.vllm_run import start_child, wait_child
+    from pykvcache.tools.vllm_run import start_child, wait_child
 
     proc, vlog = start_child(e2e_scenario(model, workdir / "store", generated), out, "gpu_e2e_vllm")
     result = wait_child(proc, vlog, lambda run, step: log(f"    {run}: {step}"), timeout=420)
@@ -172,8 +172,8 @@ def max_positions(model: str) -> int:
 
 
 def ttft_part(out: Path, directory: Path, model: str) -> int:
-    from pykvcache.bench import BenchConfig, run_bench
-    from pykvcache.bench.parts import PARTS, load_builtin_parts
+    from pykvcache.tools.bench import BenchConfig, run_bench
+    from pykvcache.tools.bench.parts import PARTS, load_builtin_parts
 
     load_builtin_parts()
     if "ttft" not in PARTS:

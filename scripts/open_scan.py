@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import pykvcache as kv
-from pykvcache.bench.cold_cache import drop_caches
-from pykvcache.bench.engine_bench import pump
+from pykvcache.tools.bench.cold_cache import drop_caches
+from pykvcache.tools.bench.engine_bench import pump
 
 NS = "open-scan"
 

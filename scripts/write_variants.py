@@ -21,9 +21,9 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-from pykvcache.bench.config import MiB
-from pykvcache.bench.engine_bench import EngineCase, run_engine_case
-from pykvcache.bench.fio_runner import FioJob, FioRunner
+from pykvcache.tools.bench.config import MiB
+from pykvcache.tools.bench.engine_bench import EngineCase, run_engine_case
+from pykvcache.tools.bench.fio_runner import FioJob, FioRunner
 
 VARIANTS = {
     "whole-chunk writes (default)": {},

@@ -9,11 +9,11 @@ import shutil
 
 import pytest
 
-from pykvcache.bench.cold_cache import DiskCounter
-from pykvcache.bench.engine_bench import EngineCase, run_engine_case
-from pykvcache.bench.fs_tier_bench import FsCase, run_fs_case, split_jobs, vllm_fs_tier_available
-from pykvcache.bench.machine import block_device_of
-from pykvcache.cli import main
+from pykvcache.tools.bench.cold_cache import DiskCounter
+from pykvcache.tools.bench.engine_bench import EngineCase, run_engine_case
+from pykvcache.tools.bench.fs_tier_bench import FsCase, run_fs_case, split_jobs, vllm_fs_tier_available
+from pykvcache.tools.bench.machine import block_device_of
+from pykvcache.tools.cli import main
 
 MiB = 1 << 20
 
@@ -89,7 +89,7 @@ def test_fs_tier_and_pykvcache_move_identical_data(tmp_path):
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")
 def test_run_bench_end_to_end_through_the_cli(tmp_path, monkeypatch):
-    from pykvcache.bench import config as bench_config
+    from pykvcache.tools.bench import config as bench_config
 
     # The quick preset, shrunk further so the test takes seconds.
     original = bench_config.quick
@@ -100,9 +100,9 @@ def test_run_bench_end_to_end_through_the_cli(tmp_path, monkeypatch):
         cfg.fio_file_bytes, cfg.fio_runtime_s, cfg.fio_sweep = 8 * MiB, 0.2, [(1, 1), (2, 1)]
         return cfg
 
-    monkeypatch.setattr("pykvcache.bench.quick", tiny)
+    monkeypatch.setattr("pykvcache.tools.bench.quick", tiny)
     # Tiny files leave nothing to settle; cold reads are covered above.
-    monkeypatch.setattr("pykvcache.bench.cold_cache.PAUSE_S", 0.0)
+    monkeypatch.setattr("pykvcache.tools.bench.cold_cache.PAUSE_S", 0.0)
     out = tmp_path / "out"
     argv = ["bench", "--out", str(out), "--dir", str(tmp_path), "--quick", "--parts", "storage", "--no-progress", "--warm"]
     rc = main(argv)

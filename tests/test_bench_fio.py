@@ -8,9 +8,9 @@ import subprocess
 
 import pytest
 
-from pykvcache.bench.cold_cache import DiskCounter
-from pykvcache.bench.fio_runner import FioError, FioJob, FioRunner, best, parse_fio_json, sweep_jobs
-from pykvcache.bench.machine import block_device_of
+from pykvcache.tools.bench.cold_cache import DiskCounter
+from pykvcache.tools.bench.fio_runner import FioError, FioJob, FioRunner, best, parse_fio_json, sweep_jobs
+from pykvcache.tools.bench.machine import block_device_of
 
 MiB = 1 << 20
 needs_fio = pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed (apt-get install fio)")

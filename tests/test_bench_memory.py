@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from pykvcache.bench.config import MiB, BenchConfig
-from pykvcache.bench.memory_part import OVERHEAD_CONSTANT, analyse, peaks
-from pykvcache.bench.proc_memory import MemSample, ProcInfo, TreeSampler, descendants, read_memory
+from pykvcache.tools.bench.config import MiB, BenchConfig
+from pykvcache.tools.bench.memory_part import OVERHEAD_CONSTANT, analyse, peaks
+from pykvcache.tools.bench.proc_memory import MemSample, ProcInfo, TreeSampler, descendants, read_memory
 
 SHARED = 48 * MiB
 PRIVATE = 24 * MiB
@@ -94,7 +94,7 @@ def _s(pid: int, sweep: int, rss: int, hwm: int, shmem: int = 0, pss: int | None
 
 def test_peaks_use_the_kernel_high_water_mark_and_attribute_by_run_and_depth():
     procs = {
-        1: ProcInfo(1, 0, 0, "python -m pykvcache.bench.vllm_run s.json", 0.0),
+        1: ProcInfo(1, 0, 0, "python -m pykvcache.tools.vllm_run s.json", 0.0),
         2: ProcInfo(2, 1, 1, "python -c from multiprocessing.resource_tracker import main", 1.0),
         3: ProcInfo(3, 1, 1, "python -c from multiprocessing.spawn import spawn_main", 1.5),
         4: ProcInfo(4, 3, 2, "python -c from multiprocessing.spawn import spawn_main", 2.0),
@@ -170,9 +170,9 @@ def test_part_skips_with_a_reason_where_vllm_is_missing(tmp_path):
         import sys
         sys.modules["vllm"] = None
         from pathlib import Path
-        from pykvcache.bench.config import BenchConfig
-        from pykvcache.bench.parts import BenchContext, NoProgress
-        from pykvcache.bench.memory_part import run
+        from pykvcache.tools.bench.config import BenchConfig
+        from pykvcache.tools.bench.parts import BenchContext, NoProgress
+        from pykvcache.tools.bench.memory_part import run
         cfg = BenchConfig(out=Path({str(tmp_path)!r}), directory=Path({str(tmp_path)!r}))
         out = run(BenchContext(cfg, None, None, NoProgress()))
         print("SKIPPED", out.skipped)
@@ -184,7 +184,7 @@ def test_part_skips_with_a_reason_where_vllm_is_missing(tmp_path):
 
 
 def test_roles_follow_vllm_process_titles_before_tree_depth():
-    from pykvcache.bench.memory_part import role
+    from pykvcache.tools.bench.memory_part import role
 
     assert role(ProcInfo(9, 1, 1, "VLLM::Worker_TP0", 0.0)) == "worker"
     assert role(ProcInfo(9, 1, 2, "VLLM::EngineCore", 0.0)) == "engine_core"

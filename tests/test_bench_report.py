@@ -9,13 +9,13 @@ import time
 
 import pytest
 
-from pykvcache.bench.config import BenchConfig
-from pykvcache.bench.contention import CpuContention
-from pykvcache.bench.cpu_meter import CpuMeter
-from pykvcache.bench.machine import describe_machine, mount_of
-from pykvcache.bench.parts import Figure, PartOutput, Table
-from pykvcache.bench.report import RESULTS_JSON, write_report
-from pykvcache.cli import build_parser, main
+from pykvcache.tools.bench.config import BenchConfig
+from pykvcache.tools.bench.contention import CpuContention
+from pykvcache.tools.bench.cpu_meter import CpuMeter
+from pykvcache.tools.bench.machine import describe_machine, mount_of
+from pykvcache.tools.bench.parts import Figure, PartOutput, Table
+from pykvcache.tools.bench.report import RESULTS_JSON, write_report
+from pykvcache.tools.cli import build_parser, main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -136,7 +136,7 @@ def test_cli_rejects_bad_sizes():
 
 
 def test_adding_a_subcommand_is_one_function():
-    from pykvcache import cli
+    from pykvcache.tools import cli
 
     @cli.subcommand("hello-test", "test-only subcommand")
     def _hello(parser):

@@ -16,11 +16,11 @@ import json
 
 import pytest
 
-from pykvcache.bench.cold_cache import DiskCounter
-from pykvcache.bench.config import BenchConfig
-from pykvcache.bench.machine import describe_machine
-from pykvcache.bench.parts import PARTS, BenchContext, NoProgress, resolve_parts
-from pykvcache.bench.ttft_part import TtftOptions, crossover, run_with
+from pykvcache.tools.bench.cold_cache import DiskCounter
+from pykvcache.tools.bench.config import BenchConfig
+from pykvcache.tools.bench.machine import describe_machine
+from pykvcache.tools.bench.parts import PARTS, BenchContext, NoProgress, resolve_parts
+from pykvcache.tools.bench.ttft_part import TtftOptions, crossover, run_with
 
 pytestmark = [
     pytest.mark.vllm,
@@ -35,12 +35,12 @@ FIXED_S = 1e-4
 
 
 def _profile(path):
-    from pykvcache.calibrate import _default_model_cache
+    from pykvcache.tools.calibrate.measure import default_model_cache
     from pykvcache.gate import GateProfile, hardware_id
     from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
     from pykvcache.testing.tiny_model import build_tiny_model
 
-    model = str(build_tiny_model(_default_model_cache()))
+    model = str(build_tiny_model(default_model_cache()))
     load = LoadCost(FIXED_S, 1e9, 4e9)
     cost = CostModel(PrefillCurve(0.0, PREFILL_B, 0.0), load, KV_BYTES_PER_TOKEN)
     GateProfile(

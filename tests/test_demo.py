@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pykvcache.cli import main
-from pykvcache.demo import CHUNK_TOKENS, DEMO_JSON, KV_BYTES_PER_TOKEN, run_prefix_demo
+from pykvcache.tools.cli import main
+from pykvcache.tools.demo import CHUNK_TOKENS, DEMO_JSON, KV_BYTES_PER_TOKEN, run_prefix_demo
 
 
 @pytest.mark.vllm

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from pykvcache import calibrate
+from pykvcache.tools.calibrate import cli, fit, measure
 from pykvcache.gate import ChunkState, GateProfile, ProfileExpectation, build_gate
 
 # The tiny model: 2 layers x (K, V) x 2 KV heads x head_dim 64 x 4 bytes (float32).
@@ -27,24 +27,22 @@ needs_vllm = pytest.mark.skipif(
 
 
 def test_bad_arguments_fail_before_starting_anything(tmp_path, capsys):
-    rc = calibrate.main(["--storage-dir", str(tmp_path / "absent"), "--out", str(tmp_path / "p.json")])
+    rc = cli.main(["--storage-dir", str(tmp_path / "absent"), "--out", str(tmp_path / "p.json")])
     assert rc == 2
     assert "is not a directory" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
 
 
 def test_default_sweep_is_whole_chunks_and_geometric():
-    lengths = calibrate.default_lengths(32, 2048, quick=True)
+    lengths = measure.default_lengths(32, 2048, quick=True)
     assert lengths[0] == 32 and lengths[-1] == 2048 and len(lengths) == 5
     assert all(n % 32 == 0 for n in lengths) and lengths == sorted(set(lengths))
 
 
 def test_storage_sweep_reads_real_chunks_back(tmp_path):
-    import argparse
-
-    args = argparse.Namespace(queue_depth=8, backend="auto", direct_io="optional", storage_budget=16)
+    options = measure.StorageOptions(queue_depth=8, backend="auto", direct_io="optional", budget_mib=16)
     ticks = []
-    result = calibrate.measure_storage([tmp_path], 64 * 1024, [1, 4, 16], 2, args, ticks.append, print)
+    result = measure.measure_storage([tmp_path], 64 * 1024, [1, 4, 16], 2, options, ticks.append, print)
     points = result["points"]
     assert [p.x for p in points] == [64 * 1024, 4 * 64 * 1024, 16 * 64 * 1024]
     assert all(len(p.samples) == 2 and min(p.samples) > 0 for p in points)
@@ -57,48 +55,71 @@ def test_storage_sweep_reads_real_chunks_back(tmp_path):
 def test_load_path_fit_recovers_step_and_rate():
     bpt = 2048.0
     step, per_token = 0.9e-3, 4e-6  # s per load, s per token
-    points = [calibrate.Point(n, [step + n * per_token + e for e in (-1e-4, 0.0, 3e-3)])
+    points = [measure.Point(n, [step + n * per_token + e for e in (-1e-4, 0.0, 3e-3)])
               for n in (32, 96, 256, 736, 2048)]
-    got_step, bw = calibrate.fit_load_path(points, bpt, copy_bytes_per_s=20e9)
+    got_step, bw = fit.fit_load_path(points, bpt, copy_bytes_per_s=20e9)
     assert got_step == pytest.approx(step, rel=0.05)
     assert bpt / bw == pytest.approx(per_token, rel=0.05)
     # Never faster than the raw copy; differences <= 0 (noise) carry no weight.
-    _, bw = calibrate.fit_load_path([calibrate.Point(32, [1e-3]), calibrate.Point(2048, [1e-3]),
-                                     calibrate.Point(64, [-5e-3])], bpt, copy_bytes_per_s=1e9)
+    _, bw = fit.fit_load_path([measure.Point(32, [1e-3]), measure.Point(2048, [1e-3]),
+                                     measure.Point(64, [-5e-3])], bpt, copy_bytes_per_s=1e9)
     assert bw == pytest.approx(1e9)
-    assert calibrate.fit_load_path([calibrate.Point(32, [-1e-3])], bpt, 1e9) == (0.0, 1e9)
+    assert fit.fit_load_path([measure.Point(32, [-1e-3])], bpt, 1e9) == (0.0, 1e9)
 
 
 def test_disk_step_is_what_a_disk_load_adds_beyond_the_modelled_read():
     bpt, fixed, bw = 2048.0, 2e-4, 1e9
     extra = 1.1e-3  # e.g. the scheduler step a request waits while its chunks are read
     path = {"disk_extra_points": [
-        calibrate.Point(n, [fixed + n * bpt / bw + extra + e for e in (-2e-4, 0.0, 5e-3)])
+        measure.Point(n, [fixed + n * bpt / bw + extra + e for e in (-2e-4, 0.0, 5e-3)])
         for n in (32, 64, 128, 512, 2048)]}
-    assert calibrate.fit_disk_step(path, fixed, bw, bpt) == pytest.approx(extra, rel=0.01)
+    assert fit.fit_disk_step(path, fixed, bw, bpt) == pytest.approx(extra, rel=0.01)
     # Faster than the modelled read (noise, or a pessimistic storage sweep): 0, never negative.
-    quick = {"disk_extra_points": [calibrate.Point(64, [1e-5]), calibrate.Point(128, [2e-5])]}
-    assert calibrate.fit_disk_step(quick, fixed, bw, bpt) == 0.0
-    assert calibrate.fit_disk_step({}, fixed, bw, bpt) == 0.0
+    quick = {"disk_extra_points": [measure.Point(64, [1e-5]), measure.Point(128, [2e-5])]}
+    assert fit.fit_disk_step(quick, fixed, bw, bpt) == 0.0
+    assert fit.fit_disk_step({}, fixed, bw, bpt) == 0.0
 
 
 def test_recompute_fit_uses_the_paired_medians_through_the_origin():
     b, c = 24e-6, 5e-9
-    paired = [calibrate.Point(n, [b * n + c * n * n + e for e in (-2e-4, 0.0, 0.05)])
+    paired = [measure.Point(n, [b * n + c * n * n + e for e in (-2e-4, 0.0, 0.05)])
               for n in (32, 96, 256, 736, 2048)]
-    sweep = [calibrate.Point(n, [0.006 + 17e-6 * n]) for n in (32, 2048)]
-    curve, source = calibrate.fit_recompute({"recompute_points": paired}, sweep)
+    sweep = [measure.Point(n, [0.006 + 17e-6 * n]) for n in (32, 2048)]
+    curve, source = fit.fit_recompute({"recompute_points": paired}, sweep)
     assert source == "paired" and curve.a == 0.0
     assert curve.b == pytest.approx(b, rel=0.05) and curve.c == pytest.approx(c, rel=0.2)
     # Nothing usable paired (noise <= 0): the sweep's fit.
-    curve, source = calibrate.fit_recompute({"recompute_points": [calibrate.Point(32, [-1e-3])]}, sweep)
+    curve, source = fit.fit_recompute({"recompute_points": [measure.Point(32, [-1e-3])]}, sweep)
     assert source == "sweep" and curve.b == pytest.approx(17e-6, rel=1e-3)
 
 
+def test_one_fit_recovers_the_whole_cost_model():
+    """fit_cost_model is what both ``pykvcache calibrate`` and the TTFT bench's
+    driver call: from points made by a known model it gives that model back."""
+    bpt, b = 2048.0, 24e-6
+    fixed, disk_bw, step, per_token, extra = 2e-4, 1e9, 0.9e-3, 4e-6, 1.1e-3
+    lengths = (32, 96, 256, 736, 2048)
+    prefill = [measure.Point(n, [0.006 + b * n]) for n in lengths]
+    path = {"points": [measure.Point(n, [step + n * per_token]) for n in lengths],
+            "recompute_points": [measure.Point(n, [b * n]) for n in lengths],
+            "disk_extra_points": [measure.Point(n, [fixed + n * bpt / disk_bw + extra]) for n in lengths]}
+    storage = [measure.Point(k * 65536, [fixed + k * 65536 / disk_bw]) for k in (1, 4, 16)]
+    model, source = fit.fit_cost_model(prefill, path, storage, 20e9, bpt)
+    assert source == "paired" and model.bytes_per_token == bpt
+    assert model.prefill.a == 0.0 and model.prefill.b == pytest.approx(b, rel=0.01)
+    assert model.load.fixed_s == pytest.approx(fixed, rel=0.01)
+    assert model.load.disk_bytes_per_s == pytest.approx(disk_bw, rel=0.01)
+    assert model.load.step_s == pytest.approx(step, rel=0.01)
+    assert bpt / model.load.h2d_bytes_per_s == pytest.approx(per_token, rel=0.01)
+    assert model.load.disk_step_s == pytest.approx(extra, rel=0.01)
+    with pytest.raises(ValueError):  # one read size: no bandwidth to fit
+        fit.fit_cost_model(prefill, path, storage[:1], 20e9, bpt)
+
+
 def test_low_quantile_ignores_bursts():
-    p = calibrate.Point(64, [0.005, 0.4, 0.006])  # one sample hit by other work
+    p = measure.Point(64, [0.005, 0.4, 0.006])  # one sample hit by other work
     assert p.low == 0.005 and p.median == 0.006
-    assert calibrate.Point(64, [5, 1, 4, 2, 3]).low == 2
+    assert measure.Point(64, [5, 1, 4, 2, 3]).low == 2
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +132,7 @@ def calibrated(request, tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "pykvcache.calibrate", "--quick", "--model-cache", str(cache),
+        [sys.executable, "-m", "pykvcache.tools.calibrate", "--quick", "--model-cache", str(cache),
          "--storage-dir", str(storage), "--out", str(out), "--no-progress"],
         env=env, capture_output=True, text=True, timeout=600,
     )

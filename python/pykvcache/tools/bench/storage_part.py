@@ -59,7 +59,7 @@ def _fio_jobs(config: BenchConfig, chunk: int) -> list[Any]:
 def engine_unavailable() -> str | None:
     """None when the Rust engine imports, else why not."""
     try:
-        import pykvcache._core  # noqa: F401
+        import pykvcache  # noqa: F401  (loads the engine, pykvcache._core)
     except ImportError as e:
         return f"pykvcache._core does not import ({e}); build it with `make develop`"
     return None

@@ -2,7 +2,7 @@
 
 Four ways to serve a prompt whose first ``n`` tokens were seen before
 (``max_tokens=1``, greedy), measured in one vLLM engine in a child process
-(:mod:`pykvcache.bench.ttft_driver`):
+(:mod:`pykvcache.tools.bench.ttft_driver`):
 
 * recompute  nothing cached anywhere (a fresh prefix);
 * disk       the prefix loaded from disk (device cache and staging emptied,
@@ -115,7 +115,7 @@ def vllm_unavailable() -> str | None:
 
 
 def _calibrate_lengths(opts: TtftOptions) -> list[int]:
-    from pykvcache.calibrate import default_lengths
+    from ..calibrate.measure import default_lengths
 
     lengths = default_lengths(opts.chunk_tokens, max(opts.lengths), opts.calibrate_points <= 5)
     if len(lengths) > opts.calibrate_points:
@@ -183,7 +183,7 @@ def run_driver(scenario: dict[str, Any], step: Step, timeout_s: float) -> dict[s
     result = None
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pykvcache.bench.ttft_driver", path],
+            [sys.executable, "-m", "pykvcache.tools.bench.ttft_driver", path],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=driver_env(),
         )
         deadline = time.monotonic() + timeout_s

@@ -166,9 +166,9 @@ def fio_version() -> str | None:
 
 def pykvcache_version() -> str | None:
     try:
-        from pykvcache import _core
+        from pykvcache import __version__
 
-        return str(_core.__version__)
+        return str(__version__)
     except ImportError:
         return _dist_version("pykvcache")
 

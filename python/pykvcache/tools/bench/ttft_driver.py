@@ -1,6 +1,6 @@
 """Child process of the ``ttft`` benchmark part: one vLLM engine, TTFT per mode.
 
-    python -m pykvcache.bench.ttft_driver scenario.json
+    python -m pykvcache.tools.bench.ttft_driver scenario.json
 
 Run in its own process so that vLLM (its import, engine, shared memory and
 worker process) never touches the benchmark's process. The EngineCore runs
@@ -32,7 +32,6 @@ final ``RESULT <json>`` go to stdout.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -40,6 +39,8 @@ import random
 import sys
 import time
 from typing import Any
+
+from .. import vllm_adapter
 
 RESULT_PREFIX = "RESULT "
 PROGRESS_PREFIX = "PROGRESS "
@@ -127,21 +128,6 @@ class SlowReads:
 # ----------------------------------------------------------------------
 # Engine and manager
 # ----------------------------------------------------------------------
-def _manager_of(llm: Any) -> Any:
-    """pykvcache's scheduler-side manager inside this process's EngineCore."""
-    client = llm.llm_engine.engine_core
-    core = getattr(client, "engine_core", None)
-    scheduler = getattr(core, "scheduler", None)
-    connector = getattr(scheduler, "connector", None)
-    manager = getattr(connector, "_manager", None)
-    if manager is None:
-        raise RuntimeError(
-            "pykvcache's manager is not reachable: the EngineCore must run in this process "
-            "(VLLM_ENABLE_V1_MULTIPROCESSING=0) with PyKvCacheConnector"
-        )
-    return manager
-
-
 def _metrics(llm: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for metric in llm.get_metrics():
@@ -180,9 +166,13 @@ class Gates:
 
     def use(self, name: str) -> Any:
         gate, preload = self._pairs[name]
-        self.manager.gating.gate = gate
-        self.manager.preloader.gate = preload
+        vllm_adapter.use_gates(self.manager, gate, preload)
         return gate
+
+    def online(self, name: str) -> Any:
+        """The online refinement of gate ``name`` (None: not added, or no refinement)."""
+        pair = self._pairs.get(name)
+        return pair[0].online if pair else None
 
 
 # ----------------------------------------------------------------------
@@ -193,8 +183,8 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gate
     engine and the benchmark's storage directory."""
     from pathlib import Path
 
-    from pykvcache import calibrate as cal
-    from pykvcache.gate.cost_model import CostModel, LoadCost
+    from ..calibrate import measure as cal
+    from ..calibrate.fit import fit_cost_model
 
     ct = scenario["chunk_tokens"]
     cal_lengths = scenario["calibrate_lengths"]
@@ -207,10 +197,9 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gate
 
     points, timing = cal.measure_prefill(llm, cal_lengths, repeats, vocab, scenario["seed"] + 7, tick)
     chunk_bytes = manager.layout.payload_bytes
-    args = argparse.Namespace(storage_budget=256, queue_depth=32, backend="auto", direct_io="optional")
     chunk_counts = sorted({max(1, math.ceil(n / ct)) for n in cal_lengths})
     storage = cal.measure_storage([Path(scenario["storage_dir"])], chunk_bytes, chunk_counts, repeats,
-                                  args, tick, lambda text: print(text, file=sys.stderr))
+                                  cal.StorageOptions(budget_mib=256), tick, lambda text: print(text, file=sys.stderr))
     copy = cal.measure_copy(chunk_bytes, repeats)
     # The load path through this engine: loads from staging with the gate off.
     gates.use("load")
@@ -227,20 +216,16 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gate
                                  suffix_tokens=scenario["suffix_tokens"], reset=reset,
                                  reset_staging=reset_staging)
     try:
-        prefill, prefill_source = cal.fit_recompute(path, points)
-        fixed, disk_bw = LoadCost.fit_disk([(p.x, p.median) for p in storage["points"]])
-        step_s, path_bw = cal.fit_load_path(path["points"], chunk_bytes / ct, copy["bytes_per_s"])
-        disk_step_s = cal.fit_disk_step(path, fixed, disk_bw, chunk_bytes / ct)
+        model, prefill_source = fit_cost_model(points, path, storage["points"], copy["bytes_per_s"], chunk_bytes / ct)
     except ValueError as exc:
         raise RuntimeError(
             f"the calibration cannot be fitted ({exc}); medians: prefill "
             + ", ".join(f"{p.x} tokens {p.median * 1e3:.1f} ms" for p in points)
             + "; reads " + ", ".join(f"{p.x} B {p.median * 1e3:.2f} ms" for p in storage["points"])
             + ". Is the machine busy? More repeats help.") from exc
-    model = CostModel(prefill, LoadCost(fixed, disk_bw, path_bw, step_s, disk_step_s), chunk_bytes / ct)
     return {
         "model": model,
-        "source": "calibrated in this run (pykvcache.calibrate's measurements)",
+        "source": "calibrated in this run (pykvcache calibrate's measurements)",
         "timing": timing,
         "prefill_points": [p.as_dict("tokens") for p in points],
         "load_points": [p.as_dict("bytes") for p in storage["points"]],
@@ -259,7 +244,7 @@ def profile_model(manager: Any, path: str) -> dict[str, Any]:
     default when it did not match)."""
     from pykvcache.gate import GateProfile
 
-    model = manager.gating.gate.model
+    model = vllm_adapter.request_gate(manager).model
     try:
         used = GateProfile.read(path).cost_model() == model
     except Exception as exc:  # noqa: BLE001 - reported, the engine's default is used
@@ -319,7 +304,7 @@ class Bench:
         self.manager = manager
         self.gates = gates
         self.scenario = scenario
-        self.real_store = manager.store
+        self.real_store = vllm_adapter.store_of(manager)
         self.slow_store: SlowReads | None = None
         self.params = SamplingParams(max_tokens=1, temperature=0.0)
         self.rng = random.Random(scenario["seed"])
@@ -338,11 +323,11 @@ class Bench:
         deadline = time.monotonic() + timeout_s
         while True:
             self.manager.flush()
-            if len(self.manager.store) >= stored_before + chunks:
+            stored = len(vllm_adapter.store_of(self.manager)) - stored_before
+            if stored >= chunks:
                 return
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{chunks} chunks were not stored within {timeout_s:.0f} s "
-                                   f"({len(self.manager.store) - stored_before} were)")
+                raise RuntimeError(f"{chunks} chunks were not stored within {timeout_s:.0f} s ({stored} were)")
             prompt = {"prompt_token_ids": self.tokens(max(1, self.scenario["chunk_tokens"] // 4))}
             self.llm.generate([prompt], self.params, use_tqdm=False)
 
@@ -356,7 +341,7 @@ class Bench:
     def run_mode(self, mode: str, prefix: list[int], length: int, repeat: int) -> dict[str, Any]:
         if mode == "recompute":
             self.manager.flush()
-            stored_before = len(self.manager.store)
+            stored_before = len(vllm_adapter.store_of(self.manager))
             self.gates.use("load")
         elif mode == "staging":
             self.reset(staging=False)
@@ -364,8 +349,8 @@ class Bench:
         else:
             self.reset(staging=True)
             self.gates.use({"disk": "load", "slow_disk": "load"}.get(mode, mode))
-        self.manager.store = self.slow_store if mode.startswith("slow") else self.real_store
-        gate = self.manager.gating.gate
+        vllm_adapter.use_store(self.manager, self.slow_store if mode.startswith("slow") else self.real_store)
+        gate = vllm_adapter.request_gate(self.manager)
         counts_before = dict(gate.totals)
         metrics_before = _metrics(self.llm)
         prompt = {"prompt_token_ids": prefix + self.tokens(self.scenario["suffix_tokens"])}
@@ -377,7 +362,7 @@ class Bench:
         t0 = time.perf_counter()
         out = self.llm.generate([prompt], self.params, use_tqdm=False)[0]
         wall = time.perf_counter() - t0
-        self.manager.store = self.real_store
+        vllm_adapter.use_store(self.manager, self.real_store)
         metrics_after = _metrics(self.llm)
         engine = _engine_ttft(out)
         decided_load = gate.totals["gate_decisions_load"] - counts_before["gate_decisions_load"]
@@ -435,14 +420,14 @@ def prepare(scenario: dict[str, Any]) -> dict[str, Any]:
     import torch
     from transformers import AutoConfig
 
-    from pykvcache.calibrate import _default_model_cache, kv_bytes_per_token_per_rank
+    from ..calibrate.measure import default_model_cache, kv_bytes_per_token_per_rank
 
     s = dict(scenario)
     tiny = not s.get("model")
     if tiny:
         from pykvcache.testing.tiny_model import build_tiny_model
 
-        s["model"] = str(build_tiny_model(_default_model_cache()))
+        s["model"] = str(build_tiny_model(default_model_cache()))
     llm = dict(s.get("llm") or {})
     llm.setdefault("dtype", "float32" if tiny else "auto")
     hf = AutoConfig.from_pretrained(s["model"])
@@ -501,18 +486,19 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
     started = time.monotonic()
     llm = _start_engine(scenario)
     startup_s = time.monotonic() - started
-    manager = _manager_of(llm)
-    if manager.gating.gate is None:
+    manager = vllm_adapter.pykvcache_manager(llm)
+    if not vllm_adapter.gate_wired(manager):
         raise RuntimeError("pykvcache's gate is not wired into the manager")
-    vcfg = llm.llm_engine.vllm_config
+    vcfg = vllm_adapter.engine_config(llm)
     hf = vcfg.model_config.hf_config
     vocab = int((getattr(hf, "text_config", None) or hf).vocab_size)
     ct = scenario["chunk_tokens"]
     gates = Gates(manager, ct)
     bench = Bench(llm, manager, gates, scenario, vocab)
     # The engine's own gate until a model is chosen: every mode needs one.
-    gates.add("load", manager.gating.gate.model, enabled=False, online=False)
-    gates.add("gated", manager.gating.gate.model, enabled=True, online=True)
+    engine_gate = vllm_adapter.request_gate(manager)
+    gates.add("load", engine_gate.model, enabled=False, online=False)
+    gates.add("gated", engine_gate.model, enabled=True, online=True)
     progress(f"vLLM started in {startup_s:.0f} s; warm-up")
     bench.warm_up()
 
@@ -533,7 +519,7 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
             slow = {"skipped": str(exc)}
         else:
             gates.add("slow_gated", smodel, enabled=True, online=True)
-            bench.slow_store = SlowReads(manager.store, delay)
+            bench.slow_store = SlowReads(vllm_adapter.store_of(manager), delay)
             slow = {"delay_s": delay, "model": describe_model(smodel)}
 
     measure_started = time.monotonic()
@@ -549,20 +535,19 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
         "block_size": int(vcfg.cache_config.block_size),
         "chunk_tokens": ct,
         "chunk_bytes": manager.layout.payload_bytes,
-        "direct_io": bool(getattr(manager.store, "direct_io", False)),
-        "backend": str(getattr(manager.store, "backend", "")),
+        "direct_io": bool(getattr(vllm_adapter.store_of(manager), "direct_io", False)),
+        "backend": str(getattr(vllm_adapter.store_of(manager), "backend", "")),
         "cost": {**cost, "model": describe_model(model)},
         "slow": slow,
         "gate_online": {name: _online_state(gates, name) for name in ("gated", "slow_gated")},
         "records": bench.records,
     }
-    llm.llm_engine.engine_core.shutdown()
+    vllm_adapter.shutdown(llm)
     return result
 
 
 def _online_state(gates: Gates, name: str) -> dict[str, float] | None:
-    pair = gates._pairs.get(name)
-    online = pair[0].online if pair else None
+    online = gates.online(name)
     return None if online is None else {"fixed_s": online.fixed_s, "disk_bytes_per_s": online.disk_bytes_per_s,
                                         "samples": online.samples}
 
@@ -570,7 +555,7 @@ def _online_state(gates: Gates, name: str) -> dict[str, float] | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m pykvcache.bench.ttft_driver scenario.json", file=sys.stderr)
+        print("usage: python -m pykvcache.tools.bench.ttft_driver scenario.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         scenario = json.load(f)

@@ -5,7 +5,7 @@ costs seconds and starting an engine tens of seconds here, so one scenario
 holds several engines (one after another: a run without pykvcache, then one
 with it) and pays the import once::
 
-    python -m pykvcache.bench.vllm_run scenario.json
+    python -m pykvcache.tools.vllm_run scenario.json
 
 Scenario keys: ``model`` (or ``tiny_model``: build one here), ``engine`` (``vllm.LLM`` keyword arguments shared by
 every run), ``runs`` (each: ``name``, optional ``kv_transfer_config``,
@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from pykvcache.tools import vllm_adapter
 
 RESULT_PREFIX = "RESULT "
 #: ``PROGRESS <run> <phase>`` lines on stdout before each step, for a live status.
@@ -116,7 +118,7 @@ def _run_engine(model: str, engine: dict[str, Any], run: dict[str, Any]) -> dict
     _progress(run["name"], "shutdown")
     # Explicit shutdown: pykvcache flushes pending writes and unlinks its
     # staging region before the next engine starts.
-    llm.llm_engine.engine_core.shutdown()
+    vllm_adapter.shutdown(llm)
     del llm
     gc.collect()
     result["t1"] = time.time()
@@ -145,7 +147,7 @@ class ChildFailed(RuntimeError):
 
 
 def start_child(scenario: dict[str, Any], workdir: Path, name: str) -> tuple[subprocess.Popen[str], Path]:
-    """Start ``python -m pykvcache.bench.vllm_run`` on ``scenario``; vLLM's
+    """Start ``python -m pykvcache.tools.vllm_run`` on ``scenario``; vLLM's
     logs go to ``<workdir>/<name>.log``. Returns the process and the log path."""
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / f"{name}.json"
@@ -153,7 +155,7 @@ def start_child(scenario: dict[str, Any], workdir: Path, name: str) -> tuple[sub
     log = workdir / f"{name}.log"
     with open(log, "w") as logf:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "pykvcache.bench.vllm_run", str(path)],
+            [sys.executable, "-m", "pykvcache.tools.vllm_run", str(path)],
             stdout=subprocess.PIPE, stderr=logf, text=True, env=child_env(),
         )  # fmt: skip
     return proc, log
@@ -188,7 +190,7 @@ def wait_child(
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m pykvcache.bench.vllm_run scenario.json", file=sys.stderr)
+        print("usage: python -m pykvcache.tools.vllm_run scenario.json", file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         scenario = json.load(f)

