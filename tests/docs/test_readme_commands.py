@@ -1,8 +1,10 @@
-"""Every command line the README shows runs, as a user types it.
+"""Every command line the README and docs/ show runs, as a user types it.
 
-The README's shell blocks (```sh) are parsed here; each command must match one
-of the runners below, or this test fails ("a documented command no test
-runs" is how ``pykvcache calibrate`` once shipped without existing). Commands
+The shell blocks (```sh) of README.md and of every docs/**/*.md are parsed
+here; each command must match one of the runners below, or this test fails
+("a documented command no test runs" is how ``pykvcache calibrate`` once
+shipped without existing). Command-line fragments that are not commands to
+run belong in plain ``` blocks. Commands
 that run for minutes are run with ``--help`` after their documented arguments
 were parsed by the real parser (so a documented flag that does not exist fails
 too). The Python example is ``examples/direct_api.py``: the README's Python
@@ -36,17 +38,39 @@ BIN = Path(sys.executable).parent
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", README.read_text(), flags=re.S | re.M)
+#: The documents whose ```sh blocks are commands a user types.
+DOCS = [README, *sorted((ROOT / "docs").rglob("*.md"))]
 
 
-def readme_commands() -> list[str]:
+def _blocks(lang: str, path: Path = README) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", path.read_text(), flags=re.S | re.M)
+
+
+def readme_commands(path: Path = README) -> list[str]:
     commands = []
-    for block in _blocks("sh"):
+    for block in _blocks("sh", path):
         for line in block.replace("\\\n", " ").splitlines():
             if line.strip() and not line.lstrip().startswith("#"):
                 commands.append(line.strip())
     return commands
+
+
+def documented_commands() -> list[tuple[str, str]]:
+    """(document, command) for every command of README.md and docs/, once each
+    (the same command shown in two places is run once)."""
+    seen: dict[str, str] = {}
+    for path in DOCS:
+        for command in readme_commands(path):
+            seen.setdefault(command, str(path.relative_to(ROOT)))
+    return [(doc, command) for command, doc in seen.items()]
+
+
+def _command_id(item: tuple[str, str]) -> str:
+    """``make_demo``, ``python_-m_vllm.entrypoints.openai.api_server``, ...: the
+    first words without the environment, so ``-k`` can name a command."""
+    doc, command = item
+    name = "_".join(_split(command)[1][:4])
+    return name if doc == "README.md" else f"{Path(doc).name}:{name}"
 
 
 def _split(command: str) -> tuple[dict[str, str], list[str]]:
@@ -215,7 +239,7 @@ def run_command(command: str, placeholders: dict[str, str]) -> str:
     if words[:3] == ["python", "-m", "vllm.entrypoints.openai.api_server"]:
         _serve_openai(env, words, placeholders)
         return "served completions"
-    raise AssertionError(f"README shows a command no test runs: {command}")
+    raise AssertionError(f"README or docs/ show a command no test runs: {command}")
 
 
 def test_the_readme_shows_commands():
@@ -226,9 +250,9 @@ def test_the_readme_shows_commands():
 
 @pytest.mark.vllm
 @needs_vllm
-@pytest.mark.parametrize("command", readme_commands(), ids=lambda c: c[:60])
-def test_every_readme_command_runs(command, placeholders):
-    print(run_command(command, placeholders))
+@pytest.mark.parametrize("documented", documented_commands(), ids=_command_id)
+def test_every_readme_command_runs(documented, placeholders):
+    print(run_command(documented[1], placeholders))
 
 
 def test_the_python_example_in_the_readme_is_the_tested_file():

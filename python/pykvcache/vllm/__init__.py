@@ -2,7 +2,7 @@
 
 Select it with ``kv_connector="OffloadingConnector"`` and, in
 ``kv_connector_extra_config``, ``"spec_name": "NvmeOffloadingSpec",
-"spec_module_path": "pykvcache.vllm"`` plus the pykvcache keys (see README).
+"spec_module_path": "pykvcache.vllm"`` plus the pykvcache keys (see docs/vllm.md).
 For lookahead preloading use ``kv_connector="PyKvCacheConnector"`` with
 ``kv_connector_module_path="pykvcache.vllm"`` instead (docs/lookahead.md).
 

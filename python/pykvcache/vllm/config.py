@@ -52,7 +52,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class PykvcacheConfig:
-    """Validated settings of the vLLM integration (see the README for each key)."""
+    """Validated settings of the vLLM integration (each key: docs/vllm.md)."""
 
     storage_dirs: tuple[str, ...]
     capacity_bytes: int
@@ -387,7 +387,7 @@ def lookup_hold_budget_bytes(config: PykvcacheConfig) -> int:
 def kv_transfer_config(storage_dirs: list[str], capacity_bytes: int | str, **extra: Any) -> dict[str, Any]:
     """The ``kv_transfer_config`` dict that selects pykvcache's spec on vLLM's
     stock ``OffloadingConnector`` (pass it to ``vllm.LLM`` or as JSON to
-    ``--kv-transfer-config``); ``extra`` adds further keys of the table in the README.
+    ``--kv-transfer-config``); ``extra`` adds further keys of the table in docs/vllm.md.
 
     Validated here (:func:`validate_extra_config`, raises :class:`ConfigError`):
     vLLM hands the connector's settings to pykvcache only after the model has
