@@ -1,7 +1,35 @@
 import os
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+# Child-process scripts and their shared helpers (tests/children/) are importable
+# from every test folder.
+sys.path.insert(0, str(Path(__file__).resolve().parent / "children"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_cache(request) -> Path:
+    """Where the tiny offline models are built (pytest's cache: reused across runs)."""
+    return Path(request.config.cache.mkdir("pykvcache-tiny-models"))
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_model_cache) -> str:
+    """The tiny Llama every vLLM test serves (pykvcache.testing.tiny_model)."""
+    from pykvcache.testing.tiny_model import build_tiny_model
+
+    return str(build_tiny_model(tiny_model_cache))
+
+
+@pytest.fixture(scope="session")
+def tiny_model_other_weights(tiny_model_cache) -> str:
+    """Same architecture and tokenizer as ``tiny_model``, other weights."""
+    from pykvcache.testing.tiny_model import TinyModelSpec, build_tiny_model
+
+    return str(build_tiny_model(tiny_model_cache, TinyModelSpec(seed=1)))
 
 
 @pytest.fixture

@@ -84,12 +84,9 @@ def _split(command: str) -> tuple[dict[str, str], list[str]]:
 
 
 @pytest.fixture(scope="module")
-def placeholders(tmp_path_factory, request):
-    from pykvcache.testing.tiny_model import build_tiny_model
-
+def placeholders(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("readme")
-    model = build_tiny_model(Path(request.config.cache.mkdir("pykvcache-tiny-models")))
-    return {"<model>": str(model), "/mnt/nvme0/kv": str(tmp / "nvme0"), "/mnt/nvme1/kv": str(tmp / "nvme1"),
+    return {"<model>": tiny_model, "/mnt/nvme0/kv": str(tmp / "nvme0"), "/mnt/nvme1/kv": str(tmp / "nvme1"),
             "tmp": str(tmp)}
 
 

@@ -34,6 +34,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_paths import child
 
 sys.path.insert(0, str(Path(__file__).parent))
 from slow_device import ThrottledDevice  # noqa: E402
@@ -46,7 +47,7 @@ pytestmark = [
     ),
 ]
 
-DRIVER = Path(__file__).with_name("driver_lookahead.py")
+DRIVER = child("driver_lookahead.py")
 CHUNK_TOKENS = 64
 CHUNK_BYTES = 2 * 2 * 2 * 64 * 4 * CHUNK_TOKENS
 SLOT_FOOTPRINT = CHUNK_BYTES + 4096
@@ -115,12 +116,11 @@ def _pair_order(i: int) -> tuple[bool, bool]:
 
 
 @pytest.fixture(scope="module")
-def scenario_result(tmp_path_factory, request, slow_device):
-    from pykvcache.testing.tiny_model import build_tiny_model
+def scenario_result(tmp_path_factory, tiny_model, slow_device):
+    from pykvcache.vllm.config import kv_transfer_config
 
     dev, no_device = slow_device
-    cache = Path(request.config.cache.mkdir("pykvcache-tiny-models"))
-    model = str(build_tiny_model(cache))
+    model = tiny_model
     work = tmp_path_factory.mktemp("pykvcache-lookahead")
     break_even = _profile(model, work / "profile.json")
     queued, heads, shorts = _texts()
@@ -144,19 +144,10 @@ def scenario_result(tmp_path_factory, request, slow_device):
         "model": model,
         "llm": {
             "max_num_seqs": 1,
-            "kv_transfer_config": {
-                "kv_connector": "PyKvCacheConnector",
-                "kv_connector_module_path": "pykvcache.vllm",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {
-                    "storage_dirs": [str(storage)],
-                    "capacity_bytes": 256 << 20,
-                    "staging_bytes": STAGING_SLOTS * SLOT_FOOTPRINT,
-                    "block_size": CHUNK_TOKENS,
-                    "gate_profile": str(work / "profile.json"),
-                    "wipe_on_reset": False,
-                },
-            },
+            "kv_transfer_config": kv_transfer_config(
+                [str(storage)], 256 << 20, lookahead=True,
+                staging_bytes=STAGING_SLOTS * SLOT_FOOTPRINT, block_size=CHUNK_TOKENS,
+                gate_profile=str(work / "profile.json"), wipe_on_reset=False),
         },
         "phases": phases,
     }

@@ -46,12 +46,8 @@ def _phases(x: str, *, reference: bool) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, request):
-    from pykvcache.testing.tiny_model import TinyModelSpec, build_tiny_model
-
-    cache = Path(request.config.cache.mkdir("pykvcache-tiny-models"))
-    original = build_tiny_model(cache)
-    other = build_tiny_model(cache, TinyModelSpec(seed=1))
+def runs(tmp_path_factory, tiny_model, tiny_model_other_weights):
+    original, other = Path(tiny_model), Path(tiny_model_other_weights)
     work = tmp_path_factory.mktemp("model-identity")
     model = work / "model"
     shutil.copytree(original, model)

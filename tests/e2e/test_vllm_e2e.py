@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_paths import child
 
 pytestmark = [
     pytest.mark.vllm,
@@ -34,7 +35,7 @@ pytestmark = [
     ),
 ]
 
-DRIVER = Path(__file__).with_name("driver.py")
+DRIVER = child("driver.py")
 BLOCK_TOKENS = 32  # vLLM block size (a multiple of 32 on CPU)
 CHUNK_TOKENS = 64  # pykvcache chunk = 2 vLLM blocks: exercises blocks_per_chunk > 1
 MAX_TOKENS = 24
@@ -78,19 +79,12 @@ def _phases_restart(xs, fillers, store_dir):
 
 
 def _kv_config(store_dir: Path, staging_slots: int, **extra) -> dict:
-    return {
-        "kv_connector": "OffloadingConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "NvmeOffloadingSpec",
-            "spec_module_path": "pykvcache.vllm",
-            "storage_dirs": [str(store_dir)],
-            "capacity_bytes": 1 << 30,
-            "staging_bytes": staging_slots * SLOT_FOOTPRINT,
-            "block_size": CHUNK_TOKENS,
-            **extra,
-        },
-    }
+    from pykvcache.vllm.config import kv_transfer_config
+
+    extra.setdefault("capacity_bytes", 1 << 30)
+    return kv_transfer_config([str(store_dir)], extra.pop("capacity_bytes"),
+                              staging_bytes=staging_slots * SLOT_FOOTPRINT, block_size=CHUNK_TOKENS,
+                              **extra)
 
 
 def _run(scenario: dict, workdir: Path, name: str) -> dict:
@@ -113,15 +107,9 @@ def _run(scenario: dict, workdir: Path, name: str) -> dict:
 
 
 @pytest.fixture(scope="session")
-def models(request):
-    from pykvcache.testing.tiny_model import TinyModelSpec, build_tiny_model
-
-    cache = Path(request.config.cache.mkdir("pykvcache-tiny-models"))
-    return {
-        "main": str(build_tiny_model(cache)),
-        # Same architecture and tokenizer, other weights: identical chunk keys.
-        "other": str(build_tiny_model(cache, TinyModelSpec(seed=1))),
-    }
+def models(tiny_model, tiny_model_other_weights):
+    # Same architecture and tokenizer, other weights: identical chunk keys.
+    return {"main": tiny_model, "other": tiny_model_other_weights}
 
 
 @pytest.fixture(scope="session")

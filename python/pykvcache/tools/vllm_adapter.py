@@ -5,7 +5,7 @@ nor the scheduler-side objects a connector builds; its filesystem tier keeps
 its O_DIRECT choice and thread pool private; pykvcache's own manager is built
 by the connector inside the EngineCore. The characterization harness and
 calibration need all of these, so they are reached here and only here
-(``tests/test_tools_layering.py`` checks it): when vLLM renames an attribute,
+(``tests/tools/test_tools_layering.py`` checks it): when vLLM renames an attribute,
 or the manager's gate wiring changes, this module is what changes.
 """
 

@@ -384,16 +384,21 @@ def lookup_hold_budget_bytes(config: PykvcacheConfig) -> int:
     return int(config.staging_bytes * LOOKUP_HOLD_SHARE)
 
 
-def kv_transfer_config(storage_dirs: list[str], capacity_bytes: int | str, **extra: Any) -> dict[str, Any]:
+def kv_transfer_config(storage_dirs: list[str], capacity_bytes: int | str, *, lookahead: bool = False,
+                       **extra: Any) -> dict[str, Any]:
     """The ``kv_transfer_config`` dict that selects pykvcache's spec on vLLM's
-    stock ``OffloadingConnector`` (pass it to ``vllm.LLM`` or as JSON to
-    ``--kv-transfer-config``); ``extra`` adds further keys of the table in docs/vllm.md.
+    stock ``OffloadingConnector`` or, with ``lookahead``, on
+    :class:`pykvcache.vllm.connector.PyKvCacheConnector` (pass it to
+    ``vllm.LLM`` or as JSON to ``--kv-transfer-config``); ``extra`` adds further
+    keys of the table in docs/vllm.md.
 
     Validated here (:func:`validate_extra_config`, raises :class:`ConfigError`):
     vLLM hands the connector's settings to pykvcache only after the model has
     loaded, so this is the earliest place a mistake can be reported."""
+    connector = ({"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm"}
+                 if lookahead else {"kv_connector": "OffloadingConnector"})
     config = {
-        "kv_connector": "OffloadingConnector",
+        **connector,
         "kv_role": "kv_both",
         "kv_connector_extra_config": {
             "spec_name": "NvmeOffloadingSpec",

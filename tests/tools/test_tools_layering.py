@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "pykvcache"
 TOOLS = PACKAGE / "tools"
 #: ``python -m pykvcache.cli`` (the Makefile) and console scripts installed

@@ -22,7 +22,7 @@ import pykvcache as kv
 import pykvcache.aio
 
 MiB = 1 << 20
-PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
+PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "python")
 
 
 def make_store(path, pool, **kw):

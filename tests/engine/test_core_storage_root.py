@@ -1,6 +1,6 @@
 """The configured storage directory: a symlink to a directory is followed
 once, at open (what an operator means by ``/data/kv -> /mnt/nvme0/kv``);
-symlinks *inside* the store stay refused (tests/test_robust_corruption.py)."""
+symlinks *inside* the store stay refused (tests/robustness/test_robust_corruption.py)."""
 
 import os
 

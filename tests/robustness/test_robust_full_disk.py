@@ -11,8 +11,8 @@ import sys
 import pykvcache as kv
 from robust_chunkfmt import chunk_files, get_bytes, payload_for, put_bytes, temp_files
 from robust_full_disk_check import PAYLOAD, fill_past_full, free_bytes
+from child_paths import child
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
 
 
@@ -50,7 +50,7 @@ def test_capacity_above_filesystem_size_evicts_on_enospc(mounted):
 
 def test_capacity_above_filesystem_size_on_the_rename_path(mounted):
     fs = mounted("tmpfs", "size=4m,mode=0700")
-    out = subprocess.run([sys.executable, os.path.join(HERE, "robust_full_disk_check.py"), str(fs), "rename"],
+    out = subprocess.run([sys.executable, child("robust_full_disk_check.py"), str(fs), "rename"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])

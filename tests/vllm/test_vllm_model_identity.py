@@ -105,15 +105,13 @@ def test_reads_are_a_few_per_tensor(checkpoint):
 
 
 @pytest.fixture(scope="module")
-def engine_configs(request):
+def engine_configs(tiny_model):
     """Real VllmConfig objects of the tiny model, as vLLM builds them from its flags."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
     from vllm.engine.arg_utils import EngineArgs
 
-    from pykvcache.testing.tiny_model import build_tiny_model
-
-    model = str(build_tiny_model(Path(request.config.cache.mkdir("pykvcache-tiny-models"))))
+    model = tiny_model
 
     def build(**kw):
         kw.setdefault("dtype", "float32")

@@ -15,13 +15,13 @@ import time
 import pykvcache as kv
 from robust_chunkfmt import chunk_files, get_bytes, payload_for, put_bytes, temp_files
 from robust_crash_params import CAPACITY, KEYS, MAX_PAYLOAD, NAMESPACE
+from child_paths import child
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 KILLS = 50
 
 
 def start_writer(store_dir, mode: str, seed: int) -> subprocess.Popen:
-    cmd = [sys.executable, os.path.join(HERE, "robust_crash_writer.py"), str(store_dir), mode, str(seed)]
+    cmd = [sys.executable, child("robust_crash_writer.py"), str(store_dir), mode, str(seed)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     ready = p.stdout.readline().strip()
     if ready != "ready tmpfile=%d" % (mode == "tmpfile"):

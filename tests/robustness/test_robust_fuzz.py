@@ -9,14 +9,14 @@ import subprocess
 import sys
 
 from robust_chunkfmt import HEADER_BYTES, parse_header
+from child_paths import child
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = int(os.environ.get("ROBUST_FUZZ_EXAMPLES", "600"))
 
 
 def test_arbitrary_chunk_files_never_crash_and_are_served_only_when_valid(store_dir, tmp_path):
     last = tmp_path / "last-input.bin"
-    out = subprocess.run([sys.executable, os.path.join(HERE, "robust_fuzz_chunks.py"), str(store_dir), str(EXAMPLES),
+    out = subprocess.run([sys.executable, child("robust_fuzz_chunks.py"), str(store_dir), str(EXAMPLES),
                           str(last)], capture_output=True, text=True, timeout=300)
     if out.returncode < 0:
         data = last.read_bytes()

@@ -12,7 +12,7 @@ import pytest
 
 import pykvcache as kv
 
-HERE = os.path.dirname(__file__)
+HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "children")  # sandbox.py
 
 
 def run_child(code: str, store_dir) -> dict:

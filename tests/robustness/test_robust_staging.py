@@ -4,18 +4,17 @@ deadlock, every request completes with the right bytes, and the process's
 memory high-water mark stays within the staging budget plus a constant."""
 
 import json
-import os
 import subprocess
 import sys
+from child_paths import child
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 MiB = 1 << 20
 # Engine, I/O ring and 32 Python threads, measured at ~1-2 MiB here.
 CONSTANT = 8 * MiB
 
 
 def run_worker(store_dir) -> dict:
-    out = subprocess.run([sys.executable, os.path.join(HERE, "robust_staging_worker.py"), str(store_dir)],
+    out = subprocess.run([sys.executable, child("robust_staging_worker.py"), str(store_dir)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
