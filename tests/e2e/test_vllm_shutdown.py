@@ -62,6 +62,37 @@ def _pykvcache_shm() -> set[str]:
     return {os.path.basename(p) for p in glob.glob("/dev/shm/pykvcache-*")}
 
 
+def _in_use(paths: set[str]) -> set[str]:
+    """Those of ``paths`` some process maps or holds open."""
+    used = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                used.update(p for p in paths if p in f.read())
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if link in paths:
+                    used.add(link)
+        except OSError:
+            pass
+    return used
+
+
+def _remove_vllm_leftovers(before: set[str]) -> list[str]:
+    """vLLM's own shared memory (its message queues' ``psm_*``, ~400 MiB here,
+    ``sem.mp-*``) stays in /dev/shm when its processes are SIGKILLed: remove
+    what appeared during the test and nobody uses, so that runs do not pile up."""
+    new = {f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - before
+           if not n.startswith("pykvcache-")}
+    removed = sorted(new - _in_use(new))
+    for path in removed:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
 class Server:
     """One OpenAI API server with pykvcache, in its own session."""
 
@@ -174,11 +205,13 @@ def server_factory(tmp_path, model):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_stopped_before_any_transfer_leaves_no_staging_behind(server_factory, sig):
     before = _pykvcache_shm()
+    everything_before = set(os.listdir("/dev/shm"))
     server = server_factory()
     held = staging_memfds(server.prefix)
     seconds = server.stop(sig)
-    print(f"[{signal.Signals(sig).name}] all processes gone {seconds:.1f} s after the signal",
-          file=sys.stderr)
+    vllm_leftovers = _remove_vllm_leftovers(everything_before)
+    print(f"[{signal.Signals(sig).name}] all processes gone {seconds:.1f} s after the signal; "
+          f"vLLM's own leftovers removed: {vllm_leftovers}", file=sys.stderr)
     leaked = _pykvcache_shm() - before
     for name in leaked:  # keep the machine clean when the test fails (before the fix)
         if name.startswith(server.prefix):
