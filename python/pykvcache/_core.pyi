@@ -46,7 +46,13 @@ class StagingPool:
     Each slot is ``HEADER_BYTES`` of header space followed by ``slot_bytes`` of
     payload. Memory never grows past ``total_bytes``. With ``shm_name`` the
     region is a named shared-memory file (``/dev/shm/<shm_name>``) that other
-    processes map with :meth:`attach`.
+    processes map with :meth:`attach`; the name is removed by :meth:`close`,
+    so a killed owner leaves it behind. With ``memfd=True`` as well, the region
+    is an unnamed memfd labelled ``shm_name`` that other processes map with
+    :meth:`attach_memfd`: never in /dev/shm, freed by the kernel when the last
+    process holding it exits, however it exits. Shared memory is reserved in
+    full at creation: more than /dev/shm or memory can give raises
+    :class:`StoreError` (ENOSPC/ENOMEM) instead of a SIGBUS later.
 
     ``slot_bytes`` >= 1 and ``num_slots`` in 1..=65535; the whole pool must fit
     the address space (checked: a size that would wrap raises ``ValueError``).
@@ -58,12 +64,18 @@ class StagingPool:
         num_slots: int,
         *,
         shm_name: str | None = None,
+        memfd: bool = False,
     ) -> None: ...
     @staticmethod
     def attach(shm_name: str) -> StagingPool:
         """Map a pool created by another process. The attached pool has no slot
         accounting of its own (acquire/release belong to the creator); use
         :meth:`region` and :meth:`payload_offset` to reach slot payloads."""
+    @staticmethod
+    def attach_memfd(shm_name: str) -> StagingPool:
+        """:meth:`attach` for a ``memfd=True`` pool: opens its owner's fd
+        through ``/proc/<pid>/fd``, looking in this process, its parent, then
+        every process (where the name must be unique)."""
     @property
     def slot_bytes(self) -> int: ...
     @property
@@ -81,6 +93,9 @@ class StagingPool:
     def shm_name(self) -> str | None: ...
     @property
     def is_owner(self) -> bool: ...
+    @property
+    def is_memfd(self) -> bool:
+        """Created here with ``memfd=True``."""
     @property
     def free_slots(self) -> int: ...
     def payload_offset(self, slot: int) -> int:

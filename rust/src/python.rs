@@ -158,20 +158,33 @@ impl SlotBuffer {
 #[pymethods]
 impl PyStagingPool {
     #[new]
-    #[pyo3(signature = (slot_bytes, num_slots, *, shm_name=None))]
+    #[pyo3(signature = (slot_bytes, num_slots, *, shm_name=None, memfd=false))]
     fn new(
         py: Python<'_>,
         #[pyo3(from_py_with = slot_bytes_arg)] slot_bytes: usize,
         #[pyo3(from_py_with = num_slots_arg)] num_slots: usize,
         shm_name: Option<String>,
+        memfd: bool,
     ) -> PyResult<Self> {
-        let inner = py.detach(|| staging::StagingPool::create(slot_bytes, num_slots, shm_name.as_deref())).map_err(to_py)?;
+        let backing = match (&shm_name, memfd) {
+            (None, false) => staging::Backing::Private,
+            (Some(name), false) => staging::Backing::Named(name),
+            (Some(name), true) => staging::Backing::Memfd(name),
+            (None, true) => return Err(PyValueError::new_err("memfd=True needs shm_name (the name attach_memfd finds it by)")),
+        };
+        let inner = py.detach(|| staging::StagingPool::create_backed(slot_bytes, num_slots, backing)).map_err(to_py)?;
         Ok(PyStagingPool { inner: Arc::new(inner) })
     }
 
     #[staticmethod]
     fn attach(py: Python<'_>, shm_name: String) -> PyResult<Self> {
         let inner = py.detach(|| staging::StagingPool::attach(&shm_name)).map_err(to_py)?;
+        Ok(PyStagingPool { inner: Arc::new(inner) })
+    }
+
+    #[staticmethod]
+    fn attach_memfd(py: Python<'_>, shm_name: String) -> PyResult<Self> {
+        let inner = py.detach(|| staging::StagingPool::attach_memfd(&shm_name)).map_err(to_py)?;
         Ok(PyStagingPool { inner: Arc::new(inner) })
     }
 
@@ -189,6 +202,8 @@ impl PyStagingPool {
     fn shm_name(&self) -> Option<String> { self.inner.shm_name().map(str::to_owned) }
     #[getter]
     fn is_owner(&self) -> bool { self.inner.is_owner() }
+    #[getter]
+    fn is_memfd(&self) -> bool { self.inner.is_memfd() }
     #[getter]
     fn free_slots(&self) -> usize { self.inner.free_slots() }
 

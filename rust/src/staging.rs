@@ -8,6 +8,9 @@
 //! and then fails: memory never grows past the budget.
 
 use std::ffi::CString;
+use std::fs::File;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::unix::fs::MetadataExt;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -59,6 +62,9 @@ pub struct StagingPool {
     num_slots: usize,
     shm_name: Option<String>,
     owner: bool,
+    /// The creator's memfd (`Backing::Memfd`): kept open for the pool's life so
+    /// that other processes can open it through `/proc/<pid>/fd`.
+    memfd: Option<OwnedFd>,
     state: Mutex<PoolState>,
     freed: Condvar,
 }
@@ -76,39 +82,85 @@ struct PoolState {
     closed: bool,
 }
 
+/// Where a pool's memory lives.
+#[derive(Clone, Copy, Debug)]
+pub enum Backing<'a> {
+    /// Private anonymous memory: this process only.
+    Private,
+    /// `/dev/shm/<name>`, created exclusively; others `attach` it by name. The
+    /// owner unlinks the name when it closes, so a killed owner leaves it behind.
+    Named(&'a str),
+    /// An unnamed memfd labelled `<name>`: never in /dev/shm (nor limited by its
+    /// size), freed by the kernel when the last process holding it exits, however
+    /// it exits. Others `attach_memfd` it through the owner's `/proc/<pid>/fd`.
+    Memfd(&'a str),
+}
+
 impl StagingPool {
     /// Creates a pool of `num_slots` slots of `slot_bytes` payload each.
     /// With `shm_name`, backs it by `/dev/shm/<shm_name>` (created exclusively).
     pub fn create(slot_bytes: usize, num_slots: usize, shm_name: Option<&str>) -> Result<Self> {
+        Self::create_backed(slot_bytes, num_slots, shm_name.map_or(Backing::Private, Backing::Named))
+    }
+
+    /// Creates a pool in `backing`. Shared memory is reserved in full here
+    /// (`posix_fallocate`): a region larger than what the system can give fails
+    /// now, with an error, instead of a SIGBUS when a slot is first touched.
+    pub fn create_backed(slot_bytes: usize, num_slots: usize, backing: Backing<'_>) -> Result<Self> {
         let (stride, data_len) = layout(slot_bytes, num_slots)?;
         let mapped_len = data_len + TRAILER_BYTES;
         let (reserved, reserved_len, base) = reserve_aligned(mapped_len)?;
-        let result = match shm_name {
-            None => map_anonymous(base, mapped_len),
-            Some(name) => map_shm(base, mapped_len, name, true),
+        let (result, shm_name) = match backing {
+            Backing::Private => (map_anonymous(base, mapped_len).map(|()| None), None),
+            Backing::Named(name) => (map_shm(base, mapped_len, name).map(|()| None), Some(name)),
+            Backing::Memfd(name) => (map_memfd(base, mapped_len, name).map(Some), Some(name)),
         };
-        if let Err(e) = result {
-            unsafe { libc::munmap(reserved as *mut _, reserved_len) };
-            return Err(e);
-        }
+        let memfd = match result {
+            Ok(memfd) => memfd,
+            Err(e) => {
+                unsafe { libc::munmap(reserved as *mut _, reserved_len) };
+                return Err(e);
+            }
+        };
         let trailer = unsafe { std::slice::from_raw_parts_mut(base.add(data_len), TRAILER_BYTES) };
         trailer[0..8].copy_from_slice(&TRAILER_MAGIC.to_le_bytes());
         trailer[8..16].copy_from_slice(&(slot_bytes as u64).to_le_bytes());
         trailer[16..24].copy_from_slice(&(stride as u64).to_le_bytes());
         trailer[24..32].copy_from_slice(&(num_slots as u64).to_le_bytes());
-        Ok(Self::new(base, reserved, reserved_len, mapped_len, slot_bytes, stride, num_slots, shm_name, true))
+        let mut pool = Self::new(base, reserved, reserved_len, mapped_len, slot_bytes, stride, num_slots, shm_name, true);
+        pool.memfd = memfd;
+        Ok(pool)
     }
 
-    /// Maps a pool that another process created. Slot accounting stays with the creator.
+    /// Maps a pool that another process created in `/dev/shm/<shm_name>`.
+    /// Slot accounting stays with the creator.
     pub fn attach(shm_name: &str) -> Result<Self> {
         let path = shm_path(shm_name)?;
-        let meta = std::fs::metadata(&path).map_err(|e| EngineError::io(format!("staging pool {path}"), e))?;
+        let file = File::options().read(true).write(true).open(&path)
+            .map_err(|e| EngineError::io(format!("opening shared staging {path}"), e))?;
+        Self::attach_file(&file, shm_name, &path)
+    }
+
+    /// Maps a pool another process created as `Backing::Memfd(name)`. The
+    /// owner is looked for in this process and its parent (vLLM's scheduler
+    /// is one or the other for every local worker), then in every process,
+    /// where the name must be unambiguous.
+    pub fn attach_memfd(name: &str) -> Result<Self> {
+        check_shm_name(name)?;
+        let path = find_memfd(name)?;
+        let file = File::options().read(true).write(true).open(&path)
+            .map_err(|e| EngineError::io(format!("opening shared staging memfd {name} at {path}"), e))?;
+        Self::attach_file(&file, name, &format!("memfd {name} ({path})"))
+    }
+
+    fn attach_file(file: &File, shm_name: &str, path: &str) -> Result<Self> {
+        let meta = file.metadata().map_err(|e| EngineError::io(format!("staging pool {path}"), e))?;
         let mapped_len = meta.len() as usize;
         if mapped_len < TRAILER_BYTES {
             return Err(EngineError::invalid(format!("{path} is not a pykvcache staging pool")));
         }
         let (reserved, reserved_len, base) = reserve_aligned(mapped_len)?;
-        if let Err(e) = map_shm(base, mapped_len, shm_name, false) {
+        if let Err(e) = map_fd(base, mapped_len, file.as_raw_fd(), path) {
             unsafe { libc::munmap(reserved as *mut _, reserved_len) };
             return Err(e);
         }
@@ -149,6 +201,7 @@ impl StagingPool {
             num_slots,
             shm_name: shm_name.map(str::to_owned),
             owner,
+            memfd: None,
             state: Mutex::new(PoolState {
                 free,
                 acquired: vec![false; num_slots],
@@ -167,6 +220,8 @@ impl StagingPool {
     pub fn base_address(&self) -> usize { self.base as usize }
     pub fn shm_name(&self) -> Option<&str> { self.shm_name.as_deref() }
     pub fn is_owner(&self) -> bool { self.owner }
+    /// Created as `Backing::Memfd` (by this process).
+    pub fn is_memfd(&self) -> bool { self.memfd.is_some() }
 
     pub fn free_slots(&self) -> usize {
         self.state.lock().unwrap().free.len()
@@ -299,13 +354,14 @@ impl StagingPool {
     }
 
     /// Marks the pool closed (acquire fails from now on) and removes the shared
-    /// memory name. The mapping itself goes away when the last user drops it.
+    /// memory name (a memfd has none). The mapping itself goes away when the
+    /// last user drops it.
     pub fn close(&self) -> Result<()> {
         let mut st = self.state.lock().unwrap();
         if let Some(slot) = st.exports.iter().position(|&e| e > 0) {
             return Err(EngineError::State(format!("slot {slot} still has exported views")));
         }
-        if !st.closed && self.owner {
+        if !st.closed && self.owner && self.memfd.is_none() {
             if let Some(name) = &self.shm_name {
                 let _ = std::fs::remove_file(format!("/dev/shm/{name}"));
             }
@@ -324,7 +380,7 @@ impl Drop for StagingPool {
     }
 }
 
-fn shm_path(name: &str) -> Result<String> {
+fn check_shm_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 200
         && name.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
@@ -332,6 +388,11 @@ fn shm_path(name: &str) -> Result<String> {
     if !ok {
         return Err(EngineError::invalid(format!("invalid shared-memory name {name:?} (use [A-Za-z0-9_.-])")));
     }
+    Ok(())
+}
+
+fn shm_path(name: &str) -> Result<String> {
+    check_shm_name(name)?;
     Ok(format!("/dev/shm/{name}"))
 }
 
@@ -360,32 +421,182 @@ fn map_anonymous(base: *mut u8, len: usize) -> Result<()> {
     Ok(())
 }
 
-fn map_shm(base: *mut u8, len: usize, name: &str, create: bool) -> Result<()> {
+/// Creates `/dev/shm/<name>` exclusively, reserves `len` bytes and maps it at `base`.
+fn map_shm(base: *mut u8, len: usize, name: &str) -> Result<()> {
     let path = shm_path(name)?;
     let cpath = CString::new(path.clone()).unwrap();
-    let flags = libc::O_RDWR | libc::O_CLOEXEC | if create { libc::O_CREAT | libc::O_EXCL } else { 0 };
-    let fd = unsafe { libc::open(cpath.as_ptr(), flags, 0o600) };
+    let fd = unsafe { libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC | libc::O_CREAT | libc::O_EXCL, 0o600) };
     if fd < 0 {
-        return Err(EngineError::last_os(format!("opening shared staging {path}")));
+        return Err(EngineError::last_os(format!("creating shared staging {path}")));
     }
-    let cleanup = |e: EngineError| {
-        unsafe { libc::close(fd) };
-        if create {
-            let _ = std::fs::remove_file(&path);
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let result = size_and_reserve(fd.as_raw_fd(), len, &path).and_then(|()| map_fd(base, len, fd.as_raw_fd(), &path));
+    if result.is_err() {
+        let _ = std::fs::remove_file(&path);
+    }
+    result
+}
+
+/// Creates a memfd labelled `name`, reserves `len` bytes and maps it at `base`.
+fn map_memfd(base: *mut u8, len: usize, name: &str) -> Result<OwnedFd> {
+    check_shm_name(name)?;
+    let cname = CString::new(name).unwrap();
+    let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(EngineError::last_os(format!("creating shared staging memfd {name}")));
+    }
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    let what = format!("memfd {name}");
+    size_and_reserve(fd.as_raw_fd(), len, &what)?;
+    map_fd(base, len, fd.as_raw_fd(), &what)?;
+    Ok(fd)
+}
+
+/// Sizes a fresh shared-memory file and allocates every page of it now. A
+/// tmpfs file is sparse: without this, a region larger than the free space of
+/// its filesystem (Docker's `--shm-size`) or than free memory is created fine
+/// and its owner dies of SIGBUS when a slot is first touched, possibly hours later.
+fn size_and_reserve(fd: libc::c_int, len: usize, what: &str) -> Result<()> {
+    if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
+        return Err(EngineError::last_os(format!("sizing shared staging {what}")));
+    }
+    // Allocating shared memory past what is free does not fail: it wakes the
+    // OOM killer, which may pick any process. Refuse first.
+    if available_memory().is_some_and(|avail| len > avail) {
+        return Err(EngineError::io(reserve_failure(len, what), std::io::Error::from_raw_os_error(libc::ENOMEM)));
+    }
+    loop {
+        // Returns the error number instead of setting errno.
+        let rc = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
+        match rc {
+            0 => return Ok(()),
+            libc::EINTR => continue, // pages allocated so far stay; resume
+            _ => return Err(EngineError::io(reserve_failure(len, what), std::io::Error::from_raw_os_error(rc))),
         }
-        Err(e)
-    };
-    if create && unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
-        return cleanup(EngineError::last_os(format!("sizing shared staging {path}")));
     }
+}
+
+/// The context of a failed reservation: what was asked, what was free, the fix.
+fn reserve_failure(len: usize, what: &str) -> String {
+    let avail = available_memory();
+    let need = fmt_bytes(len);
+    match avail {
+        Some(avail) if len > avail => format!(
+            "cannot reserve {need} of shared staging memory for {what}: only {} of memory available \
+             (use a smaller staging pool)",
+            fmt_bytes(avail)
+        ),
+        _ if what.starts_with("/dev/shm/") => format!(
+            "cannot reserve {need} of shared staging memory for {what}: {} free on /dev/shm \
+             (give it more room with docker run --shm-size=<size> or --ipc=host, or use a smaller staging pool)",
+            shm_free_bytes().map_or("unknown".to_owned(), fmt_bytes)
+        ),
+        _ => format!(
+            "cannot reserve {need} of shared staging memory for {what}: {} of memory available \
+             (use a smaller staging pool)",
+            avail.map_or("unknown".to_owned(), fmt_bytes)
+        ),
+    }
+}
+
+fn shm_free_bytes() -> Option<usize> {
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    let path = CString::new("/dev/shm").unwrap();
+    if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some((st.f_bavail as usize).saturating_mul(st.f_frsize as usize))
+}
+
+/// Memory this process can still get: the system's MemAvailable, lowered to
+/// what its cgroup (v2) limit leaves, as in a container with `--memory`.
+fn available_memory() -> Option<usize> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    let mut avail = kib.saturating_mul(1024);
+    let cgroup = std::fs::read_to_string("/proc/self/cgroup").unwrap_or_default();
+    if let Some(path) = cgroup.lines().find_map(|l| l.strip_prefix("0::")) {
+        let read = |f: &str| std::fs::read_to_string(format!("/sys/fs/cgroup{path}/{f}")).ok();
+        let max = read("memory.max").and_then(|t| t.trim().parse::<usize>().ok()); // "max": no limit
+        let current = read("memory.current").and_then(|t| t.trim().parse::<usize>().ok());
+        if let (Some(max), Some(current)) = (max, current) {
+            // Page cache (e.g. of the model weights just read) is reclaimed on
+            // demand; tmpfs/shared memory in "file" is not.
+            let stat = read("memory.stat").unwrap_or_default();
+            let field = |k: &str| {
+                stat.lines().find_map(|l| l.strip_prefix(k)?.strip_prefix(' ')?.trim().parse::<usize>().ok()).unwrap_or(0)
+            };
+            let reclaimable = field("file").saturating_sub(field("shmem"));
+            avail = avail.min(max.saturating_sub(current.saturating_sub(reclaimable)));
+        }
+    }
+    Some(avail)
+}
+
+fn fmt_bytes(n: usize) -> String {
+    format!("{:.1} MiB ({n} bytes)", n as f64 / (1u64 << 20) as f64)
+}
+
+fn map_fd(base: *mut u8, len: usize, fd: libc::c_int, what: &str) -> Result<()> {
     let p = unsafe {
         libc::mmap(base as *mut _, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd, 0)
     };
     if p == libc::MAP_FAILED {
-        return cleanup(EngineError::last_os(format!("mapping shared staging {path}")));
+        return Err(EngineError::last_os(format!("mapping shared staging {what}")));
     }
-    unsafe { libc::close(fd) };
     Ok(())
+}
+
+/// `/proc/<pid>/fd/<n>` of the memfd labelled `name`. Its owner keeps it open
+/// for the pool's life; attachers close theirs once mapped, so several hits in
+/// other processes are the same region only if they are the same inode.
+fn find_memfd(name: &str) -> Result<String> {
+    let target = format!("/memfd:{name} (deleted)");
+    let me = std::process::id();
+    let parent = unsafe { libc::getppid() } as u32;
+    for pid in [me, parent] {
+        if let Some(path) = memfd_in(pid, &target) {
+            return Ok(path);
+        }
+    }
+    let mut found: Vec<(String, (u64, u64))> = Vec::new();
+    if let Ok(entries) = std::fs::read_dir("/proc") {
+        for entry in entries.flatten() {
+            let Some(pid) = entry.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else { continue };
+            if pid == me || pid == parent {
+                continue;
+            }
+            if let Some(path) = memfd_in(pid, &target) {
+                if let Ok(meta) = std::fs::metadata(&path) {
+                    let id = (meta.dev(), meta.ino());
+                    if !found.iter().any(|(_, other)| *other == id) {
+                        found.push((path, id));
+                    }
+                }
+            }
+        }
+    }
+    match found.len() {
+        1 => Ok(found.pop().unwrap().0),
+        0 => Err(EngineError::io(
+            format!("no process holds a staging memfd named {name} (its owner exited, or runs in another PID namespace)"),
+            std::io::Error::from_raw_os_error(libc::ENOENT),
+        )),
+        n => Err(EngineError::State(format!(
+            "{n} processes hold a staging memfd named {name}: give each engine its own name"
+        ))),
+    }
+}
+
+fn memfd_in(pid: u32, target: &str) -> Option<String> {
+    let dir = format!("/proc/{pid}/fd");
+    for entry in std::fs::read_dir(&dir).ok()?.flatten() {
+        if std::fs::read_link(entry.path()).is_ok_and(|link| link.as_os_str() == target) {
+            return Some(entry.path().to_string_lossy().into_owned());
+        }
+    }
+    None
 }
 
 #[cfg(test)]
@@ -476,5 +687,34 @@ mod tests {
         drop(pool);
         assert!(StagingPool::attach(&name).is_err(), "owner removes the shm name");
         assert!(StagingPool::attach("../etc/passwd").is_err());
+    }
+
+    #[test]
+    fn memfd_pool_has_no_name_and_is_found_through_proc() {
+        let name = format!("pykvcache-test-memfd-{}", std::process::id());
+        let pool = StagingPool::create_backed(8192, 2, Backing::Memfd(&name)).unwrap();
+        assert!(pool.is_memfd() && pool.is_owner());
+        assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists(), "a memfd has no /dev/shm name");
+        let s = pool.acquire(None).unwrap();
+        unsafe { *pool.payload_ptr(s) = 42 };
+        let other = StagingPool::attach_memfd(&name).unwrap();
+        assert!(!other.is_owner() && !other.is_memfd());
+        assert_eq!(unsafe { *other.region_ptr().add(other.payload_offset(s).unwrap()) }, 42);
+        assert!(StagingPool::attach(&name).is_err(), "not reachable by /dev/shm name");
+        drop(other);
+        pool.release(s).unwrap();
+        drop(pool);
+        let err = StagingPool::attach_memfd(&name).err().expect("the owner is gone");
+        assert_eq!(err.errno(), Some(libc::ENOENT), "{err}");
+    }
+
+    #[test]
+    fn shared_memory_beyond_free_memory_is_refused_before_allocating() {
+        let name = format!("pykvcache-test-huge-{}", std::process::id());
+        // 1 TiB: more than this machine has; must fail without touching a page.
+        let err = StagingPool::create_backed(1 << 40, 1, Backing::Memfd(&name)).err().expect("must fail");
+        assert_eq!(err.errno(), Some(libc::ENOMEM), "{err}");
+        let msg = err.to_string();
+        assert!(msg.contains("1048576.0 MiB") && msg.contains("available"), "{msg}");
     }
 }

@@ -71,18 +71,35 @@ def _corrupt_files(directory: str) -> int:
     return count
 
 
+def staging_memfds(prefix: str) -> set[str]:
+    """Names of the staging memfds whose label starts with ``prefix`` that some
+    process on this host holds (the EngineCore, a child of this driver)."""
+    names = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith(f"/memfd:{prefix}") and link.endswith(" (deleted)"):
+                names.add(link[len("/memfd:"):-len(" (deleted)")])
+    return names
+
+
 def _attach_staging(llm):
-    """Map this engine's staging region now: pykvcache unlinks its name once
-    the workers have attached (after the first transfer), so a later attach
-    by name would find nothing."""
+    """Map this engine's staging region (a memfd held by the EngineCore)."""
     from pykvcache._core import StagingPool
     from pykvcache.vllm.layout import staging_shm_prefix
 
     engine_id = llm.llm_engine.vllm_config.kv_transfer_config.engine_id
-    names = glob.glob(f"/dev/shm/{staging_shm_prefix(engine_id)}*")
+    names = staging_memfds(staging_shm_prefix(engine_id))
     if len(names) != 1:
         raise RuntimeError(f"expected one staging region for engine {engine_id}, found {names}")
-    return StagingPool.attach(os.path.basename(names[0]))
+    return StagingPool.attach_memfd(names.pop())
 
 
 def _scribble_staging(pool) -> int:
@@ -173,7 +190,7 @@ def main() -> int:
                                   "staging_prefix": prefix}),
           flush=True)
     # Shut the engine down explicitly so pykvcache's shutdown path (flush
-    # pending writes, unlink the staging region) runs before exit.
+    # pending writes) runs before exit.
     llm.llm_engine.engine_core.shutdown()
     return 0
 

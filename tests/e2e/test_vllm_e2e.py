@@ -241,9 +241,12 @@ def test_loaded_kv_is_really_used(other_model):
 
 
 def test_no_staging_region_left_behind(offload, restart, other_model):
+    from driver import staging_memfds
+
     for result in (offload, restart, other_model):
         assert result["staging_prefix"]
         assert not glob.glob(f"/dev/shm/{result['staging_prefix']}*")
+        assert not staging_memfds(result["staging_prefix"]), "a process still holds the region"
 
 
 @pytest.fixture(scope="session")

@@ -48,7 +48,8 @@ def shm_name():
 
 
 def _pool(layout, shm_name, slots=8):
-    return StagingPool(layout.payload_bytes, slots, shm_name=shm_name)
+    # As the spec creates it: a memfd the worker finds through /proc.
+    return StagingPool(layout.payload_bytes, slots, shm_name=shm_name, memfd=True)
 
 
 def test_store_then_load_mid_chunk_roundtrip(shm_name):

@@ -34,7 +34,6 @@ their chunks until the request is scheduled; ``lookup_hold_slots`` caps what
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import threading
 import time
@@ -114,7 +113,6 @@ class NvmeOffloadingManager(OffloadingManager):
         self._write_queue: list[bytes] = []  # stored in staging, not yet submitted
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._closed = False
-        self._shm_unlinked = False
         self.gating: GateWiring | NoGating = gating if gating is not None else NoGating()
         self.preloader = Preloader(self, budget_slots=lookahead_slots, window=lookahead_requests,
                                    gate=self.gating.preload_gate(),
@@ -291,7 +289,6 @@ class NvmeOffloadingManager(OffloadingManager):
             self.cache.touch(key)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
-        self._unlink_shared_name()
         loader = owner(LOAD, req_context.req_id)
         for key in keys:
             self.cache.release(loader, key)
@@ -339,7 +336,6 @@ class NvmeOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
     ) -> None:
-        self._unlink_shared_name()
         stored = []
         for key in keys:
             entry = self.cache.get(key)
@@ -474,26 +470,6 @@ class NvmeOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------
     # Internals
     # ------------------------------------------------------------------
-    def _unlink_shared_name(self) -> None:
-        """Remove the staging region's name once every worker has mapped it.
-
-        A transfer completes only after all workers copied, and a worker maps
-        the region before its first copy, so after the first completion
-        nobody needs the name any more. The mapping stays valid; unlinking
-        now means a killed engine (vLLM force-kills a slow EngineCore at
-        shutdown) leaves nothing behind in /dev/shm."""
-        if self._shm_unlinked:
-            return
-        self._shm_unlinked = True
-        name = getattr(self.pool, "shm_name", None)
-        if name and getattr(self.pool, "is_owner", False):
-            try:
-                os.unlink(os.path.join("/dev/shm", name))
-            except FileNotFoundError:
-                pass
-            except OSError as exc:
-                logger.warning("pykvcache: could not unlink staging region %s: %s", name, exc)
-
     def _start_read(self, key: bytes, background: bool = False):
         entry = self.cache.insert(key, EntryState.READING, Origin.DISK)
         if entry is None:

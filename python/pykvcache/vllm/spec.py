@@ -8,6 +8,7 @@ store are created by the scheduler in ``get_manager``.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from typing import Any
@@ -186,7 +187,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
                     os.makedirs(directory, exist_ok=True)
                 except OSError as exc:
                     raise ConfigError(f"storage_dirs entry {directory} is unusable: {exc}") from exc
-            pool = StagingPool(self.layout.payload_bytes, self.num_slots, shm_name=self.shm_name)
+            pool = self._create_pool(StagingPool)
             try:
                 store = self._open_store(pool)
             except Exception:
@@ -225,6 +226,24 @@ class NvmeOffloadingSpec(OffloadingSpec):
                                 free / (1 << 20))
                     self._manager.start_background_preformat()
         return self._manager
+
+    def _create_pool(self, staging_pool_cls):
+        """The staging region: a memfd, so it never outlives the engine (vLLM
+        SIGKILLs the EngineCore at shutdown; no destructor runs), reserved in
+        full now so that a size the host cannot give fails here, once."""
+        from pykvcache._core import StoreError
+
+        try:
+            return staging_pool_cls(self.layout.payload_bytes, self.num_slots,
+                                    shm_name=self.shm_name, memfd=True)
+        except StoreError as exc:
+            if exc.errno not in (errno.ENOMEM, errno.ENOSPC):
+                raise
+            raise ConfigError(
+                f"staging_bytes={self.settings.staging_bytes} ({self.num_slots} slots, "
+                f"{self.num_slots * self.slot_footprint / (1 << 20):.1f} MiB) cannot be reserved, "
+                f"lower it: {exc.strerror}"
+            ) from exc
 
     def _preformat(self, store, pool) -> None:
         """Writes filler chunks up to capacity_bytes before serving starts, so

@@ -2,9 +2,11 @@
 
 No disk I/O happens here, so nothing here can fail for storage reasons: the
 scheduler only hands out loads of chunks it has already verified in staging.
-The staging region is created by the scheduler process; vLLM builds workers
-before the scheduler, so the region is attached on the first transfer (by
-which time the scheduler that issued it exists).
+The staging region is created by the scheduler process as a memfd (no name
+in /dev/shm: it goes away with the engine however the engine exits); vLLM
+builds workers before the scheduler, so the region is attached on the first
+transfer (by which time the scheduler that issued it exists), through the
+scheduler's ``/proc/<pid>/fd``.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 def _attach_pool(shm_name: str):
     from pykvcache._core import StagingPool
 
-    return StagingPool.attach(shm_name)
+    return StagingPool.attach_memfd(shm_name)
 
 
 class StagingWorker(OffloadingWorker):
