@@ -459,9 +459,9 @@ def prepare(scenario: dict[str, Any]) -> dict[str, Any]:
 def _start_engine(scenario: dict[str, Any]) -> Any:
     from vllm import LLM
 
+    from pykvcache.vllm.config import kv_transfer_config
+
     extra = {
-        "storage_dirs": [scenario["storage_dir"]],
-        "capacity_bytes": scenario["capacity_bytes"],
         "staging_bytes": scenario["staging_bytes"],
         "block_size": scenario["chunk_tokens"],
         # reset_prefix_cache(reset_connector=True) then empties staging and
@@ -470,12 +470,7 @@ def _start_engine(scenario: dict[str, Any]) -> Any:
     }
     if scenario.get("profile"):
         extra["gate_profile"] = scenario["profile"]
-    kv = {
-        "kv_connector": "PyKvCacheConnector",
-        "kv_connector_module_path": "pykvcache.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": extra,
-    }
+    kv = kv_transfer_config([scenario["storage_dir"]], scenario["capacity_bytes"], lookahead=True, **extra)
     return LLM(model=scenario["model"], kv_transfer_config=kv, enable_prefix_caching=True,
                disable_log_stats=False, seed=0, **scenario["llm"])
 

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pykvcache.vllm.config import kv_transfer_config
+
 from .. import vllm_adapter
 from ..progress import PhaseProgress
 from .fit import fit_cost_model
@@ -186,21 +188,13 @@ def run(args: argparse.Namespace) -> int:
     chunk_guess = args.chunk_tokens or llm_kwargs.get("block_size") or 16
     engine_dir = Path(tempfile.mkdtemp(prefix=".pykvcache-calibrate-engine-", dir=args.storage_dir[0]))
     staging_chunks = 4 * (longest // chunk_guess + 2)
-    llm_kwargs["kv_transfer_config"] = {
-        "kv_connector": "PyKvCacheConnector",
-        "kv_connector_module_path": "pykvcache.vllm",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "storage_dirs": [str(engine_dir)],
-            "capacity_bytes": max(1 << 30, 8 * staging_chunks * per_rank * tp * chunk_guess),
-            "staging_bytes": max(64 * MiB, staging_chunks * (per_rank * tp * chunk_guess + 4096)),
-            "gate": False,
-            "wipe_on_reset": False,  # the disk-path measurement empties staging, not the files
-            "direct_io": args.direct_io,
-            "backend": args.backend,
-            **({"block_size": args.chunk_tokens} if args.chunk_tokens else {}),
-        },
-    }
+    llm_kwargs["kv_transfer_config"] = kv_transfer_config(
+        [str(engine_dir)], max(1 << 30, 8 * staging_chunks * per_rank * tp * chunk_guess), lookahead=True,
+        staging_bytes=max(64 * MiB, staging_chunks * (per_rank * tp * chunk_guess + 4096)),
+        gate=False,
+        wipe_on_reset=False,  # the disk-path measurement empties staging, not the files
+        direct_io=args.direct_io, backend=args.backend,
+        **({"block_size": args.chunk_tokens} if args.chunk_tokens else {}))
     llm_kwargs.update(dict(args.vllm_arg))
     try:
         return _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats, max_tokens,
