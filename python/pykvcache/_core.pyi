@@ -14,7 +14,7 @@ included, raises ``ValueError`` naming it (and its bounds where they are fixed).
 
 from collections.abc import Sequence
 from os import PathLike
-from typing import Literal, final
+from typing import Literal, TypedDict, final
 
 __version__: str
 
@@ -23,6 +23,78 @@ __version__: str
 HEADER_BYTES: int
 #: Current on-disk format version.
 FORMAT_VERSION: int
+#: Alignment of every transfer, chunk file length and staging slot (O_DIRECT).
+IO_ALIGN: int
+#: Accepted ``BlockStore(backend=...)`` values.
+BACKENDS: tuple[str, ...]
+#: Accepted ``BlockStore(direct_io=...)`` values.
+DIRECT_IO_POLICIES: tuple[str, ...]
+#: Accepted ``BlockStore(verify=...)`` values.
+VERIFY_MODES: tuple[str, ...]
+#: The engine's defaults of the ``BlockStore`` keywords (``queue_depth``,
+#: ``max_inflight``, ``segment_bytes``, ``write_segment_bytes``, ``io_threads``,
+#: ``chunk_workers``, ``submit_timeout``, ``backend``, ``direct_io``, ``verify``,
+#: ``dir_mode``, ``file_mode``): the one place they are defined
+#: (``rust/src/store/config.rs``); the defaults below repeat them, checked by
+#: ``tests/test_core_constants.py``.
+ENGINE_DEFAULTS: dict[str, int | float | str]
+
+def chunk_file_bytes(payload_bytes: int) -> int:
+    """Bytes of the chunk file that holds ``payload_bytes`` (``HEADER_BYTES``
+    plus the payload rounded up to ``IO_ALIGN``): its cost on disk and the
+    staging slot footprint. ``OverflowError`` past what a file can hold."""
+
+class StoreStats(TypedDict):
+    """What ``BlockStore.stats()`` returns (every key, always present)."""
+
+    bytes_read: int
+    bytes_written: int
+    reads: int
+    prefetches: int
+    writes: int
+    read_hits: int
+    read_misses: int
+    corrupt_chunks: int
+    read_errors: int
+    write_errors: int
+    write_enospc: int
+    write_races: int
+    evictions: int
+    evicted_bytes: int
+    recycled_files: int
+    recycle_skipped: int
+    enospc_retries: int
+    enospc_evictions: int
+    capacity_lowered: int
+    reserve_evictions: int
+    reserve_refused: int
+    #: Anomalies the engine survived instead of panicking (each also on stderr).
+    internal_errors: int
+    read_latency_sum_us: int
+    write_latency_sum_us: int
+    read_latency_hist: list[int]
+    write_latency_hist: list[int]
+    latency_bucket_bounds_us: list[float]
+    backend: str
+    #: Why the backend moves no more bytes; "" while it works.
+    backend_error: str
+    fixed_buffers: bool
+    direct_io: bool
+    fallbacks: list[str]
+    inflight: int
+    chunks: int
+    filler_chunks: int
+    used_bytes: int
+    capacity_bytes: int
+    configured_capacity_bytes: int
+    min_free_bytes: list[int]
+    backend_cpu_s: float
+    chunk_worker_cpu_s: float
+    scan_complete: bool
+    open_scan_chunks: int
+    open_scan_s: float
+    open_scan_error: str
+    staging_free_slots: int
 
 class PykvcacheError(Exception):
     """Base class of every error raised by the engine."""
@@ -264,6 +336,12 @@ class BlockStore:
     @property
     def backend(self) -> Literal["io_uring", "threads"]: ...
     @property
+    def backend_error(self) -> str | None:
+        """Why the backend moves no more bytes (a fatal ``io_uring_enter``
+        error), ``None`` while it works. After such a failure every pending
+        operation completed with status ``"error"`` and new ones raise
+        ``BackendUnavailable``; reopen the store."""
+    @property
     def fixed_buffers(self) -> bool: ...
     @property
     def direct_io(self) -> bool:
@@ -274,7 +352,7 @@ class BlockStore:
     def completion_fd(self) -> int:
         """eventfd that becomes readable when any operation completes (for asyncio)."""
     def inflight(self) -> int: ...
-    def stats(self) -> dict[str, int | float | str | bool | list[int]]: ...
+    def stats(self) -> StoreStats: ...
     def close(self) -> None:
         """Drain in-flight I/O, stop the backend. Idempotent. Callers waiting
         for an operation entry fail at once ("store is closed"); only I/O

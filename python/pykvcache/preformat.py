@@ -28,10 +28,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from pykvcache._core import HEADER_BYTES, BlockStore, StagingPool, StoreError
+from pykvcache._core import BlockStore, StagingPool, StoreError, chunk_file_bytes
 
 FILLER_KEY_PREFIX = b"\0pykvcache-filler-"
-_ALIGN = 4096
 
 
 @dataclass(frozen=True)
@@ -43,11 +42,6 @@ class PreformatReport:
     @property
     def gb_per_s(self) -> float:
         return self.bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
-
-
-def chunk_file_bytes(payload_bytes: int) -> int:
-    """Bytes on disk of a chunk with this payload (header + padded payload)."""
-    return HEADER_BYTES + -(-payload_bytes // _ALIGN) * _ALIGN
 
 
 class _Fillers:

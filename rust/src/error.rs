@@ -49,3 +49,12 @@ impl EngineError {
         }
     }
 }
+
+/// The value named `s` among `names` (same order as `values`), or an error
+/// listing what is accepted: the one parser of every string-valued option.
+pub(crate) fn parse_choice<T: Copy>(what: &str, s: &str, names: &[&str], values: &[T]) -> Result<T> {
+    match names.iter().position(|n| *n == s) {
+        Some(i) => Ok(values[i]),
+        None => Err(EngineError::invalid(format!("{what} must be {}, not {s:?}", names.join("|")))),
+    }
+}

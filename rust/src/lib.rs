@@ -1,24 +1,41 @@
 //! pykvcache engine: an io_uring + O_DIRECT chunk store for LLM KV caches,
 //! with a bounded, shareable staging pool. Free of Python; the PyO3 glue is
 //! the `python` module, compiled only with the `python` feature.
+//!
+//! Layers, bottom up (each uses only those above it in this list):
+//! - `error`, `checksum`, `wait`, `stats`, `faults`: shared pieces;
+//! - `disk`: the on-disk layer (chunk format, directory layout, file
+//!   operations, the index of what is on disk and the scan that rebuilds it);
+//! - `staging`: the shared staging pool the bytes move through;
+//! - `backend`: moves segments between staging and files (io_uring, threads);
+//! - `ops`: the generic table of operations in flight (backpressure, handles);
+//! - `store`: put/get as stages over all of these (see its module docs for
+//!   the life of a get and of a put);
+//! - `python` (feature `python`): the only PyO3 file.
+//!
+//! Modules are crate-private; what Python, the tests and the benches use is
+//! re-exported below.
 
-pub mod backend;
-pub mod checksum;
-pub mod chunk_workers;
-pub mod error;
-pub mod files;
-pub mod format;
-pub mod index;
-pub mod layout;
-pub mod ops;
-pub mod scan;
-pub mod staging;
-pub mod stats;
-pub mod store;
+pub(crate) mod backend;
+pub(crate) mod checksum;
+pub(crate) mod disk;
+pub(crate) mod error;
+pub(crate) mod faults;
+pub(crate) mod ops;
+pub(crate) mod staging;
+pub(crate) mod stats;
+pub(crate) mod store;
+pub(crate) mod wait;
 
 #[cfg(feature = "python")]
 mod python;
 
+pub use disk::files::DirectIoPolicy;
+pub use disk::format::{file_len as chunk_file_bytes, key_hash, FORMAT_VERSION, HEADER_BYTES, IO_ALIGN};
 pub use error::{EngineError, Result};
+pub use faults::{FaultPlan, SharedFaults};
+pub use ops::{OpId, Outcome, Status};
 pub use staging::StagingPool;
-pub use store::{BackendChoice, BlockStore, FreeSpaceReserve, StoreConfig, VerifyPolicy};
+pub use stats::Stats;
+pub use store::config::defaults;
+pub use store::{BackendChoice, BlockStore, FreeSpaceReserve, OpenReport, StoreConfig, VerifyPolicy};

@@ -1,21 +1,23 @@
 //! The table of operations in flight: fixed capacity (the backpressure
 //! bound), generation-checked handles, one condition variable for waiters and
-//! an eventfd for event loops.
+//! an eventfd for event loops. Generic over what an operation carries (`C`,
+//! the store's `OpContext`): it counts segments and keeps the first error,
+//! and knows nothing of files, checksums or staging.
+//!
+//! An entry's life: `allocate` (reserved, owned by the submitting thread) →
+//! `start` (handed to the backend with its segment count; or `cancel`) →
+//! `segment_done` for each segment, the last returns the context →
+//! `complete` (the outcome is visible to `wait`/`is_done`, the eventfd
+//! fires) → `release` by the handle (free; or at `complete` when the handle
+//! was released first).
 
 use std::os::fd::RawFd;
 use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::backend::SegmentError;
-use crate::checksum::crc32c_combine;
 use crate::error::{EngineError, Result};
-use crate::files::PendingFile;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum OpKind {
-    Put,
-    Get,
-}
+use crate::wait::{deadline_after, wait_until, TimedOut};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Status {
@@ -51,28 +53,7 @@ impl Outcome {
     }
 }
 
-/// Everything the completion path needs to finish an operation.
-pub struct OpContext {
-    pub kind: OpKind,
-    pub key: Vec<u8>,
-    pub hash: u128,
-    pub slot: usize,
-    pub root: usize,
-    pub direct: bool,
-    pub read_fd: RawFd,
-    pub write_file: Option<PendingFile>,
-    pub file_len: usize,
-    pub payload_len: usize,
-    pub started: Instant,
-    /// A prefetch: its transfers yield to demand ones (see backend::classes).
-    pub background: bool,
-    /// A put that hit ENOSPC evicts and retries once.
-    pub enospc_retried: bool,
-    /// Bytes this put reserved against the capacity (0 once released).
-    pub reserved: u64,
-}
-
-struct OpEntry {
+struct OpEntry<C> {
     generation: u32,
     busy: bool,
     /// Handed to the backend (`start`): it completes by itself, and closing
@@ -81,35 +62,22 @@ struct OpEntry {
     started: bool,
     segs_left: u32,
     error: Option<SegmentError>,
-    ctx: Option<OpContext>,
+    ctx: Option<C>,
     outcome: Option<Outcome>,
     /// The handle was dropped before completion: free the entry when done.
     detached: bool,
-    /// CRC-32C and length of the payload bytes of each read segment, filled
-    /// as segments are verified (any order). Grown to the most segments this
-    /// entry has carried, never shrunk: allocation stops once warm, and memory
-    /// follows the operations really in flight, not the configured maximum.
-    piece_crcs: Vec<(u32, u64)>,
-}
-
-/// CRC-32C of the first `len` payload bytes of a chunk, from the pieces
-/// checksummed while the rest of the chunk was still being read.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PrefixCrc {
-    pub crc: u32,
-    pub len: u64,
 }
 
 /// An operation whose last segment completed.
-pub struct Finished {
+#[derive(Debug)]
+pub struct Finished<C> {
     pub id: OpId,
-    pub ctx: OpContext,
+    pub ctx: C,
     pub error: Option<SegmentError>,
-    pub prefix_crc: PrefixCrc,
 }
 
-struct Table {
-    entries: Vec<OpEntry>,
+struct Table<C> {
+    entries: Vec<OpEntry<C>>,
     free: Vec<u32>,
     /// Set by `close`: nothing is reserved or started from then on.
     closed: bool,
@@ -121,15 +89,15 @@ pub struct OpId {
     pub generation: u32,
 }
 
-pub struct OpTable {
-    table: Mutex<Table>,
+pub struct OpTable<C> {
+    table: Mutex<Table<C>>,
     completed: Condvar,
     freed: Condvar,
     capacity: usize,
     event_fd: RawFd,
 }
 
-impl OpTable {
+impl<C> OpTable<C> {
     pub fn new(capacity: usize) -> Result<Self> {
         // u32 indices: the store bounds `max_inflight` far below this.
         let capacity = capacity.clamp(1, u32::MAX as usize);
@@ -147,7 +115,6 @@ impl OpTable {
                 ctx: None,
                 outcome: None,
                 detached: false,
-                piece_crcs: Vec::new(),
             })
             .collect();
         Ok(OpTable {
@@ -159,47 +126,45 @@ impl OpTable {
         })
     }
 
+    /// The table, also after a panic elsewhere poisoned the lock: its state is
+    /// updated in single steps, and the ring thread must not panic on it.
+    fn lock(&self) -> MutexGuard<'_, Table<C>> {
+        self.table.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub fn event_fd(&self) -> RawFd {
         self.event_fd
     }
 
     pub fn in_flight(&self) -> usize {
-        let t = self.table.lock().unwrap();
+        let t = self.lock();
         t.entries.iter().filter(|e| e.busy && e.outcome.is_none()).count()
     }
 
     /// Reserves an entry, waiting up to `timeout` for one to free up.
     pub fn allocate(&self, timeout: Option<Duration>) -> Result<OpId> {
         let start = Instant::now();
-        let mut t = self.table.lock().unwrap();
-        loop {
+        let reserved = wait_until(&self.table, &self.freed, deadline_after(timeout), |t| {
             if t.closed {
                 // Also wakes a caller that waited here while the store closed:
                 // it gets this error, not an entry nobody would ever complete.
-                return Err(EngineError::State("store is closed".into()));
+                return Some(Err(EngineError::State("store is closed".into())));
             }
-            if let Some(index) = t.free.pop() {
-                let e = &mut t.entries[index as usize];
-                e.busy = true;
-                e.started = false;
-                e.generation = e.generation.wrapping_add(1);
-                e.segs_left = 0;
-                e.error = None;
-                e.ctx = None;
-                e.outcome = None;
-                e.detached = false;
-                return Ok(OpId { index, generation: e.generation });
-            }
-            let waited = start.elapsed();
-            let remaining = match timeout {
-                None => Duration::from_secs(3600),
-                Some(limit) if waited >= limit => {
-                    return Err(EngineError::QueueFull { waited_ms: waited.as_millis() as u64, max_inflight: self.capacity })
-                }
-                Some(limit) => limit - waited,
-            };
-            t = self.freed.wait_timeout(t, remaining).unwrap().0;
-        }
+            let index = t.free.pop()?;
+            let e = &mut t.entries[index as usize];
+            e.busy = true;
+            e.started = false;
+            e.generation = e.generation.wrapping_add(1);
+            e.segs_left = 0;
+            e.error = None;
+            e.ctx = None;
+            e.outcome = None;
+            e.detached = false;
+            Some(Ok(OpId { index, generation: e.generation }))
+        });
+        reserved.unwrap_or_else(|TimedOut| {
+            Err(EngineError::QueueFull { waited_ms: start.elapsed().as_millis() as u64, max_inflight: self.capacity })
+        })
     }
 
     /// Hands the operation to the backend's accounting. Refused (the context
@@ -210,8 +175,8 @@ impl OpTable {
     // The context moves back by value on refusal (rare); boxing it would cost
     // an allocation on every operation.
     #[allow(clippy::result_large_err)]
-    pub fn start(&self, id: OpId, ctx: OpContext, segments: u32) -> std::result::Result<(), OpContext> {
-        let mut t = self.table.lock().unwrap();
+    pub fn start(&self, id: OpId, ctx: C, segments: u32) -> std::result::Result<(), C> {
+        let mut t = self.lock();
         let closed = t.closed;
         let e = &mut t.entries[id.index as usize];
         if closed && !e.started {
@@ -220,15 +185,13 @@ impl OpTable {
         e.started = true;
         e.ctx = Some(ctx);
         e.segs_left = segments;
-        e.piece_crcs.clear();
-        e.piece_crcs.resize(segments as usize, (0, 0));
         Ok(())
     }
 
     /// Gives back an entry that was reserved but never started (the
     /// submission was refused): no completion will ever free it otherwise.
     pub fn cancel(&self, id: OpId) {
-        let mut t = self.table.lock().unwrap();
+        let mut t = self.lock();
         let e = &t.entries[id.index as usize];
         if !e.busy || e.generation != id.generation || e.started {
             debug_assert!(false, "cancel of an operation that is not reserved");
@@ -242,49 +205,42 @@ impl OpTable {
     /// Refuses new operations from now on and wakes every caller waiting for
     /// an entry (they fail with "store is closed").
     pub fn close(&self) {
-        self.table.lock().unwrap().closed = true;
+        self.lock().closed = true;
         self.freed.notify_all();
     }
 
-    /// Runs `f` on the context of an operation in flight.
-    pub fn with_context<R>(&self, index: u32, f: impl FnOnce(&OpContext) -> R) -> R {
-        let t = self.table.lock().unwrap();
-        f(t.entries[index as usize].ctx.as_ref().expect("operation without context"))
+    /// Runs `f` on the context of an operation in flight; None when the
+    /// entry holds none (a stray completion: the caller logs it).
+    pub fn with_context<R>(&self, index: u32, f: impl FnOnce(&C) -> R) -> Option<R> {
+        let t = self.lock();
+        t.entries.get(index as usize)?.ctx.as_ref().map(f)
     }
 
-    /// Records one segment's result and, for a verified read segment, the
-    /// CRC of its payload piece (`(piece number, crc, length)`); returns the
-    /// operation when it was the last segment, with the pieces combined.
-    pub fn segment_done(&self, index: u32, result: std::result::Result<(), SegmentError>, piece: Option<(usize, u32, u64)>) -> Option<Finished> {
-        let mut t = self.table.lock().unwrap();
-        let e = &mut t.entries[index as usize];
+    /// Records one segment's result; returns the operation when it was the
+    /// last segment. A completion for an entry with no segments left (which
+    /// no backend sends) is an `Err` for the caller to log: it runs on the
+    /// ring thread, which must not panic.
+    pub fn segment_done(&self, index: u32, result: std::result::Result<(), SegmentError>) -> std::result::Result<Option<Finished<C>>, String> {
+        let mut t = self.lock();
+        let Some(e) = t.entries.get_mut(index as usize) else {
+            return Err(format!("segment completion for operation {index}, beyond the table"));
+        };
+        if e.segs_left == 0 || e.ctx.is_none() {
+            return Err(format!("segment completion for operation {index}, which has no segment in flight"));
+        }
         if let Err(err) = result {
             e.error.get_or_insert(err);
         }
-        if let Some((n, crc, len)) = piece {
-            match e.piece_crcs.get_mut(n) {
-                Some(p) => *p = (crc, len),
-                // Cannot happen (pieces are numbered by segment); if it did,
-                // the combined CRC would not match: corrupt, not served.
-                None => {
-                    e.error.get_or_insert(SegmentError::Eof);
-                }
-            }
-        }
         e.segs_left -= 1;
         if e.segs_left > 0 {
-            return None;
+            return Ok(None);
         }
-        let ctx = e.ctx.take().expect("operation without context");
-        let prefix_crc = e.piece_crcs.iter().fold(PrefixCrc::default(), |acc, &(crc, len)| PrefixCrc {
-            crc: crc32c_combine(acc.crc, crc, len),
-            len: acc.len + len,
-        });
-        Some(Finished { id: OpId { index, generation: e.generation }, ctx, error: e.error.take(), prefix_crc })
+        let ctx = e.ctx.take().expect("checked above");
+        Ok(Some(Finished { id: OpId { index, generation: e.generation }, ctx, error: e.error.take() }))
     }
 
     pub fn complete(&self, id: OpId, outcome: Outcome) {
-        let mut t = self.table.lock().unwrap();
+        let mut t = self.lock();
         let e = &mut t.entries[id.index as usize];
         debug_assert_eq!(e.generation, id.generation);
         if e.detached {
@@ -300,7 +256,7 @@ impl OpTable {
         unsafe { libc::write(self.event_fd, &one as *const u64 as *const _, 8) };
     }
 
-    fn entry<'a>(t: &'a mut MutexGuard<'_, Table>, id: OpId) -> Result<&'a mut OpEntry> {
+    fn entry<'a>(t: &'a mut MutexGuard<'_, Table<C>>, id: OpId) -> Result<&'a mut OpEntry<C>> {
         let e = &mut t.entries[id.index as usize];
         if !e.busy || e.generation != id.generation {
             return Err(EngineError::State("stale operation handle".into()));
@@ -309,34 +265,29 @@ impl OpTable {
     }
 
     pub fn is_done(&self, id: OpId) -> Result<bool> {
-        let mut t = self.table.lock().unwrap();
+        let mut t = self.lock();
         Ok(Self::entry(&mut t, id)?.outcome.is_some())
     }
 
     /// Waits for completion; `Ok(None)` on timeout. The entry stays reserved
     /// until `release` so that repeated waits see the same outcome.
     pub fn wait(&self, id: OpId, timeout: Option<Duration>) -> Result<Option<Outcome>> {
-        // A deadline past what Instant can hold is no deadline.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        let mut t = self.table.lock().unwrap();
-        loop {
-            if let Some(o) = &Self::entry(&mut t, id)?.outcome {
-                return Ok(Some(o.clone()));
+        let waited = wait_until(&self.table, &self.completed, deadline_after(timeout), |t| {
+            let e = &t.entries[id.index as usize];
+            if !e.busy || e.generation != id.generation {
+                return Some(Err(EngineError::State("stale operation handle".into())));
             }
-            let remaining = match deadline {
-                None => Duration::from_secs(3600),
-                Some(d) => match d.checked_duration_since(Instant::now()) {
-                    Some(r) if !r.is_zero() => r,
-                    _ => return Ok(None),
-                },
-            };
-            t = self.completed.wait_timeout(t, remaining).unwrap().0;
+            e.outcome.clone().map(Ok)
+        });
+        match waited {
+            Ok(outcome) => outcome.map(Some),
+            Err(TimedOut) => Ok(None),
         }
     }
 
     /// The handle is gone: free now if complete, else when it completes.
     pub fn release(&self, id: OpId) {
-        let mut t = self.table.lock().unwrap();
+        let mut t = self.lock();
         let Ok(e) = Self::entry(&mut t, id) else { return };
         if e.outcome.is_some() {
             Self::free_entry(&mut t, id.index);
@@ -347,7 +298,7 @@ impl OpTable {
         }
     }
 
-    fn free_entry(t: &mut Table, index: u32) {
+    fn free_entry(t: &mut Table<C>, index: u32) {
         let e = &mut t.entries[index as usize];
         e.busy = false;
         e.started = false;
@@ -361,14 +312,14 @@ impl OpTable {
     /// their submitter fails or cancels them (`start` refuses once closed),
     /// so a submission that never started cannot hang the close.
     pub fn drain(&self) {
-        let mut t = self.table.lock().unwrap();
-        while t.entries.iter().any(|e| e.busy && e.started && e.outcome.is_none()) {
-            t = self.completed.wait_timeout(t, Duration::from_millis(100)).unwrap().0;
-        }
+        let drained = wait_until(&self.table, &self.completed, None, |t| {
+            (!t.entries.iter().any(|e| e.busy && e.started && e.outcome.is_none())).then_some(())
+        });
+        debug_assert!(drained.is_ok(), "no deadline, no time-out");
     }
 }
 
-impl Drop for OpTable {
+impl<C> Drop for OpTable<C> {
     fn drop(&mut self) {
         unsafe { libc::close(self.event_fd) };
     }
@@ -379,30 +330,18 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    fn ctx() -> OpContext {
-        OpContext {
-            kind: OpKind::Get,
-            key: b"k".to_vec(),
-            hash: 1,
-            slot: 0,
-            root: 0,
-            direct: false,
-            read_fd: -1,
-            write_file: None,
-            file_len: 4096,
-            payload_len: 0,
-            started: Instant::now(),
-            background: false,
-            enospc_retried: false,
-            reserved: 0,
-        }
+    /// What an operation carries does not matter to the table: a label here.
+    type Table = OpTable<&'static str>;
+
+    fn ok() -> Outcome {
+        Outcome::new(Status::Ok, 0, None, "")
     }
 
     #[test]
     fn a_refused_submission_gives_its_entry_back() {
         // issue 14 item 6: `release` of an entry that was never started
         // marked it detached and it stayed busy for good.
-        let ops = OpTable::new(2).unwrap();
+        let ops = Table::new(2).unwrap();
         for _ in 0..10 {
             let id = ops.allocate(Some(Duration::ZERO)).unwrap();
             ops.cancel(id);
@@ -419,7 +358,7 @@ mod tests {
     fn close_wakes_waiters_and_refuses_unstarted_operations() {
         // issue 14 item 8: a caller waiting for an entry while the store
         // closes must fail, not take an entry after the drain.
-        let ops = Arc::new(OpTable::new(1).unwrap());
+        let ops = Arc::new(Table::new(1).unwrap());
         let held = ops.allocate(None).unwrap();
         let o = ops.clone();
         let waiter = std::thread::spawn(move || o.allocate(Some(Duration::from_secs(30))));
@@ -430,7 +369,7 @@ mod tests {
         assert!(err.to_string().contains("closed"), "{err}");
         assert!(t0.elapsed() < Duration::from_secs(5));
         // Reserved before the close, started after it: refused, context given back.
-        assert!(ops.start(held, ctx(), 1).is_err());
+        assert_eq!(ops.start(held, "get", 1), Err("get"));
         // Not started, so the drain does not wait for it (it would hang).
         ops.drain();
         ops.complete(held, Outcome::new(Status::Error, 0, None, "closed"));
@@ -441,18 +380,18 @@ mod tests {
 
     #[test]
     fn started_operations_are_drained_and_may_restart_while_closing() {
-        let ops = Arc::new(OpTable::new(1).unwrap());
+        let ops = Arc::new(Table::new(1).unwrap());
         let id = ops.allocate(None).unwrap();
-        assert!(ops.start(id, ctx(), 1).is_ok());
+        assert!(ops.start(id, "put", 1).is_ok());
         ops.close();
         // A put's rewrite after ENOSPC restarts a started operation: accepted.
-        let done = ops.segment_done(id.index, Ok(()), None).unwrap();
+        let done = ops.segment_done(id.index, Ok(())).unwrap().unwrap();
         assert!(ops.start(id, done.ctx, 1).is_ok());
         let o = ops.clone();
         let finisher = std::thread::spawn(move || {
             std::thread::sleep(Duration::from_millis(100));
-            o.segment_done(id.index, Ok(()), None).unwrap();
-            o.complete(id, Outcome::new(Status::Ok, 0, None, ""));
+            o.segment_done(id.index, Ok(())).unwrap().unwrap();
+            o.complete(id, ok());
         });
         ops.drain();
         assert!(ops.is_done(id).unwrap(), "drain returned before the started operation completed");
@@ -461,12 +400,84 @@ mod tests {
 
     #[test]
     fn huge_wait_timeouts_do_not_overflow_the_clock() {
-        let ops = OpTable::new(1).unwrap();
+        let ops = Table::new(1).unwrap();
         let id = ops.allocate(None).unwrap();
-        assert!(ops.start(id, ctx(), 1).is_ok());
-        ops.segment_done(id.index, Ok(()), None).unwrap();
-        ops.complete(id, Outcome::new(Status::Ok, 0, None, ""));
+        assert!(ops.start(id, "get", 1).is_ok());
+        ops.segment_done(id.index, Ok(())).unwrap().unwrap();
+        ops.complete(id, ok());
         // `Instant::now() + Duration::MAX` panics; a deadline past the clock is none.
         assert!(ops.wait(id, Some(Duration::MAX)).unwrap().is_some());
+    }
+
+    #[test]
+    fn the_last_segment_returns_the_context_with_the_first_error() {
+        let ops = Table::new(1).unwrap();
+        let id = ops.allocate(None).unwrap();
+        ops.start(id, "get", 3).unwrap();
+        assert!(ops.segment_done(id.index, Ok(())).unwrap().is_none());
+        assert!(ops.segment_done(id.index, Err(SegmentError::Errno(libc::EIO))).unwrap().is_none());
+        assert_eq!(ops.in_flight(), 1);
+        let done = ops.segment_done(id.index, Err(SegmentError::Eof)).unwrap().expect("last segment");
+        assert_eq!((done.id, done.ctx, done.error), (id, "get", Some(SegmentError::Errno(libc::EIO))), "the first error is kept");
+        // A stray completion (no segment left) is reported, not a panic or an underflow.
+        assert!(ops.segment_done(id.index, Ok(())).unwrap_err().contains("no segment in flight"));
+        assert!(ops.segment_done(99, Ok(())).unwrap_err().contains("beyond the table"));
+        assert_eq!(ops.with_context(id.index, |c| *c), None, "the context left with the last segment");
+    }
+
+    #[test]
+    fn wait_times_out_then_sees_the_outcome_until_release() {
+        let ops = Arc::new(Table::new(1).unwrap());
+        let id = ops.allocate(None).unwrap();
+        ops.start(id, "get", 1).unwrap();
+        assert!(!ops.is_done(id).unwrap());
+        let t0 = Instant::now();
+        assert!(ops.wait(id, Some(Duration::from_millis(30))).unwrap().is_none(), "time-out is Ok(None)");
+        assert!(t0.elapsed() >= Duration::from_millis(30));
+        let o = ops.clone();
+        let completer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(50));
+            o.segment_done(id.index, Ok(())).unwrap().unwrap();
+            o.complete(id, Outcome::new(Status::Miss, 0, None, "absent"));
+        });
+        assert_eq!(ops.wait(id, None).unwrap().unwrap().status, Status::Miss);
+        completer.join().unwrap();
+        assert_eq!(ops.wait(id, Some(Duration::ZERO)).unwrap().unwrap().message, "absent", "repeated waits see the same outcome");
+        ops.release(id);
+        assert!(ops.wait(id, None).is_err(), "a released handle is stale");
+        assert!(ops.allocate(Some(Duration::ZERO)).is_ok(), "release freed the entry");
+    }
+
+    #[test]
+    fn a_released_handle_frees_its_entry_on_completion_and_wakes_a_waiter() {
+        let ops = Arc::new(Table::new(1).unwrap());
+        let id = ops.allocate(None).unwrap();
+        ops.start(id, "put", 1).unwrap();
+        ops.release(id); // detached: still in flight
+        assert_eq!(ops.in_flight(), 1);
+        assert!(matches!(ops.allocate(Some(Duration::from_millis(20))), Err(EngineError::QueueFull { max_inflight: 1, .. })));
+        let o = ops.clone();
+        let waiter = std::thread::spawn(move || o.allocate(Some(Duration::from_secs(30))));
+        std::thread::sleep(Duration::from_millis(50));
+        ops.segment_done(id.index, Ok(())).unwrap().unwrap();
+        ops.complete(id, ok());
+        let next = waiter.join().unwrap().expect("the completion freed the entry");
+        assert_eq!(next.index, id.index);
+        assert_ne!(next.generation, id.generation);
+        assert!(ops.is_done(id).is_err(), "the old handle is stale");
+    }
+
+    #[test]
+    fn completions_signal_the_eventfd() {
+        let ops = Table::new(1).unwrap();
+        let id = ops.allocate(None).unwrap();
+        ops.start(id, "get", 1).unwrap();
+        let mut n: u64 = 0;
+        let read = |n: &mut u64| unsafe { libc::read(ops.event_fd(), n as *mut u64 as *mut _, 8) };
+        assert_eq!(read(&mut n), -1, "nothing completed yet (non-blocking)");
+        ops.segment_done(id.index, Ok(())).unwrap().unwrap();
+        ops.complete(id, ok());
+        assert_eq!(read(&mut n), 8);
+        assert_eq!(n, 1);
     }
 }

@@ -13,13 +13,14 @@ use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyMemoryView, PyTuple, PyType};
 use pyo3::ffi;
 
+use crate::disk::files::DirectIoPolicy;
+use crate::disk::format::{self, FORMAT_VERSION, HEADER_BYTES, IO_ALIGN};
+use crate::disk::layout::Permissions;
 use crate::error::EngineError;
-use crate::files::DirectIoPolicy;
-use crate::format::{FORMAT_VERSION, HEADER_BYTES};
-use crate::layout::Permissions;
 use crate::ops::{OpId, Outcome, Status};
 use crate::staging;
 use crate::stats::{Stats, LATENCY_BUCKETS_US};
+use crate::store::config::defaults;
 use crate::store::{self, BackendChoice, StoreConfig, VerifyPolicy};
 
 // ---- exceptions: built at import with multiple bases (OSError, TimeoutError).
@@ -113,6 +114,7 @@ int_args! {
     io_threads_arg: usize = "io_threads";
     chunk_workers_arg: usize = "chunk_workers";
     length_arg: usize = "length";
+    payload_bytes_arg: usize = "payload_bytes";
 }
 
 // ---- staging
@@ -378,9 +380,14 @@ struct PyBlockStore {
 #[pymethods]
 impl PyBlockStore {
     #[new]
-    #[pyo3(signature = (dirs, pool, *, namespace, capacity_bytes, queue_depth=32, backend="auto", direct_io="optional",
-                        register_buffers=true, segment_bytes=4<<20, write_segment_bytes=0, max_inflight=1024, submit_timeout=Some(30.0),
-                        io_threads=0, chunk_workers=2, verify="full", recycle_files=true, background_scan=false, preallocate=true, dir_mode=0o700, file_mode=0o600, allow_insecure_root=false,
+    // Defaults: `store::config::defaults`, the one place they are defined
+    // (exported as `ENGINE_DEFAULTS`).
+    #[pyo3(signature = (dirs, pool, *, namespace, capacity_bytes, queue_depth=defaults::QUEUE_DEPTH, backend=defaults::BACKEND,
+                        direct_io=defaults::DIRECT_IO, register_buffers=true, segment_bytes=defaults::SEGMENT_BYTES,
+                        write_segment_bytes=defaults::WRITE_SEGMENT_BYTES, max_inflight=defaults::MAX_INFLIGHT,
+                        submit_timeout=Some(defaults::SUBMIT_TIMEOUT_S), io_threads=defaults::IO_THREADS,
+                        chunk_workers=defaults::CHUNK_WORKERS, verify=defaults::VERIFY, recycle_files=true, background_scan=false,
+                        preallocate=true, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
                         min_free_bytes=None, min_free_fraction=None,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
@@ -434,7 +441,7 @@ impl PyBlockStore {
             };
         }
         if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
-            config.faults = Some(Arc::new(crate::backend::FaultPlan {
+            config.faults = Some(Arc::new(crate::faults::FaultPlan {
                 max_transfer: _fault_max_transfer,
                 fail_nth: _fault_fail_nth,
                 ..Default::default()
@@ -531,6 +538,10 @@ impl PyBlockStore {
     fn capacity_bytes(&self) -> u64 { self.inner.capacity_bytes() }
     #[getter]
     fn backend(&self) -> &'static str { self.inner.backend_name() }
+    /// Why the backend moves no more bytes (a fatal io_uring error), or None
+    /// while it works; new operations then raise `BackendUnavailable`.
+    #[getter]
+    fn backend_error(&self) -> Option<String> { self.inner.backend_failure() }
     #[getter]
     fn fixed_buffers(&self) -> bool { self.inner.fixed_buffers() }
     #[getter]
@@ -557,6 +568,7 @@ impl PyBlockStore {
         let bounds: Vec<f64> = LATENCY_BUCKETS_US.iter().map(|&b| if b == u64::MAX { f64::INFINITY } else { b as f64 }).collect();
         d.set_item("latency_bucket_bounds_us", bounds)?;
         d.set_item("backend", self.inner.backend_name())?;
+        d.set_item("backend_error", self.inner.backend_failure().unwrap_or_default())?;
         d.set_item("fixed_buffers", self.inner.fixed_buffers())?;
         d.set_item("direct_io", self.inner.direct_io())?;
         d.set_item("fallbacks", s.fallbacks())?;
@@ -592,6 +604,34 @@ impl PyBlockStore {
     }
 }
 
+/// The engine's defaults of the `BlockStore` keywords (`store::config::defaults`).
+fn engine_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("queue_depth", defaults::QUEUE_DEPTH)?;
+    d.set_item("max_inflight", defaults::MAX_INFLIGHT)?;
+    d.set_item("segment_bytes", defaults::SEGMENT_BYTES)?;
+    d.set_item("write_segment_bytes", defaults::WRITE_SEGMENT_BYTES)?;
+    d.set_item("io_threads", defaults::IO_THREADS)?;
+    d.set_item("chunk_workers", defaults::CHUNK_WORKERS)?;
+    d.set_item("submit_timeout", defaults::SUBMIT_TIMEOUT_S)?;
+    d.set_item("backend", defaults::BACKEND)?;
+    d.set_item("direct_io", defaults::DIRECT_IO)?;
+    d.set_item("verify", defaults::VERIFY)?;
+    d.set_item("dir_mode", defaults::DIR_MODE)?;
+    d.set_item("file_mode", defaults::FILE_MODE)?;
+    Ok(d)
+}
+
+/// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
+/// holds `payload_bytes`: what a chunk costs on disk and in a staging slot.
+#[pyfunction]
+fn chunk_file_bytes(#[pyo3(from_py_with = payload_bytes_arg)] payload_bytes: usize) -> PyResult<usize> {
+    if payload_bytes > usize::MAX - 2 * IO_ALIGN - HEADER_BYTES {
+        return Err(PyOverflowError::new_err(format!("payload_bytes {payload_bytes} is too large")));
+    }
+    Ok(format::file_len(payload_bytes))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -615,6 +655,12 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add("HEADER_BYTES", HEADER_BYTES)?;
+    m.add("IO_ALIGN", IO_ALIGN)?;
+    m.add("BACKENDS", PyTuple::new(py, BackendChoice::CHOICES)?)?;
+    m.add("DIRECT_IO_POLICIES", PyTuple::new(py, DirectIoPolicy::CHOICES)?)?;
+    m.add("VERIFY_MODES", PyTuple::new(py, VerifyPolicy::CHOICES)?)?;
+    m.add("ENGINE_DEFAULTS", engine_defaults(py)?)?;
+    m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
     m.add("FORMAT_VERSION", FORMAT_VERSION)?;
     m.add_class::<PyStagingPool>()?;
     m.add_class::<SlotBuffer>()?;

@@ -15,7 +15,8 @@ use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::error::{EngineError, Result};
-use crate::format::{round_up, HEADER_BYTES, IO_ALIGN};
+use crate::disk::format::{round_up, HEADER_BYTES, IO_ALIGN};
+use crate::wait::{deadline_after, wait_until, TimedOut};
 
 const MAP_ALIGN: usize = 2 << 20;
 const TRAILER_BYTES: usize = 4096;
@@ -263,29 +264,21 @@ impl StagingPool {
     pub fn acquire(&self, timeout: Option<Duration>) -> Result<usize> {
         self.require_owner()?;
         let start = Instant::now();
-        let mut st = self.state.lock().unwrap();
-        loop {
+        let taken = wait_until(&self.state, &self.freed, deadline_after(timeout), |st| {
             if st.closed {
-                return Err(EngineError::State("staging pool is closed".into()));
+                return Some(Err(EngineError::State("staging pool is closed".into())));
             }
-            if let Some(slot) = st.free.pop() {
-                st.acquired[slot as usize] = true;
-                return Ok(slot as usize);
-            }
-            let waited = start.elapsed();
-            let remaining = match timeout {
-                None => Duration::from_secs(3600),
-                Some(t) if waited >= t => {
-                    return Err(EngineError::PoolExhausted {
-                        waited_ms: waited.as_millis() as u64,
-                        num_slots: self.num_slots,
-                        slot_bytes: self.slot_bytes,
-                    })
-                }
-                Some(t) => t - waited,
-            };
-            st = self.freed.wait_timeout(st, remaining).unwrap().0;
-        }
+            let slot = st.free.pop()?;
+            st.acquired[slot as usize] = true;
+            Some(Ok(slot as usize))
+        });
+        taken.unwrap_or_else(|TimedOut| {
+            Err(EngineError::PoolExhausted {
+                waited_ms: start.elapsed().as_millis() as u64,
+                num_slots: self.num_slots,
+                slot_bytes: self.slot_bytes,
+            })
+        })
     }
 
     pub fn release(&self, slot: usize) -> Result<()> {

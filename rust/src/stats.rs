@@ -39,6 +39,9 @@ pub struct Stats {
     pub reserve_evictions: AtomicU64,
     /// Puts refused because evicting everything could not keep the reserve.
     pub reserve_refused: AtomicU64,
+    /// Anomalies the engine survived instead of panicking (a completion for
+    /// an operation not in flight, ...): each is also written to stderr.
+    pub internal_errors: AtomicU64,
     pub read_latency_us: [AtomicU64; 16],
     pub write_latency_us: [AtomicU64; 16],
     pub read_latency_sum_us: AtomicU64,
@@ -74,6 +77,14 @@ impl Stats {
         true
     }
 
+    /// Counts and logs an anomaly (the engine has no logger: stderr). Used
+    /// where a panic would take down a thread others depend on, such as the
+    /// ring thread.
+    pub fn record_error(&self, what: impl AsRef<str>) {
+        self.internal_errors.fetch_add(1, Relaxed);
+        eprintln!("pykvcache: internal error: {}", what.as_ref());
+    }
+
     pub fn fallbacks(&self) -> Vec<String> {
         self.fallbacks.lock().unwrap().clone()
     }
@@ -102,6 +113,7 @@ impl Stats {
             ("capacity_lowered", g(&self.capacity_lowered)),
             ("reserve_evictions", g(&self.reserve_evictions)),
             ("reserve_refused", g(&self.reserve_refused)),
+            ("internal_errors", g(&self.internal_errors)),
             ("read_latency_sum_us", g(&self.read_latency_sum_us)),
             ("write_latency_sum_us", g(&self.write_latency_sum_us)),
         ]

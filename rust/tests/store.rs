@@ -8,10 +8,7 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pykvcache::backend::FaultPlan;
-use pykvcache::files::DirectIoPolicy;
-use pykvcache::ops::{OpId, Status};
-use pykvcache::{BackendChoice, BlockStore, FreeSpaceReserve, StagingPool, StoreConfig};
+use pykvcache::{BackendChoice, BlockStore, DirectIoPolicy, FaultPlan, FreeSpaceReserve, OpId, StagingPool, Status, StoreConfig};
 
 const T: Option<Duration> = Some(Duration::from_secs(30));
 
@@ -40,7 +37,7 @@ fn payload(pool: &StagingPool, slot: usize, len: usize) -> Vec<u8> {
     unsafe { std::slice::from_raw_parts(pool.payload_ptr(slot), len) }.to_vec()
 }
 
-fn wait(store: &BlockStore, id: OpId) -> pykvcache::ops::Outcome {
+fn wait(store: &BlockStore, id: OpId) -> pykvcache::Outcome {
     let o = store.wait(id, T).unwrap().expect("operation timed out");
     store.release_op(id);
     o
@@ -124,6 +121,49 @@ fn injected_eio_fails_the_operation_and_nothing_else() {
         pool.release(a).expect("slot unpinned after a failed operation");
         round_trip(&store, &pool, b"after-eio", 256 << 10, 4);
     }
+}
+
+#[test]
+fn a_failed_ring_fails_pending_operations_and_refuses_new_ones() {
+    // issue 11 item 3: a fatal io_uring_enter error panicked the ring thread
+    // (every later operation hung). Now what is pending fails with an error,
+    // the backend reports itself dead, and new work is refused.
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(1 << 20, 3, None).unwrap());
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    c.queue_depth = 2; // 17 segments per chunk: most of them wait in the overflow
+    let faults = Arc::new(FaultPlan::default());
+    c.faults = Some(faults.clone());
+    let store = open(c, &pool);
+    if store.backend_name() != "io_uring" {
+        eprintln!("io_uring unavailable here: skipped");
+        return;
+    }
+    let (a, b, d) = (pool.acquire(T).unwrap(), pool.acquire(T).unwrap(), pool.acquire(T).unwrap());
+    fill(&pool, a, 1 << 20, 9);
+    assert_eq!(wait(&store, store.put(b"k", a, 1 << 20, T).unwrap()).status, Status::Ok);
+    assert_eq!(store.backend_failure(), None);
+
+    faults.fail_next_enter(libc::EFAULT);
+    let get = store.get(b"k", b, T).unwrap();
+    let prefetch = store.prefetch(b"k", d, T);
+    for id in std::iter::once(get).chain(prefetch.ok()) {
+        let o = wait(&store, id);
+        assert_eq!(o.status, Status::Error, "{}", o.message);
+        assert_eq!(o.errno, Some(libc::EFAULT));
+        assert!(o.message.contains("the I/O backend failed"), "{}", o.message);
+    }
+    let why = store.backend_failure().expect("the backend reports its failure");
+    assert!(why.contains("io_uring_enter failed"), "{why}");
+    let refused = store.get(b"k", b, T).unwrap_err();
+    assert!(matches!(refused, pykvcache::EngineError::BackendUnavailable(_)), "{refused}");
+    assert!(matches!(store.put(b"k2", a, 4096, T), Err(pykvcache::EngineError::BackendUnavailable(_))));
+    for s in [a, b, d] {
+        pool.release(s).expect("every slot unpinned");
+    }
+    assert_eq!(store.in_flight(), 0);
+    assert!(store.contains(b"k"), "a backend failure evicts nothing");
+    store.close();
 }
 
 struct TmpfsMount(PathBuf);
@@ -227,7 +267,7 @@ fn fill_vec(v: &mut [u8], seed: u8) {
 }
 
 fn chunk_file(store: &BlockStore, key: &[u8]) -> PathBuf {
-    let h = pykvcache::format::key_hash(key);
+    let h = pykvcache::key_hash(key);
     store.namespace_dirs()[0].join(format!("{:02x}", (h & 0xff) as u8)).join(format!("{h:032x}.kvc"))
 }
 
@@ -398,7 +438,7 @@ fn a_victim_on_another_root_is_unlinked_not_moved() {
     c.capacity_bytes = (64 << 10) + 4096;
     let store = open(c, &pool);
     let a = pool.acquire(T).unwrap();
-    let roots = |k: &[u8]| (pykvcache::format::key_hash(k) >> 64) as u64 % 2;
+    let roots = |k: &[u8]| (pykvcache::key_hash(k) >> 64) as u64 % 2;
     let keys: Vec<Vec<u8>> = (0..12u8).map(|i| vec![i]).collect();
     let mut same = 0;
     for (i, k) in keys.iter().enumerate() {
@@ -472,7 +512,7 @@ fn index_is_rebuilt_from_disk_and_corruption_is_detected_and_removed() {
         paths = keys
             .iter()
             .map(|k| {
-                let h = pykvcache::format::key_hash(k);
+                let h = pykvcache::key_hash(k);
                 ns.join(format!("{:02x}", (h & 0xff) as u8)).join(format!("{h:032x}.kvc"))
             })
             .collect();

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from pykvcache import _core
+
 #: Keys that vLLM itself reads from the same dict; accepted and left to vLLM
 #: (``block_size``/``blocks_per_chunk`` are also validated here, because
 #: vLLM's own message for a bad value is an assertion deep in start-up).
@@ -27,8 +29,9 @@ VLLM_KEYS = frozenset(
     }
 )
 
-BACKENDS = ("auto", "io_uring", "threads")
-DIRECT_IO_POLICIES = ("required", "optional", "disabled")
+# Accepted choices and defaults belong to the engine (rust/src/store/config.rs).
+BACKENDS = _core.BACKENDS
+DIRECT_IO_POLICIES = _core.DIRECT_IO_POLICIES
 
 GIB = 1 << 30
 
@@ -59,7 +62,7 @@ class PykvcacheConfig:
     staging_bytes: int = 1 * GIB
     block_size: int | None = None
     blocks_per_chunk: int | None = None
-    queue_depth: int = 32
+    queue_depth: int = _core.ENGINE_DEFAULTS["queue_depth"]
     backend: str = "auto"
     direct_io: str = "optional"
     register_buffers: bool = True

@@ -18,7 +18,10 @@ import hashlib
 import re
 from dataclasses import dataclass
 
-ROW_ALIGN = 4096
+from pykvcache._core import IO_ALIGN
+
+#: Rows start at the engine's I/O alignment.
+ROW_ALIGN = IO_ALIGN
 
 
 def round_up(value: int, align: int) -> int:

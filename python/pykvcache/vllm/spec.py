@@ -22,7 +22,7 @@ from pykvcache.vllm.config import (
     lookup_hold_budget_bytes,
     validate_extra_config,
 )
-from pykvcache.vllm.layout import ChunkLayout, round_up, staging_shm_name
+from pykvcache.vllm.layout import ChunkLayout, staging_shm_name
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions
 from pykvcache.vllm.host_config import find_vllm_config
@@ -60,7 +60,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
             bytes_per_block=config.worker_kv_bytes_per_block,
             world_size=config.parallel.world_size,
         )
-        from pykvcache._core import HEADER_BYTES
+        from pykvcache._core import chunk_file_bytes
 
         # Found now, while vLLM is constructing the spec; read in get_manager.
         self._vllm_config = find_vllm_config()
@@ -68,7 +68,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
         # The staging region belongs to this engine only: its name needs the
         # engine id, not the model's identity (which workers never compute).
         self.shm_name = staging_shm_name(config.engine_id, self._namespace_for(model_identity=""))
-        slot_footprint = round_up(HEADER_BYTES + self.layout.payload_bytes, 4096)
+        slot_footprint = chunk_file_bytes(self.layout.payload_bytes)
         self.num_slots = self.settings.staging_bytes // slot_footprint
         if self.num_slots < MIN_STAGING_SLOTS:
             raise ConfigError(

@@ -73,6 +73,12 @@ impl<T> ClassQueue<T> {
     pub fn is_empty(&self) -> bool {
         self.demand.is_empty() && self.background.is_empty()
     }
+
+    /// Everything queued, of both classes, whatever the cap (the backend
+    /// failed and fails it all).
+    pub fn take_all(&mut self) -> impl Iterator<Item = T> + '_ {
+        self.demand.drain(..).chain(self.background.drain(..))
+    }
 }
 
 #[cfg(test)]

@@ -3,8 +3,6 @@
 //! partial segment: only success, end-of-file or an errno.
 
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 pub mod classes;
 pub mod threads;
@@ -33,11 +31,18 @@ pub enum SegmentError {
     /// A read hit end-of-file before the segment was full (truncated file).
     Eof,
     Errno(i32),
+    /// The backend failed as a whole (this errno from `io_uring_enter`):
+    /// the segment was not, or not entirely, transferred.
+    BackendFailed(i32),
 }
 
-/// Receives segment completions (the store's operation table).
+/// Receives segment completions (the store's operation table). Called on the
+/// backend's own thread(s): implementations hand work on and return.
 pub trait SegmentSink: Send + Sync {
     fn segment_done(&self, seg: &Segment, result: Result<(), SegmentError>);
+    /// Something that cannot happen did (a completion for an empty ring
+    /// slot, ...): the backend goes on and reports it here instead of panicking.
+    fn anomaly(&self, what: String);
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -63,34 +68,14 @@ pub trait Backend: Send + Sync {
     fn fixed_buffers(&self) -> bool;
     /// CPU time (user+sys) spent by the backend's own threads so far.
     fn cpu_time_ns(&self) -> u64;
-}
-
-/// Deterministic fault injection for tests: exercises the real resubmission
-/// and error paths of a backend without a faulty device.
-#[derive(Default, Debug)]
-pub struct FaultPlan {
-    /// Cap every transfer at this many bytes, forcing short-I/O handling.
-    pub max_transfer: Option<usize>,
-    /// Fail the n-th submitted transfer (1-based) with this errno.
-    pub fail_nth: Option<(u64, i32)>,
-    pub counter: AtomicU64,
-    /// A background index scan takes this lock between walking the tree and
-    /// merging what it found: a test holding it observes the store mid-scan.
-    pub scan_hold: Option<std::sync::Arc<std::sync::Mutex<()>>>,
-}
-
-impl FaultPlan {
-    pub fn cap(&self, len: usize) -> usize {
-        self.max_transfer.map_or(len, |m| len.min(m))
-    }
-    pub fn injected_errno(&self) -> Option<i32> {
-        let (n, errno) = self.fail_nth?;
-        let seen = self.counter.fetch_add(1, Ordering::Relaxed) + 1;
-        (seen == n).then_some(errno)
+    /// Why the backend can move no more bytes (a fatal kernel error), once
+    /// that happened: every pending segment was failed, and segments
+    /// submitted from then on fail at once. None while it works.
+    fn failure(&self) -> Option<String> {
+        None
     }
 }
 
-pub type SharedFaults = Option<Arc<FaultPlan>>;
 
 /// CPU time of one thread, from its own clock.
 pub fn thread_cpu_clock() -> libc::clockid_t {

@@ -7,7 +7,8 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
 use super::classes::ClassQueue;
-use super::{clock_ns, thread_cpu_clock, Backend, BackendKind, Segment, SegmentError, SegmentSink, SharedFaults};
+use super::{clock_ns, thread_cpu_clock, Backend, BackendKind, Segment, SegmentError, SegmentSink};
+use crate::faults::SharedFaults;
 
 pub struct ThreadBackend {
     shared: Arc<Shared>,

@@ -4,21 +4,35 @@
 //! the thread sleeps in exactly one place (`submit_and_wait`). Segments beyond
 //! the queue depth wait in an explicit overflow queue; the in-flight table is
 //! allocated once, so steady state allocates nothing per I/O.
+//!
+//! The ring thread only moves bytes: every completion goes to the sink, which
+//! hands it on (see `store::completion`). It never panics: a fatal
+//! `io_uring_enter` error fails every pending segment (queued, in the
+//! overflow, pushed but not submitted, and — after a bounded wait for the
+//! kernel to finish them — in flight) with `SegmentError::BackendFailed`,
+//! marks the backend dead (`Backend::failure`) and ends the thread; segments
+//! submitted after that fail at once, on the submitter's thread.
 
 use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 
 use super::classes::ClassQueue;
-use super::{clock_ns, thread_cpu_clock, Backend, BackendKind, Segment, SegmentError, SegmentSink, SharedFaults};
+use super::{clock_ns, thread_cpu_clock, Backend, BackendKind, Segment, SegmentError, SegmentSink};
+use crate::faults::SharedFaults;
 
 const WAKE_TOKEN: u64 = u64::MAX;
 /// Largest transfer one SQE carries (the kernel's length field is 32-bit).
 const MAX_SQE_BYTES: usize = 1 << 30;
+/// After a fatal ring error, how long the thread waits for transfers the
+/// kernel already has to complete before failing them anyway (regular-file
+/// I/O takes milliseconds; the staging slots they target stay mapped).
+const REAP_BUDGET: Duration = Duration::from_secs(2);
 
 pub struct UringBackend {
     shared: Arc<Shared>,
@@ -28,6 +42,10 @@ pub struct UringBackend {
 
 struct Shared {
     incoming: Mutex<VecDeque<Segment>>,
+    /// Set (under the `incoming` lock) when the ring failed: why, and the errno.
+    failure: Mutex<Option<(String, i32)>>,
+    dead: AtomicBool,
+    sink: Arc<dyn SegmentSink>,
     stop: AtomicBool,
     wake_fd: RawFd,
     cpu_ns: AtomicU64,
@@ -45,6 +63,8 @@ impl UringBackend {
     /// Fails with the kernel's error when io_uring itself is unavailable.
     /// Buffer registration failure (RLIMIT_MEMLOCK) is not fatal: the backend
     /// then uses non-fixed reads/writes and reports why.
+    // Returns the backend with why fixed buffers were refused, if they were.
+    #[allow(clippy::new_ret_no_self)]
     pub fn new(
         queue_depth: usize,
         buffers: Option<&[libc::iovec]>,
@@ -70,6 +90,9 @@ impl UringBackend {
         }
         let shared = Arc::new(Shared {
             incoming: Mutex::new(VecDeque::with_capacity(queue_depth * 4)),
+            failure: Mutex::new(None),
+            dead: AtomicBool::new(false),
+            sink,
             stop: AtomicBool::new(false),
             wake_fd,
             cpu_ns: AtomicU64::new(0),
@@ -78,7 +101,7 @@ impl UringBackend {
         let thread_shared = shared.clone();
         let thread = std::thread::Builder::new()
             .name("pykvcache-uring".into())
-            .spawn(move || ring_loop(ring, queue_depth, fixed, &thread_shared, &*sink, &faults))?;
+            .spawn(move || ring_loop(ring, queue_depth, fixed, &thread_shared, &faults))?;
         Ok(UringSetup {
             backend: UringBackend { shared, thread: Mutex::new(Some(thread)), fixed },
             fixed_buffer_error,
@@ -96,16 +119,25 @@ struct Pending {
     done: usize,
 }
 
-fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, sink: &dyn SegmentSink, faults: &SharedFaults) {
+/// A lock the ring thread takes: also after a panic elsewhere poisoned it.
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faults: &SharedFaults) {
+    let sink = &*shared.sink;
     let clock = thread_cpu_clock();
     let mut slots: Vec<Option<Pending>> = (0..depth).map(|_| None).collect();
     let mut free: Vec<usize> = (0..depth).rev().collect();
     let mut overflow: ClassQueue<Pending> = ClassQueue::new(depth * 4, depth / 2);
     let mut wake_armed = false;
+    // Slots whose SQEs were pushed since the last successful enter: an enter
+    // that fails submits nothing, so the kernel never saw these.
+    let mut unsubmitted: Vec<usize> = Vec::with_capacity(depth);
 
     loop {
         {
-            let mut incoming = shared.incoming.lock().unwrap();
+            let mut incoming = lock(&shared.incoming);
             for seg in incoming.drain(..) {
                 let background = seg.background;
                 overflow.push_back(Pending { seg, done: 0 }, background);
@@ -133,15 +165,23 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, sink
             }
             free.pop();
             slots[idx] = Some(p);
+            unsubmitted.push(idx);
         }
         let in_flight = depth - free.len();
-        if shared.stop.load(Ordering::Acquire) && in_flight == 0 && overflow.is_empty() && shared.incoming.lock().unwrap().is_empty() {
+        if shared.stop.load(Ordering::Acquire) && in_flight == 0 && overflow.is_empty() && lock(&shared.incoming).is_empty() {
             break;
         }
-        match ring.submit_and_wait(1) {
-            Ok(_) => {}
+        let entered = match faults.as_ref().and_then(|f| f.injected_enter_errno()) {
+            Some(errno) => Err(std::io::Error::from_raw_os_error(errno)),
+            None => ring.submit_and_wait(1),
+        };
+        match entered {
+            Ok(_) => unsubmitted.clear(),
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)) => {}
-            Err(e) => panic!("io_uring_enter failed: {e}"),
+            Err(e) => {
+                let failed = Failed { errno: e.raw_os_error().unwrap_or(libc::EIO), reason: format!("io_uring_enter failed: {e}") };
+                return fail_everything(&mut ring, shared, slots, overflow, &unsubmitted, failed);
+            }
         }
         let mut cq = ring.completion();
         cq.sync();
@@ -153,7 +193,10 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, sink
                 continue;
             }
             let idx = token as usize;
-            let mut p = slots[idx].take().expect("completion for an empty slot");
+            let Some(mut p) = slots.get_mut(idx).and_then(Option::take) else {
+                sink.anomaly(format!("io_uring completion for ring slot {idx}, which holds no transfer (result {res})"));
+                continue;
+            };
             free.push(idx);
             let background = p.seg.background;
             overflow.finished(background);
@@ -179,6 +222,80 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, sink
     drop(ring);
 }
 
+/// Why the ring failed, for the segments failed because of it.
+struct Failed {
+    errno: i32,
+    reason: String,
+}
+
+/// The ring cannot be entered any more: marks the backend dead and fails
+/// every segment it holds. Segments in flight in the kernel are waited for
+/// (at most `REAP_BUDGET`) so that a transfer still landing in a staging slot
+/// is not reported done while it runs; what completes in time reports its
+/// real result.
+fn fail_everything(
+    ring: &mut IoUring,
+    shared: &Shared,
+    mut slots: Vec<Option<Pending>>,
+    mut overflow: ClassQueue<Pending>,
+    unsubmitted: &[usize],
+    failed: Failed,
+) {
+    let sink = &*shared.sink;
+    let err = SegmentError::BackendFailed(failed.errno);
+    let queued: Vec<Segment> = {
+        // Under the `incoming` lock: a submitter either queued before this
+        // (drained here) or sees `dead` and fails its segments itself.
+        let mut incoming = lock(&shared.incoming);
+        *lock(&shared.failure) = Some((failed.reason, failed.errno));
+        shared.dead.store(true, Ordering::Release);
+        incoming.drain(..).collect()
+    };
+    for seg in &queued {
+        sink.segment_done(seg, Err(err));
+    }
+    for p in overflow.take_all() {
+        sink.segment_done(&p.seg, Err(err));
+    }
+    for &idx in unsubmitted {
+        if let Some(p) = slots[idx].take() {
+            sink.segment_done(&p.seg, Err(err));
+        }
+    }
+    let deadline = Instant::now() + REAP_BUDGET;
+    while slots.iter().any(Option::is_some) && Instant::now() < deadline {
+        let mut cq = ring.completion();
+        cq.sync();
+        let mut reaped = 0;
+        for cqe in &mut cq {
+            reaped += 1;
+            let (token, res) = (cqe.user_data(), cqe.result());
+            let Some(p) = slots.get_mut(token as usize).and_then(Option::take) else { continue };
+            let result = if res >= 0 && p.done + res as usize >= p.seg.len {
+                Ok(())
+            } else if res < 0 && res != -libc::EINTR && res != -libc::EAGAIN {
+                Err(SegmentError::Errno(-res))
+            } else {
+                // Short, or to be retried: there is no ring to resubmit it on.
+                Err(err)
+            };
+            sink.segment_done(&p.seg, result);
+        }
+        drop(cq);
+        if reaped == 0 {
+            // A syscall also runs the task work that posts completions.
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    for p in slots.iter_mut().filter_map(Option::take) {
+        sink.anomaly(format!(
+            "io_uring transfer still in flight {REAP_BUDGET:?} after the ring failed: failed anyway (offset {}, {} bytes)",
+            p.seg.offset, p.seg.len
+        ));
+        sink.segment_done(&p.seg, Err(err));
+    }
+}
+
 fn build_sqe(p: &Pending, fixed: bool, faults: &SharedFaults, token: u64) -> squeue::Entry {
     let remaining = p.seg.len - p.done;
     let len = faults.as_ref().map_or(remaining, |f| f.cap(remaining)).min(MAX_SQE_BYTES) as u32;
@@ -196,14 +313,28 @@ fn build_sqe(p: &Pending, fixed: bool, faults: &SharedFaults, token: u64) -> squ
 
 impl Backend for UringBackend {
     fn submit(&self, segs: &[Segment]) {
-        self.shared.incoming.lock().unwrap().extend(segs.iter().copied());
+        let mut incoming = lock(&self.shared.incoming);
+        if self.shared.dead.load(Ordering::Acquire) {
+            drop(incoming);
+            let errno = lock(&self.shared.failure).as_ref().map_or(libc::EIO, |f| f.1);
+            for seg in segs {
+                self.shared.sink.segment_done(seg, Err(SegmentError::BackendFailed(errno)));
+            }
+            return;
+        }
+        incoming.extend(segs.iter().copied());
+        drop(incoming);
         self.wake();
+    }
+
+    fn failure(&self) -> Option<String> {
+        lock(&self.shared.failure).as_ref().map(|f| f.0.clone())
     }
 
     fn shutdown(&self) {
         self.shared.stop.store(true, Ordering::Release);
         self.wake();
-        if let Some(t) = self.thread.lock().unwrap().take() {
+        if let Some(t) = lock(&self.thread).take() {
             let _ = t.join();
         }
     }

@@ -56,6 +56,7 @@ impl ChunkIndex {
         self.removed_during_scan = Some(HashSet::new());
     }
 
+    #[cfg(test)]
     pub fn scanning(&self) -> bool {
         self.removed_during_scan.is_some()
     }
@@ -103,10 +104,6 @@ impl ChunkIndex {
 
     pub fn len(&self) -> usize {
         self.entries.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
     }
 
     pub fn used_bytes(&self) -> u64 {

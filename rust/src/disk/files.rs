@@ -7,9 +7,9 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::error::{EngineError, Result};
-use crate::format::IO_ALIGN;
-use crate::layout::{cstring, TEMP_PREFIX};
+use crate::error::Result;
+use crate::disk::format::IO_ALIGN;
+use crate::disk::layout::{cstring, TEMP_PREFIX};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DirectIoPolicy {
@@ -22,13 +22,12 @@ pub enum DirectIoPolicy {
 }
 
 impl DirectIoPolicy {
+    /// The accepted names, in the order of the variants (`_core.DIRECT_IO_POLICIES`).
+    pub const CHOICES: [&'static str; 3] = ["required", "optional", "disabled"];
+    const ALL: [Self; 3] = [Self::Required, Self::Optional, Self::Disabled];
+
     pub fn parse(s: &str) -> Result<Self> {
-        match s {
-            "required" => Ok(Self::Required),
-            "optional" => Ok(Self::Optional),
-            "disabled" => Ok(Self::Disabled),
-            other => Err(EngineError::invalid(format!("direct_io must be required|optional|disabled, not {other:?}"))),
-        }
+        crate::error::parse_choice("direct_io", s, &Self::CHOICES, &Self::ALL)
     }
 }
 

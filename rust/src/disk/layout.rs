@@ -12,7 +12,7 @@ use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use crate::error::{EngineError, Result};
-use crate::format::Fingerprint;
+use crate::disk::format::Fingerprint;
 
 pub const CHUNK_SUFFIX: &str = ".kvc";
 pub const TEMP_PREFIX: &str = ".tmp-";
@@ -20,6 +20,10 @@ pub const TEMP_PREFIX: &str = ".tmp-";
 pub struct Layout {
     ns_dirs: Vec<PathBuf>,
 }
+
+/// Modes of the directories and chunk files a store creates, unless configured.
+pub const DEFAULT_DIR_MODE: u32 = 0o700;
+pub const DEFAULT_FILE_MODE: u32 = 0o600;
 
 #[derive(Clone, Copy, Debug)]
 pub struct Permissions {
@@ -31,7 +35,7 @@ pub struct Permissions {
 
 impl Default for Permissions {
     fn default() -> Self {
-        Permissions { dir_mode: 0o700, file_mode: 0o600, allow_insecure_root: false }
+        Permissions { dir_mode: DEFAULT_DIR_MODE, file_mode: DEFAULT_FILE_MODE, allow_insecure_root: false }
     }
 }
 

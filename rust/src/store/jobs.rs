@@ -12,13 +12,15 @@ use std::sync::{Condvar, Mutex};
 use crate::backend::Segment;
 use crate::ops::{Finished, OpId};
 
+use super::OpContext;
+
 pub enum Job {
     /// Checksum a put's payload (already being written) and write its header.
     Seal { id: OpId, transfer_fd: i32, slot: usize, payload_len: usize },
     /// One segment of a fully verified read landed: checksum its payload piece.
     VerifyPiece { seg: Segment },
     /// The transfer completed: verify (get) or publish (put), then complete.
-    Finish(Finished),
+    Finish(Finished<OpContext>),
 }
 
 #[derive(Default)]

@@ -13,11 +13,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::backend::SharedFaults;
+use crate::faults::SharedFaults;
+use crate::wait::{deadline_after, wait_until};
 use crate::error::{EngineError, Result};
-use crate::files;
-use crate::index::{ChunkIndex, Found};
-use crate::layout::{parse_chunk_name, Layout, TEMP_PREFIX};
+use crate::disk::files;
+use crate::disk::index::{ChunkIndex, Found};
+use crate::disk::layout::{parse_chunk_name, Layout, TEMP_PREFIX};
 
 /// Temporary files whose inode changed longer ago than this belong to a dead
 /// writer (also when their writer's lock cannot tell, e.g. without flock).
@@ -108,20 +109,7 @@ impl ScanProgress {
 
     /// Waits until the scan is done; false on timeout.
     pub fn wait(&self, timeout: Option<Duration>) -> bool {
-        // A deadline past what Instant can hold is no deadline.
-        let deadline = timeout.and_then(|t| Instant::now().checked_add(t));
-        let mut st = self.state.lock().unwrap();
-        while !st.done {
-            let left = match deadline {
-                None => Duration::from_secs(3600),
-                Some(d) => match d.checked_duration_since(Instant::now()) {
-                    Some(l) if !l.is_zero() => l,
-                    _ => return false,
-                },
-            };
-            st = self.finished.wait_timeout(st, left).unwrap().0;
-        }
-        true
+        wait_until(&self.state, &self.finished, deadline_after(timeout), |st| st.done.then_some(())).is_ok()
     }
 
     /// Walks the tree and merges what it found into `index` (which the
@@ -129,7 +117,7 @@ impl ScanProgress {
     pub fn run(&self, layout: &Layout, index: &Mutex<ChunkIndex>, faults: &SharedFaults) {
         let start = Instant::now();
         let found = collect(layout, &self.stop);
-        let _held = faults.as_ref().and_then(|f| f.scan_hold.as_ref()).map(|m| m.lock().unwrap());
+        let _held = faults.as_ref().and_then(|f| f.scan_hold());
         let (chunks, error) = match found {
             Ok(found) => (index.lock().unwrap().merge_scanned(&found), None),
             Err(e) => {

@@ -1,0 +1,210 @@
+//! Where operations end: the backend's segment completions are handed on
+//! (never worked on in the reaping loop: checksums, publication, unlinks and
+//! evictions go to a chunk worker), the chunk workers' loop, and `finish`,
+//! the single exit of every operation. Also the submission helpers both
+//! paths share.
+
+use crate::backend::{clock_ns, thread_cpu_clock, Backend, Segment, SegmentError, SegmentSink};
+use super::jobs::Job;
+use crate::disk::files;
+use crate::disk::format::HEADER_BYTES;
+use crate::ops::{Finished, OpId, Outcome, Status};
+use crate::staging::StagingPool;
+use crate::stats::Stats;
+
+use super::{Core, OpContext, OpKind, VerifyPolicy};
+
+impl Core {
+    pub(super) fn fail_early(&self, id: OpId, ctx: OpContext, errno: Option<i32>, message: String) {
+        if ctx.kind == OpKind::Put && errno == Some(libc::ENOSPC) {
+            Stats::add(&self.stats.write_enospc, 1);
+        }
+        self.finish(id, ctx, Outcome::new(Status::Error, 0, errno, message));
+    }
+
+    pub(super) fn corrupt(&self, id: OpId, ctx: OpContext, reason: String) {
+        // A chunk that fails verification is removed so it is never tried again.
+        let path = self.layout.chunk_path(ctx.hash);
+        self.remove_chunk(ctx.hash);
+        let msg = format!("corrupt chunk {}: {reason}", path.display());
+        self.finish(id, ctx, Outcome::new(Status::Corrupt, 0, None, msg));
+    }
+
+    /// Single exit of every operation: closes files, unpins the slot, counts, signals.
+    pub(super) fn finish(&self, id: OpId, mut ctx: OpContext, mut outcome: Outcome) {
+        self.release_reservation(&mut ctx);
+        if ctx.read_fd >= 0 {
+            if !ctx.direct {
+                files::drop_cached_pages(ctx.read_fd, false);
+            }
+            files::close(ctx.read_fd);
+        }
+        if let Some(f) = ctx.write_file.take() {
+            files::discard(&f);
+        }
+        self.pool.unpin_io(ctx.slot);
+        outcome.latency = ctx.started.elapsed();
+        let s = &self.stats;
+        match (ctx.kind, outcome.status) {
+            (OpKind::Get, Status::Ok) => {
+                Stats::add(&s.reads, 1);
+                Stats::add(&s.read_hits, 1);
+                Stats::add(&s.bytes_read, ctx.file_len as u64);
+                Stats::observe(&s.read_latency_us, &s.read_latency_sum_us, outcome.latency);
+            }
+            (OpKind::Get, Status::Miss) => Stats::add(&s.read_misses, 1),
+            (OpKind::Get, Status::Corrupt) => Stats::add(&s.corrupt, 1),
+            (OpKind::Get, Status::Error) => Stats::add(&s.read_errors, 1),
+            (OpKind::Put, Status::Ok) => {
+                Stats::add(&s.writes, 1);
+                Stats::add(&s.bytes_written, ctx.file_len as u64);
+                Stats::observe(&s.write_latency_us, &s.write_latency_sum_us, outcome.latency);
+            }
+            (OpKind::Put, _) => Stats::add(&s.write_errors, 1),
+        }
+        self.ops.complete(id, outcome);
+    }
+
+    fn finish_op(&self, done: Finished<OpContext>, backend: &dyn Backend) {
+        let Finished { id, ctx, error } = done;
+        match ctx.kind {
+            OpKind::Get => self.finish_get(id, ctx, error, false),
+            OpKind::Put => self.finish_put(id, ctx, error, backend),
+        }
+    }
+
+    /// A segment completion the op table could not place (no backend sends
+    /// one): logged, never a panic on the backend thread.
+    pub(super) fn stray_completion(&self, what: String) {
+        self.stats.record_error(what);
+    }
+}
+
+impl SegmentSink for Core {
+    /// Runs on the backend thread, for every segment: hands the work on and
+    /// returns. The one exception is the header-only verdict of a read (see
+    /// `finish_get`'s `on_backend_thread`).
+    fn segment_done(&self, seg: &Segment, result: std::result::Result<(), SegmentError>) {
+        if !seg.write && result.is_ok() && self.verify == VerifyPolicy::Full {
+            return self.jobs.push(Job::VerifyPiece { seg: *seg });
+        }
+        let done = match self.ops.segment_done(seg.op, result) {
+            Ok(Some(done)) => done,
+            Ok(None) => return,
+            Err(stray) => return self.stray_completion(stray),
+        };
+        if done.ctx.kind == OpKind::Get && self.verify == VerifyPolicy::Header {
+            // A 4 KiB header check: cheaper here than waking a chunk
+            // worker for it (a wake-up costs more CPU than the check, and
+            // at queue depth 1 every operation pays one).
+            let Finished { id, ctx, error } = done;
+            return self.finish_get(id, ctx, error, true);
+        }
+        self.jobs.push(Job::Finish(done));
+    }
+
+    fn anomaly(&self, what: String) {
+        self.stray_completion(what);
+    }
+}
+
+/// The message of an operation the failed backend could not carry out.
+pub(super) fn backend_failed(doing: &str, errno: i32) -> String {
+    format!(
+        "{doing} chunk: the I/O backend failed ({}) and accepts no more work; reopen the store",
+        std::io::Error::from_raw_os_error(errno)
+    )
+}
+
+pub(super) const CLOSED_WHILE_SUBMITTING: &str = "store closed while the operation was being submitted";
+
+/// Transfers `[from, to)` takes at `seg_bytes` a piece (0: one transfer).
+pub(super) fn segment_count(from: usize, to: usize, seg_bytes: usize) -> usize {
+    match (to > from, seg_bytes) {
+        (false, _) => 0,
+        (true, 0) => 1,
+        (true, s) => (to - from).div_ceil(s),
+    }
+}
+
+/// Hands an operation's whole file to the backend: reads, and a put's
+/// rewrite after ENOSPC (its slot is sealed by then).
+pub(super) fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
+    let seg_bytes = if write { core.write_segment_bytes } else { core.segment_bytes };
+    let (file_len, t) = (ctx.file_len, Transfer::of_slot(&core.pool, id, ctx.slot, fd, write, ctx.background));
+    if let Err(ctx) = core.ops.start(id, ctx, segment_count(0, file_len, seg_bytes) as u32) {
+        return core.fail_early(id, ctx, None, CLOSED_WHILE_SUBMITTING.into());
+    }
+    submit_range(backend, t, 0, file_len, seg_bytes);
+}
+
+/// What the segments of one operation share.
+#[derive(Clone, Copy)]
+pub(super) struct Transfer {
+    op: u32,
+    slot: usize,
+    base: *mut u8,
+    fd: i32,
+    write: bool,
+    background: bool,
+}
+
+impl Transfer {
+    pub(super) fn of_slot(pool: &StagingPool, id: OpId, slot: usize, fd: i32, write: bool, background: bool) -> Self {
+        Transfer { op: id.index, slot, base: pool.slot_ptr(slot), fd, write, background }
+    }
+}
+
+/// Hands bytes `[from, to)` of a file, from the same offsets of the slot at
+/// `base`, to the backend in segments that start at multiples of `seg_bytes`
+/// from `from` (reads number their checksum pieces by it).
+pub(super) fn submit_range(backend: &dyn Backend, t: Transfer, from: usize, to: usize, seg_bytes: usize) {
+    let seg_bytes = if seg_bytes == 0 { to.saturating_sub(from).max(1) } else { seg_bytes };
+    let blank = Segment {
+        op: t.op,
+        fd: t.fd,
+        buf: std::ptr::null_mut(),
+        len: 0,
+        offset: 0,
+        write: t.write,
+        buf_index: Some(t.slot as u16),
+        background: t.background,
+    };
+    // Small fixed batch on the stack: no per-I/O heap allocation.
+    let mut batch = [blank; 16];
+    let mut filled = 0;
+    let mut offset = from;
+    while offset < to {
+        let len = seg_bytes.min(to - offset);
+        batch[filled] = Segment { buf: unsafe { t.base.add(offset) }, len, offset: offset as u64, ..blank };
+        filled += 1;
+        offset += len;
+        if filled == batch.len() {
+            backend.submit(&batch[..filled]);
+            filled = 0;
+        }
+    }
+    if filled > 0 {
+        backend.submit(&batch[..filled]);
+    }
+}
+
+pub(super) fn chunk_worker(core: &Core, backend: &dyn Backend) {
+    let me = core.jobs.register_worker();
+    let clock = thread_cpu_clock();
+    while let Some(job) = core.jobs.pop() {
+        match job {
+            Job::Seal { id, transfer_fd, slot, payload_len } => {
+                core.seal(id, slot, payload_len);
+                submit_range(backend, Transfer::of_slot(&core.pool, id, slot, transfer_fd, true, false), 0, HEADER_BYTES, 0);
+            }
+            Job::VerifyPiece { seg } => {
+                if let Some(done) = core.verify_piece(&seg) {
+                    core.finish_op(done, backend);
+                }
+            }
+            Job::Finish(done) => core.finish_op(done, backend),
+        }
+        core.jobs.record_cpu(me, clock_ns(clock));
+    }
+}

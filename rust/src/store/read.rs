@@ -1,0 +1,248 @@
+//! The read path: `get`/`prefetch` on the caller's thread, checksumming of
+//! each landed segment and the verdict on a chunk on a chunk worker (a
+//! header-only verdict on a chunk the index holds also on the backend
+//! thread). See the module docs of `store` for the whole life of a get.
+
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::backend::{Segment, SegmentError};
+use crate::checksum::{crc32c, crc32c_combine};
+use crate::disk::files;
+use crate::disk::format::{self, FormatError, HEADER_BYTES, IO_ALIGN};
+use crate::error::Result;
+use super::jobs::Job;
+use crate::ops::{Finished, OpId, Outcome, Status};
+use crate::stats::Stats;
+
+use super::completion;
+use super::{BlockStore, Core, OpContext, OpKind, VerifyPolicy};
+
+impl BlockStore {
+    /// Reads chunk `key` into `slot` and verifies it.
+    pub fn get(&self, key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<OpId> {
+        self.read(key, slot, timeout, false)
+    }
+
+    /// `get` at background priority: its transfers start only when no demand
+    /// transfer waits, and take at most half of the queue depth, so reads
+    /// for what is needed now overtake reads for what may be needed soon.
+    pub fn prefetch(&self, key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<OpId> {
+        self.read(key, slot, timeout, true)
+    }
+
+    fn read(&self, key: &[u8], slot: usize, timeout: Option<Duration>, background: bool) -> Result<OpId> {
+        self.check_open()?;
+        self.check_args(key, slot)?;
+        if background {
+            Stats::add(&self.core.stats.prefetches, 1);
+        }
+        let pool = &self.core.pool;
+        let (id, mut ctx) = self.begin(OpKind::Get, key, slot, timeout)?;
+        ctx.background = background;
+        let hash = ctx.hash;
+        let path = self.core.layout.chunk_path(hash);
+        let (fd, size) = match files::open_for_read(&path, ctx.direct) {
+            Ok(opened) => opened,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                // Absent (or deleted by another process sharing the directory): a miss.
+                self.core.index.lock().unwrap().remove(hash);
+                self.core.finish(id, ctx, Outcome::new(Status::Miss, 0, None, "chunk not on disk"));
+                return Ok(id);
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
+                // O_NOFOLLOW refused a symlink planted at a chunk path: never
+                // followed, and removed like any other foreign file.
+                self.core.corrupt(id, ctx, "a symbolic link, not a chunk file (not followed)".into());
+                return Ok(id);
+            }
+            Err(e) => {
+                let msg = format!("opening {}: {e}", path.display());
+                self.core.fail_early(id, ctx, e.raw_os_error(), msg);
+                return Ok(id);
+            }
+        };
+        ctx.read_fd = fd;
+        let Some(size) = size.map(|s| s as usize) else {
+            self.core.corrupt(id, ctx, "not a regular file".into());
+            return Ok(id);
+        };
+        let max_len = HEADER_BYTES + format::round_up(pool.slot_bytes(), IO_ALIGN);
+        if size > max_len && size % IO_ALIGN == 0 {
+            // Possibly a valid chunk from a process with larger slots sharing
+            // the directory: not ours to judge or delete, just not loadable here.
+            let msg = format!("chunk of {size} bytes does not fit a {max_len}-byte slot");
+            self.core.finish(id, ctx, Outcome::new(Status::Miss, 0, None, msg));
+            return Ok(id);
+        }
+        if size < HEADER_BYTES || size % IO_ALIGN != 0 {
+            let reason = format!("file is {size} bytes (expected a multiple of {IO_ALIGN} in {HEADER_BYTES}..={max_len})");
+            self.core.corrupt(id, ctx, reason);
+            return Ok(id);
+        }
+        ctx.file_len = size;
+        self.core.pieces.reset(id.index, completion::segment_count(0, size, self.core.segment_bytes));
+        completion::submit(&self.core, &*self.backend, id, ctx, fd, false);
+        Ok(id)
+    }
+}
+
+/// CRC-32C of the first `len` payload bytes of a chunk, from the pieces
+/// checksummed while the rest of the chunk was still being read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct PrefixCrc {
+    pub crc: u32,
+    pub len: u64,
+}
+
+/// Per op-table entry: CRC-32C and length of the payload bytes of each read
+/// segment, filled as segments are verified (any order), combined when the
+/// last one landed. Each list grows to the most segments its entry has
+/// carried and never shrinks: allocation stops once warm, and memory follows
+/// the operations really in flight, not the configured maximum.
+pub(super) struct Pieces {
+    entries: Vec<Mutex<PieceList>>,
+}
+
+#[derive(Default)]
+struct PieceList {
+    crcs: Vec<(u32, u64)>,
+    /// A piece numbered beyond the segments (cannot happen): not served.
+    stray: bool,
+}
+
+impl Pieces {
+    pub(super) fn new(max_inflight: usize) -> Self {
+        Pieces { entries: (0..max_inflight.max(1)).map(|_| Mutex::default()).collect() }
+    }
+
+    fn list(&self, op: u32) -> Option<std::sync::MutexGuard<'_, PieceList>> {
+        self.entries.get(op as usize).map(|m| m.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// Before a read of `segments` segments starts on entry `op`.
+    pub(super) fn reset(&self, op: u32, segments: usize) {
+        if let Some(mut l) = self.list(op) {
+            l.crcs.clear();
+            l.crcs.resize(segments, (0, 0));
+            l.stray = false;
+        }
+    }
+
+    pub(super) fn record(&self, op: u32, piece: usize, crc: u32, len: u64) {
+        if let Some(mut l) = self.list(op) {
+            match l.crcs.get_mut(piece) {
+                Some(p) => *p = (crc, len),
+                None => l.stray = true,
+            }
+        }
+    }
+
+    /// The pieces combined in order; None after a stray piece.
+    pub(super) fn prefix(&self, op: u32) -> Option<PrefixCrc> {
+        let l = self.list(op)?;
+        if l.stray {
+            return None;
+        }
+        Some(l.crcs.iter().fold(PrefixCrc::default(), |acc, &(crc, len)| PrefixCrc {
+            crc: crc32c_combine(acc.crc, crc, len),
+            len: acc.len + len,
+        }))
+    }
+}
+
+impl Core {
+    /// Checksums the payload bytes of one landed read segment that are
+    /// payload whatever the header says: those before the file's last 4 KiB
+    /// (padding is shorter than that). The rest is checked in `finish_get`.
+    pub(super) fn verify_piece(&self, seg: &Segment) -> Option<Finished<OpContext>> {
+        let Some(file_len) = self.ops.with_context(seg.op, |ctx| ctx.file_len) else {
+            self.stray_completion(format!("read segment of operation {} without context", seg.op));
+            return None;
+        };
+        let offset = seg.offset as usize;
+        let start = offset.max(HEADER_BYTES);
+        let end = (offset + seg.len).min(file_len.saturating_sub(IO_ALIGN));
+        let piece = offset / self.segment_bytes;
+        let (crc, len) = if end > start {
+            let bytes = unsafe { std::slice::from_raw_parts(seg.buf.add(start - offset), end - start) };
+            (crc32c(bytes), (end - start) as u64)
+        } else {
+            (0, 0)
+        };
+        self.pieces.record(seg.op, piece, crc, len);
+        self.ops.segment_done(seg.op, Ok(())).unwrap_or_else(|e| {
+            self.stray_completion(e);
+            None
+        })
+    }
+
+    /// The verdict on a landed read, and its completion. `on_backend_thread`:
+    /// called from the reaping loop (header-only checks), where nothing may
+    /// unlink or evict: a corrupt chunk, or one to adopt, is handed to a
+    /// chunk worker (which judges it again) instead.
+    pub(super) fn finish_get(&self, id: OpId, ctx: OpContext, error: Option<SegmentError>, on_backend_thread: bool) {
+        let to_worker = |ctx: OpContext| self.jobs.push(Job::Finish(Finished { id, ctx, error }));
+        match error {
+            Some(SegmentError::Eof) if on_backend_thread => return to_worker(ctx),
+            Some(SegmentError::Eof) => return self.corrupt(id, ctx, "file shorter than its size (truncated while reading)".into()),
+            Some(SegmentError::Errno(errno)) => {
+                let msg = format!("reading chunk: {}", std::io::Error::from_raw_os_error(errno));
+                return self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(errno), msg));
+            }
+            Some(SegmentError::BackendFailed(errno)) => {
+                return self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(errno), completion::backend_failed("reading", errno)));
+            }
+            None => {}
+        }
+        let slot_ptr = self.pool.slot_ptr(ctx.slot);
+        let block = unsafe { std::slice::from_raw_parts(slot_ptr, HEADER_BYTES) };
+        let header = match format::decode_header(block, &self.namespace, &ctx.key, ctx.file_len as u64) {
+            Ok(h) => h,
+            // A sound header this build cannot interpret: not ours to delete.
+            Err(e @ FormatError::Flags(_)) => return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, e.to_string())),
+            Err(_) if on_backend_thread => return to_worker(ctx),
+            Err(e) => return self.corrupt(id, ctx, e.to_string()),
+        };
+        let payload = unsafe { std::slice::from_raw_parts(self.pool.payload_ptr(ctx.slot), header.payload_len as usize) };
+        if self.verify == VerifyPolicy::Full {
+            // `decode_header` checked that the payload fills the file to its
+            // last 4 KiB, so the verified prefix never exceeds it.
+            let Some(expected) = header.payload_crc else {
+                // Written by a verify="header" store: sound, but nothing to
+                // check the payload against. Never served here, never deleted.
+                let msg = "chunk written without a payload checksum (verify=\"header\" writer); this store verifies payloads";
+                return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, msg));
+            };
+            let Some(prefix_crc) = self.pieces.prefix(id.index) else {
+                // Cannot happen (pieces are numbered by segment); if it did,
+                // the combined CRC would not match: corrupt, not served.
+                return self.corrupt(id, ctx, "file shorter than its size (truncated while reading)".into());
+            };
+            let rest = &payload[prefix_crc.len as usize..];
+            let crc = crc32c_combine(prefix_crc.crc, crc32c(rest), rest.len() as u64);
+            if crc != expected {
+                return self.corrupt(id, ctx, FormatError::PayloadCrc.to_string());
+            }
+        }
+        let adopted = {
+            let mut index = self.index.lock().unwrap();
+            if index.contains(ctx.hash) {
+                index.touch(ctx.hash);
+                false
+            } else if on_backend_thread {
+                drop(index);
+                return to_worker(ctx);
+            } else {
+                index.insert(ctx.hash, ctx.file_len as u64);
+                true
+            }
+        };
+        if adopted {
+            // A chunk another process wrote now counts here too: stay within capacity.
+            self.make_room(0, ctx.hash, None, None);
+        }
+        let len = header.payload_len;
+        self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""));
+    }
+}
