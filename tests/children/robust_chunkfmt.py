@@ -1,4 +1,4 @@
-"""Independent reference for the on-disk chunk format (rust/src/format.rs),
+"""Independent reference for the on-disk chunk format (rust/src/disk/format.rs),
 plus the payload and file helpers the robustness tests share.
 
 Written separately from the engine on purpose: the tests tamper with headers

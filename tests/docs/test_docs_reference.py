@@ -119,6 +119,16 @@ def _rust_default(text: str):
     if match:
         text = match.group(1)
     text = {"true": "True", "false": "False"}.get(text, text)
+    if text.startswith("defaults::"):
+        # The engine's one owner of defaults (rust/src/store/config.rs), exported
+        # to Python as _core.ENGINE_DEFAULTS.
+        from pykvcache._core import ENGINE_DEFAULTS
+
+        key = text[len("defaults::"):].lower()
+        if key not in ENGINE_DEFAULTS and key.endswith("_s"):
+            key = key[:-2]
+        assert key in ENGINE_DEFAULTS, f"{text} is not in _core.ENGINE_DEFAULTS"
+        return ENGINE_DEFAULTS[key]
     return _safe_eval(text)
 
 

@@ -1,5 +1,5 @@
 """Bounded-time fuzzing of whole chunk files through the public API (the
-header decoder alone is property-tested in rust/src/format.rs). Runs in a
+header decoder alone is property-tested in rust/src/disk/format.rs). Runs in a
 child process, so that a crash of the engine is a failed test, not a dead
 test run. ROBUST_FUZZ_EXAMPLES raises the budget for a longer local run."""
 
