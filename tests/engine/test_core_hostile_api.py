@@ -31,6 +31,14 @@ def make_store(path, pool, **kw):
     return kv.BlockStore([str(path)], pool, **kw)
 
 
+def slow_store(directory, slot_bytes: int):
+    """A store in a new ``directory`` whose transfers move 4 KiB at a time
+    (an 8 MiB put is 2048 of them: slow enough to be waited for)."""
+    directory.mkdir(mode=0o700)
+    pool = kv.StagingPool(slot_bytes, 2)
+    return make_store(directory, pool, _fault_max_transfer=4096), pool
+
+
 def run_isolated(code: str, store_dir, timeout: float = 60) -> subprocess.CompletedProcess:
     """Runs `code` in a fresh interpreter (`store_dir` is its sys.argv[1]); a hang is a test failure."""
     env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
@@ -164,11 +172,8 @@ def test_aio_wait_works_on_stores_opened_after_others_closed_in_one_loop(tmp_pat
     async def main():
         fds = []
         for i in range(4):
-            d = tmp_path / f"s{i}"
-            d.mkdir(mode=0o700)
-            pool = kv.StagingPool(8 * MiB, 2)
             # Slow enough (2048 transfers) that the await really waits for the eventfd.
-            store = make_store(d, pool, _fault_max_transfer=4096)
+            store, pool = slow_store(tmp_path / f"s{i}", 8 * MiB)
             fds.append(store.completion_fd)
             s = pool.acquire()
             h = store.put(b"k", s, 8 * MiB)
@@ -191,10 +196,7 @@ def test_aio_two_open_stores_share_a_loop(tmp_path):
     async def main():
         stores = []
         for i in range(2):
-            d = tmp_path / f"s{i}"
-            d.mkdir(mode=0o700)
-            pool = kv.StagingPool(4 * MiB, 2)
-            stores.append((make_store(d, pool, _fault_max_transfer=4096), pool))
+            stores.append(slow_store(tmp_path / f"s{i}", 4 * MiB))
         hs = []
         for store, pool in stores:
             hs.append(pykvcache.aio.wait(store, store.put(b"k", pool.acquire(), 4 * MiB)))
