@@ -44,6 +44,11 @@ def chunk_file_bytes(payload_bytes: int) -> int:
     plus the payload rounded up to ``IO_ALIGN``): its cost on disk and the
     staging slot footprint. ``OverflowError`` past what a file can hold."""
 
+def check_storage_dir(path: str | PathLike[str], *, allow_insecure_root: bool = False) -> None:
+    """Raises the ``ValueError`` opening a store on the existing directory
+    ``path`` would raise about it (not a directory, owned by another user,
+    world-writable unless ``allow_insecure_root``); creates nothing."""
+
 class StoreStats(TypedDict):
     """What ``BlockStore.stats()`` returns (every key, always present)."""
 

@@ -15,7 +15,7 @@ use pyo3::ffi;
 
 use crate::disk::files::DirectIoPolicy;
 use crate::disk::format::{self, FORMAT_VERSION, HEADER_BYTES, IO_ALIGN};
-use crate::disk::layout::Permissions;
+use crate::disk::layout::{self, Permissions};
 use crate::error::EngineError;
 use crate::ops::{OpId, Outcome, Status};
 use crate::staging;
@@ -632,6 +632,16 @@ fn chunk_file_bytes(#[pyo3(from_py_with = payload_bytes_arg)] payload_bytes: usi
     Ok(format::file_len(payload_bytes))
 }
 
+/// Raises what opening a store on the existing directory `path` would raise
+/// about it (not a directory, owned by another user, world-writable), creating
+/// nothing: the engine's own check, for validation before a store exists.
+#[pyfunction]
+#[pyo3(signature = (path, *, allow_insecure_root=false))]
+fn check_storage_dir(py: Python<'_>, path: PathBuf, allow_insecure_root: bool) -> PyResult<()> {
+    let perms = Permissions { allow_insecure_root, ..Permissions::default() };
+    py.detach(|| layout::check_root(&path, &perms)).map_err(to_py)
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -661,6 +671,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("VERIFY_MODES", PyTuple::new(py, VerifyPolicy::CHOICES)?)?;
     m.add("ENGINE_DEFAULTS", engine_defaults(py)?)?;
     m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(check_storage_dir, m)?)?;
     m.add("FORMAT_VERSION", FORMAT_VERSION)?;
     m.add_class::<PyStagingPool>()?;
     m.add_class::<SlotBuffer>()?;

@@ -331,13 +331,10 @@ def storage_problems(config: PykvcacheConfig) -> list[str]:
         seen[real] = entry
         shown = entry if real == entry else f"{entry} (-> {real})"
         if os.path.isdir(real):
-            st = os.stat(real)
-            if not config.allow_insecure_root and st.st_uid != uid:
-                problems.append(f"storage directory {shown} is owned by uid {st.st_uid}, not by this "
-                                f"process (uid {uid}); set allow_insecure_root: true to accept it")
-            elif not config.allow_insecure_root and st.st_mode & 0o002:
-                problems.append(f"storage directory {shown} is world-writable; anyone could plant "
-                                "chunks (chmod o-w, or set allow_insecure_root: true)")
+            try:  # the engine's own check, so the two never disagree
+                _core.check_storage_dir(real, allow_insecure_root=config.allow_insecure_root)
+            except ValueError as exc:
+                problems.append(str(exc) if real == entry else f"{exc} (storage_dirs entry {entry})")
             if not os.access(real, os.W_OK | os.X_OK):
                 problems.append(f"storage directory {shown} is not writable by this process (uid {uid})")
             existing = real

@@ -76,7 +76,7 @@ def _scrub(value: Any) -> Any:
         return [_scrub(v) for v in value]
     if isinstance(value, (str, int, float, bool)) or value is None:
         return value
-    return _scrub(_config_dict(value)) if hasattr(value, "to_dict") else str(value)
+    return _config_dict(value) if hasattr(value, "to_dict") else str(value)  # scrubbed there
 
 
 def _fields(obj: Any, names: tuple[str, ...]) -> dict[str, str] | None:

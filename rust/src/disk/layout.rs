@@ -133,7 +133,10 @@ pub fn resolve_root(root: &Path, perms: &Permissions) -> Result<PathBuf> {
     Ok(resolved)
 }
 
-fn check_root(root: &Path, perms: &Permissions) -> Result<()> {
+/// What a store refuses about an existing storage root (not a directory,
+/// another user's, world-writable), without creating anything: also run by the
+/// vLLM integration before a model loads (`_core.check_storage_dir`).
+pub fn check_root(root: &Path, perms: &Permissions) -> Result<()> {
     let meta = std::fs::symlink_metadata(root).map_err(|e| EngineError::io(format!("inspecting {}", root.display()), e))?;
     if !meta.is_dir() {
         return Err(EngineError::invalid(format!("storage path {} is not a directory", root.display())));
