@@ -147,3 +147,12 @@ def test_adding_a_subcommand_is_one_function():
         assert cli.main(["hello-test", "--name", "y"]) == 7
     finally:
         del cli._SUBCOMMANDS["hello-test"]
+
+
+def test_list_parts_needs_no_output_directory(capsys):
+    # `pykvcache bench --list-parts` as the docs show it: nothing is written.
+    assert main(["bench", "--list-parts"]) == 0
+    assert "storage" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exc:
+        main(["bench"])
+    assert exc.value.code == 2 and "--out" in capsys.readouterr().err

@@ -53,7 +53,8 @@ def _int_list(text: str) -> list[int]:
 def _bench(parser: argparse.ArgumentParser) -> Handler:
     from .bench.config import MiB
 
-    parser.add_argument("--out", type=Path, required=True, help="directory for report.md, PNG plots and results.json")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="directory for report.md, PNG plots and results.json (required unless --list-parts)")
     parser.add_argument(
         "--dir",
         type=Path,
@@ -92,6 +93,8 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
             for p in PARTS.values():
                 print(f"{p.name:<10} {'(default) ' if p.default else ''}{p.description}")
             return 0
+        if args.out is None:
+            parser.error("the following arguments are required: --out")
         if not args.dir.is_dir():
             print(f"pykvcache bench: --dir {args.dir} is not a directory", file=sys.stderr)
             return 2
