@@ -101,9 +101,8 @@ class NvmeOffloadingManager(OffloadingManager):
         self._reopen_store = reopen_store
         self.cache = StagingCache(pool)
         self.metrics = ManagerMetrics()
-        # vLLM >= 0.33 holds this around manager calls; nothing here runs on
-        # another thread, so a plain re-entrant lock is enough.
-        self.lock = threading.RLock()
+        # What ``lock`` returns (vLLM >= 0.33 holds it around manager calls).
+        self._lock = threading.RLock()
         self._max_inflight_writes = max(1, max_inflight_writes)
         self._reads: dict[bytes, object] = {}  # key -> IoHandle
         self._writes: dict[bytes, object] = {}
@@ -124,6 +123,13 @@ class NvmeOffloadingManager(OffloadingManager):
         self._probed_absent: dict[bytes, float] = {}  # key -> next probe time
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
+
+    @property
+    def lock(self):
+        """Held by vLLM >= 0.33 around every manager call. A property there
+        (no setter), so it is one here too. The background preformat thread
+        reads the I/O tables, so a real (re-entrant) lock, not a no-op."""
+        return self._lock
 
     # ------------------------------------------------------------------
     # Building blocks (also for a preloader / admission gate)

@@ -45,7 +45,8 @@ class NamespaceInputs:
     pcp_size: int
     dcp_size: int
     format_version: int
-    row_layout_version: int = ROW_LAYOUT_VERSION
+    #: An int for the spec's rows; a name for other layouts (the tiering tier's chunks).
+    row_layout_version: int | str = ROW_LAYOUT_VERSION
     salt: str = ""
     #: sha256 of :func:`pykvcache.vllm.model_identity.model_identity` ("" = not computed).
     model_identity: str = ""

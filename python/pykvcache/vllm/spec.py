@@ -41,6 +41,64 @@ MIN_STAGING_SLOTS = 4
 MAX_STAGING_SLOTS = 65535
 
 
+def build_gating(settings: PykvcacheConfig, *, model: str, dtype: str, chunk_bytes: int,
+                 chunk_tokens: int):
+    """The break-even gate and store admission for chunks of ``chunk_bytes``
+    covering ``chunk_tokens`` tokens (``gate: false`` still builds it, loading
+    everything but counting). Shared by the spec and the tiering tier."""
+    from pykvcache.gate import ProfileExpectation, StoreAdmission, build_gate
+    from pykvcache.gate.profile import storage_info
+
+    from pykvcache.vllm.gate_plan import GateWiring
+
+    s = settings
+    expected = ProfileExpectation(
+        model=model,
+        dtype=dtype,
+        kv_bytes_per_token=chunk_bytes / chunk_tokens,
+        chunk_tokens=chunk_tokens,
+        storage_device=storage_info(s.storage_dirs[0])["device"],
+    )
+    gate, source = build_gate(s.gate_profile, expected, online=s.gate_online,
+                              margin=s.gate_margin, enabled=s.gate)
+    admission = None
+    if s.store_min_tokens or s.store_second_sighting:
+        admission = StoreAdmission(
+            chunk_tokens=chunk_tokens,
+            min_tokens=0 if s.store_min_tokens == "break_even" else s.store_min_tokens,
+            second_sighting=s.store_second_sighting,
+        )
+    be = gate.break_even_tokens()
+    # The reason for a default cost model was logged as a warning already.
+    logger.info("pykvcache gate: %s, cost model from %s, break-even %s tokens%s",
+                "on" if s.gate else "off (loads everything, counts)", source.split(":", 1)[0],
+                "never" if be == float("inf") else f"{be:.0f}",
+                f", store admission min_tokens={s.store_min_tokens} "
+                f"second_sighting={s.store_second_sighting}" if admission else "")
+    return GateWiring(gate, chunk_tokens=chunk_tokens, chunk_bytes=chunk_bytes,
+                      admission=admission, store_min_tokens=s.store_min_tokens)
+
+
+def open_block_store(settings: PykvcacheConfig, pool, namespace: str):
+    """The engine's store on the configured directories, with ``pool`` as its staging."""
+    from pykvcache._core import BlockStore
+
+    s = settings
+    return BlockStore(
+        list(s.storage_dirs),
+        pool,
+        namespace=namespace,
+        capacity_bytes=s.capacity_bytes,
+        queue_depth=s.queue_depth,
+        backend=s.backend,
+        direct_io=s.direct_io,
+        register_buffers=s.register_buffers,
+        allow_insecure_root=s.allow_insecure_root,
+        min_free_bytes=s.min_free_bytes,
+        min_free_fraction=s.min_free_fraction,
+    )
+
+
 class NvmeOffloadingSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]):
@@ -123,58 +181,13 @@ class NvmeOffloadingSpec(OffloadingSpec):
         return self._namespace
 
     def _build_gating(self):
-        """The break-even gate and store admission (None when both are off:
-        ``gate: false`` still builds it, loading everything but counting)."""
-        from pykvcache.gate import ProfileExpectation, StoreAdmission, build_gate
-        from pykvcache.gate.profile import storage_info
-
-        from pykvcache.vllm.gate_plan import GateWiring
-
-        s = self.settings
-        expected = ProfileExpectation(
-            model=self.config.model.name,
-            dtype=str(self.config.model.dtype),
-            kv_bytes_per_token=self.layout.payload_bytes / self.chunk_tokens,
-            chunk_tokens=self.chunk_tokens,
-            storage_device=storage_info(s.storage_dirs[0])["device"],
-        )
-        gate, source = build_gate(s.gate_profile, expected, online=s.gate_online,
-                                  margin=s.gate_margin, enabled=s.gate)
-        admission = None
-        if s.store_min_tokens or s.store_second_sighting:
-            admission = StoreAdmission(
-                chunk_tokens=self.chunk_tokens,
-                min_tokens=0 if s.store_min_tokens == "break_even" else s.store_min_tokens,
-                second_sighting=s.store_second_sighting,
-            )
-        be = gate.break_even_tokens()
-        # The reason for a default cost model was logged as a warning already.
-        logger.info("pykvcache gate: %s, cost model from %s, break-even %s tokens%s",
-                    "on" if s.gate else "off (loads everything, counts)", source.split(":", 1)[0],
-                    "never" if be == float("inf") else f"{be:.0f}",
-                    f", store admission min_tokens={s.store_min_tokens} "
-                    f"second_sighting={s.store_second_sighting}" if admission else "")
-        return GateWiring(gate, chunk_tokens=self.chunk_tokens,
-                          chunk_bytes=self.layout.payload_bytes, admission=admission,
-                          store_min_tokens=s.store_min_tokens)
+        """The break-even gate and store admission (see :func:`build_gating`)."""
+        return build_gating(self.settings, model=self.config.model.name,
+                            dtype=str(self.config.model.dtype),
+                            chunk_bytes=self.layout.payload_bytes, chunk_tokens=self.chunk_tokens)
 
     def _open_store(self, pool):
-        from pykvcache._core import BlockStore
-
-        s = self.settings
-        return BlockStore(
-            list(s.storage_dirs),
-            pool,
-            namespace=self.namespace,
-            capacity_bytes=s.capacity_bytes,
-            queue_depth=s.queue_depth,
-            backend=s.backend,
-            direct_io=s.direct_io,
-            register_buffers=s.register_buffers,
-            allow_insecure_root=s.allow_insecure_root,
-            min_free_bytes=s.min_free_bytes,
-            min_free_fraction=s.min_free_fraction,
-        )
+        return open_block_store(self.settings, pool, self.namespace)
 
     def get_manager(self):
         if self._manager is None:

@@ -1,0 +1,365 @@
+"""pykvcache as a secondary tier of vLLM's tiering framework.
+
+``TieringOffloadingSpec`` keeps vLLM's CPU tier in front (GPU <-> CPU copies,
+its eviction policy) and hands each secondary tier whole chunks of that CPU
+tier: a store job copies chunks out of it, a promotion job fills allocated
+chunks of it. Select this tier in ``kv_connector_extra_config``::
+
+    "spec_name": "TieringOffloadingSpec",
+    "cpu_bytes_to_use": ...,
+    "secondary_tiers": [{"type": "PykvcacheTier", "module_path": "pykvcache.vllm.tier",
+                         "storage_dirs": [...], "capacity_bytes": "200GiB"}]
+
+What this tier brings over the ``fs`` tier: the engine's io_uring + O_DIRECT
+I/O, a capacity with eviction, checksummed chunks (a corrupt or vanished chunk
+fails only its own key of a promotion job, which the framework turns into a
+miss), an index rebuilt at start (restart persistence), the namespace
+fingerprint, and the break-even gate's per-request decision at the first
+lookup the CPU tier missed. What only the standalone spec has: lookahead
+preloading and lookup holds (the framework owns the waiting queue's view),
+``wipe_on_reset`` (the framework never resets secondary tiers) and store
+admission (the framework decides what cascades). Those keys are refused here
+with that reason (docs/vllm.md, "pykvcache inside vLLM's tiering").
+
+Every method runs in the scheduler process and returns without waiting: the
+engine's I/O is asynchronous; the chunk bytes move between the CPU tier and
+pykvcache's own staging slots by one memcpy per chunk (the engine reads and
+writes only its staging region, whose slots carry the chunk header the
+checksum is written into).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
+
+from pykvcache.gate import ChunkState
+from pykvcache.vllm.config import GIB, ConfigError, validate_extra_config
+from pykvcache.vllm.gate_plan import GateWiring, NoGating
+from pykvcache.vllm.host_config import find_vllm_config
+from pykvcache.vllm.logs import route_engine_logs
+from pykvcache.vllm.metrics import ManagerMetrics, metric_definitions
+from pykvcache.vllm.model_identity import model_identity
+from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace_for
+from pykvcache.vllm.spec import MAX_STAGING_SLOTS, build_gating, open_block_store
+
+logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
+route_engine_logs()
+
+#: Keys of the standalone spec that mean nothing here, and why.
+STANDALONE_ONLY = {
+    "lookahead_bytes": "lookahead preloading needs PyKvCacheConnector and pykvcache's own spec",
+    "lookahead_requests": "lookahead preloading needs PyKvCacheConnector and pykvcache's own spec",
+    "lookup_hold_bytes": "the tiering framework owns the CPU tier that lookups fill",
+    "wipe_on_reset": "vLLM's tiering framework never resets secondary tiers",
+    "store_min_tokens": "the tiering framework decides which chunks cascade to a tier",
+    "store_second_sighting": "the tiering framework decides which chunks cascade to a tier",
+    "offload_prompt_only": "set it at the top level of kv_connector_extra_config (vLLM reads it there)",
+    "block_size": "set it at the top level of kv_connector_extra_config (vLLM reads it there)",
+    "blocks_per_chunk": "set it at the top level of kv_connector_extra_config (vLLM reads it there)",
+    "max_inflight_writes": "staging_bytes bounds this tier's I/O in flight",
+    "preformat": "not supported in tier mode yet",
+    "preformat_max_s": "not supported in tier mode yet",
+}
+#: ``staging_bytes`` when not given: slots only bounce chunks between the CPU
+#: tier and the disk, so far fewer are needed than in the standalone spec.
+TIER_STAGING_BYTES = GIB // 4
+#: The fewest staging slots that keep a read and a write in flight together.
+MIN_TIER_SLOTS = 2
+#: Row-layout marker in the namespace: chunks are vLLM's CPU-tier chunk bytes,
+#: not pykvcache's per-rank rows, so the two modes never read each other's files.
+TIER_ROW_LAYOUT = "vllm-tiering-primary-chunk-v1"
+
+_PROBE_INTERVAL_S = 1.0
+_PROBE_MEMORY = 100_000
+
+
+def tier_settings(options: dict[str, Any]):
+    """The tier's keys validated as the spec's are, with the keys that only the
+    standalone spec has refused, all problems in one :class:`ConfigError`."""
+    refused = [f"{k!r}: {STANDALONE_ONLY[k]}" for k in sorted(options) if k in STANDALONE_ONLY]
+    if refused:
+        raise ConfigError("invalid pykvcache tier settings (secondary_tiers entry):\n  - "
+                          + "\n  - ".join(f"{r} (standalone NvmeOffloadingSpec only)" for r in refused))
+    values = dict(options)
+    values.setdefault("staging_bytes", TIER_STAGING_BYTES)
+    return validate_extra_config(values)
+
+
+@dataclass(eq=False)
+class _Job:
+    job: TransferJob
+    load: bool
+    todo: deque  # (key, chunk_id) not started yet
+    running: int = 0
+    ok: list = field(default_factory=list)
+    failed: int = 0
+    transfer_bytes: int = 0
+    started: float = field(default_factory=time.monotonic)
+    queued: bool = True  # still in the tier's job queue (finished by the queue)
+
+
+class PykvcacheTier(SecondaryTierManager):
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]):
+        options = {k: v for k, v in extra_config.items()
+                   if k not in ("type", "module_path", "backpressure", "locality")}
+        tier_settings(options)  # a bad entry fails where vLLM builds its loggers, once
+        return metric_definitions()
+
+    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector=None, locality=None, **options: Any) -> None:
+        super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
+                         tier_type=tier_type, backpressure_detector=backpressure_detector)
+        from pykvcache._core import FORMAT_VERSION, StagingPool, chunk_file_bytes
+
+        self.settings = tier_settings(options)
+        config = offloading_spec.config
+        # The CPU tier as chunk rows (its stride is one chunk of every rank).
+        self._primary = np.asarray(primary_kv_view).view(np.uint8)
+        if self._primary.ndim != 2:
+            self._primary = self._primary.reshape(self._primary.shape[0], -1)
+        self.chunk_bytes = int(self._primary.shape[1])
+        slot_footprint = chunk_file_bytes(self.chunk_bytes)
+        num_slots = min(self.settings.staging_bytes // slot_footprint, MAX_STAGING_SLOTS)
+        if num_slots < MIN_TIER_SLOTS:
+            raise ConfigError(
+                f"staging_bytes={self.settings.staging_bytes} holds {num_slots} chunk(s) of "
+                f"{self.chunk_bytes} bytes; give at least {MIN_TIER_SLOTS * slot_footprint}")
+        if self.settings.capacity_bytes < slot_footprint:
+            raise ConfigError(
+                f"capacity_bytes={self.settings.capacity_bytes} is smaller than one chunk file "
+                f"({slot_footprint} bytes); give many chunks' worth")
+        identity = model_identity(find_vllm_config(), config.model.name,
+                                  fingerprint_weights=self.settings.fingerprint_weights)
+        inputs = NamespaceInputs.from_offloading_config(
+            config, format_version=FORMAT_VERSION, model_id=self.settings.model_id,
+            salt=self.settings.namespace_salt, model_identity=identity_digest(identity))
+        # The chunk is the CPU tier's (one chunk of every rank): its size, not
+        # one worker's block, is what the bytes of a file depend on.
+        self.namespace = namespace_for(dataclasses.replace(
+            inputs, bytes_per_block=self.chunk_bytes, row_layout_version=TIER_ROW_LAYOUT))
+        self._pool = StagingPool(self.chunk_bytes, num_slots)
+        try:
+            for directory in self.settings.storage_dirs:
+                os.makedirs(directory, exist_ok=True)
+            self._store = open_block_store(self.settings, self._pool, self.namespace)
+        except Exception:
+            self._pool.close()
+            raise
+        tokens_per_block = offloading_spec.tokens_per_block[0] if offloading_spec.tokens_per_block else 1
+        self.chunk_tokens = offloading_spec.blocks_per_chunk * tokens_per_block
+        self.gating: GateWiring | NoGating = build_gating(
+            self.settings, model=config.model.name, dtype=str(config.model.dtype),
+            chunk_bytes=self.chunk_bytes, chunk_tokens=self.chunk_tokens)
+        self.metrics = ManagerMetrics()
+        self._jobs: deque[_Job] = deque()  # jobs with chunks not started, in order
+        self._ops: dict[int, tuple[Any, _Job, bytes, int]] = {}  # slot -> (handle, job, key, chunk)
+        self._finished: list[JobResult] = []
+        self._probed_absent: dict[bytes, float] = {}
+        self._closed = False
+        logger.info("pykvcache tier: namespace %s on %s: capacity_bytes %d, %d chunk(s) found; "
+                    "%d staging slots of %d bytes; backend %s, direct I/O %s",
+                    self.namespace, ", ".join(self.settings.storage_dirs), self._store.capacity_bytes,
+                    len(self._store), num_slots, self.chunk_bytes, self._store.backend,
+                    self._store.direct_io)
+
+    # -- lookups ---------------------------------------------------------------
+    def _on_disk(self, key: bytes) -> bool:
+        """In the index, or published since by another engine sharing the
+        directories (probed at most once a second per absent key)."""
+        if self._store.contains(key):
+            return True
+        now = time.monotonic()
+        if self._probed_absent.get(key, 0.0) > now:
+            return False
+        if self._store.probe(key):
+            self._probed_absent.pop(key, None)
+            self.metrics.inc("peer_chunks_found")
+            return True
+        if len(self._probed_absent) >= _PROBE_MEMORY:
+            self._probed_absent.clear()
+        self._probed_absent[key] = now + _PROBE_INTERVAL_S
+        return False
+
+    def _chunk_state(self, key: bytes) -> ChunkState:
+        # Chunks the CPU tier holds never reach this tier's lookup.
+        return ChunkState.DISK if self._on_disk(key) else ChunkState.MISSING
+
+    def _queued_bytes(self) -> int:
+        return (len(self._ops) + sum(len(j.todo) for j in self._jobs)) * self.chunk_bytes
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        if not self.gating.allows(key, req_context, self._chunk_state, self._queued_bytes()):
+            self.metrics.inc("gate_limited_lookups")
+            return LookupResult.MISS
+        return LookupResult.HIT if self._on_disk(key) else LookupResult.MISS
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.gating.drop(req_context.req_id)
+
+    # -- jobs --------------------------------------------------------------------
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        todo = deque((key, int(chunk)) for key, chunk in zip(job_metadata.keys, job_metadata.chunk_ids)
+                     if not self._store.contains(key))
+        self._jobs.append(_Job(job_metadata, load=False, todo=todo))
+        self._pump()
+
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        todo = deque((key, int(chunk)) for key, chunk in zip(job_metadata.keys, job_metadata.chunk_ids))
+        self._jobs.append(_Job(job_metadata, load=True, todo=todo))
+        self._pump()
+
+    def _pump(self) -> None:
+        """Collect finished I/O, then start queued chunks while slots are free (in order)."""
+        self._poll()
+        while self._jobs:
+            job = self._jobs[0]
+            while job.todo:
+                slot = self._pool.try_acquire()
+                if slot is None:
+                    return
+                key, chunk = job.todo.popleft()
+                self._start(job, key, chunk, slot)
+            self._jobs.popleft()
+            job.queued = False
+            self._maybe_finish(job)
+
+    def _start(self, job: _Job, key: bytes, chunk: int, slot: int) -> None:
+        try:
+            if job.load:
+                handle = self._store.get(key, slot)
+            else:
+                with self._pool.view(slot) as view:
+                    np.frombuffer(view, dtype=np.uint8)[:] = self._primary[chunk]
+                handle = self._store.put(key, slot, self.chunk_bytes)
+        except Exception as exc:  # noqa: BLE001 - refused submission: this chunk fails
+            logger.warning("pykvcache tier: %s of chunk %s not submitted: %s",
+                           "read" if job.load else "write", key.hex(), exc)
+            self.metrics.inc("read_errors" if job.load else "write_errors")
+            self._pool.release(slot)
+            job.failed += 1
+            return
+        job.running += 1
+        self._ops[slot] = (handle, job, key, chunk)
+
+    def _poll(self, wait: bool = False) -> None:
+        for slot, (handle, job, key, chunk) in list(self._ops.items()):
+            if not wait and not handle.done():
+                continue
+            result = handle.wait()
+            del self._ops[slot]
+            job.running -= 1
+            ok = result.status == "ok"
+            if job.load:
+                self.metrics.inc("gate_load_observations",
+                                 self.gating.read_finished(key, ok, result.latency_s or 0.0))
+                if ok:
+                    with self._pool.view(slot) as view:
+                        self._primary[chunk] = np.frombuffer(view, dtype=np.uint8)[: self.chunk_bytes]
+                    self.metrics.inc("disk_reads")
+                    self.metrics.inc("disk_read_bytes", result.length)
+                    self.metrics.observe("disk_read_latency_seconds", result.latency_s)
+                else:
+                    self.metrics.inc({"corrupt": "corrupt_chunks", "miss": "vanished_chunks"}.get(
+                        result.status, "read_errors"))
+                    if result.status != "miss":
+                        logger.warning("pykvcache tier: chunk %s unusable (%s: %s); a miss",
+                                       key.hex(), result.status, result.message)
+                    self._store.evict(key)
+            elif ok:
+                self.metrics.inc("disk_writes")
+                self.metrics.inc("disk_write_bytes", result.length)
+                self.metrics.observe("disk_write_latency_seconds", result.latency_s)
+            else:
+                self.metrics.inc("write_errors")
+                logger.warning("pykvcache tier: write of chunk %s failed (%s: %s)",
+                               key.hex(), result.status, result.message)
+            self._pool.release(slot)
+            if ok:
+                job.ok.append(key)
+                job.transfer_bytes += self.chunk_bytes
+            else:
+                job.failed += 1
+            if not job.queued:
+                self._maybe_finish(job)
+
+    def _maybe_finish(self, job: _Job) -> None:
+        if job.todo or job.running:
+            return
+        success = job.failed == 0
+        self._finished.append(JobResult(
+            job_id=job.job.job_id, success=success,
+            # A promotion that lost some chunks keeps the ones it read.
+            successful_keys=None if success or not job.load else list(job.ok),
+            transfer_time=time.monotonic() - job.started,
+            transfer_bytes=job.transfer_bytes))
+
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        self._pump()
+        done, self._finished = self._finished, []
+        return done
+
+    def has_pending_work(self) -> bool:
+        return bool(self._ops or self._jobs)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._pump()
+
+    def drain_jobs(self) -> None:
+        while self._ops or self._jobs:
+            self._pump()
+            self._poll(wait=True)
+        self._pump()
+
+    def get_stats(self):
+        self._pump()
+        for name, value in self.gating.take_counters().items():
+            self.metrics.inc(name, value)
+        for name, value in self.gating.gauges().items():
+            self.metrics.set_gauge(name, value)
+        self.metrics.set_gauge("staging_slots_used", len(self._ops))
+        self.metrics.set_gauge("staging_slots_total", self._pool.num_slots)
+        self.metrics.set_gauge("disk_used_bytes", self._store.used_bytes)
+        self.metrics.set_gauge("disk_chunks", len(self._store))
+        self.metrics.set_gauge("disk_capacity_bytes", self._store.capacity_bytes)
+        return self.metrics.take_stats()
+
+    def shutdown(self) -> None:
+        """Finish what was submitted (stores persist), then close the store."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.drain_jobs()
+        finally:
+            self._store.close()
+            self._pool.close()
+            self._primary = None  # lets the framework unmap its CPU tier
+
+    # For tests and tools: the engine's store behind this tier.
+    @property
+    def store(self):
+        return self._store

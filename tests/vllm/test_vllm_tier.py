@@ -1,0 +1,226 @@
+"""pykvcache as a secondary tier inside vLLM's own tiering framework, driven
+the way the scheduler drives it: vLLM's ``TieringOffloadingSpec`` builds its
+``TieringOffloadingManager`` with the CPU primary tier (a real shared region)
+and loads ``PykvcacheTier`` by module path from ``secondary_tiers``; the test
+plays the scheduler (lookup, prepare_store/complete_store, on_schedule_end,
+prepare_load) and the worker (bytes into and out of the CPU tier's chunks).
+No engine process, so it runs on the 0.32 CPU build and the 0.33 CUDA build.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import time
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+
+TIER = {"type": "PykvcacheTier", "module_path": "pykvcache.vllm.tier"}
+BYTES_PER_BLOCK = 16384  # 2 blocks per chunk: 32 KiB chunks
+CHUNK_TOKENS = 64  # 2 blocks of 32 tokens
+
+
+def _spec(tmp_path, engine_id="tier-test", num_chunks=16, **tier_keys):
+    from offloading_configs import tiny_offloading_config
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    tier = {**TIER, "storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "64MiB",
+            "fingerprint_weights": False, **tier_keys}
+    config = tiny_offloading_config({}, engine_id=engine_id, bytes_per_block=BYTES_PER_BLOCK)
+    extra = {"spec_name": "TieringOffloadingSpec", "blocks_per_chunk": 2,
+             "cpu_bytes_to_use": num_chunks * 2 * BYTES_PER_BLOCK, "secondary_tiers": [tier]}
+    import dataclasses
+
+    return TieringOffloadingSpec(dataclasses.replace(config, extra_config=extra))
+
+
+def _keys(tag: str, n: int) -> list[bytes]:
+    from vllm.v1.kv_offload.base import make_offload_key
+
+    return [make_offload_key(hashlib.sha256(f"{tag}{i}".encode()).digest(), 0) for i in range(n)]
+
+
+def _payload(key: bytes, size: int) -> np.ndarray:
+    return np.frombuffer(hashlib.shake_256(key).digest(size), dtype=np.uint8)
+
+
+class Scheduler:
+    """What vLLM's OffloadingConnectorScheduler does with a manager, step by step."""
+
+    def __init__(self, spec):
+        self.manager = spec.get_manager()
+        self.tier = self.manager.secondary_tiers[0]
+        self.primary = np.asarray(self.manager.primary_tier.get_kv_memoryview()).view(np.uint8)
+        self.n = 0
+
+    def ctx(self, keys=()):
+        from vllm.v1.kv_offload.base import ReqContext
+
+        self.n += 1
+        ctx = ReqContext(req_id=f"r{self.n}")
+        # As the connector's update_offload_keys records them before lookups:
+        # each chunk key with its end token (64-token chunks).
+        for i, key in enumerate(keys):
+            ctx._offload_key_positions[key] = (i + 1) * CHUNK_TOKENS
+        self.manager.on_new_request(ctx)
+        return ctx
+
+    def step(self, ctx_ids=()):
+        from vllm.v1.kv_offload.base import ScheduleEndContext
+
+        self.manager.on_schedule_end(ScheduleEndContext(new_req_ids=list(ctx_ids), preempted_req_ids=[]))
+
+    def store(self, keys):
+        ctx = self.ctx(keys)
+        out = self.manager.prepare_store(keys, ctx)
+        assert list(out.keys_to_store) == list(keys)
+        for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids):
+            self.primary[chunk] = _payload(key, self.primary.shape[1])  # the GPU -> CPU copy
+        self.manager.complete_store(out.keys_to_store, ctx)
+        self.settle()
+        self.manager.on_request_finished(ctx)
+        return ctx
+
+    def reset(self):
+        """The connector's reset_cache: vLLM 0.33 holds promotions back until
+        the workers confirm the reset (on_reset_flushed); 0.32 has no such call."""
+        self.manager.reset_cache()
+        if hasattr(self.manager, "on_reset_flushed"):
+            self.manager.on_reset_flushed()
+
+    def close(self):
+        self.primary = None  # the CPU tier's region cannot unmap while viewed
+        self.manager.shutdown()
+
+    def settle(self, timeout=20.0):
+        deadline = time.monotonic() + timeout
+        while self.manager.has_pending_work():
+            assert time.monotonic() < deadline, "tier jobs never finished"
+            self.step()
+            time.sleep(0.002)
+
+    def load(self, keys, timeout=20.0):
+        """Looks the prefix up until it is HIT (or ends), then loads it;
+        returns (hit keys, their bytes in the CPU tier)."""
+        from vllm.v1.kv_offload.base import LookupResult
+
+        ctx = self.ctx(keys)
+        deadline = time.monotonic() + timeout
+        while True:
+            results = []
+            for key in keys:
+                r = self.manager.lookup(key, ctx)
+                results.append(r)
+                if r is not LookupResult.HIT:
+                    break
+            if all(r is LookupResult.HIT for r in results) or results[-1] is LookupResult.MISS:
+                break
+            assert time.monotonic() < deadline, f"lookups never resolved: {results}"
+            self.step()
+            time.sleep(0.002)
+        hits = [k for k, r in zip(keys, results) if r is LookupResult.HIT]
+        data = []
+        if hits:
+            spec = self.manager.prepare_load(hits, ctx)
+            data = [self.primary[c].copy() for c in spec.chunk_ids]
+            self.manager.complete_load(hits, ctx)
+        self.manager.on_request_finished(ctx)
+        self.step([ctx.req_id])
+        return hits, data
+
+
+def test_tier_stores_and_promotes_through_vllms_tiering_manager(tmp_path):
+    from pykvcache.vllm.tier import PykvcacheTier
+
+    spec = _spec(tmp_path)
+    s = Scheduler(spec)
+    assert isinstance(s.tier, PykvcacheTier)
+    keys = _keys("a", 6)
+    s.store(keys)
+    assert len(s.tier.store) == 6  # cascaded to disk
+    s.reset()  # empties the CPU tier only
+    hits, data = s.load(keys)
+    assert hits == keys
+    for key, got in zip(keys, data):
+        assert np.array_equal(got, _payload(key, s.primary.shape[1]))
+    stats = s.tier.metrics.snapshot() if hasattr(s.tier.metrics, "snapshot") else s.tier.metrics.totals
+    assert stats["disk_reads"] == 6 and stats["disk_writes"] == 6
+    s.close()
+
+
+def test_tier_chunks_survive_a_restart(tmp_path):
+    keys = _keys("restart", 8)
+    first = Scheduler(_spec(tmp_path, engine_id="one"))
+    first.store(keys)
+    first.close()
+    second = Scheduler(_spec(tmp_path, engine_id="two"))
+    hits, data = second.load(keys)
+    assert hits == keys
+    assert all(np.array_equal(d, _payload(k, second.primary.shape[1])) for k, d in zip(keys, data))
+    second.close()
+
+
+def test_a_corrupt_chunk_fails_only_its_key_and_ends_the_prefix_there(tmp_path):
+    """The checksum catches a flipped byte: the promotion keeps the chunks
+    before it, the framework turns the bad one into a miss, no wrong bytes."""
+    keys = _keys("corrupt", 8)
+    first = Scheduler(_spec(tmp_path, engine_id="one"))
+    first.store(keys)
+    first.close()
+    files = sorted((tmp_path / "kv").rglob("*.kvc"))
+    assert len(files) == 8
+    second = Scheduler(_spec(tmp_path, engine_id="two"))
+    raw = bytearray(files[0].read_bytes())
+    raw[-1] ^= 0xFF  # a payload byte: only the checksum can tell
+    files[0].write_bytes(bytes(raw))
+    hits, data = second.load(keys)
+    assert hits == keys[: len(hits)] and len(hits) < 8
+    for key, got in zip(hits, data):
+        assert np.array_equal(got, _payload(key, second.primary.shape[1]))
+    assert second.tier.metrics.totals["corrupt_chunks"] == 1
+    second.close()
+
+
+def test_the_gate_limits_what_the_tier_promotes(tmp_path):
+    """With a cost model under which no load pays (gate_margin huge), the
+    tier answers MISS before reading anything and counts the decision."""
+    keys = _keys("gate", 8)
+    first = Scheduler(_spec(tmp_path, engine_id="one"))
+    first.store(keys)
+    first.close()
+    second = Scheduler(_spec(tmp_path, engine_id="two", gate_margin=1e9))
+    hits, _ = second.load(keys)
+    assert hits == []
+    assert second.tier.metrics.totals["gate_limited_lookups"] >= 1
+    assert second.tier.metrics.totals["disk_reads"] == 0
+    second.close()
+
+
+def test_standalone_only_keys_are_refused_with_the_reason(tmp_path):
+    from pykvcache.vllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"lookahead_bytes.*lookahead preloading.*standalone"):
+        _spec(tmp_path, lookahead_bytes="1GiB").get_manager()
+    with pytest.raises(ConfigError, match="unknown key"):
+        _spec(tmp_path, capacity="1GiB").get_manager()
+
+
+def test_the_tier_declares_its_metrics_to_vllm(tmp_path):
+    """vLLM asserts on emitting an undeclared metric: every name the tier
+    reports is in the spec's definitions (built from the tier entry)."""
+    from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
+
+    spec = _spec(tmp_path)
+    defs = TieringOffloadingSpec.build_metric_definitions(dict(spec.extra_config))
+    s = Scheduler(spec)
+    s.store(_keys("m", 2))
+    stats = s.tier.get_stats()
+    assert stats is not None
+    # reduce() reports a histogram as its _sum and _count
+    names = {n if n in defs else n.removesuffix("_sum").removesuffix("_count")
+             for n in stats.reduce()}
+    assert names and names <= set(defs), sorted(names - set(defs))
+    s.close()
