@@ -1,10 +1,12 @@
 # The two entry points: `make demo` and `make test`. Both set up .venv themselves.
 VENV := .venv
 PY := $(VENV)/bin/python
+# The CUDA build of vLLM 0.33 that GPU users install, beside the CPU build in .venv.
+VENV033 := .venv-vllm033
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_OMP_THREADS_BIND := nobind
 
-.PHONY: venv develop wheel test test-rust test-python demo bench clean
+.PHONY: venv venv-vllm033 develop wheel test test-rust test-python test-vllm033 demo bench clean
 
 venv:
 	bash tools/setup_venv.sh
@@ -16,7 +18,11 @@ develop: venv
 
 # One abi3 wheel (CPython >= 3.11, manylinux) in dist/.
 wheel: venv
+	rm -f dist/pykvcache-*.whl
 	$(VENV)/bin/maturin build --release --quiet --out dist
+
+venv-vllm033:
+	bash tools/setup_venv_vllm033.sh
 
 test-rust:
 	cargo test --release --locked
@@ -24,8 +30,22 @@ test-rust:
 test-python: develop
 	$(PY) -m pytest -q -ra
 
+# Against vLLM 0.33 (CUDA build, no GPU needed): pykvcache's wheel installed
+# into .venv-vllm033, every test that starts no engine process (spec, manager,
+# connector scheduler side, the tiering tier, config, metrics, lookahead, gate,
+# API conformance). Engine tests (marker `vllm`) need a GPU with this build.
+# PYKVCACHE_SKIP_VLLM033=1 skips it, saying so (CI never sets it).
+test-vllm033: wheel
+	@if [ "$${PYKVCACHE_SKIP_VLLM033:-0}" = 1 ]; then \
+	  echo "test-vllm033: SKIPPED (PYKVCACHE_SKIP_VLLM033=1): nothing ran against vLLM 0.33"; \
+	else \
+	  bash tools/setup_venv_vllm033.sh && \
+	  $(VENV033)/bin/python -m pip install --disable-pip-version-check -q --no-deps --force-reinstall dist/pykvcache-*.whl && \
+	  $(VENV033)/bin/python -m pytest -q -ra -m "not vllm" tests/vllm tests/gate; \
+	fi
+
 # Benchmarks are smoke-run once (tiny sizes, no timing) so they cannot rot.
-test: test-rust test-python
+test: test-rust test-python test-vllm033
 	if [ -d benches ]; then $(PY) -m pytest -q benches --benchmark-disable; fi
 
 demo: develop

@@ -74,17 +74,22 @@ def test_job_shapes_split_chunks_like_the_fs_tier_jobs():
 def test_fs_tier_and_pykvcache_move_identical_data(tmp_path):
     assert vllm_fs_tier_available() is None
     case = FsCase(chunk_bytes=1 * MiB, total_bytes=4 * MiB, shape="jobs_of_1", contention=False)
-    phases = run_fs_case(case, tmp_path, ["fs_tier", "pykvcache"], disk=_disk(tmp_path), cold=True, repeat=0)
+    phases = run_fs_case(case, tmp_path, ["fs_tier", "pykvcache", "pykvcache_tier"], disk=_disk(tmp_path),
+                         cold=True, repeat=0)
     assert [(p.system, p.direction) for p in phases] == [
         ("fs_tier", "write"),
         ("fs_tier", "read"),
         ("pykvcache", "write"),
         ("pykvcache", "read"),
+        ("pykvcache_tier", "write"),
+        ("pykvcache_tier", "read"),
     ]
     for p in phases:
         assert p.errors == 0 and p.bytes == 4 * MiB and p.params["jobs"] == 4
     assert phases[0].info["threads"] == 32
-    assert not (tmp_path / "vllm-fs-tier").exists() and not (tmp_path / "pykvcache").exists()
+    assert phases[4].info["backend"] in ("io_uring", "threads")
+    for name in ("vllm-fs-tier", "pykvcache", "pykvcache-tier"):
+        assert not (tmp_path / name).exists()
 
 
 @pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed")

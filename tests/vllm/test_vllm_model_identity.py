@@ -109,6 +109,9 @@ def engine_configs(tiny_model):
     """Real VllmConfig objects of the tiny model, as vLLM builds them from its flags."""
     if importlib.util.find_spec("vllm") is None:
         pytest.skip("vLLM is not installed")
+    from vllm_marks import skip_without_device_type
+
+    skip_without_device_type()
     from vllm.engine.arg_utils import EngineArgs
 
     model = tiny_model

@@ -11,6 +11,7 @@ Shapes: one job of all chunks (one request's load), jobs of 8, jobs of 1.
 
 from __future__ import annotations
 
+import abc
 import mmap
 import shutil
 import time
@@ -90,14 +91,13 @@ def _offloading_spec(chunk_bytes: int, num_chunks: int) -> Any:
     return TieringOffloadingSpec(config)
 
 
-class FsTierSystem:
-    """vLLM's FileSystemTierManager over a page-aligned primary region."""
+class TierSystem(abc.ABC):
+    """A secondary tier of vLLM's tiering framework over a page-aligned primary
+    region, driven with the framework's TransferJobs (as its manager drives it)."""
 
-    name = "fs_tier"
+    name = "tier"
 
-    def __init__(self, root: Path, chunk_bytes: int, num_chunks: int, read_threads: int = 16, write_threads: int = 16):
-        from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
-
+    def __init__(self, root: Path, chunk_bytes: int, num_chunks: int, **tier_kwargs: Any):
         self.root, self.chunk, self.n = root, chunk_bytes, num_chunks
         # Anonymous mmap: page-aligned, as O_DIRECT needs and vLLM's primary tier provides.
         self._map = mmap.mmap(-1, num_chunks * chunk_bytes)
@@ -106,18 +106,12 @@ class FsTierSystem:
         for i in range(num_chunks):
             self._flat[i * chunk_bytes : (i + 1) * chunk_bytes] = payload(i, chunk_bytes)
         root.mkdir(parents=True, exist_ok=True)
-        self.tier = FileSystemTierManager(
-            _offloading_spec(chunk_bytes, num_chunks),
-            self.view,
-            tier_type="fs",
-            root_dir=str(root),
-            n_read_threads=read_threads,
-            n_write_threads=write_threads,
-        )
+        self.tier = self._make_tier(_offloading_spec(chunk_bytes, num_chunks), **tier_kwargs)
         self._job_id = 0
 
-    def info(self) -> dict[str, Any]:
-        return vllm_adapter.fs_tier_info(self.tier)
+    @abc.abstractmethod
+    def _make_tier(self, spec: Any, **kwargs: Any) -> Any:
+        """The tier under test, over ``self.view``."""
 
     def chunk_view(self, i: int) -> memoryview:
         return self._flat[i * self.chunk : (i + 1) * self.chunk]
@@ -146,10 +140,48 @@ class FsTierSystem:
 
     def close(self) -> None:
         self.tier.shutdown()
+        self.tier = None  # it views the primary region
         self.view.release()
         self._flat.release()
         self._map.close()
 
+
+class FsTierSystem(TierSystem):
+    """vLLM's FileSystemTierManager."""
+
+    name = "fs_tier"
+
+    def _make_tier(self, spec: Any, read_threads: int = 16, write_threads: int = 16) -> Any:
+        from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+        return FileSystemTierManager(spec, self.view, tier_type="fs", root_dir=str(self.root),
+                                     n_read_threads=read_threads, n_write_threads=write_threads)
+
+    def info(self) -> dict[str, Any]:
+        return vllm_adapter.fs_tier_info(self.tier)
+
+
+class PykvcacheTierSystem(TierSystem):
+    """pykvcache's tier (``PykvcacheTier``) in the same framework: the same
+    primary region, jobs and drain as the fs tier; staging for every chunk of
+    the phase (up to 1 GiB) so that, like the fs tier's threads, all of a
+    phase's chunks can be in flight."""
+
+    name = "pykvcache_tier"
+
+    def _make_tier(self, spec: Any, **store_kwargs: Any) -> Any:
+        from pykvcache.vllm.tier import PykvcacheTier
+
+        keys = {k: store_kwargs[k] for k in ("backend", "direct_io", "queue_depth", "register_buffers")
+                if k in store_kwargs}
+        return PykvcacheTier(spec, self.view, "PykvcacheTier", storage_dirs=[str(self.root)],
+                             capacity_bytes=2 * self.n * (self.chunk + (1 << 20)),
+                             # a chunk file is the chunk plus a header of at most 1 MiB
+                             staging_bytes=max(2, min(self.n, (1 << 30) // self.chunk)) * (self.chunk + (1 << 20)),
+                             fingerprint_weights=False, gate=False, min_free_bytes=0, **keys)
+
+    def info(self) -> dict[str, Any]:
+        return store_info(self.tier.store)
 
 class PykvcacheSystem:
     """The pykvcache store with one staging slot per chunk (the fs tier's primary
@@ -274,6 +306,8 @@ def run_system_case(
 def make_system(name: str, root: Path, case: FsCase, store_kwargs: dict[str, Any] | None = None) -> Any:
     if name == "fs_tier":
         return FsTierSystem(root / "vllm-fs-tier", case.chunk_bytes, case.chunks)
+    if name == "pykvcache_tier":
+        return PykvcacheTierSystem(root / "pykvcache-tier", case.chunk_bytes, case.chunks, **(store_kwargs or {}))
     return PykvcacheSystem(root / "pykvcache", case.chunk_bytes, case.chunks, **(store_kwargs or {}))
 
 

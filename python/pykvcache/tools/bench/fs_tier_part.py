@@ -1,5 +1,7 @@
 """Part "fs_tier": pykvcache against vLLM's own filesystem tier, idle and under
-CPU contention, with identical data, chunk sizes and job shapes."""
+CPU contention, with identical data, chunk sizes and job shapes: pykvcache's
+store on its own, and pykvcache as a tier inside vLLM's tiering framework
+(``PykvcacheTier``, driven exactly like the ``fs`` tier), in one run."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from .parts import BenchContext, Figure, Part, PartOutput, Table, register_part
 from .results import PhaseResult, median_by, ratio
 from .storage_part import engine_unavailable
 
-SYSTEMS = ("fs_tier", "pykvcache")
+SYSTEMS = ("fs_tier", "pykvcache", "pykvcache_tier")
 OPS = (("write", "store"), ("read", "load"))
 
 
@@ -85,9 +87,42 @@ def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
             "contended = one busy-loop process per core during the phase.",
         )
     )  # fmt: skip
+    tier_rows, tier_pairs = [], []
+    for contended in cfg.fs_contention:
+        for direction, op in OPS:
+            for chunk in cfg.fs_chunk_sizes:
+                for shape in cfg.fs_shapes:
+                    fs = med.get(("fs_tier", direction, chunk, shape, contended))
+                    pt = med.get(("pykvcache_tier", direction, chunk, shape, contended))
+                    if fs is None or pt is None:
+                        continue
+                    r = ratio(pt["gbps"], fs["gbps"])
+                    cr = ratio(pt["cpu_s_per_gb"], fs["cpu_s_per_gb"])
+                    tier_pairs.append({"contended": contended, "direction": direction, "chunk_bytes": chunk,
+                                       "shape": shape, "fs_gbps": fs["gbps"], "tier_gbps": pt["gbps"],
+                                       "ratio": r, "cpu_ratio": cr})
+                    tier_rows.append([_cond(contended), op, f"{chunk // MiB}", shape, f"{fs['gbps']:.2f}",
+                                      f"{pt['gbps']:.2f}", _f(r), _f(pt["cpu_s_per_gb"], 4), _f(cr)])
+    if tier_rows:
+        out.tables.append(
+            Table(
+                title="Inside vLLM's tiering framework: pykvcache's tier vs the fs tier (medians over repeats)",
+                header=["machine", "op", "chunk MiB", "job shape", "fs tier GB/s", "pykvcache tier GB/s",
+                        "x fs tier", "pykvcache tier CPU-s/GB", "CPU x fs tier"],
+                rows=tier_rows,
+                note="Both tiers get the same primary (CPU tier) region, TransferJobs and drain_jobs(); "
+                "pykvcache's tier copies each chunk between that region and its staging slots (one memcpy).",
+            )
+        )
     _targets(out, pairs, med, cfg)
+    idle_tier = [p for p in tier_pairs if not p["contended"] and p["ratio"] is not None]
+    if idle_tier:
+        w = min(idle_tier, key=lambda p: p["ratio"])
+        out.targets["pykvcache tier >= 1.0x fs tier in the same framework (idle)"] = (
+            w["ratio"] >= 1.0, f"worst {w['ratio']:.2f}x ({dict(OPS)[w['direction']]}, "
+            f"{w['chunk_bytes'] // MiB} MiB, {w['shape']})")
     out.figures += _figures(med, cfg)
-    out.raw = {"pairs": pairs}
+    out.raw = {"pairs": pairs, "tier_pairs": tier_pairs}
     return out
 
 
