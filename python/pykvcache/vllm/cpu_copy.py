@@ -27,19 +27,27 @@ class CpuCopier:
             raise ValueError("staging slots are not evenly spaced; cannot build views")
         row = base + layout.row_offset(rank)
         bpc = layout.blocks_per_chunk
-        # Per group and ref: (KV pages view, staging (slot, sub-block, page) view).
+        # Per group, per ref and run: (KV view (block, fragment, byte), staging
+        # view (slot, sub-block, fragment, byte)). One run of one fragment per
+        # page in the per-rank layout; vLLM's canonical runs in the shared row.
         self._views = []
         self._tails = []
         for g, placements in enumerate(slot_map.groups):
             views = []
             for ref in placements:
-                kv = kv_tensors[ref.tensor_idx][:, : ref.page_bytes]
-                stage = staging.as_strided(
-                    (pool.num_slots, bpc, ref.page_bytes),
-                    (stride, ref.page_bytes, 1),
-                    row + ref.row_offset,
-                )
-                views.append((kv, stage))
+                kv_t = kv_tensors[ref.tensor_idx]
+                for run in ref.runs:
+                    kv = kv_t.as_strided(
+                        (kv_t.shape[0], run.num_fragments, run.fragment_size),
+                        (kv_t.stride(0), run.local_stride, 1),
+                        kv_t.storage_offset() + run.local_offset,
+                    )
+                    stage = staging.as_strided(
+                        (pool.num_slots, bpc, run.num_fragments, run.fragment_size),
+                        (stride, ref.sub_stride, run.row_stride, 1),
+                        row + ref.row_offset + run.row_offset,
+                    )
+                    views.append((kv, stage))
             self._views.append(views)
             # Bytes of the row this group leaves unused: zeroed on store so a
             # chunk file never carries stale bytes of another chunk.
@@ -61,7 +69,7 @@ class CpuCopier:
         for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
             for kv, stage in self._views[part.group]:
                 kv[blocks] = stage[slot_idx, sub_idx]
-                copied += len(part.block_ids) * kv.shape[1]
+                copied += len(part.block_ids) * kv.shape[1] * kv.shape[2]
         return copied
 
     def store(self, gpu_spec, slots) -> int:
@@ -69,7 +77,7 @@ class CpuCopier:
         for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
             for kv, stage in self._views[part.group]:
                 stage[slot_idx, sub_idx] = kv[blocks]
-                copied += len(part.block_ids) * kv.shape[1]
+                copied += len(part.block_ids) * kv.shape[1] * kv.shape[2]
             tail = self._tails[part.group]
             if tail is not None:
                 tail[torch.unique(slot_idx)] = 0

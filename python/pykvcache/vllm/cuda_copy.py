@@ -65,6 +65,13 @@ class _Pending:
 class CudaCopier:
     def __init__(self, kv_tensors: list[torch.Tensor], slot_map: SlotMap, pool, rank: int) -> None:
         layout = slot_map.layout
+        if not slot_map.single_run_pages:
+            # One copy per page is what the batched copy issues; pages split
+            # into many fragments (canonical NHD layouts) would need one per fragment.
+            raise RuntimeError(
+                "canonical_layout: this KV cache layout's canonical pages interleave the ranks "
+                "token by token; pykvcache's CUDA copies support head-major layouts (HND) only. "
+                "Remove canonical_layout from kv_connector_extra_config")
         self._map = slot_map
         self._kv = kv_tensors
         self._device = kv_tensors[0].device
@@ -96,9 +103,11 @@ class CudaCopier:
             ).astype(np.int64)
             for ref in self._map.groups[part.group]:
                 kv = self._kv[ref.tensor_idx]
-                stage_ptrs.append(slot_base + ref.row_offset + part.sub_blocks * ref.page_bytes)
-                kv_ptrs.append(kv.data_ptr() + part.block_ids * kv.stride(0))
-                sizes.append(np.full(len(part.block_ids), ref.page_bytes, dtype=np.int64))
+                run = ref.runs[0]  # one contiguous piece per page (checked at start)
+                stage_ptrs.append(slot_base + ref.row_offset + run.row_offset
+                                  + part.sub_blocks * ref.sub_stride)
+                kv_ptrs.append(kv.data_ptr() + run.local_offset + part.block_ids * kv.stride(0))
+                sizes.append(np.full(len(part.block_ids), run.fragment_size, dtype=np.int64))
         if not sizes:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
@@ -135,11 +144,12 @@ class CudaCopier:
         for part in self._map.transfers(gpu_spec, slots):
             for ref in self._map.groups[part.group]:
                 kv = self._kv[ref.tensor_idx]
+                run = ref.runs[0]
                 for block, slot, sub in zip(part.block_ids, part.slots, part.sub_blocks):
                     off = (self._payload0 + int(slot) * self._slot_stride + self._row
-                           + ref.row_offset + int(sub) * ref.page_bytes)
-                    stage = self._staging[off : off + ref.page_bytes]
-                    page = kv[int(block), : ref.page_bytes]
+                           + ref.row_offset + run.row_offset + int(sub) * ref.sub_stride)
+                    stage = self._staging[off : off + run.fragment_size]
+                    page = kv[int(block), run.local_offset : run.local_offset + run.fragment_size]
                     if to_gpu:
                         page.copy_(stage, non_blocking=True)
                     else:

@@ -10,6 +10,14 @@ where a *ref* is one layer's (or one shared tensor's) page of a group, B is
 Each rank writes only its own row, so TP ranks never touch each other's bytes,
 and one file per chunk serves every rank. Rows are page-aligned so that CUDA
 copies and O_DIRECT never straddle a row boundary unaligned.
+
+With a parallelism-agnostic layout (``canonical_layout`` where vLLM certifies
+it, :mod:`pykvcache.vllm.spec`) there is one row that every rank shares: each
+sub-block is one block's *canonical* page (vLLM's ``CanonicalPageMapping``:
+the page the whole model would have at TP=1) and each rank writes and reads
+its runs of it, so the bytes do not depend on the parallelism::
+
+    row = | ref 0: canonical page of sub-block 0 .. B-1 | ref 1: ... | zero pad |
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ class ChunkLayout:
     #: (vLLM's ``worker_kv_bytes_per_block``): an upper bound for any group.
     bytes_per_block: int
     world_size: int
+    #: Every rank writes its runs of one shared canonical row (``world_size`` is 1).
+    ranks_share_row: bool = False
 
     def __post_init__(self) -> None:
         if self.bytes_per_block <= 0:
@@ -56,6 +66,8 @@ class ChunkLayout:
         return self.row_stride * self.world_size
 
     def row_offset(self, rank: int) -> int:
+        if self.ranks_share_row and rank >= 0:
+            return 0
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} outside world size {self.world_size}")
         return rank * self.row_stride

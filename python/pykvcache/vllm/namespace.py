@@ -13,6 +13,7 @@ and in every chunk header, and refuses a chunk whose header disagrees.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import re
@@ -24,6 +25,9 @@ from typing import Any
 ROW_LAYOUT_VERSION = 1
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+#: Row layout of the parallelism-agnostic (canonical, shared-row) chunks.
+CANONICAL_ROW_LAYOUT = "canonical-shared-row-v1"
 
 
 @dataclass(frozen=True)
@@ -50,6 +54,12 @@ class NamespaceInputs:
     salt: str = ""
     #: sha256 of :func:`pykvcache.vllm.model_identity.model_identity` ("" = not computed).
     model_identity: str = ""
+
+    def parallelism_agnostic(self, canonical_bytes_per_block: int) -> NamespaceInputs:
+        """The same inputs with the parallel sizes left out (chunks in the
+        canonical layout are identical at any TP size) and the canonical block
+        size in: engines at TP=1 and TP=2 share this namespace."""
+        return _parallelism_agnostic(self, canonical_bytes_per_block)
 
     @classmethod
     def from_offloading_config(
@@ -81,6 +91,12 @@ class NamespaceInputs:
             salt=salt,
             model_identity=model_identity,
         )
+
+
+def _parallelism_agnostic(inputs: NamespaceInputs, canonical_bytes_per_block: int) -> NamespaceInputs:
+    return dataclasses.replace(inputs, world_size=0, tp_size=0, pp_size=0, pcp_size=0, dcp_size=0,
+                               bytes_per_block=canonical_bytes_per_block,
+                               row_layout_version=CANONICAL_ROW_LAYOUT)
 
 
 def model_label(model: str) -> str:

@@ -19,12 +19,35 @@ from pykvcache.vllm.layout import ChunkLayout
 
 
 @dataclass(frozen=True)
+class Run:
+    """``num_fragments`` pieces of ``fragment_size`` bytes: at ``local_offset +
+    i * local_stride`` in the worker's page and ``row_offset + i * row_stride``
+    inside the sub-block (vLLM's ``CopyRun``; one piece for a whole page)."""
+
+    local_offset: int
+    row_offset: int
+    fragment_size: int
+    num_fragments: int
+    local_stride: int
+    row_stride: int
+
+
+@dataclass(frozen=True)
 class RefPlacement:
     """One ref (layer or shared tensor) of a group inside a rank's row."""
 
     tensor_idx: int
-    page_bytes: int  # bytes copied per GPU block (un-padded page)
-    row_offset: int  # where its ``blocks_per_chunk`` pages start in the row
+    page_bytes: int  # bytes of this worker's page per GPU block (un-padded)
+    row_offset: int  # where its ``blocks_per_chunk`` sub-blocks start in the row
+    sub_stride: int = 0  # bytes from one sub-block to the next (0: page_bytes)
+    runs: tuple[Run, ...] = ()  # where this worker's bytes go in a sub-block (): the whole page at 0
+
+    def __post_init__(self) -> None:
+        if not self.sub_stride:
+            object.__setattr__(self, "sub_stride", self.page_bytes)
+        if not self.runs:
+            page = self.page_bytes
+            object.__setattr__(self, "runs", (Run(0, 0, page, 1, page, page),))
 
 
 @dataclass(frozen=True)
@@ -45,8 +68,12 @@ class SlotMap:
             offset = 0
             placements = []
             for ref in refs:
-                placements.append(RefPlacement(ref.tensor_idx, ref.page_size_bytes, offset))
-                offset += ref.page_size_bytes * bpc
+                if layout.ranks_share_row:
+                    placement = _canonical_placement(g, ref, offset)
+                else:
+                    placement = RefPlacement(ref.tensor_idx, ref.page_size_bytes, offset)
+                placements.append(placement)
+                offset += placement.sub_stride * bpc
             if offset > layout.row_bytes:
                 raise ValueError(
                     f"KV cache group {g} needs {offset} bytes per chunk and rank, more than "
@@ -55,6 +82,12 @@ class SlotMap:
                 )
             self.groups.append(placements)
             self.group_row_bytes.append(offset)
+
+    @property
+    def single_run_pages(self) -> bool:
+        """Each worker page lands in one contiguous piece (what the CUDA path copies)."""
+        return all(len(p.runs) == 1 and p.runs[0].num_fragments == 1
+                   for placements in self.groups for p in placements)
 
     def transfers(self, gpu_spec, slots: np.ndarray) -> Iterator[GroupTransfer]:
         """Split one transfer into per-group page lists (null blocks dropped)."""
@@ -89,3 +122,25 @@ class SlotMap:
                 f"transfer spec mismatch: {len(block_ids)} blocks / {len(slots)} slots, "
                 f"group sizes cover {block_pos} / {slot_pos}"
             )
+
+
+def _canonical_placement(group: int, ref, offset: int) -> RefPlacement:
+    """A ref's place in the shared canonical row, from vLLM's certified mapping;
+    refuses (fails closed, as vLLM's own tiering spec does) a ref vLLM could not
+    certify as parallelism-agnostic: its bytes would depend on the topology."""
+    mapping = getattr(ref, "mapping", None)
+    if mapping is None or not mapping.parallelism_agnostic:
+        raise RuntimeError(
+            f"canonical_layout: vLLM could not certify KV cache group {group} (tensor "
+            f"{ref.tensor_idx}) as parallelism-agnostic "
+            f"({'no canonical mapping' if mapping is None else 'opaque per-rank mapping'}); "
+            "remove canonical_layout from kv_connector_extra_config"
+        )
+    if mapping.local_page_size_bytes != ref.page_size_bytes:
+        raise RuntimeError(
+            f"canonical_layout: mapping of {mapping.local_page_size_bytes} bytes for a "
+            f"{ref.page_size_bytes}-byte page (KV cache group {group})")
+    runs = tuple(Run(r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments,
+                     r.local_stride, r.canonical_stride) for r in mapping.runs)
+    return RefPlacement(ref.tensor_idx, ref.page_size_bytes, offset,
+                        sub_stride=mapping.canonical_page_size_bytes, runs=runs)

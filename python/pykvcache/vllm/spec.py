@@ -99,6 +99,36 @@ def open_block_store(settings: PykvcacheConfig, pool, namespace: str):
     )
 
 
+def parallelism_agnostic(config, vllm_config) -> bool:
+    """Whether chunks can be shared across tensor-parallel sizes: asked for
+    (``canonical_layout``) and certified by vLLM (``is_parallelism_agnostic``:
+    one full-attention group, KV heads sharded exactly over TP, no context
+    parallelism, no per-token quantisation scales), with the head count known.
+    Otherwise the per-rank layout and its strict fingerprint stay."""
+    if not getattr(config, "canonical_layout", False):
+        return False
+    par = config.parallel
+    why = None
+    if not par.is_parallelism_agnostic:
+        why = "vLLM does not certify this KV cache as parallelism-agnostic"
+    elif par.world_size != par.tp_size or par.pcp_size != 1 or par.dcp_size != 1:
+        why = "only tensor parallelism can change (world size = TP size, no context parallelism)"
+    elif vllm_config is None:
+        why = "the engine's VllmConfig (KV head count) was not found"
+    if why is not None:
+        logger.info("pykvcache: canonical_layout requested but %s: chunks keep the per-rank layout "
+                    "and a namespace per parallel configuration", why)
+        return False
+    return True
+
+
+def canonical_head_shards(config, vllm_config) -> int:
+    """How many distinct KV head shards the ranks hold: vLLM's canonical page is
+    that many local pages (TP ranks beyond the head count replicate heads)."""
+    total = vllm_config.model_config.get_total_num_kv_heads()
+    return min(config.parallel.tp_size, total)
+
+
 class NvmeOffloadingSpec(OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]):
@@ -113,15 +143,27 @@ class NvmeOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         self.settings: PykvcacheConfig = validate_extra_config(self.extra_config)
         self.offload_prompt_only = self.settings.offload_prompt_only
-        self.layout = ChunkLayout(
-            blocks_per_chunk=self.blocks_per_chunk,
-            bytes_per_block=config.worker_kv_bytes_per_block,
-            world_size=config.parallel.world_size,
-        )
-        from pykvcache._core import chunk_file_bytes
-
         # Found now, while vLLM is constructing the spec; read in get_manager.
         self._vllm_config = find_vllm_config()
+        self.parallelism_agnostic = parallelism_agnostic(config, self._vllm_config)
+        if self.parallelism_agnostic:
+            # One canonical row that every rank shares: the chunk's bytes are
+            # the same at any TP size, so the namespace leaves the sizes out.
+            self.layout = ChunkLayout(
+                blocks_per_chunk=self.blocks_per_chunk,
+                bytes_per_block=config.worker_kv_bytes_per_block
+                * canonical_head_shards(config, self._vllm_config),
+                world_size=1,
+                ranks_share_row=True,
+            )
+        else:
+            self.layout = ChunkLayout(
+                blocks_per_chunk=self.blocks_per_chunk,
+                bytes_per_block=config.worker_kv_bytes_per_block,
+                world_size=config.parallel.world_size,
+            )
+        from pykvcache._core import chunk_file_bytes
+
         self._namespace: str | None = None
         # The staging region belongs to this engine only: its name needs the
         # engine id, not the model's identity (which workers never compute).
@@ -159,15 +201,16 @@ class NvmeOffloadingSpec(OffloadingSpec):
     def _namespace_for(self, model_identity: str) -> str:
         from pykvcache._core import FORMAT_VERSION
 
-        return namespace_for(
-            NamespaceInputs.from_offloading_config(
-                self.config,
-                format_version=FORMAT_VERSION,
-                model_id=self.settings.model_id,
-                salt=self.settings.namespace_salt,
-                model_identity=model_identity,
-            )
+        inputs = NamespaceInputs.from_offloading_config(
+            self.config,
+            format_version=FORMAT_VERSION,
+            model_id=self.settings.model_id,
+            salt=self.settings.namespace_salt,
+            model_identity=model_identity,
         )
+        if self.parallelism_agnostic:
+            inputs = inputs.parallelism_agnostic(self.layout.bytes_per_block)
+        return namespace_for(inputs)
 
     @property
     def namespace(self) -> str:
