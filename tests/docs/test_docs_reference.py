@@ -438,3 +438,10 @@ def test_every_repository_path_named_exists(doc):
     missing = sorted({span for span in _code_spans(_strip_fences(doc.read_text()))
                       if REPO_PATH.fullmatch(span) and not (ROOT / span).exists()})
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+def test_the_readme_key_list_is_the_vllm_key_table():
+    """README's short list (key, default) is docs/vllm.md's checked table, row for row."""
+    full = [(r["Key"], r["Default"]) for r in tables(VLLM_DOC, ["Key", "Default", "Meaning"])]
+    short = [(r["Key"], r["Default"]) for r in tables(README, ["Key", "Default"])]
+    assert short == full, "README's key list differs from docs/vllm.md's key table"
