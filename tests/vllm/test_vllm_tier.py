@@ -224,3 +224,11 @@ def test_the_tier_declares_its_metrics_to_vllm(tmp_path):
              for n in stats.reduce()}
     assert names and names <= set(defs), sorted(names - set(defs))
     s.close()
+
+
+def test_every_refused_key_is_a_key_of_the_standalone_spec():
+    """The refusal list names real keys (docs/vllm.md's mode table is about them)."""
+    from pykvcache.vllm.config import PykvcacheConfig
+    from pykvcache.vllm.tier import STANDALONE_ONLY
+
+    assert set(STANDALONE_ONLY) <= PykvcacheConfig.keys()
