@@ -11,7 +11,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 VENV=.venv-vllm033
 REQ=tools/requirements-vllm033.txt
-key=$(cat "$REQ" "$0" | sha256sum | cut -c1-16)
+CONSTRAINTS=tools/constraints-vllm033.txt
+key=$(cat "$REQ" "$CONSTRAINTS" "$0" | sha256sum | cut -c1-16)
 stamp="$VENV/.pykvcache-env-$key"
 if [ -f "$stamp" ] && "$VENV/bin/python" -c "import vllm, pytest" 2>/dev/null; then
   echo "setup_venv_vllm033: up to date ($stamp)"
@@ -21,6 +22,6 @@ echo "setup_venv_vllm033: installing vllm==0.33.0 (CUDA build) into $VENV (about
 rm -rf "$VENV"
 start=$(date +%s)
 "$PY" -m venv "$VENV"
-"$VENV/bin/python" -m pip --disable-pip-version-check -q install -r "$REQ"
+"$VENV/bin/python" -m pip --disable-pip-version-check -q install -r "$REQ" -c "$CONSTRAINTS"
 touch "$stamp"
 echo "setup_venv_vllm033: installed in $(( $(date +%s) - start )) s, $(du -sh "$VENV" | cut -f1)"
