@@ -422,6 +422,12 @@ class NvmeOffloadingManager(OffloadingManager):
         self.metrics.set_gauge("disk_filler_chunks", stats["filler_chunks"])
         self.metrics.set_gauge("disk_recycled_files", stats["recycled_files"])
         self.metrics.set_gauge("disk_capacity_bytes", self.store.capacity_bytes)
+        for gauge, key in (("disk_io_timeouts", "io_timeouts"), ("disk_breaker_opens", "breaker_opens"),
+                           ("disk_breaker_skipped_gets", "breaker_skipped_gets"),
+                           ("disk_breaker_skipped_puts", "breaker_skipped_puts"),
+                           ("disk_breaker_open_dirs", "breaker_open_dirs"), ("disk_stuck_ops", "stuck_ops"),
+                           ("disk_quarantined_slots", "quarantined_slots")):
+            self.metrics.set_gauge(gauge, stats[key])
         return self.metrics.take_stats()
 
     def start_background_preformat(self) -> None:
@@ -503,11 +509,17 @@ class NvmeOffloadingManager(OffloadingManager):
         counter = {"corrupt": "corrupt_chunks", "miss": "vanished_chunks"}.get(
             result.status, "read_errors"
         )
+        if result.status == "miss" and result.errno is not None:
+            counter = "unavailable_reads"
         self.metrics.inc(counter)
         if result.status != "miss":
             logger.warning("pykvcache: chunk %s unusable (%s: %s); treated as a miss",
                            key.hex(), result.status, result.message)
         self.cache.remove(key)
+        if result.status == "miss" and result.errno is not None:
+            # The directory timed out, failed or is behind an open circuit
+            # breaker: the chunk may well be there; nothing to drop.
+            return
         # The store drops corrupt files itself; make sure the index agrees so
         # the next lookup is a plain MISS instead of another failing read.
         try:

@@ -174,6 +174,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
             allow_insecure_root=s.allow_insecure_root,
             min_free_bytes=s.min_free_bytes,
             min_free_fraction=s.min_free_fraction,
+            io_deadline=s.io_deadline_s,
         )
 
     def get_manager(self):

@@ -64,6 +64,9 @@ pub trait Backend: Send + Sync {
     fn submit(&self, segs: &[Segment]);
     /// Completes everything already submitted, then stops the worker thread(s).
     fn shutdown(&self);
+    /// Like `shutdown`, without waiting: transfers stuck in the kernel keep
+    /// their thread(s), which end by themselves once those transfers do.
+    fn detach(&self);
     fn kind(&self) -> BackendKind;
     fn fixed_buffers(&self) -> bool;
     /// CPU time (user+sys) spent by the backend's own threads so far.

@@ -130,6 +130,12 @@ impl Backend for ThreadBackend {
         }
     }
 
+    fn detach(&self) {
+        self.shared.queue.lock().unwrap().stop = true;
+        self.shared.ready.notify_all();
+        self.workers.lock().unwrap().clear();
+    }
+
     fn kind(&self) -> BackendKind {
         BackendKind::Threads
     }

@@ -339,6 +339,14 @@ impl Backend for UringBackend {
         }
     }
 
+    fn detach(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.wake();
+        // The thread keeps the ring, its wake-up eventfd and (through the
+        // sink) the staging mapping until the kernel ends what it holds.
+        drop(lock(&self.thread).take());
+    }
+
     fn kind(&self) -> BackendKind {
         BackendKind::IoUring
     }
@@ -355,6 +363,12 @@ impl Backend for UringBackend {
 impl Drop for UringBackend {
     fn drop(&mut self) {
         self.shutdown();
-        unsafe { libc::close(self.shared.wake_fd) };
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Here, not in the backend's drop: a detached ring thread still arms reads of it.
+        unsafe { libc::close(self.wake_fd) };
     }
 }
