@@ -206,6 +206,10 @@ class StagingPool:
         """Created here with ``memfd=True``."""
     @property
     def free_slots(self) -> int: ...
+    @property
+    def deferred_releases(self) -> int:
+        """Slots released while their I/O was abandoned past its deadline: free
+        once the kernel ends that I/O (never reused before)."""
     def payload_offset(self, slot: int) -> int:
         """Offset of ``slot``'s payload from ``base_address``."""
     def acquire(self, timeout: float | None = 0.0) -> int:

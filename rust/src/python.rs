@@ -208,6 +208,10 @@ impl PyStagingPool {
     fn is_memfd(&self) -> bool { self.inner.is_memfd() }
     #[getter]
     fn free_slots(&self) -> usize { self.inner.free_slots() }
+    /// Slots released while quarantined (abandoned I/O may still touch them):
+    /// free once that I/O ends.
+    #[getter]
+    fn deferred_releases(&self) -> usize { self.inner.deferred_releases() }
 
     fn payload_offset(&self, slot: usize) -> PyResult<usize> {
         self.inner.payload_offset(slot).map_err(to_py)

@@ -386,6 +386,12 @@ impl StagingPool {
         self.state.lock().unwrap().quarantined.iter().filter(|&&q| q).count()
     }
 
+    /// Slots their owner released while quarantined: neither the owner's nor
+    /// free until their abandoned I/O ends.
+    pub fn deferred_releases(&self) -> usize {
+        self.state.lock().unwrap().release_pending.iter().filter(|&&p| p).count()
+    }
+
     /// Quarantined slots whose I/O has since ended (and that were freed or
     /// given back to their owner).
     pub fn quarantine_releases(&self) -> u64 {
@@ -718,10 +724,11 @@ mod tests {
         pool.quarantine(s);
         assert_eq!(pool.quarantined_slots(), 1);
         pool.release(s).unwrap(); // the owner gives it up: accepted, deferred
+        assert_eq!(pool.deferred_releases(), 1);
         assert!(pool.acquire(Some(Duration::from_millis(20))).is_err(), "never handed out while the kernel may use it");
         assert!(pool.pin_io(s).is_err(), "no second I/O on it either");
         pool.unpin_io(s); // the abandoned I/O really ended
-        assert_eq!((pool.quarantined_slots(), pool.quarantine_releases()), (0, 1));
+        assert_eq!((pool.quarantined_slots(), pool.quarantine_releases(), pool.deferred_releases()), (0, 1, 0));
         assert_eq!(pool.acquire(Some(Duration::ZERO)).unwrap(), s);
         // A quarantine that comes after the I/O ended changes nothing.
         pool.quarantine(s);

@@ -122,6 +122,9 @@ class NvmeOffloadingManager(OffloadingManager):
         self._lookup_hold_slots = lookup_hold_slots
         self._waited: set[str] = set()  # requests that met HIT_PENDING
         self._probed_absent: dict[bytes, float] = {}  # key -> next probe time
+        # Keys whose last read found their directory unavailable (timed out,
+        # failing, breaker open): treated as not on disk until the time given.
+        self._unavailable: dict[bytes, float] = {}
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
 
@@ -139,9 +142,13 @@ class NvmeOffloadingManager(OffloadingManager):
         """In the index, or published since by another engine sharing the
         directories. A key the disk did not have is probed again only after
         ``_PROBE_INTERVAL_S``: a waiting request is looked up every step."""
+        now = time.monotonic()
+        if self._unavailable:
+            if self._unavailable.get(key, 0.0) > now:
+                return False
+            self._unavailable.pop(key, None)
         if self.store.contains(key):
             return True
-        now = time.monotonic()
         if self._probed_absent.get(key, 0.0) > now:
             return False
         if self.store.probe(key):
@@ -518,7 +525,12 @@ class NvmeOffloadingManager(OffloadingManager):
         self.cache.remove(key)
         if result.status == "miss" and result.errno is not None:
             # The directory timed out, failed or is behind an open circuit
-            # breaker: the chunk may well be there; nothing to drop.
+            # breaker: the chunk may well be there, nothing to drop; but the
+            # next lookup must not read it again at once (it would wait for
+            # the same stalled directory, or fail the same way, every step).
+            if len(self._unavailable) >= _PROBE_MEMORY:
+                self._unavailable.clear()
+            self._unavailable[key] = time.monotonic() + _PROBE_INTERVAL_S
             return
         # The store drops corrupt files itself; make sure the index agrees so
         # the next lookup is a plain MISS instead of another failing read.

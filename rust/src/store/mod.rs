@@ -415,8 +415,11 @@ impl BlockStore {
         self.core.ops.release(id)
     }
 
+    /// Indexed, and its directory available: while a directory's circuit
+    /// breaker is open its chunks stay indexed but read as absent.
     pub fn contains(&self, key: &[u8]) -> bool {
-        self.core.index.lock().unwrap().contains(format::key_hash(key))
+        let hash = format::key_hash(key);
+        self.core.index.lock().unwrap().contains(hash) && self.core.health.refusal(self.core.layout.root_of(hash)).is_none()
     }
 
     /// Index lookup, then the directory: finds chunks that another process
