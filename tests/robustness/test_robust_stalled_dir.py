@@ -202,3 +202,25 @@ def test_filesystem_quirks_are_probed_not_assumed(tmp_path):
     got = kv.probe_storage_dir(local)
     if got["o_direct"]:
         assert got["unaligned_o_direct_accepted"] is False, got
+
+
+DEADLINE_SLOW = 0.2
+
+
+def test_a_slow_but_moving_transfer_is_not_abandoned(tmp_path):
+    # 16384 transfers of 4 KiB on one I/O thread: far longer than the deadline, but
+    # every landed segment is progress on the directory (before the fix: abandoned as stalled).
+    pool = kv.StagingPool(64 * MiB, 1)
+    store = kv.BlockStore([str(tmp_path)], pool, namespace="slow", capacity_bytes=1 << 30, backend="threads",
+                          io_threads=1, _fault_max_transfer=4096, io_deadline=DEADLINE_SLOW)
+    try:
+        slot = pool.acquire()
+        t0 = time.monotonic()
+        r = store.put(b"slow", slot, 64 * MiB).wait(60)
+        took = time.monotonic() - t0
+        assert r.ok, (r, took)
+        if took < 1.5 * DEADLINE_SLOW:
+            pytest.skip(f"the transfer took {took:.3f} s: not slower than the deadline here")
+        assert store.stats()["io_timeouts"] == 0
+    finally:
+        store.close()

@@ -211,6 +211,7 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
                 p.done += res as usize;
                 if p.done < p.seg.len {
                     // Short transfer: resubmit the remainder first, ahead of newer work.
+                    sink.moved(&p.seg);
                     overflow.push_front(p, background);
                 } else {
                     sink.segment_done(&p.seg, Ok(()));

@@ -137,6 +137,10 @@ impl SegmentSink for Core {
     /// returns. The one exception is the header-only verdict of a read (see
     /// `finish_get`'s `on_backend_thread`).
     fn segment_done(&self, seg: &Segment, result: std::result::Result<(), SegmentError>) {
+        // Bytes moved there: the directory is slow at worst, not stalled.
+        if (seg.root as usize) < self.health.dirs.len() {
+            self.health.progress(seg.root as usize);
+        }
         if !seg.write && result.is_ok() && self.verify == VerifyPolicy::Full {
             return self.jobs.push(Job::VerifyPiece { seg: *seg });
         }
@@ -153,6 +157,12 @@ impl SegmentSink for Core {
             return self.finish_get(id, ctx, error, true);
         }
         self.jobs.push(Job::Finish(done));
+    }
+
+    fn moved(&self, seg: &Segment) {
+        if (seg.root as usize) < self.health.dirs.len() {
+            self.health.progress(seg.root as usize);
+        }
     }
 
     fn anomaly(&self, what: String) {
@@ -183,7 +193,7 @@ pub(super) fn segment_count(from: usize, to: usize, seg_bytes: usize) -> usize {
 /// rewrite after ENOSPC (its slot is sealed by then).
 pub(super) fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
     let seg_bytes = if write { core.write_segment_bytes } else { core.segment_bytes };
-    let (file_len, t) = (ctx.file_len, Transfer::of_slot(&core.pool, id, ctx.slot, fd, write, ctx.background));
+    let (file_len, t) = (ctx.file_len, Transfer::of_slot(&core.pool, id, ctx.slot, fd, write, ctx.background, ctx.root));
     if let Err(ctx) = core.ops.start(id, ctx, segment_count(0, file_len, seg_bytes) as u32) {
         return core.fail_early(id, ctx, None, CLOSED_WHILE_SUBMITTING.into());
     }
@@ -199,11 +209,12 @@ pub(super) struct Transfer {
     fd: i32,
     write: bool,
     background: bool,
+    root: usize,
 }
 
 impl Transfer {
-    pub(super) fn of_slot(pool: &StagingPool, id: OpId, slot: usize, fd: i32, write: bool, background: bool) -> Self {
-        Transfer { op: id.index, slot, base: pool.slot_ptr(slot), fd, write, background }
+    pub(super) fn of_slot(pool: &StagingPool, id: OpId, slot: usize, fd: i32, write: bool, background: bool, root: usize) -> Self {
+        Transfer { op: id.index, slot, base: pool.slot_ptr(slot), fd, write, background, root }
     }
 }
 
@@ -221,6 +232,7 @@ pub(super) fn submit_range(backend: &dyn Backend, t: Transfer, from: usize, to: 
         write: t.write,
         buf_index: Some(t.slot as u16),
         background: t.background,
+        root: t.root as u32,
     };
     // Small fixed batch on the stack: no per-I/O heap allocation.
     let mut batch = [blank; 16];
@@ -246,9 +258,9 @@ pub(super) fn chunk_worker(core: &Core, backend: &dyn Backend) {
     let clock = thread_cpu_clock();
     while let Some(job) = core.jobs.pop() {
         match job {
-            Job::Seal { id, transfer_fd, slot, payload_len } => {
+            Job::Seal { id, transfer_fd, slot, payload_len, root } => {
                 core.seal(id, slot, payload_len);
-                submit_range(backend, Transfer::of_slot(&core.pool, id, slot, transfer_fd, true, false), 0, HEADER_BYTES, 0);
+                submit_range(backend, Transfer::of_slot(&core.pool, id, slot, transfer_fd, true, false, root), 0, HEADER_BYTES, 0);
             }
             Job::VerifyPiece { seg } => {
                 if let Some(done) = core.verify_piece(&seg) {

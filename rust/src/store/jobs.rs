@@ -16,7 +16,7 @@ use super::OpContext;
 
 pub enum Job {
     /// Checksum a put's payload (already being written) and write its header.
-    Seal { id: OpId, transfer_fd: i32, slot: usize, payload_len: usize },
+    Seal { id: OpId, transfer_fd: i32, slot: usize, payload_len: usize, root: usize },
     /// One segment of a fully verified read landed: checksum its payload piece.
     VerifyPiece { seg: Segment },
     /// The transfer completed: verify (get) or publish (put), then complete.

@@ -88,9 +88,9 @@ impl Core {
         if let Err(ctx) = self.ops.start(id, ctx, completion::segment_count(from, file_len, self.write_segment_bytes) as u32 + header_write) {
             return self.fail_early(id, ctx, None, completion::CLOSED_WHILE_SUBMITTING.into());
         }
-        completion::submit_range(backend, Transfer::of_slot(pool, id, slot, fd, true, false), from, file_len, self.write_segment_bytes);
+        completion::submit_range(backend, Transfer::of_slot(pool, id, slot, fd, true, false, root), from, file_len, self.write_segment_bytes);
         if !sealed_now {
-            self.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length });
+            self.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length, root });
         }
     }
     /// Writes the header block into the slot in place (the padding was
