@@ -13,7 +13,7 @@ VLLM_VERSION=0.32.0
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
-if ! "$VENV/bin/python" -c "import maturin, pytest, hypothesis, pytest_benchmark, numpy, rich, matplotlib" 2>/dev/null; then
+if ! "$VENV/bin/python" -c "import maturin, pytest, hypothesis, pytest_benchmark, numpy, rich, matplotlib, mfusepy" 2>/dev/null; then
   pip install -r tools/requirements-dev.txt
 fi
 

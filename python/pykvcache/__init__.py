@@ -18,6 +18,7 @@ from pykvcache._core import (
     StagingPool,
     StoreError,
     __version__,
+    probe_storage_dir,
 )
 from pykvcache.preformat import BackgroundPreformat, PreformatReport, preformat
 
@@ -37,4 +38,5 @@ __all__ = [
     "StoreError",
     "__version__",
     "preformat",
+    "probe_storage_dir",
 ]

@@ -44,6 +44,14 @@ def chunk_file_bytes(payload_bytes: int) -> int:
     plus the payload rounded up to ``IO_ALIGN``): its cost on disk and the
     staging slot footprint. ``OverflowError`` past what a file can hold."""
 
+def probe_storage_dir(path: str | PathLike[str], *, file_mode: int = 0o600) -> dict[str, bool]:
+    """What the existing directory's filesystem supports, found by trying it (the
+    probe every store runs on its directories at open): ``o_direct`` (an aligned
+    direct write and read), ``o_tmpfile``, ``fallocate``,
+    ``unaligned_o_direct_accepted`` (NFS, FUSE: O_DIRECT enforces no alignment;
+    harmless) and ``o_direct_settable_after_open`` (recorded only: chunk files
+    are opened with O_DIRECT from the start, as GPFS ignores it set later)."""
+
 def check_storage_dir(path: str | PathLike[str], *, allow_insecure_root: bool = False) -> None:
     """Raises the ``ValueError`` opening a store on the existing directory
     ``path`` would raise about it (not a directory, owned by another user,
@@ -100,6 +108,29 @@ class StoreStats(TypedDict):
     open_scan_s: float
     open_scan_error: str
     staging_free_slots: int
+    # A stalled or failing storage directory (decision 0031): operations
+    # abandoned past the I/O deadline, storage-failure errnos (EIO, ENOTCONN,
+    # ESTALE...), circuit-breaker openings, probes and what the open breakers
+    # refused; abandoned work that ended later, still stuck, and the staging
+    # slots held back meanwhile.
+    io_timeouts: int
+    storage_errors: int
+    breaker_opens: int
+    breaker_skipped_gets: int
+    breaker_skipped_puts: int
+    breaker_probes: int
+    breaker_probe_failures: int
+    late_completions: int
+    stuck_ops: int
+    quarantined_slots: int
+    quarantine_releases: int
+    breaker_open_dirs: int
+    # Per storage directory, in order: "closed", "open" or "half-open".
+    dir_states: list[str]
+    io_deadline_s: float
+    # Per namespace directory: what probing its filesystem found at open
+    # (keys as probe_storage_dir returns them).
+    storage_probes: dict[str, dict[str, bool]]
 
 class PykvcacheError(Exception):
     """Base class of every error raised by the engine."""
@@ -175,6 +206,10 @@ class StagingPool:
         """Created here with ``memfd=True``."""
     @property
     def free_slots(self) -> int: ...
+    @property
+    def deferred_releases(self) -> int:
+        """Slots released while their I/O was abandoned past its deadline: free
+        once the kernel ends that I/O (never reused before)."""
     def payload_offset(self, slot: int) -> int:
         """Offset of ``slot``'s payload from ``base_address``."""
     def acquire(self, timeout: float | None = 0.0) -> int:
@@ -257,6 +292,7 @@ class BlockStore:
         allow_insecure_root: bool = False,
         min_free_bytes: int | None = None,
         min_free_fraction: float | None = None,
+        io_deadline: float | None = None,
     ) -> None:
         """``chunk_workers`` threads checksum, verify and publish chunks, off the
         caller's and the ring's threads. Reads move in ``segment_bytes`` pieces
@@ -288,7 +324,17 @@ class BlockStore:
         evicts until its chunk fits and the reserve stays free, and fails with
         ``ENOSPC`` when evicting every chunk there could not keep it. A symlinked
         storage directory is resolved once, here (symlinks inside the store are
-        refused); a ``capacity_bytes`` above the filesystems' size is logged."""
+        refused); a ``capacity_bytes`` above the filesystems' size is logged.
+
+        ``io_deadline`` (seconds; None: ``max(2 s, 4 * slot stride / 100 MB/s)``)
+        bounds every get and put on a stalled directory: past it (and with the
+        directory completing nothing for as long) a get is a ``miss`` and a put
+        an ``error``, both with errno ``ETIMEDOUT``, while the slot stays
+        quarantined (released when the kernel lets go of it; ``release`` is
+        accepted meanwhile). Three timeouts or storage errors (EIO, ENOTCONN,
+        ESTALE...) in a row open that directory's circuit breaker: gets there
+        are misses and puts skipped (errno ``EAGAIN``) at once until a probe
+        after a back-off succeeds. Each change is logged once."""
     def put(self, key: bytes, slot: int, length: int) -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
         visible atomically once complete; an existing chunk is success.

@@ -66,6 +66,29 @@ struct OpEntry<C> {
     outcome: Option<Outcome>,
     /// The handle was dropped before completion: free the entry when done.
     detached: bool,
+    /// What the deadline watchdog needs: where and since when.
+    watch: Option<Watch>,
+    /// Past its deadline: the outcome (a miss / a skipped put) was given to
+    /// the caller, but the kernel may still be working on it. The entry stays
+    /// busy until that work really ends (`complete`), then frees.
+    abandoned: bool,
+}
+
+/// Where an operation runs and since when, for the deadline watchdog.
+#[derive(Clone, Copy, Debug)]
+pub struct Watch {
+    pub root: u32,
+    pub slot: u32,
+    pub put: bool,
+    pub since: Instant,
+}
+
+/// An operation the watchdog just abandoned.
+#[derive(Clone, Copy, Debug)]
+pub struct Abandoned {
+    /// Its watch: where and since when (the caller's side effects were done under the lock).
+    #[allow(dead_code)]
+    pub watch: Watch,
 }
 
 /// An operation whose last segment completed.
@@ -115,6 +138,8 @@ impl<C> OpTable<C> {
                 ctx: None,
                 outcome: None,
                 detached: false,
+                watch: None,
+                abandoned: false,
             })
             .collect();
         Ok(OpTable {
@@ -160,6 +185,8 @@ impl<C> OpTable<C> {
             e.ctx = None;
             e.outcome = None;
             e.detached = false;
+            e.watch = None;
+            e.abandoned = false;
             Some(Ok(OpId { index, generation: e.generation }))
         });
         reserved.unwrap_or_else(|TimedOut| {
@@ -243,6 +270,18 @@ impl<C> OpTable<C> {
         let mut t = self.lock();
         let e = &mut t.entries[id.index as usize];
         debug_assert_eq!(e.generation, id.generation);
+        if e.abandoned {
+            // The caller has its outcome already (the time-out); the work
+            // that ended late only frees the entry.
+            e.abandoned = false;
+            if e.detached {
+                Self::free_entry(&mut t, id.index);
+            }
+            drop(t);
+            self.freed.notify_one();
+            self.completed.notify_all();
+            return;
+        }
         if e.detached {
             Self::free_entry(&mut t, id.index);
             drop(t);
@@ -289,7 +328,7 @@ impl<C> OpTable<C> {
     pub fn release(&self, id: OpId) {
         let mut t = self.lock();
         let Ok(e) = Self::entry(&mut t, id) else { return };
-        if e.outcome.is_some() {
+        if e.outcome.is_some() && !e.abandoned {
             Self::free_entry(&mut t, id.index);
             drop(t);
             self.freed.notify_one();
@@ -304,18 +343,75 @@ impl<C> OpTable<C> {
         e.started = false;
         e.outcome = None;
         e.detached = false;
+        e.watch = None;
+        e.abandoned = false;
         t.free.push(index);
+    }
+
+    /// Starts the deadline clock of a reserved operation.
+    pub fn watch(&self, id: OpId, watch: Watch) {
+        let mut t = self.lock();
+        if let Ok(e) = Self::entry(&mut t, id) {
+            e.watch = Some(watch);
+        }
+    }
+
+    /// Whether the watchdog gave up on this operation (its late work only cleans up).
+    pub fn is_abandoned(&self, id: OpId) -> bool {
+        let t = self.lock();
+        let e = &t.entries[id.index as usize];
+        e.busy && e.generation == id.generation && e.abandoned
+    }
+
+    /// Abandons every unfinished operation `overdue` picks: each gets the
+    /// outcome `outcome` gives it (visible to `wait`, the eventfd fires) and
+    /// stays busy until its late work completes. Returns what it abandoned.
+    pub fn abandon_overdue(
+        &self,
+        mut overdue: impl FnMut(&Watch) -> bool,
+        mut outcome: impl FnMut(&Watch) -> Outcome,
+        into: &mut Vec<Abandoned>,
+    ) {
+        into.clear();
+        let mut t = self.lock();
+        for e in t.entries.iter_mut() {
+            let Some(w) = e.watch else { continue };
+            if !e.busy || e.abandoned || e.outcome.is_some() || !overdue(&w) {
+                continue;
+            }
+            e.abandoned = true;
+            e.outcome = Some(outcome(&w));
+            into.push(Abandoned { watch: w });
+        }
+        drop(t);
+        if !into.is_empty() {
+            self.completed.notify_all();
+            let one: u64 = 1;
+            unsafe { libc::write(self.event_fd, &one as *const u64 as *const _, 8) };
+        }
+    }
+
+    /// Operations abandoned whose work has not ended yet, per root.
+    pub fn stuck(&self) -> usize {
+        self.lock().entries.iter().filter(|e| e.busy && e.abandoned).count()
     }
 
     /// Waits until nothing handed to the backend is in flight (used when
     /// closing, after `close`). Entries only reserved are not waited for:
     /// their submitter fails or cancels them (`start` refuses once closed),
     /// so a submission that never started cannot hang the close.
-    pub fn drain(&self) {
-        let drained = wait_until(&self.table, &self.completed, None, |t| {
-            (!t.entries.iter().any(|e| e.busy && e.started && e.outcome.is_none())).then_some(())
+    ///
+    /// Abandoned operations (their work stuck in the kernel) are waited for
+    /// until `deadline` only; false when some were still stuck then.
+    pub fn drain(&self, deadline: Option<Instant>) -> bool {
+        let live = wait_until(&self.table, &self.completed, None, |t| {
+            // Watched but not started: queued on a directory worker, which
+            // starts it (refused once closed) or the watchdog abandons it.
+            let live = |e: &OpEntry<C>| e.busy && (e.started || e.watch.is_some()) && e.outcome.is_none() && !e.abandoned;
+            (!t.entries.iter().any(live)).then_some(())
         });
-        debug_assert!(drained.is_ok(), "no deadline, no time-out");
+        debug_assert!(live.is_ok(), "no deadline, no time-out");
+        wait_until(&self.table, &self.completed, deadline, |t| (!t.entries.iter().any(|e| e.busy && e.abandoned)).then_some(())).is_ok()
     }
 }
 
@@ -371,7 +467,7 @@ mod tests {
         // Reserved before the close, started after it: refused, context given back.
         assert_eq!(ops.start(held, "get", 1), Err("get"));
         // Not started, so the drain does not wait for it (it would hang).
-        ops.drain();
+        assert!(ops.drain(None));
         ops.complete(held, Outcome::new(Status::Error, 0, None, "closed"));
         ops.release(held);
         assert_eq!(ops.in_flight(), 0);
@@ -393,7 +489,7 @@ mod tests {
             o.segment_done(id.index, Ok(())).unwrap().unwrap();
             o.complete(id, ok());
         });
-        ops.drain();
+        assert!(ops.drain(None));
         assert!(ops.is_done(id).unwrap(), "drain returned before the started operation completed");
         finisher.join().unwrap();
     }
@@ -465,6 +561,32 @@ mod tests {
         assert_eq!(next.index, id.index);
         assert_ne!(next.generation, id.generation);
         assert!(ops.is_done(id).is_err(), "the old handle is stale");
+    }
+
+    #[test]
+    fn an_abandoned_operation_answers_at_once_and_frees_only_when_its_work_ends() {
+        let ops = Table::new(1).unwrap();
+        let id = ops.allocate(None).unwrap();
+        let since = Instant::now();
+        ops.watch(id, Watch { root: 0, slot: 3, put: false, since });
+        ops.start(id, "get", 1).unwrap();
+        let mut out = Vec::new();
+        ops.abandon_overdue(|w| w.since <= Instant::now(), |_| Outcome::new(Status::Miss, 0, Some(libc::ETIMEDOUT), "timed out"), &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].watch.slot, 3);
+        let o = ops.wait(id, Some(Duration::ZERO)).unwrap().expect("the caller has its outcome");
+        assert_eq!((o.status, o.errno), (Status::Miss, Some(libc::ETIMEDOUT)));
+        assert!(ops.is_abandoned(id) && ops.stuck() == 1);
+        ops.abandon_overdue(|_| true, |_| unreachable!("abandoned once"), &mut out);
+        assert!(out.is_empty());
+        ops.release(id); // the handle is gone, the kernel is not done: still busy
+        assert!(ops.allocate(Some(Duration::ZERO)).is_err());
+        assert!(!ops.drain(Some(Instant::now() + Duration::from_millis(20))), "close gives up on stuck work");
+        let done = ops.segment_done(id.index, Ok(())).unwrap().unwrap();
+        ops.complete(done.id, ok());
+        assert_eq!(ops.stuck(), 0);
+        assert!(ops.drain(Some(Instant::now())));
+        assert!(ops.allocate(Some(Duration::ZERO)).is_ok(), "freed when its work ended");
     }
 
     #[test]

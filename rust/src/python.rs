@@ -208,6 +208,10 @@ impl PyStagingPool {
     fn is_memfd(&self) -> bool { self.inner.is_memfd() }
     #[getter]
     fn free_slots(&self) -> usize { self.inner.free_slots() }
+    /// Slots released while quarantined (abandoned I/O may still touch them):
+    /// free once that I/O ends.
+    #[getter]
+    fn deferred_releases(&self) -> usize { self.inner.deferred_releases() }
 
     fn payload_offset(&self, slot: usize) -> PyResult<usize> {
         self.inner.payload_offset(slot).map_err(to_py)
@@ -388,7 +392,7 @@ impl PyBlockStore {
                         submit_timeout=Some(defaults::SUBMIT_TIMEOUT_S), io_threads=defaults::IO_THREADS,
                         chunk_workers=defaults::CHUNK_WORKERS, verify=defaults::VERIFY, recycle_files=true, background_scan=false,
                         preallocate=true, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
-                        min_free_bytes=None, min_free_fraction=None,
+                        min_free_bytes=None, min_free_fraction=None, io_deadline=None,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -416,6 +420,7 @@ impl PyBlockStore {
         allow_insecure_root: bool,
         min_free_bytes: Option<u64>,
         min_free_fraction: Option<f64>,
+        io_deadline: Option<f64>,
         _fault_max_transfer: Option<usize>,
         _fault_fail_nth: Option<(u64, i32)>,
     ) -> PyResult<Self> {
@@ -447,6 +452,10 @@ impl PyBlockStore {
                 ..Default::default()
             }));
         }
+        config.io_deadline = timeout_of("io_deadline", io_deadline)?;
+        if io_deadline == Some(0.0) {
+            return Err(PyValueError::new_err("io_deadline must be > 0 seconds (None: derived from the chunk size)"));
+        }
         let submit_timeout = timeout_of("submit_timeout", submit_timeout)?;
         let pool = pool.inner.clone();
         let (store, report) = py.detach(move || store::BlockStore::open(config, pool)).map_err(to_py)?;
@@ -457,13 +466,44 @@ impl PyBlockStore {
         for w in &report.warnings {
             logger.call_method1("warning", ("pykvcache: %s", w))?;
         }
+        for (dir, s) in store.storage_support() {
+            logger.call_method1(
+                "info",
+                (
+                    "pykvcache: %s supports O_DIRECT=%s O_TMPFILE=%s fallocate=%s (unaligned O_DIRECT accepted=%s, O_DIRECT settable after open=%s); I/O deadline %.1f s",
+                    dir.display().to_string(),
+                    s.direct,
+                    s.tmpfile,
+                    s.fallocate,
+                    s.direct_unaligned,
+                    s.direct_set_after_open,
+                    store.io_deadline().as_secs_f64(),
+                ),
+            )?;
+        }
         Ok(PyBlockStore { inner: Arc::new(store), submit_timeout })
+    }
+
+    /// Logs the circuit breakers' state changes since the last call: one
+    /// line per change (closed -> open at warning, the others at info).
+    fn log_health(&self, py: Python<'_>) -> PyResult<()> {
+        let notices = self.inner.take_health_notices();
+        if notices.is_empty() {
+            return Ok(());
+        }
+        let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
+        for n in notices {
+            let level = if n.contains("-> open") { "warning" } else { "info" };
+            logger.call_method1(level, ("pykvcache: %s", n))?;
+        }
+        Ok(())
     }
 
     fn put(&self, py: Python<'_>, key: Vec<u8>, slot: usize, #[pyo3(from_py_with = length_arg)] length: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
+        self.log_health(py)?;
         if let Some(notice) = self.inner.take_capacity_notice() {
             // ENOSPC lowered the capacity (on a worker thread, during an earlier put): logged once.
             let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
@@ -476,6 +516,7 @@ impl PyBlockStore {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.get(&k, slot, t)).map_err(to_py)?;
+        self.log_health(py)?;
         Ok(PyIoHandle { store: self.inner.clone(), id, op: "get", key, slot, result: None })
     }
 
@@ -483,6 +524,7 @@ impl PyBlockStore {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.prefetch(&k, slot, t)).map_err(to_py)?;
+        self.log_health(py)?;
         Ok(PyIoHandle { store: self.inner.clone(), id, op: "prefetch", key, slot, result: None })
     }
 
@@ -558,8 +600,32 @@ impl PyBlockStore {
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        self.log_health(py)?;
         let d = PyDict::new(py);
         let s = self.inner.stats();
+        let h = self.inner.health();
+        let c = &h.counters;
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        d.set_item("io_timeouts", g(&c.timeouts))?;
+        d.set_item("storage_errors", g(&c.storage_errors))?;
+        d.set_item("breaker_opens", g(&c.breaker_opens))?;
+        d.set_item("breaker_skipped_gets", g(&c.skipped_gets))?;
+        d.set_item("breaker_skipped_puts", g(&c.skipped_puts))?;
+        d.set_item("breaker_probes", g(&c.probes))?;
+        d.set_item("breaker_probe_failures", g(&c.probe_failures))?;
+        d.set_item("late_completions", g(&c.late_completions))?;
+        d.set_item("stuck_ops", self.inner.stuck_ops())?;
+        d.set_item("quarantined_slots", self.inner.pool().quarantined_slots())?;
+        d.set_item("quarantine_releases", self.inner.pool().quarantine_releases())?;
+        let states = self.inner.dir_states();
+        d.set_item("breaker_open_dirs", states.iter().filter(|(_, st)| *st != "closed").count())?;
+        d.set_item("dir_states", states.iter().map(|(_, st)| *st).collect::<Vec<_>>())?;
+        d.set_item("io_deadline_s", self.inner.io_deadline().as_secs_f64())?;
+        let probes = PyDict::new(py);
+        for (dir, sup) in self.inner.storage_support() {
+            probes.set_item(dir.display().to_string(), support_dict(py, &sup)?)?;
+        }
+        d.set_item("storage_probes", probes)?;
         for (name, v) in s.counters() {
             d.set_item(name, v)?;
         }
@@ -619,7 +685,33 @@ fn engine_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("verify", defaults::VERIFY)?;
     d.set_item("dir_mode", defaults::DIR_MODE)?;
     d.set_item("file_mode", defaults::FILE_MODE)?;
+    // None: derived from the slot size (`store::health::default_deadline`).
+    d.set_item("io_deadline", py.None())?;
     Ok(d)
+}
+
+fn support_dict<'py>(py: Python<'py>, s: &crate::disk::files::FsSupport) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("o_direct", s.direct)?;
+    d.set_item("o_tmpfile", s.tmpfile)?;
+    d.set_item("fallocate", s.fallocate)?;
+    d.set_item("unaligned_o_direct_accepted", s.direct_unaligned)?;
+    d.set_item("o_direct_settable_after_open", s.direct_set_after_open)?;
+    Ok(d)
+}
+
+/// What the existing directory `path`'s filesystem supports, found by
+/// trying it (the probe a store runs at open on each storage directory):
+/// O_DIRECT (an aligned write and read), O_TMPFILE, fallocate, whether
+/// unaligned O_DIRECT is accepted and whether O_DIRECT set after open shows.
+#[pyfunction]
+#[pyo3(signature = (path, *, file_mode=defaults::FILE_MODE))]
+fn probe_storage_dir<'py>(py: Python<'py>, path: PathBuf, file_mode: u32) -> PyResult<Bound<'py, PyDict>> {
+    if !path.is_dir() {
+        return Err(PyValueError::new_err(format!("{} is not a directory", path.display())));
+    }
+    let s = py.detach(|| crate::disk::files::probe(&path, file_mode));
+    support_dict(py, &s)
 }
 
 /// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
@@ -672,6 +764,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_DEFAULTS", engine_defaults(py)?)?;
     m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(check_storage_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(probe_storage_dir, m)?)?;
     m.add("FORMAT_VERSION", FORMAT_VERSION)?;
     m.add_class::<PyStagingPool>()?;
     m.add_class::<SlotBuffer>()?;

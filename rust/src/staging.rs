@@ -80,6 +80,13 @@ struct PoolState {
     acquired: Vec<bool>,
     exports: Vec<u32>,
     io_pins: Vec<u32>,
+    /// The I/O pinning the slot was abandoned (past its deadline) while the
+    /// kernel may still move bytes into or out of it: the slot is never
+    /// handed out again until that I/O really ends (`unpin_io`).
+    quarantined: Vec<bool>,
+    /// Released by its owner while quarantined: freed by the final `unpin_io`.
+    release_pending: Vec<bool>,
+    quarantine_releases: u64,
     closed: bool,
 }
 
@@ -208,6 +215,9 @@ impl StagingPool {
                 acquired: vec![false; num_slots],
                 exports: vec![0; num_slots],
                 io_pins: vec![0; num_slots],
+                quarantined: vec![false; num_slots],
+                release_pending: vec![false; num_slots],
+                quarantine_releases: 0,
                 closed: false,
             }),
             freed: Condvar::new(),
@@ -294,6 +304,12 @@ impl StagingPool {
                 st.exports[slot]
             )));
         }
+        if st.io_pins[slot] > 0 && st.quarantined[slot] {
+            // Its I/O was abandoned: the owner is done with it, the kernel may
+            // not be. Freed when that I/O ends, never before.
+            st.release_pending[slot] = true;
+            return Ok(());
+        }
         if st.io_pins[slot] > 0 {
             return Err(EngineError::State(format!("slot {slot} has I/O in flight")));
         }
@@ -344,6 +360,42 @@ impl StagingPool {
     pub fn unpin_io(&self, slot: usize) {
         let mut st = self.state.lock().unwrap();
         st.io_pins[slot] = st.io_pins[slot].saturating_sub(1);
+        if st.io_pins[slot] == 0 && st.quarantined[slot] {
+            st.quarantined[slot] = false;
+            st.quarantine_releases += 1;
+            if std::mem::take(&mut st.release_pending[slot]) {
+                st.acquired[slot] = false;
+                st.free.push(slot as u32);
+                drop(st);
+                self.freed.notify_one();
+            }
+        }
+    }
+
+    /// The I/O pinning `slot` was abandoned: keep the slot out of use until
+    /// it really ends. A slot whose I/O already ended is left alone.
+    pub fn quarantine(&self, slot: usize) {
+        let mut st = self.state.lock().unwrap();
+        if slot < self.num_slots && st.io_pins[slot] > 0 {
+            st.quarantined[slot] = true;
+        }
+    }
+
+    /// Slots held back because abandoned I/O may still touch them.
+    pub fn quarantined_slots(&self) -> usize {
+        self.state.lock().unwrap().quarantined.iter().filter(|&&q| q).count()
+    }
+
+    /// Slots their owner released while quarantined: neither the owner's nor
+    /// free until their abandoned I/O ends.
+    pub fn deferred_releases(&self) -> usize {
+        self.state.lock().unwrap().release_pending.iter().filter(|&&p| p).count()
+    }
+
+    /// Quarantined slots whose I/O has since ended (and that were freed or
+    /// given back to their owner).
+    pub fn quarantine_releases(&self) -> u64 {
+        self.state.lock().unwrap().quarantine_releases
     }
 
     /// Marks the pool closed (acquire fails from now on) and removes the shared
@@ -662,6 +714,25 @@ mod tests {
         pool.unpin_io(s);
         pool.release(s).unwrap();
         assert!(pool.release(s).is_err(), "double release is an error");
+    }
+
+    #[test]
+    fn a_quarantined_slot_is_freed_only_when_its_io_ends() {
+        let pool = StagingPool::create(4096, 1, None).unwrap();
+        let s = pool.acquire(None).unwrap();
+        pool.pin_io(s).unwrap();
+        pool.quarantine(s);
+        assert_eq!(pool.quarantined_slots(), 1);
+        pool.release(s).unwrap(); // the owner gives it up: accepted, deferred
+        assert_eq!(pool.deferred_releases(), 1);
+        assert!(pool.acquire(Some(Duration::from_millis(20))).is_err(), "never handed out while the kernel may use it");
+        assert!(pool.pin_io(s).is_err(), "no second I/O on it either");
+        pool.unpin_io(s); // the abandoned I/O really ended
+        assert_eq!((pool.quarantined_slots(), pool.quarantine_releases(), pool.deferred_releases()), (0, 1, 0));
+        assert_eq!(pool.acquire(Some(Duration::ZERO)).unwrap(), s);
+        // A quarantine that comes after the I/O ended changes nothing.
+        pool.quarantine(s);
+        assert_eq!(pool.quarantined_slots(), 0);
     }
 
     #[test]

@@ -15,6 +15,9 @@ Phase ops:
   corrupt_files       flips one payload byte in every chunk file under ``dir``
   scribble_staging    overwrites every slot payload of this engine's staging with noise
   settle              waits until pykvcache reports no writes in flight
+  signal              sends ``signal`` (a name, e.g. SIGSTOP) to process ``pid`` (a FUSE
+                      daemon: tests/helpers/stall_fs.py), ``wait_stopped`` until it is stopped
+  sleep               waits ``seconds``
 """
 
 from __future__ import annotations
@@ -120,6 +123,21 @@ def _settle(llm, tokenizer, timeout: float = 30.0) -> None:
         time.sleep(0.5)
 
 
+def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        states = []
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                pass
+        if states and all(st in "tT" for st in states):
+            return
+        time.sleep(0.005)
+
+
 def main() -> int:
     scenario = json.load(open(sys.argv[1]))
     from vllm import LLM, SamplingParams
@@ -163,6 +181,14 @@ def main() -> int:
             entry["files"] = _corrupt_files(phase["dir"])
         elif phase["op"] == "scribble_staging":
             entry["slots"] = _scribble_staging(staging)
+        elif phase["op"] == "signal":
+            import signal as signals
+
+            os.kill(phase["pid"], getattr(signals, phase["signal"]))
+            if phase["signal"] == "SIGSTOP":
+                _wait_stopped(phase["pid"])
+        elif phase["op"] == "sleep":
+            time.sleep(phase["seconds"])
         elif phase["op"] == "settle":
             _settle(llm, tokenizer)
             entry["metrics"] = _metrics(llm)

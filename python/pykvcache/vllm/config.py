@@ -94,6 +94,10 @@ class PykvcacheConfig:
     # engine's default (5% of the filesystem, at most 16 GiB), 0 = none.
     min_free_bytes: int | None = None
     min_free_fraction: float | None = None
+    # Seconds a disk read or write may take on a stalled directory before it
+    # is a miss / a skipped put (decision 0031); None = the engine's default,
+    # max(2 s, 4 * chunk bytes / 100 MB/s).
+    io_deadline_s: float | None = None
     # Accept a storage root owned by another user or world-writable.
     allow_insecure_root: bool = False
 
@@ -231,6 +235,13 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
             problems.append(f"min_free_fraction must be a number in [0, 1) (got {fraction!r})")
         else:
             values["min_free_fraction"] = float(fraction)
+    if extra.get("io_deadline_s") is not None:
+        deadline = extra["io_deadline_s"]
+        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) \
+                or not 0 < deadline <= 3600:
+            problems.append(f"io_deadline_s must be a number of seconds in (0, 3600] (got {deadline!r})")
+        else:
+            values["io_deadline_s"] = float(deadline)
     if extra.get("block_size") is not None and extra.get("blocks_per_chunk") is not None:
         problems.append("give only one of block_size (tokens per chunk) and blocks_per_chunk")
 

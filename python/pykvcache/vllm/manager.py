@@ -121,6 +121,9 @@ class NvmeOffloadingManager(OffloadingManager):
         self._lookup_hold_slots = lookup_hold_slots
         self._waited: set[str] = set()  # requests that met HIT_PENDING
         self._probed_absent: dict[bytes, float] = {}  # key -> next probe time
+        # Keys whose last read found their directory unavailable (timed out,
+        # failing, breaker open): treated as not on disk until the time given.
+        self._unavailable: dict[bytes, float] = {}
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
 
@@ -145,9 +148,13 @@ class NvmeOffloadingManager(OffloadingManager):
         """In the index, or published since by another engine sharing the
         directories. A key the disk did not have is probed again only after
         ``_PROBE_INTERVAL_S``: a waiting request is looked up every step."""
+        now = time.monotonic()
+        if self._unavailable:
+            if self._unavailable.get(key, 0.0) > now:
+                return False
+            self._unavailable.pop(key, None)
         if self.store.contains(key):
             return True
-        now = time.monotonic()
         if self._probed_absent.get(key, 0.0) > now:
             return False
         if self.store.probe(key):
@@ -428,6 +435,12 @@ class NvmeOffloadingManager(OffloadingManager):
         self.metrics.set_gauge("disk_filler_chunks", stats["filler_chunks"])
         self.metrics.set_gauge("disk_recycled_files", stats["recycled_files"])
         self.metrics.set_gauge("disk_capacity_bytes", self.store.capacity_bytes)
+        for gauge, key in (("disk_io_timeouts", "io_timeouts"), ("disk_breaker_opens", "breaker_opens"),
+                           ("disk_breaker_skipped_gets", "breaker_skipped_gets"),
+                           ("disk_breaker_skipped_puts", "breaker_skipped_puts"),
+                           ("disk_breaker_open_dirs", "breaker_open_dirs"), ("disk_stuck_ops", "stuck_ops"),
+                           ("disk_quarantined_slots", "quarantined_slots")):
+            self.metrics.set_gauge(gauge, stats[key])
         return self.metrics.take_stats()
 
     def start_background_preformat(self) -> None:
@@ -509,11 +522,22 @@ class NvmeOffloadingManager(OffloadingManager):
         counter = {"corrupt": "corrupt_chunks", "miss": "vanished_chunks"}.get(
             result.status, "read_errors"
         )
+        if result.status == "miss" and result.errno is not None:
+            counter = "unavailable_reads"
         self.metrics.inc(counter)
         if result.status != "miss":
             logger.warning("pykvcache: chunk %s unusable (%s: %s); treated as a miss",
                            key.hex(), result.status, result.message)
         self.cache.remove(key)
+        if result.status == "miss" and result.errno is not None:
+            # The directory timed out, failed or is behind an open circuit
+            # breaker: the chunk may well be there, nothing to drop; but the
+            # next lookup must not read it again at once (it would wait for
+            # the same stalled directory, or fail the same way, every step).
+            if len(self._unavailable) >= _PROBE_MEMORY:
+                self._unavailable.clear()
+            self._unavailable[key] = time.monotonic() + _PROBE_INTERVAL_S
+            return
         # The store drops corrupt files itself; make sure the index agrees so
         # the next lookup is a plain MISS instead of another failing read.
         try:

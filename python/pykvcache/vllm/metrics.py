@@ -39,6 +39,7 @@ COUNTERS = {
     "store_deferred": "prepare_store calls deferred because staging was full (retried next step).",
     "store_truncated_chunks": "Chunks not stored because a request offered more than staging holds.",
     "staging_evictions": "Chunks dropped from staging memory to make room (they stay on disk).",
+    "unavailable_reads": "Chunk reads answered as misses because the directory timed out, failed or its circuit breaker was open.",
     # Gate wiring (the gate's own decision counters are merged in below).
     "gate_limited_lookups": "Lookups answered MISS because the gate chose to recompute from that chunk on.",
     "gate_load_observations": "Finished loads fed back to the gate's online load model.",
@@ -71,6 +72,14 @@ GAUGES = {
     "lookahead_queue_requests": "Waiting requests known to the lookahead queue.",
     "lookahead_slots_held": "Staging slots held by preloads for waiting requests.",
     "lookup_hold_slots": "Staging slots held by lookups of waiting (not yet scheduled) requests.",
+    # A stalled or failing storage directory (engine totals since start).
+    "disk_io_timeouts": "Disk reads/writes abandoned past the I/O deadline (a miss / a skipped put).",
+    "disk_breaker_opens": "Times a storage directory's circuit breaker opened.",
+    "disk_breaker_skipped_gets": "Reads answered as misses at once because the directory's breaker was open.",
+    "disk_breaker_skipped_puts": "Writes skipped because the directory's breaker was open.",
+    "disk_breaker_open_dirs": "Storage directories whose circuit breaker is open or half-open now.",
+    "disk_stuck_ops": "Abandoned disk operations the kernel has not ended yet.",
+    "disk_quarantined_slots": "Staging slots held back until abandoned I/O on them really ends.",
 }
 GAUGES.update(GATE_GAUGES)
 

@@ -96,6 +96,7 @@ def open_block_store(settings: PykvcacheConfig, pool, namespace: str):
         allow_insecure_root=s.allow_insecure_root,
         min_free_bytes=s.min_free_bytes,
         min_free_fraction=s.min_free_fraction,
+        io_deadline=s.io_deadline_s,
     )
 
 

@@ -53,6 +53,8 @@ class SlotAllocator(Protocol):
     def num_slots(self) -> int: ...
     def try_acquire(self) -> int | None: ...
     def release(self, slot: int) -> None: ...
+    @property
+    def deferred_releases(self) -> int: ...
 
 
 class EntryState(enum.Enum):
@@ -113,14 +115,19 @@ class StagingCache:
 
     def allocatable(self) -> int:
         """Slots an insert could obtain now (free ones plus evictable entries)."""
+        return self._free() + len(self._lru)
+
+    def _free(self) -> int:
+        """Slots the pool can hand out now: not held by an entry, not waiting
+        to be released, not released into quarantine (a read abandoned past
+        its deadline: free when the kernel lets go of it)."""
         self._retry_unreleased()
-        return self.num_slots - len(self._entries) - len(self._unreleased) + len(self._lru)
+        return self.num_slots - len(self._entries) - len(self._unreleased) - self._allocator.deferred_releases
 
     def next_victim(self) -> bytes | None:
         """The key the next insert would evict, or None when a slot is free
         (or nothing is evictable)."""
-        self._retry_unreleased()
-        if self.num_slots - len(self._entries) - len(self._unreleased) > 0:
+        if self._free() > 0:
             return None
         return next(iter(self._lru), None)
 

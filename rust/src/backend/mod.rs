@@ -22,6 +22,8 @@ pub struct Segment {
     pub buf_index: Option<u16>,
     /// A prefetch: served after demand transfers, on at most half the places.
     pub background: bool,
+    /// The storage root of its file (each landed segment is progress there).
+    pub root: u32,
 }
 
 unsafe impl Send for Segment {}
@@ -40,6 +42,9 @@ pub enum SegmentError {
 /// backend's own thread(s): implementations hand work on and return.
 pub trait SegmentSink: Send + Sync {
     fn segment_done(&self, seg: &Segment, result: Result<(), SegmentError>);
+    /// Part of `seg` was transferred (a short transfer, resubmitted): the
+    /// storage is moving bytes, however slowly.
+    fn moved(&self, _seg: &Segment) {}
     /// Something that cannot happen did (a completion for an empty ring
     /// slot, ...): the backend goes on and reports it here instead of panicking.
     fn anomaly(&self, what: String);
@@ -64,6 +69,9 @@ pub trait Backend: Send + Sync {
     fn submit(&self, segs: &[Segment]);
     /// Completes everything already submitted, then stops the worker thread(s).
     fn shutdown(&self);
+    /// Like `shutdown`, without waiting: transfers stuck in the kernel keep
+    /// their thread(s), which end by themselves once those transfers do.
+    fn detach(&self);
     fn kind(&self) -> BackendKind;
     fn fixed_buffers(&self) -> bool;
     /// CPU time (user+sys) spent by the backend's own threads so far.

@@ -66,7 +66,7 @@ fn worker_loop(shared: &Shared, index: usize) {
                 q = shared.ready.wait(q).unwrap();
             }
         };
-        let result = transfer(&seg, &shared.faults);
+        let result = transfer(&seg, &shared.faults, &*shared.sink);
         if seg.background {
             shared.queue.lock().unwrap().segments.finished(true);
             // A worker may be asleep with background work it was not allowed to take.
@@ -77,7 +77,7 @@ fn worker_loop(shared: &Shared, index: usize) {
     }
 }
 
-fn transfer(seg: &Segment, faults: &SharedFaults) -> Result<(), SegmentError> {
+fn transfer(seg: &Segment, faults: &SharedFaults, sink: &dyn SegmentSink) -> Result<(), SegmentError> {
     if let Some(errno) = faults.as_ref().and_then(|f| f.injected_errno()) {
         return Err(SegmentError::Errno(errno));
     }
@@ -104,6 +104,9 @@ fn transfer(seg: &Segment, faults: &SharedFaults) -> Result<(), SegmentError> {
             return Err(if seg.write { SegmentError::Errno(libc::EIO) } else { SegmentError::Eof });
         }
         done += n as usize;
+        if done < seg.len {
+            sink.moved(seg);
+        }
     }
     Ok(())
 }
@@ -128,6 +131,12 @@ impl Backend for ThreadBackend {
         for w in self.workers.lock().unwrap().drain(..) {
             let _ = w.join();
         }
+    }
+
+    fn detach(&self) {
+        self.shared.queue.lock().unwrap().stop = true;
+        self.shared.ready.notify_all();
+        self.workers.lock().unwrap().clear();
     }
 
     fn kind(&self) -> BackendKind {

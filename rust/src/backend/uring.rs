@@ -211,6 +211,7 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
                 p.done += res as usize;
                 if p.done < p.seg.len {
                     // Short transfer: resubmit the remainder first, ahead of newer work.
+                    sink.moved(&p.seg);
                     overflow.push_front(p, background);
                 } else {
                     sink.segment_done(&p.seg, Ok(()));
@@ -339,6 +340,14 @@ impl Backend for UringBackend {
         }
     }
 
+    fn detach(&self) {
+        self.shared.stop.store(true, Ordering::Release);
+        self.wake();
+        // The thread keeps the ring, its wake-up eventfd and (through the
+        // sink) the staging mapping until the kernel ends what it holds.
+        drop(lock(&self.thread).take());
+    }
+
     fn kind(&self) -> BackendKind {
         BackendKind::IoUring
     }
@@ -355,6 +364,12 @@ impl Backend for UringBackend {
 impl Drop for UringBackend {
     fn drop(&mut self) {
         self.shutdown();
-        unsafe { libc::close(self.shared.wake_fd) };
+    }
+}
+
+impl Drop for Shared {
+    fn drop(&mut self) {
+        // Here, not in the backend's drop: a detached ring thread still arms reads of it.
+        unsafe { libc::close(self.wake_fd) };
     }
 }

@@ -37,6 +37,13 @@ pub struct FsSupport {
     pub direct: bool,
     pub tmpfile: bool,
     pub fallocate: bool,
+    /// An unaligned O_DIRECT write was accepted (NFS, FUSE): O_DIRECT does
+    /// not enforce alignment there. Harmless (every transfer is aligned), recorded.
+    pub direct_unaligned: bool,
+    /// `fcntl(F_SETFL, O_DIRECT)` on an open file shows in `F_GETFL`. Not
+    /// relied on either way (GPFS accepts it and ignores it): chunk files are
+    /// opened with O_DIRECT from the start.
+    pub direct_set_after_open: bool,
 }
 
 /// A file opened for writing a new chunk, not yet visible under its name.
@@ -76,9 +83,14 @@ fn direct_flag(direct: bool) -> i32 {
 /// the exclusive lock. A file being recycled, or moved away between open and
 /// lock, comes back as `ENOENT` (a miss), never as another chunk's bytes.
 pub fn open_for_read(path: &Path, direct: bool) -> std::io::Result<(RawFd, Option<u64>)> {
-    // O_NONBLOCK so that opening a FIFO planted at a chunk path cannot hang;
-    // O_DIRECT only once the file is known to be regular (a FIFO refuses it).
-    let fd = open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0)?;
+    // O_NONBLOCK so that opening a FIFO planted at a chunk path cannot hang.
+    // O_DIRECT from the start: some filesystems (GPFS) ignore it when set
+    // later with fcntl. What refuses it at open (a FIFO, a device, a file
+    // system without direct I/O) is opened again without it, to be judged.
+    let fd = match open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK | direct_flag(direct), 0) {
+        Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0)?,
+        other => other?,
+    };
     let checked = regular_file_size(fd).and_then(|size| {
         if size.is_some() {
             lock_if_current(fd, path, libc::LOCK_SH)?;
@@ -322,8 +334,46 @@ pub fn probe(dir: &Path, mode: u32) -> FsSupport {
         }
         Err(_) => false,
     };
+    let (mut direct_unaligned, mut direct_set_after_open) = (false, false);
+    if let Ok(fd) = open_raw(&probe_path, libc::O_CREAT | libc::O_RDWR | libc::O_DIRECT, mode) {
+        // 512 bytes from an odd address at an odd offset: refused (EINVAL)
+        // wherever O_DIRECT really bypasses the page cache.
+        let buf = [0u8; 1024];
+        direct_unaligned = unsafe { libc::pwrite(fd, buf.as_ptr().add(1) as *const _, 512, 3) } == 512;
+        close(fd);
+    }
+    if let Ok(fd) = open_raw(&probe_path, libc::O_CREAT | libc::O_RDWR, mode) {
+        let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        if flags >= 0 && unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_DIRECT) } == 0 {
+            direct_set_after_open = unsafe { libc::fcntl(fd, libc::F_GETFL) } & libc::O_DIRECT != 0;
+        }
+        close(fd);
+    }
     let _ = std::fs::remove_file(&probe_path);
-    FsSupport { direct, tmpfile, fallocate }
+    FsSupport { direct, tmpfile, fallocate, direct_unaligned, direct_set_after_open }
+}
+
+/// The circuit breaker's probe of a directory: statvfs, then a 4 KiB file
+/// created, written, read back and unlinked. Any error says the directory
+/// is not usable yet.
+pub fn probe_health(dir: &Path) -> std::io::Result<()> {
+    fs_space(dir)?;
+    let path = dir.join(format!("{TEMP_PREFIX}health-{}-{}", std::process::id(), TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)));
+    let fd = open_raw(&path, libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, 0o600)?;
+    let buf = [0x5au8; IO_ALIGN];
+    let mut back = [0u8; IO_ALIGN];
+    let result = (|| {
+        if unsafe { libc::pwrite(fd, buf.as_ptr() as *const _, IO_ALIGN, 0) } != IO_ALIGN as isize {
+            return Err(std::io::Error::last_os_error());
+        }
+        if unsafe { libc::pread(fd, back.as_mut_ptr() as *mut _, IO_ALIGN, 0) } != IO_ALIGN as isize || back != buf {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        Ok(())
+    })();
+    close(fd);
+    let unlinked = std::fs::remove_file(&path);
+    result.and(unlinked)
 }
 
 /// Marks a filler chunk file (see `BlockStore::mark_filler`). O_NOFOLLOW: a

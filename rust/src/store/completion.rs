@@ -5,10 +5,11 @@
 //! paths share.
 
 use crate::backend::{clock_ns, thread_cpu_clock, Backend, Segment, SegmentError, SegmentSink};
-use super::jobs::Job;
+use super::jobs::{DirJob, Job};
+use super::health;
 use crate::disk::files;
 use crate::disk::format::HEADER_BYTES;
-use crate::ops::{Finished, OpId, Outcome, Status};
+use crate::ops::{Finished, OpId, Outcome, Status, Watch};
 use crate::staging::StagingPool;
 use crate::stats::Stats;
 
@@ -30,20 +31,71 @@ impl Core {
         self.finish(id, ctx, Outcome::new(Status::Corrupt, 0, None, msg));
     }
 
+    /// A new operation refused because its directory is unavailable (open
+    /// breaker, too much stuck work): a miss or a skipped put, at once,
+    /// without touching the directory.
+    pub(super) fn refuse(&self, id: OpId, ctx: OpContext, why: String) {
+        self.pool.unpin_io(ctx.slot);
+        let c = &self.health.counters;
+        let outcome = match ctx.kind {
+            OpKind::Get => {
+                Stats::add(&c.skipped_gets, 1);
+                Stats::add(&self.stats.read_misses, 1);
+                Outcome::new(Status::Miss, 0, Some(libc::EAGAIN), format!("{why}: a miss"))
+            }
+            OpKind::Put => {
+                Stats::add(&c.skipped_puts, 1);
+                Outcome::new(Status::Error, 0, Some(libc::EAGAIN), format!("{why}: put skipped"))
+            }
+        };
+        self.ops.complete(id, outcome);
+    }
+
+    /// Starts the deadline clock of an operation about to be queued.
+    pub(super) fn watch(&self, id: OpId, ctx: &OpContext) {
+        let w = Watch { root: ctx.root as u32, slot: ctx.slot as u32, put: ctx.kind == OpKind::Put, since: ctx.started };
+        self.ops.watch(id, w);
+    }
+
     /// Single exit of every operation: closes files, unpins the slot, counts, signals.
     pub(super) fn finish(&self, id: OpId, mut ctx: OpContext, mut outcome: Outcome) {
         self.release_reservation(&mut ctx);
         if ctx.read_fd >= 0 {
-            if !ctx.direct {
-                files::drop_cached_pages(ctx.read_fd, false);
+            if ctx.close_elsewhere {
+                // On the ring thread: a close can wait on the filesystem (a
+                // FUSE flush), so the directory's worker does it.
+                self.dirs[ctx.root].push(DirJob::Close { fd: ctx.read_fd, direct: ctx.direct });
+            } else {
+                if !ctx.direct {
+                    files::drop_cached_pages(ctx.read_fd, false);
+                }
+                files::close(ctx.read_fd);
             }
-            files::close(ctx.read_fd);
         }
         if let Some(f) = ctx.write_file.take() {
             files::discard(&f);
         }
         self.pool.unpin_io(ctx.slot);
         outcome.latency = ctx.started.elapsed();
+        if self.ops.is_abandoned(id) {
+            // Past its deadline the caller got a miss / a skipped put; the
+            // work ended now: the slot left quarantine above, nothing else counts.
+            Stats::add(&self.health.counters.late_completions, 1);
+            self.health.dirs[ctx.root].stuck.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            self.health.progress(ctx.root);
+            return self.ops.complete(id, outcome);
+        }
+        match outcome.errno {
+            Some(e) if health::is_storage_failure(e) => {
+                self.health.failure(ctx.root, false, std::time::Instant::now());
+                if ctx.kind == OpKind::Get && outcome.status == Status::Error {
+                    // Unreachable storage, not a bad chunk: for serving, a miss
+                    // (errno kept: the chunk may well be there, nothing evicts it).
+                    outcome.status = Status::Miss;
+                }
+            }
+            _ => self.health.success(ctx.root),
+        }
         let s = &self.stats;
         match (ctx.kind, outcome.status) {
             (OpKind::Get, Status::Ok) => {
@@ -85,6 +137,10 @@ impl SegmentSink for Core {
     /// returns. The one exception is the header-only verdict of a read (see
     /// `finish_get`'s `on_backend_thread`).
     fn segment_done(&self, seg: &Segment, result: std::result::Result<(), SegmentError>) {
+        // Bytes moved there: the directory is slow at worst, not stalled.
+        if (seg.root as usize) < self.health.dirs.len() {
+            self.health.progress(seg.root as usize);
+        }
         if !seg.write && result.is_ok() && self.verify == VerifyPolicy::Full {
             return self.jobs.push(Job::VerifyPiece { seg: *seg });
         }
@@ -101,6 +157,12 @@ impl SegmentSink for Core {
             return self.finish_get(id, ctx, error, true);
         }
         self.jobs.push(Job::Finish(done));
+    }
+
+    fn moved(&self, seg: &Segment) {
+        if (seg.root as usize) < self.health.dirs.len() {
+            self.health.progress(seg.root as usize);
+        }
     }
 
     fn anomaly(&self, what: String) {
@@ -131,7 +193,7 @@ pub(super) fn segment_count(from: usize, to: usize, seg_bytes: usize) -> usize {
 /// rewrite after ENOSPC (its slot is sealed by then).
 pub(super) fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
     let seg_bytes = if write { core.write_segment_bytes } else { core.segment_bytes };
-    let (file_len, t) = (ctx.file_len, Transfer::of_slot(&core.pool, id, ctx.slot, fd, write, ctx.background));
+    let (file_len, t) = (ctx.file_len, Transfer::of_slot(&core.pool, id, ctx.slot, fd, write, ctx.background, ctx.root));
     if let Err(ctx) = core.ops.start(id, ctx, segment_count(0, file_len, seg_bytes) as u32) {
         return core.fail_early(id, ctx, None, CLOSED_WHILE_SUBMITTING.into());
     }
@@ -147,11 +209,12 @@ pub(super) struct Transfer {
     fd: i32,
     write: bool,
     background: bool,
+    root: usize,
 }
 
 impl Transfer {
-    pub(super) fn of_slot(pool: &StagingPool, id: OpId, slot: usize, fd: i32, write: bool, background: bool) -> Self {
-        Transfer { op: id.index, slot, base: pool.slot_ptr(slot), fd, write, background }
+    pub(super) fn of_slot(pool: &StagingPool, id: OpId, slot: usize, fd: i32, write: bool, background: bool, root: usize) -> Self {
+        Transfer { op: id.index, slot, base: pool.slot_ptr(slot), fd, write, background, root }
     }
 }
 
@@ -169,6 +232,7 @@ pub(super) fn submit_range(backend: &dyn Backend, t: Transfer, from: usize, to: 
         write: t.write,
         buf_index: Some(t.slot as u16),
         background: t.background,
+        root: t.root as u32,
     };
     // Small fixed batch on the stack: no per-I/O heap allocation.
     let mut batch = [blank; 16];
@@ -194,9 +258,9 @@ pub(super) fn chunk_worker(core: &Core, backend: &dyn Backend) {
     let clock = thread_cpu_clock();
     while let Some(job) = core.jobs.pop() {
         match job {
-            Job::Seal { id, transfer_fd, slot, payload_len } => {
+            Job::Seal { id, transfer_fd, slot, payload_len, root } => {
                 core.seal(id, slot, payload_len);
-                submit_range(backend, Transfer::of_slot(&core.pool, id, slot, transfer_fd, true, false), 0, HEADER_BYTES, 0);
+                submit_range(backend, Transfer::of_slot(&core.pool, id, slot, transfer_fd, true, false, root), 0, HEADER_BYTES, 0);
             }
             Job::VerifyPiece { seg } => {
                 if let Some(done) = core.verify_piece(&seg) {
@@ -206,5 +270,35 @@ pub(super) fn chunk_worker(core: &Core, backend: &dyn Backend) {
             Job::Finish(done) => core.finish_op(done, backend),
         }
         core.jobs.record_cpu(me, clock_ns(clock));
+    }
+}
+
+/// A directory worker: the blocking syscalls of one storage directory.
+pub(super) fn dir_worker(core: &Core, backend: &dyn Backend, root: usize) {
+    while let Some(job) = core.dirs[root].pop() {
+        match job {
+            DirJob::OpenRead { id, ctx } => core.open_read(id, ctx, backend),
+            DirJob::OpenWrite { id, ctx } => core.open_write(id, ctx, backend),
+            DirJob::Close { fd, direct } => {
+                if !direct {
+                    files::drop_cached_pages(fd, false);
+                }
+                files::close(fd);
+            }
+            DirJob::Lstat { hash, reply } => {
+                let found = core.lstat_chunk(hash);
+                *reply.found.lock().unwrap_or_else(|e| e.into_inner()) = Some(found);
+                reply.ready.notify_all();
+            }
+            DirJob::Unlink { hash, reply } => {
+                let unlinked = std::fs::remove_file(core.layout.chunk_path(hash)).is_ok();
+                *reply.found.lock().unwrap_or_else(|e| e.into_inner()) = Some(unlinked);
+                reply.ready.notify_all();
+            }
+            DirJob::Probe { number } => {
+                let result = files::probe_health(&core.layout.ns_dirs()[root]);
+                core.health.probe_result(root, number, result, std::time::Instant::now());
+            }
+        }
     }
 }

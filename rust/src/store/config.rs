@@ -101,6 +101,9 @@ pub struct StoreConfig {
     pub permissions: Permissions,
     /// Space kept free on each storage filesystem for other writers.
     pub min_free: FreeSpaceReserve,
+    /// How long a get or put may take before it is abandoned (a miss, a
+    /// skipped put); None: `health::default_deadline` of the slot size.
+    pub io_deadline: Option<std::time::Duration>,
     pub faults: SharedFaults,
 }
 
@@ -150,6 +153,7 @@ impl StoreConfig {
             preallocate: true,
             permissions: Permissions::default(),
             min_free: FreeSpaceReserve::Default,
+            io_deadline: None,
             faults: None,
         }
     }

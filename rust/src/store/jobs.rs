@@ -16,7 +16,7 @@ use super::OpContext;
 
 pub enum Job {
     /// Checksum a put's payload (already being written) and write its header.
-    Seal { id: OpId, transfer_fd: i32, slot: usize, payload_len: usize },
+    Seal { id: OpId, transfer_fd: i32, slot: usize, payload_len: usize, root: usize },
     /// One segment of a fully verified read landed: checksum its payload piece.
     VerifyPiece { seg: Segment },
     /// The transfer completed: verify (get) or publish (put), then complete.
@@ -67,5 +67,63 @@ impl JobQueue {
 
     pub fn cpu_time_ns(&self) -> u64 {
         self.cpu_ns.lock().unwrap().iter().map(|c| c.load(Ordering::Relaxed)).sum()
+    }
+}
+
+/// Work that touches one storage directory with syscalls that can block for
+/// as long as the directory is unreachable (open, stat, rename, unlink,
+/// close). It runs on that directory's own workers (`health::DIR_WORKERS`),
+/// never on the caller's, the ring's or the chunk workers' threads.
+pub enum DirJob {
+    /// Open the chunk file of a get and submit its transfer.
+    OpenRead { id: OpId, ctx: OpContext },
+    /// Make room, open or claim a file for a put and submit its transfer.
+    OpenWrite { id: OpId, ctx: OpContext },
+    /// Close a file after a transfer that ended on the ring thread.
+    Close { fd: i32, direct: bool },
+    /// `probe(key)`: one lstat; the answer is indexed and given to the waiter.
+    Lstat { hash: u128, reply: std::sync::Arc<LstatReply> },
+    /// Unlink an evicted chunk's file; whether it was there goes to the waiter.
+    Unlink { hash: u128, reply: std::sync::Arc<LstatReply> },
+    /// The breaker's probe numbered so.
+    Probe { number: u64 },
+}
+
+#[derive(Default)]
+pub struct LstatReply {
+    pub found: Mutex<Option<bool>>,
+    pub ready: Condvar,
+}
+
+/// One directory's queue of `DirJob`s.
+#[derive(Default)]
+pub struct DirQueue {
+    state: Mutex<(VecDeque<DirJob>, bool)>,
+    ready: Condvar,
+}
+
+impl DirQueue {
+    pub fn push(&self, job: DirJob) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).0.push_back(job);
+        self.ready.notify_one();
+    }
+
+    /// Next job, or None once stopped and empty.
+    pub fn pop(&self) -> Option<DirJob> {
+        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(job) = st.0.pop_front() {
+                return Some(job);
+            }
+            if st.1 {
+                return None;
+            }
+            st = self.ready.wait(st).unwrap_or_else(|e| e.into_inner());
+        }
+    }
+
+    pub fn stop(&self) {
+        self.state.lock().unwrap_or_else(|e| e.into_inner()).1 = true;
+        self.ready.notify_all();
     }
 }

@@ -66,18 +66,20 @@ use std::time::{Duration, Instant};
 use crate::backend::threads::ThreadBackend;
 use crate::backend::uring::UringBackend;
 use crate::backend::{Backend, SegmentSink};
-use jobs::JobQueue;
+use jobs::{DirJob, DirQueue, JobQueue, LstatReply};
+use health::Health;
 use crate::disk::files::{self, DirectIoPolicy, FsSupport, PendingFile};
 use crate::disk::format::{self, Fingerprint, HEADER_BYTES, IO_ALIGN, MAX_KEY_BYTES};
 use crate::disk::index::ChunkIndex;
 use crate::disk::layout::Layout;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
 use crate::error::{EngineError, Result};
-use crate::ops::{OpId, OpTable, Outcome};
+use crate::ops::{OpId, OpTable, Outcome, Status};
 use crate::staging::StagingPool;
 use crate::stats::Stats;
 
 mod capacity;
+pub mod health;
 mod jobs;
 mod completion;
 pub mod config;
@@ -112,6 +114,9 @@ pub struct OpContext {
     pub enospc_retried: bool,
     /// Bytes this put reserved against the capacity (0 once released).
     pub reserved: u64,
+    /// Finished on the ring thread: the file is closed by a directory
+    /// worker (a close can wait on the filesystem).
+    pub close_elsewhere: bool,
 }
 
 struct Core {
@@ -146,12 +151,18 @@ struct Core {
     stats: Stats,
     verify: VerifyPolicy,
     jobs: JobQueue,
+    health: Health,
+    /// One queue of blocking directory work per root (`health::DIR_WORKERS` threads each).
+    dirs: Vec<DirQueue>,
+    watchdog_stop: AtomicBool,
 }
 
 pub struct BlockStore {
     core: Arc<Core>,
     backend: Arc<dyn Backend>,
     workers: Mutex<Vec<JoinHandle<()>>>,
+    dir_workers: Mutex<Vec<JoinHandle<()>>>,
+    watchdog: Mutex<Option<JoinHandle<()>>>,
     scanner: Mutex<Option<JoinHandle<()>>>,
     closed: AtomicBool,
 }
@@ -252,7 +263,16 @@ impl BlockStore {
             (index, ScanProgress::completed(report))
         };
 
+        let deadline = config.io_deadline.unwrap_or_else(|| health::default_deadline(pool.stride()));
+        if deadline.is_zero() {
+            return Err(EngineError::invalid("io_deadline must be positive (None: derived from the chunk size)"));
+        }
+        let health = Health::new(layout.ns_dirs(), deadline);
+        let dirs = layout.ns_dirs().iter().map(|_| DirQueue::default()).collect();
         let core = Arc::new(Core {
+            health,
+            dirs,
+            watchdog_stop: AtomicBool::new(false),
             pool: pool.clone(),
             layout,
             namespace,
@@ -312,7 +332,19 @@ impl BlockStore {
         }
         let done = core.scan.report();
         let report = OpenReport { fallbacks: core.stats.fallbacks(), warnings, scanned_chunks: done.chunks, scan_time: done.time };
-        let store = BlockStore { core, backend, workers: Mutex::new(workers), scanner: Mutex::new(scanner), closed: AtomicBool::new(false) };
+        let store = BlockStore {
+            core,
+            backend,
+            workers: Mutex::new(workers),
+            dir_workers: Mutex::new(Vec::new()),
+            watchdog: Mutex::new(None),
+            scanner: Mutex::new(scanner),
+            closed: AtomicBool::new(false),
+        };
+        if let Err(e) = store.start_guards() {
+            store.close();
+            return Err(e);
+        }
         Ok((store, report))
     }
 
@@ -353,6 +385,7 @@ impl BlockStore {
             background: false,
             enospc_retried: false,
             reserved: 0,
+            close_elsewhere: false,
         };
         Ok((id, ctx))
     }
@@ -382,8 +415,11 @@ impl BlockStore {
         self.core.ops.release(id)
     }
 
+    /// Indexed, and its directory available: while a directory's circuit
+    /// breaker is open its chunks stay indexed but read as absent.
     pub fn contains(&self, key: &[u8]) -> bool {
-        self.core.index.lock().unwrap().contains(format::key_hash(key))
+        let hash = format::key_hash(key);
+        self.core.index.lock().unwrap().contains(hash) && self.core.health.refusal(self.core.layout.root_of(hash)).is_none()
     }
 
     /// Index lookup, then the directory: finds chunks that another process
@@ -394,13 +430,18 @@ impl BlockStore {
         if self.core.index.lock().unwrap().contains(hash) {
             return true;
         }
-        match std::fs::symlink_metadata(self.core.layout.chunk_path(hash)) {
-            Ok(meta) if meta.file_type().is_file() && meta.len() >= HEADER_BYTES as u64 => {
-                self.core.index.lock().unwrap().insert(hash, meta.len());
-                true
-            }
-            _ => false,
+        // The lstat runs on the directory's worker: the caller (vLLM's
+        // scheduler) waits for it at most `PROBE_WAIT`, and not at all while
+        // the directory is known to be unavailable. A late answer is still indexed.
+        let root = self.core.layout.root_of(hash);
+        if self.closed.load(Ordering::Acquire) || self.core.health.refusal(root).is_some() {
+            return false;
         }
+        let reply = Arc::new(LstatReply::default());
+        self.core.dirs[root].push(DirJob::Lstat { hash, reply: reply.clone() });
+        let wait = health::PROBE_WAIT.min(self.core.health.deadline);
+        let answered = crate::wait::wait_until(&reply.found, &reply.ready, crate::wait::deadline_after(Some(wait)), |f| *f);
+        answered.unwrap_or(false)
     }
 
     /// Payload capacity needed to read a chunk (its file length minus the header).
@@ -408,9 +449,24 @@ impl BlockStore {
         self.core.index.lock().unwrap().file_len(format::key_hash(key))
     }
 
+    /// Drops `key` from the index at once; its file is unlinked by the
+    /// directory's worker (an unlink can block on an unreachable directory),
+    /// waited for at most `PROBE_WAIT`. True when it was indexed or unlinked in time.
     pub fn evict(&self, key: &[u8]) -> bool {
         let hash = format::key_hash(key);
-        self.core.remove_chunk(hash)
+        let root = self.core.layout.root_of(hash);
+        let removed = self.core.index.lock().unwrap().remove(hash);
+        if let Some(len) = removed {
+            Stats::add(&self.core.stats.evicted_bytes, len);
+        }
+        if self.closed.load(Ordering::Acquire) || self.core.health.refusal(root).is_some() {
+            return removed.is_some();
+        }
+        let reply = Arc::new(LstatReply::default());
+        self.core.dirs[root].push(DirJob::Unlink { hash, reply: reply.clone() });
+        let wait = health::PROBE_WAIT.min(self.core.health.deadline);
+        let unlinked = crate::wait::wait_until(&reply.found, &reply.ready, crate::wait::deadline_after(Some(wait)), |f| *f);
+        removed.is_some() || unlinked.unwrap_or(false)
     }
 
     pub fn rescan(&self) -> Result<usize> {
@@ -544,6 +600,14 @@ impl BlockStore {
     }
 
     /// Waits for in-flight I/O, then stops the backend. Idempotent.
+    ///
+    /// Bounded: operations that do not finish are abandoned by the deadline
+    /// watchdog (still running here); what is then still stuck in the kernel
+    /// is waited for `CLOSE_GRACE` more. After that the store's threads
+    /// are left to end by themselves when the kernel lets go of their work:
+    /// they, the staging mapping the kernel may still write (kept by them,
+    /// never unmapped under it) and the ring stay until then, or until the
+    /// process exits. `stats()["stuck_ops"]` counts such operations.
     pub fn close(&self) {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
@@ -555,12 +619,139 @@ impl BlockStore {
         if let Some(h) = self.scanner.lock().unwrap().take() {
             let _ = h.join();
         }
-        self.core.ops.drain();
+        let grace = crate::wait::deadline_after(Some(CLOSE_GRACE.min(self.core.health.deadline)));
+        let all_ended = self.core.ops.drain(grace);
+        self.core.watchdog_stop.store(true, Ordering::Release);
+        if let Some(h) = self.watchdog.lock().unwrap().take() {
+            let _ = h.join();
+        }
         self.core.jobs.stop();
+        for q in &self.core.dirs {
+            q.stop();
+        }
+        if !all_ended {
+            let stuck = self.core.ops.stuck();
+            self.core.stats.record_fallback(format!(
+                "closed with {stuck} operation(s) still stuck in the kernel: their threads and staging slots are released when it lets go"
+            ));
+            self.workers.lock().unwrap().clear();
+            self.dir_workers.lock().unwrap().clear();
+            self.backend.detach();
+            return;
+        }
         for w in self.workers.lock().unwrap().drain(..) {
             let _ = w.join();
         }
+        for w in self.dir_workers.lock().unwrap().drain(..) {
+            let _ = w.join();
+        }
         self.backend.shutdown();
+    }
+
+    /// The directory workers and the deadline watchdog.
+    fn start_guards(&self) -> Result<()> {
+        let mut dir_workers = self.dir_workers.lock().unwrap();
+        for root in 0..self.core.dirs.len() {
+            for i in 0..health::DIR_WORKERS {
+                let (c, b) = (self.core.clone(), self.backend.clone());
+                let h = std::thread::Builder::new()
+                    .name(format!("pykvcache-dir{root}-{i}"))
+                    .spawn(move || completion::dir_worker(&c, &*b, root))
+                    .map_err(|e| EngineError::io("starting directory workers", e))?;
+                dir_workers.push(h);
+            }
+        }
+        let c = self.core.clone();
+        let h = std::thread::Builder::new()
+            .name("pykvcache-deadline".into())
+            .spawn(move || c.watchdog())
+            .map_err(|e| EngineError::io("starting the deadline watchdog", e))?;
+        *self.watchdog.lock().unwrap() = Some(h);
+        Ok(())
+    }
+
+    /// The I/O deadline in force (configured or derived from the chunk size).
+    pub fn io_deadline(&self) -> Duration {
+        self.core.health.deadline
+    }
+
+    /// Per storage directory: its path and circuit-breaker state.
+    pub fn dir_states(&self) -> Vec<(PathBuf, &'static str)> {
+        self.core.health.dirs.iter().enumerate().map(|(i, d)| (d.path.clone(), self.core.health.state(i).name())).collect()
+    }
+
+    pub fn health(&self) -> &Health {
+        &self.core.health
+    }
+
+    /// Breaker state changes since the last call, for the caller to log.
+    pub fn take_health_notices(&self) -> Vec<String> {
+        self.core.health.take_notices()
+    }
+
+    /// Operations abandoned past their deadline whose work the kernel has not ended.
+    pub fn stuck_ops(&self) -> usize {
+        self.core.ops.stuck()
+    }
+
+    /// What probing each storage directory found at open.
+    pub fn storage_support(&self) -> Vec<(PathBuf, FsSupport)> {
+        self.core.layout.ns_dirs().iter().cloned().zip(self.core.support.iter().copied()).collect()
+    }
+}
+
+/// How long `close` waits for operations stuck in the kernel once they were
+/// abandoned (at most the deadline).
+const CLOSE_GRACE: Duration = Duration::from_secs(2);
+
+impl Core {
+    /// The deadline watchdog: abandons overdue operations (a miss / a skipped
+    /// put for the caller, the slot quarantined), feeds the breakers and
+    /// queues their probes. It only takes locks, never touches a file.
+    fn watchdog(&self) {
+        let tick = (self.health.deadline / 8).clamp(Duration::from_millis(5), Duration::from_millis(100));
+        let mut abandoned = Vec::with_capacity(64);
+        while !self.watchdog_stop.load(Ordering::Acquire) {
+            let now = Instant::now();
+            let deadline = self.health.deadline;
+            self.ops.abandon_overdue(
+                |w| self.health.overdue(w.root as usize, w.since, now),
+                |w| {
+                    // Under the op table's lock, before the caller can see the
+                    // outcome and release the slot: quarantined first.
+                    self.pool.quarantine(w.slot as usize);
+                    self.health.dirs[w.root as usize].stuck.fetch_add(1, Ordering::Relaxed);
+                    self.health.failure(w.root as usize, true, now);
+                    let dir = self.health.dirs[w.root as usize].path.display();
+                    let msg = format!("no answer from {dir} within the {:.1} s I/O deadline", deadline.as_secs_f64());
+                    if w.put {
+                        Stats::add(&self.stats.write_errors, 1);
+                        Outcome::new(Status::Error, 0, Some(libc::ETIMEDOUT), format!("{msg}: put skipped"))
+                    } else {
+                        Stats::add(&self.stats.read_misses, 1);
+                        Outcome::new(Status::Miss, 0, Some(libc::ETIMEDOUT), format!("{msg}: a miss"))
+                    }
+                },
+                &mut abandoned,
+            );
+            for root in 0..self.dirs.len() {
+                if let health::Due::Probe(number) = self.health.tick(root, now) {
+                    self.dirs[root].push(DirJob::Probe { number });
+                }
+            }
+            std::thread::sleep(tick);
+        }
+    }
+
+    /// One lstat of a chunk path; a chunk found is indexed.
+    fn lstat_chunk(&self, hash: u128) -> bool {
+        match std::fs::symlink_metadata(self.layout.chunk_path(hash)) {
+            Ok(meta) if meta.file_type().is_file() && meta.len() >= HEADER_BYTES as u64 => {
+                self.index.lock().unwrap().insert(hash, meta.len());
+                true
+            }
+            _ => false,
+        }
     }
 }
 

@@ -6,12 +6,12 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::backend::{Segment, SegmentError};
+use crate::backend::{Backend, Segment, SegmentError};
 use crate::checksum::{crc32c, crc32c_combine};
 use crate::disk::files;
 use crate::disk::format::{self, FormatError, HEADER_BYTES, IO_ALIGN};
 use crate::error::Result;
-use super::jobs::Job;
+use super::jobs::{DirJob, Job};
 use crate::ops::{Finished, OpId, Outcome, Status};
 use crate::stats::Stats;
 
@@ -37,53 +37,69 @@ impl BlockStore {
         if background {
             Stats::add(&self.core.stats.prefetches, 1);
         }
-        let pool = &self.core.pool;
         let (id, mut ctx) = self.begin(OpKind::Get, key, slot, timeout)?;
         ctx.background = background;
+        if let Some(why) = self.core.health.refusal(ctx.root) {
+            self.core.refuse(id, ctx, why);
+            return Ok(id);
+        }
+        // The open (and the checks on the open file) can block for as long as
+        // the directory is unreachable: on its own workers, never here.
+        self.core.watch(id, &ctx);
+        self.core.dirs[ctx.root].push(DirJob::OpenRead { id, ctx });
+        Ok(id)
+    }
+}
+
+impl Core {
+    /// Step 2 and 3 of a get, on a worker of the chunk's directory.
+    pub(super) fn open_read(&self, id: OpId, mut ctx: OpContext, backend: &dyn Backend) {
+        if self.ops.is_abandoned(id) {
+            // Timed out while queued behind stuck work: the caller has its miss.
+            return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, "abandoned before it started"));
+        }
+        let pool = &self.pool;
         let hash = ctx.hash;
-        let path = self.core.layout.chunk_path(hash);
+        let path = self.layout.chunk_path(hash);
         let (fd, size) = match files::open_for_read(&path, ctx.direct) {
             Ok(opened) => opened,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                 // Absent (or deleted by another process sharing the directory): a miss.
-                self.core.index.lock().unwrap().remove(hash);
-                self.core.finish(id, ctx, Outcome::new(Status::Miss, 0, None, "chunk not on disk"));
-                return Ok(id);
+                self.index.lock().unwrap().remove(hash);
+                return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, "chunk not on disk"));
             }
             Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
                 // O_NOFOLLOW refused a symlink planted at a chunk path: never
                 // followed, and removed like any other foreign file.
-                self.core.corrupt(id, ctx, "a symbolic link, not a chunk file (not followed)".into());
-                return Ok(id);
+                return self.corrupt(id, ctx, "a symbolic link, not a chunk file (not followed)".into());
             }
             Err(e) => {
                 let msg = format!("opening {}: {e}", path.display());
-                self.core.fail_early(id, ctx, e.raw_os_error(), msg);
-                return Ok(id);
+                return self.fail_early(id, ctx, e.raw_os_error(), msg);
             }
         };
         ctx.read_fd = fd;
         let Some(size) = size.map(|s| s as usize) else {
-            self.core.corrupt(id, ctx, "not a regular file".into());
-            return Ok(id);
+            return self.corrupt(id, ctx, "not a regular file".into());
         };
         let max_len = HEADER_BYTES + format::round_up(pool.slot_bytes(), IO_ALIGN);
         if size > max_len && size % IO_ALIGN == 0 {
             // Possibly a valid chunk from a process with larger slots sharing
             // the directory: not ours to judge or delete, just not loadable here.
             let msg = format!("chunk of {size} bytes does not fit a {max_len}-byte slot");
-            self.core.finish(id, ctx, Outcome::new(Status::Miss, 0, None, msg));
-            return Ok(id);
+            return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, msg));
         }
         if size < HEADER_BYTES || size % IO_ALIGN != 0 {
             let reason = format!("file is {size} bytes (expected a multiple of {IO_ALIGN} in {HEADER_BYTES}..={max_len})");
-            self.core.corrupt(id, ctx, reason);
-            return Ok(id);
+            return self.corrupt(id, ctx, reason);
+        }
+        if self.ops.is_abandoned(id) {
+            // The open answered after the deadline: nothing is read into the slot.
+            return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, "opened after the deadline"));
         }
         ctx.file_len = size;
-        self.core.pieces.reset(id.index, completion::segment_count(0, size, self.core.segment_bytes));
-        completion::submit(&self.core, &*self.backend, id, ctx, fd, false);
-        Ok(id)
+        self.pieces.reset(id.index, completion::segment_count(0, size, self.segment_bytes));
+        completion::submit(self, backend, id, ctx, fd, false);
     }
 }
 
@@ -181,8 +197,12 @@ impl Core {
     /// called from the reaping loop (header-only checks), where nothing may
     /// unlink or evict: a corrupt chunk, or one to adopt, is handed to a
     /// chunk worker (which judges it again) instead.
-    pub(super) fn finish_get(&self, id: OpId, ctx: OpContext, error: Option<SegmentError>, on_backend_thread: bool) {
-        let to_worker = |ctx: OpContext| self.jobs.push(Job::Finish(Finished { id, ctx, error }));
+    pub(super) fn finish_get(&self, id: OpId, mut ctx: OpContext, error: Option<SegmentError>, on_backend_thread: bool) {
+        ctx.close_elsewhere = on_backend_thread;
+        let to_worker = |mut ctx: OpContext| {
+            ctx.close_elsewhere = false;
+            self.jobs.push(Job::Finish(Finished { id, ctx, error }))
+        };
         match error {
             Some(SegmentError::Eof) if on_backend_thread => return to_worker(ctx),
             Some(SegmentError::Eof) => return self.corrupt(id, ctx, "file shorter than its size (truncated while reading)".into()),

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use crate::backend::{Backend, SegmentError};
 use crate::checksum::crc32c;
-use super::jobs::Job;
+use super::jobs::{DirJob, Job};
 use crate::disk::files;
 use crate::disk::format::{self, HEADER_BYTES};
 use crate::error::{EngineError, Result};
@@ -31,56 +31,68 @@ impl BlockStore {
         }
         let (id, mut ctx) = self.begin(OpKind::Put, key, slot, timeout)?;
         (ctx.file_len, ctx.payload_len) = (file_len, length);
-        let (hash, root) = (ctx.hash, ctx.root);
-        let reuse = self.core.recycle_files.then_some(root);
-        let victim = match self.core.reserve_room(&mut ctx, reuse) {
+        if let Some(why) = self.core.health.refusal(ctx.root) {
+            self.core.refuse(id, ctx, why);
+            return Ok(id);
+        }
+        // Eviction, statvfs, the claim of a victim's file or a fresh one:
+        // all can block on an unreachable directory, so none of it runs here.
+        self.core.watch(id, &ctx);
+        self.core.dirs[ctx.root].push(DirJob::OpenWrite { id, ctx });
+        Ok(id)
+    }
+}
+
+impl Core {
+    /// Steps 1 (room, file) and 2 of a put, on a worker of the chunk's directory.
+    pub(super) fn open_write(&self, id: OpId, mut ctx: OpContext, backend: &dyn Backend) {
+        if self.ops.is_abandoned(id) {
+            return self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(libc::ETIMEDOUT), "abandoned before it started"));
+        }
+        let (hash, root, slot, length, file_len) = (ctx.hash, ctx.root, ctx.slot, ctx.payload_len, ctx.file_len);
+        let reuse = self.recycle_files.then_some(root);
+        let victim = match self.reserve_room(&mut ctx, reuse) {
             Ok(victim) => victim,
-            Err(refused) => {
-                self.core.fail_early(id, ctx, Some(libc::ENOSPC), refused);
-                return Ok(id);
-            }
+            Err(refused) => return self.fail_early(id, ctx, Some(libc::ENOSPC), refused),
         };
-        match self.core.open_chunk_file(&mut ctx, victim) {
+        match self.open_chunk_file(&mut ctx, victim) {
             Ok(f) => ctx.write_file = Some(f),
             Err(e) => {
-                let shard = self.core.layout.shard_dir(hash);
+                let shard = self.layout.shard_dir(hash);
                 let msg = format!("creating chunk file in {}: {e}", shard.display());
-                self.core.fail_early(id, ctx, e.raw_os_error(), msg);
-                return Ok(id);
+                return self.fail_early(id, ctx, e.raw_os_error(), msg);
             }
+        }
+        if self.ops.is_abandoned(id) {
+            return self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(libc::ETIMEDOUT), "file opened after the deadline"));
         }
         let fd = ctx.write_file.as_ref().unwrap().fd;
         // The payload leaves at once; its checksum (~1.5 ms for 28 MiB: not on
         // the caller's thread) is computed by a chunk worker meanwhile and the
         // header block written last, so the CRC pass overlaps the transfer.
         // The chunk becomes visible only after both writes (publish).
-        let core = &self.core;
+        let pool = &self.pool;
         unsafe {
             let pad = file_len - HEADER_BYTES - length;
             std::ptr::write_bytes(pool.payload_ptr(slot).add(length), 0, pad);
         }
         // verify="header": no payload checksum, so the header is ready now and
         // the whole file leaves in one go (storage that checksums data itself).
-        let sealed_now = core.verify == VerifyPolicy::Header;
+        let sealed_now = self.verify == VerifyPolicy::Header;
         if sealed_now {
             let header = unsafe { std::slice::from_raw_parts_mut(pool.slot_ptr(slot), HEADER_BYTES) };
-            format::encode_header_for(header, &core.namespace, key, length as u64, None);
+            format::encode_header_for(header, &self.namespace, &ctx.key, length as u64, None);
         }
         let from = if sealed_now { 0 } else { HEADER_BYTES };
         let header_write = u32::from(!sealed_now);
-        if let Err(ctx) = core.ops.start(id, ctx, completion::segment_count(from, file_len, core.write_segment_bytes) as u32 + header_write) {
-            core.fail_early(id, ctx, None, completion::CLOSED_WHILE_SUBMITTING.into());
-            return Ok(id);
+        if let Err(ctx) = self.ops.start(id, ctx, completion::segment_count(from, file_len, self.write_segment_bytes) as u32 + header_write) {
+            return self.fail_early(id, ctx, None, completion::CLOSED_WHILE_SUBMITTING.into());
         }
-        completion::submit_range(&*self.backend, Transfer::of_slot(pool, id, slot, fd, true, false), from, file_len, core.write_segment_bytes);
+        completion::submit_range(backend, Transfer::of_slot(pool, id, slot, fd, true, false, root), from, file_len, self.write_segment_bytes);
         if !sealed_now {
-            core.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length });
+            self.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length, root });
         }
-        Ok(id)
     }
-}
-
-impl Core {
     /// Writes the header block into the slot in place (the padding was
     /// zeroed by `put`), so the whole file leaves in aligned transfers
     /// straight from staging.
