@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_OMP_THREADS_BIND := nobind
 
-.PHONY: venv develop wheel test test-rust test-python demo bench clean
+.PHONY: venv develop wheel test test-rust test-python demo bench bench-serve clean
 
 venv:
 	bash tools/setup_venv.sh
@@ -34,5 +34,9 @@ demo: develop
 bench: develop
 	$(PY) -m pykvcache.cli bench --out bench-out
 
+# The serving benchmark: real vLLM OpenAI servers, every configuration (~30-40 min on 2 cores).
+bench-serve: develop
+	$(PY) -m pykvcache.cli bench --parts serve --out bench-serve-out
+
 clean:
-	rm -rf target dist bench-out demo-out gpu-bench-out
+	rm -rf target dist bench-out bench-serve-out demo-out gpu-bench-out
