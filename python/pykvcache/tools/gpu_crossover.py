@@ -227,12 +227,13 @@ def crossover(prefill: PrefillCurve, load: LoadCost, bytes_per_token: float) -> 
     return CostModel(prefill, load, bytes_per_token).break_even_tokens()
 
 
-def load_cost(rows: list[dict[str, Any]]) -> LoadCost:
-    """The measured load path: disk (fixed + bandwidth, fitted over sizes) and
-    the copy's bandwidth (median over sizes)."""
-    fixed, disk_bw = LoadCost.fit_disk([(r["bytes"], r["disk_s"]) for r in rows])
+def fitted(prefill: list[tuple[int, float]], rows: list[dict[str, Any]], bytes_per_token: float) -> CostModel:
+    """Prefill curve, disk (fixed + bandwidth, fitted over sizes) and the copy's
+    bandwidth (median over sizes), fitted where calibration fits."""
+    from .calibrate.fit import fit_prefill_vs_load
+
     copy_bw = statistics.median(r["bytes"] / r["copy_s"] for r in rows if r["copy_s"] > 0)
-    return LoadCost(fixed_s=fixed, disk_bytes_per_s=disk_bw, h2d_bytes_per_s=copy_bw)
+    return fit_prefill_vs_load(prefill, [(r["bytes"], r["disk_s"]) for r in rows], copy_bw, bytes_per_token)
 
 
 def at_bandwidths(prefill: PrefillCurve, load: LoadCost, bytes_per_token: float,
@@ -264,8 +265,8 @@ def run(shapes: list[Shape], lengths: list[int], device: str, store_dir: Path, r
             log(f"      {n:>6} tokens: prefill {t * 1e3:8.1f} ms, load {row['load_s'] * 1e3:8.1f} ms "
                 f"(disk {row['disk_s'] * 1e3:.1f} + copy {row['copy_s'] * 1e3:.1f}; {row['bytes'] / 2**20:.0f} MiB)")
         try:
-            curve = PrefillCurve.fit(pre)
-            cost = load_cost(ld["rows"])
+            model_fit = fitted(pre, ld["rows"], bpt)
+            curve, cost = model_fit.prefill, model_fit.load
         except ValueError as e:  # noisy measurements (a busy machine): reported, not fatal
             entry["fit_error"] = str(e)
             log(f"      no crossover: {e}")
