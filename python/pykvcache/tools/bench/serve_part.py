@@ -225,7 +225,11 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
     keys = [k for k in after if k.startswith(("vllm:pykvcache_", "vllm:prefix_cache", "vllm:prompt_tokens",
                                               "vllm:external_prefix_cache", "vllm:generation_tokens",
                                               "vllm:kv_offload"))]
-    return {k: after[k] - before.get(k, 0.0) for k in keys if not k.endswith("_created")}
+    def counter(k: str) -> bool:  # prometheus_client: counters end in _total, histograms in _sum/_count/_bucket
+        return k.split("{")[0].endswith(("_total", "_sum", "_count", "_bucket"))
+
+    # Counters: what this window added; gauges (the gate's learnt bandwidth, ...): the value at its end.
+    return {k: after[k] - before.get(k, 0.0) if counter(k) else after[k] for k in keys if not k.endswith("_created")}
 
 
 def run_vllm_bench(url: str, model: str, opts: ServeOptions, concurrency: int, seed: int, work: Path) -> dict[str, Any]:
@@ -537,6 +541,8 @@ def analyse(runs: list[dict[str, Any]], opts: ServeOptions, model_info: dict[str
             not bad, "all identical" if not bad else "; ".join(f"{r[0]} #{r[1]}: {r[2]}" for r in bad))
 
     out.tables += [_turn_table(ok_cfg, configs, top), _bucket_table(ok_cfg, configs, top)]
+    if ok_cfg.get("pykvcache") and ok_cfg.get("recompute"):
+        out.tables.append(_tail_table(ok_cfg, top))
     if len(opts.concurrency) > 1:
         out.tables.append(_concurrency_table(ok_cfg, configs, opts.concurrency))
     if opts.pr_prompts:
@@ -554,6 +560,27 @@ def analyse(runs: list[dict[str, Any]], opts: ServeOptions, model_info: dict[str
     out.raw = {"options": opts.to_dict(), "model": model_info, "runs": runs, "ratios": ratio_raw,
                "lookahead_gain": la}
     return out
+
+
+def _tail_table(ok_cfg: dict[str, list], top: int, share: float = 0.1) -> Table:
+    """The slowest requests of the default configuration next to the same
+    request (same repeat, session, turn) under recompute: where the tail comes from."""
+    rows = []
+    for e in ok_cfg["pykvcache"]:
+        base = next((b for b in ok_cfg["recompute"] if b["repeat"] == e["repeat"]), None)
+        if base is None:
+            continue
+        ref = {(r["session"], r["turn"]): r for r in _records(base, top)}
+        recs = sorted(_records(e, top), key=lambda r: -r["ttft_s"])
+        for r in recs[:max(1, int(len(recs) * share))]:
+            b = ref.get((r["session"], r["turn"]))
+            rows.append([str(e["repeat"] + 1), f"{r['session']}/{r['turn']}", str(r["prompt_tokens"]),
+                         str(r["reused_tokens"]), str(r["cached_tokens"]), _ms(r["ttft_s"]),
+                         "-" if b is None else _ms(b["ttft_s"]), "-" if b is None else str(b["cached_tokens"])])
+    return Table(title=f"Where pykvcache's tail comes from: its slowest {share:.0%} of requests ({top} users)",
+                 header=["repeat", "session/turn", "prompt tokens", "reusable", "cached (pykvcache)",
+                         "TTFT ms (pykvcache)", "TTFT ms (recompute, same request)", "cached (recompute)"],
+                 rows=rows)
 
 
 def _turn_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
