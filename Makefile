@@ -6,7 +6,7 @@ VENV033 := .venv-vllm033
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_OMP_THREADS_BIND := nobind
 
-.PHONY: venv venv-vllm033 develop wheel test test-rust test-python test-vllm033 demo bench clean
+.PHONY: venv venv-vllm033 develop wheel test test-rust test-python test-vllm033 demo bench bench-serve clean
 
 venv:
 	bash tools/setup_venv.sh
@@ -54,5 +54,9 @@ demo: develop
 bench: develop
 	$(PY) -m pykvcache.cli bench --out bench-out
 
+# The serving benchmark: real vLLM OpenAI servers, every configuration (~30-40 min on 2 cores).
+bench-serve: develop
+	$(PY) -m pykvcache.cli bench --parts serve --out bench-serve-out
+
 clean:
-	rm -rf target dist bench-out demo-out gpu-bench-out
+	rm -rf target dist bench-out bench-serve-out demo-out gpu-bench-out

@@ -13,11 +13,21 @@
    b. the ``ttft`` benchmark part (TTFT vs prefix length, the gate's choice)
       when it is installed.
 
-Where there is no GPU it prints "skipped: no GPU (...)" and exits 0. Exit
-status 1: a check failed or a part broke. Report: ``<out>/report.md`` and
-``<out>/gpu_e2e.json``.
+3. Prefill vs load crossover without vLLM (torch + transformers only, no
+   network): prefill time vs prefix length on random-weight bf16 models of
+   real geometry (Llama-3.2-3B, Qwen3-4B, Llama-3.1-8B shapes), the load time
+   of the same KV bytes from disk through the engine and ``CudaCopier``, and
+   the crossover per model, measured and at 7, 14 and 28 GB/s of storage
+   (:mod:`pykvcache.tools.gpu_crossover`). ``--device cpu --tiny`` runs this
+   part alone on the CPU with a two-layer model (a smoke run, not a figure).
+
+Where there is no GPU (and no ``--device cpu``) it prints "skipped: no GPU
+(...)" and exits 0. Parts 1 and 3 need no vLLM; part 2 is skipped without a
+CUDA build of vLLM. Exit status 1: a check failed or a part broke. Report:
+``<out>/crossover.md``, ``<out>/crossover.json``, ``<out>/gpu_e2e.json``.
 
     python scripts/gpu_bench.py [--out gpu-bench-out] [--dir DIR] [--model PATH]
+    python scripts/gpu_bench.py --device cpu --tiny --out /tmp/x   # smoke, CPU
 """
 
 from __future__ import annotations
@@ -191,6 +201,33 @@ def ttft_part(out: Path, directory: Path, model: str) -> int:
     return 1 if result.failed else 0
 
 
+CROSSOVER_LENGTHS = (512, 1024, 2048, 4096, 8192, 16384)
+TINY_LENGTHS = (128, 256, 512, 1024)
+
+
+def crossover_part(out: Path, directory: Path, device: str, tiny: bool) -> int:
+    from pykvcache.tools import gpu_crossover as gc
+
+    shapes = [gc.TINY] if tiny else list(gc.SHAPES.values())
+    lengths = list(TINY_LENGTHS if tiny else CROSSOVER_LENGTHS)
+    store = directory / "crossover-store"
+    store.mkdir(parents=True, exist_ok=True)
+    try:
+        results = gc.run(shapes, lengths, device, store, repeats=2 if tiny else 3, log=log)
+    finally:
+        shutil.rmtree(store, ignore_errors=True)
+    if device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name(0)
+    else:
+        name = "CPU (smoke run, float32)"
+    (out / "crossover.json").write_text(json.dumps(results, indent=1, default=str))
+    (out / "crossover.md").write_text(gc.markdown(results, name))
+    log(f"    report: {out / 'crossover.md'}")
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("gpu-bench-out"))
@@ -198,7 +235,18 @@ def main() -> int:
     parser.add_argument("--model", default=None, help="model directory for the end-to-end part")
     parser.add_argument("--no-storage", action="store_true")
     parser.add_argument("--no-e2e", action="store_true")
+    parser.add_argument("--no-crossover", action="store_true", help="skip part 3 (prefill vs load crossover)")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                        help="cpu: run part 3 only, on the CPU (a smoke run where there is no GPU)")
+    parser.add_argument("--tiny", action="store_true", help="part 3 with a two-layer model and short prefixes")
     args = parser.parse_args()
+    if args.device == "cpu":
+        t0 = time.monotonic()
+        args.out.mkdir(parents=True, exist_ok=True)
+        log("3. prefill vs load crossover on the CPU" + (" (tiny model)" if args.tiny else ""))
+        status = crossover_part(args.out, args.dir or args.out, "cpu", args.tiny)
+        log(("ok" if status == 0 else "FAILED") + f" ({time.monotonic() - t0:.0f} s); report in {args.out}/")
+        return status
     if (reason := no_gpu_reason()) is not None:
         log(f"skipped: no GPU ({reason})")
         return 0
@@ -214,10 +262,23 @@ def main() -> int:
     if not args.no_storage:
         log("1. storage on the local disk (engine vs fio, vs vLLM's fs tier)")
         status |= storage(args.out, directory)
+    if not args.no_crossover:
+        # Before the vLLM part: it needs no vLLM, and is what a GPU host without it can measure.
+        log("3. prefill vs load crossover (transformers + engine + CudaCopier, no vLLM)")
+        try:
+            status |= crossover_part(args.out, directory, "cuda", args.tiny)
+        except Exception as e:  # noqa: BLE001 - report, keep the other parts
+            log(f"    crossover part failed: {type(e).__name__}: {e}")
+            status |= 1
     if not args.no_e2e:
-        from vllm.platforms import current_platform
-
-        if not current_platform.is_cuda():
+        try:
+            from vllm.platforms import current_platform
+        except ImportError as e:
+            current_platform = None
+            log(f"2. end to end: skipped (vLLM is not installed: {e})")
+        if current_platform is None:
+            pass
+        elif not current_platform.is_cuda():
             log("2. end to end: skipped (the installed vLLM is not a CUDA build)")
         else:
             model, where = pick_model(args.model, workdir)

@@ -121,3 +121,35 @@ def test_a_kind_of_write_failure_is_logged_once_and_counted_always(tmp_path, cap
         assert LAYOUT.payload_bytes > 0
     finally:
         h.close()
+
+
+@pytest.mark.parametrize("verify", ["full", "header"])
+def test_verify_key_reaches_the_engine(tmp_path, verify):
+    """``verify: "header"`` (for storage that checksums itself) opens the
+    BlockStore in header-only mode: its chunks carry no payload CRC and say so
+    in their header (flag 1); the default writes the CRC."""
+    import struct
+
+    from pykvcache._core import StagingPool
+
+    spec = _spec(tmp_path, **({"verify": verify} if verify != "full" else {}))
+    assert spec.settings.verify == verify
+    pool = StagingPool(spec.layout.payload_bytes, 4)
+    store = spec._open_store(pool)
+    try:
+        slot = pool.acquire()
+        assert store.put(b"chunk", slot, spec.layout.payload_bytes).wait(10).ok
+    finally:
+        store.close()
+        pool.close()
+    [path] = [os.path.join(r, f) for r, _, fs in os.walk(tmp_path / "kv") for f in fs if f.endswith(".kvc")]
+    with open(path, "rb") as f:
+        flags = struct.unpack_from("<I", f.read(64), 52)[0]
+    assert flags == (1 if verify == "header" else 0)
+
+
+def test_verify_key_is_checked(tmp_path):
+    from pykvcache.vllm.config import ConfigError
+
+    with pytest.raises(ConfigError, match="verify must be one of full, header"):
+        _spec(tmp_path, verify="none")

@@ -49,6 +49,21 @@ class TinyModelSpec:
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+#: Llama-3's KV geometry (8 KV heads of 128 dims, grouped-query attention) on
+#: few layers and a small hidden size, so that a serving benchmark on a 2-core
+#: machine moves KV chunks of a realistic shape per layer (4 KiB per token and
+#: layer in float32: 4 layers = 16 KiB/token, vs 128 KiB/token for
+#: Llama-3.1-8B's 32 layers in bf16) while prefill stays affordable. Random
+#: weights; only the geometry is real.
+LLAMA3_KV_GEOMETRY = TinyModelSpec(
+    hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=16,
+    num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, initializer_range=0.05,
+)  # fmt: skip
+
+#: Named specs (``pykvcache bench --parts serve --serve-model llama3-geometry``).
+SPECS = {"tiny": TinyModelSpec(), "llama3-geometry": LLAMA3_KV_GEOMETRY}
+
+
 def synthetic_words(count: int = 400, seed: int = _WORDS_SEED) -> list[str]:
     """A fixed pseudo-vocabulary of lowercase words (3-9 letters)."""
     rng = random.Random(seed)

@@ -78,6 +78,14 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
                         help="engine write segment size (MiB; default: each chunk in one write)")
     parser.add_argument("--verify", choices=("full", "header"), default=None,
                         help="engine read verification (default full: header + payload CRC)")
+    parser.add_argument("--serve-configs", default=None,
+                        help="serve part: comma-separated configurations (recompute,pykvcache,gate_off,"
+                             "lookahead_off,verify_header,lmcache,native; default all)")
+    parser.add_argument("--serve-model", default=None,
+                        help="serve part: a generated model (llama3-geometry, tiny) or a model directory")
+    parser.add_argument("--serve-concurrency", type=_int_list, default=None,
+                        help="serve part: concurrent users per level, e.g. 2,6")
+    parser.add_argument("--serve-repeats", type=int, default=None, help="serve part: repeats per configuration")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     parser.add_argument("--warm", action="store_true", help="do not drop caches before read phases")
     parser.add_argument("--cold-metadata", action="store_true",
@@ -124,6 +132,11 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
             config.store_kwargs["write_segment_bytes"] = int(args.write_segment_mib * MiB)
         if args.verify:
             config.store_kwargs["verify"] = args.verify
+        if args.serve_configs:
+            config.serve_configs = [c.strip() for c in args.serve_configs.split(",") if c.strip()]
+        config.serve_model = args.serve_model
+        config.serve_concurrency = args.serve_concurrency
+        config.serve_repeats = args.serve_repeats
         config.cold_reads = not args.warm
         config.cold_metadata = args.cold_metadata
         if args.no_progress:

@@ -32,6 +32,7 @@ VLLM_KEYS = frozenset(
 # Accepted choices and defaults belong to the engine (rust/src/store/config.rs).
 BACKENDS = _core.BACKENDS
 DIRECT_IO_POLICIES = _core.DIRECT_IO_POLICIES
+VERIFY_MODES = _core.VERIFY_MODES
 
 GIB = 1 << 30
 
@@ -65,6 +66,9 @@ class PykvcacheConfig:
     queue_depth: int = _core.ENGINE_DEFAULTS["queue_depth"]
     backend: str = "auto"
     direct_io: str = "optional"
+    # What a read checks: "full" (header + payload CRC-32C) or "header" (for
+    # storage that checksums itself; docs/performance.md has the CPU it saves).
+    verify: str = _core.ENGINE_DEFAULTS["verify"]
     register_buffers: bool = True
     max_inflight_writes: int = 64
     offload_prompt_only: bool = False
@@ -261,6 +265,8 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
         values["direct_io"] = _parse_choice(
             "direct_io", extra["direct_io"], DIRECT_IO_POLICIES, problems
         )
+    if "verify" in extra:
+        values["verify"] = _parse_choice("verify", extra["verify"], VERIFY_MODES, problems)
     for name in ("model_id", "namespace_salt"):
         if extra.get(name) is not None:
             if not isinstance(extra[name], str) or (name == "model_id" and not extra[name]):

@@ -92,6 +92,7 @@ def open_block_store(settings: PykvcacheConfig, pool, namespace: str):
         queue_depth=s.queue_depth,
         backend=s.backend,
         direct_io=s.direct_io,
+        verify=s.verify,
         register_buffers=s.register_buffers,
         allow_insecure_root=s.allow_insecure_root,
         min_free_bytes=s.min_free_bytes,

