@@ -20,6 +20,7 @@ from pykvcache.vllm.config import (
     PykvcacheConfig,
     lookahead_budget_bytes,
     lookup_hold_budget_bytes,
+    refresh_interval,
     validate_extra_config,
 )
 from pykvcache.vllm.layout import ChunkLayout, staging_shm_name
@@ -174,6 +175,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
             allow_insecure_root=s.allow_insecure_root,
             min_free_bytes=s.min_free_bytes,
             min_free_fraction=s.min_free_fraction,
+            refresh_interval_s=refresh_interval(s),
         )
 
     def get_manager(self):

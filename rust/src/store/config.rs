@@ -101,6 +101,11 @@ pub struct StoreConfig {
     pub permissions: Permissions,
     /// Space kept free on each storage filesystem for other writers.
     pub min_free: FreeSpaceReserve,
+    /// Walk the directories this often and bring the index in line with
+    /// them (`BlockStore::refresh`): for directories other nodes write too,
+    /// so that the capacity bounds what all of them store (their chunks
+    /// count and are evicted here). None: only at open and `rescan`.
+    pub refresh_interval: Option<std::time::Duration>,
     pub faults: SharedFaults,
 }
 
@@ -150,6 +155,7 @@ impl StoreConfig {
             preallocate: true,
             permissions: Permissions::default(),
             min_free: FreeSpaceReserve::Default,
+            refresh_interval: None,
             faults: None,
         }
     }
