@@ -196,6 +196,11 @@ class GlusterFixture:
                         pass
         return total
 
+    def server_pids(self) -> list[int]:
+        """glusterd and the brick process (everything in glusterd's mount namespace)."""
+        return [int(e) for e in os.listdir("/proc")
+                if e.isdigit() and _mnt_ns(int(e)) == self.glusterd_mnt_ns and "gluster" in _cmdline(int(e))]
+
     def kill_client(self, node: str) -> None:
         """SIGKILLs node ``node``'s FUSE client: its mount answers ENOTCONN until remounted."""
         pid = self.client_pids.get(node)
