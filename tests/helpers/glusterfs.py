@@ -20,8 +20,8 @@ processes and the two clients this module started, lazily unmounts, deletes
 the namespaces (and with them the veths) and removes the brick. A run that
 died without tearing down (SIGKILL of pytest) is cleaned by the next setup.
 
-See /work/shared/notes/shared-filesystem.md (the measurements behind the
-settings) and docs/decisions/0035-shared-filesystems.md.
+See docs/decisions/0035-shared-filesystems.md (the measurements behind the
+settings) and 0036 (capacity on a shared directory).
 """
 
 from __future__ import annotations
