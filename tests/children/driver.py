@@ -190,6 +190,7 @@ def main() -> int:
     for phase in scenario["phases"]:
         t0 = time.monotonic()
         entry = {"op": phase["op"], "name": phase.get("name", phase["op"])}
+        print(f"driver: phase {entry['name']} starts", file=sys.stderr, flush=True)
         if phase["op"] == "generate":
             params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 24),
                                     ignore_eos=True)

@@ -22,6 +22,7 @@ A's generations are vLLM's own computation (nothing was on disk for them), so
 from __future__ import annotations
 
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -93,7 +94,13 @@ def nodes(gluster, tiny_model, tmp_path_factory):
         ],
     }
     try:
-        b, _ = run_driver(child("driver.py"), node_b, work, "node-b")
+        try:
+            b, _ = run_driver(child("driver.py"), node_b, work, "node-b", timeout=400)
+        except subprocess.TimeoutExpired as exc:
+            partial = (exc.stdout or b"") + b"\n" + (exc.stderr or b"")
+            (work / "node-b.log").write_bytes(partial if isinstance(partial, bytes) else partial.encode())
+            tail = partial[-4000:].decode(errors="replace") if isinstance(partial, bytes) else partial[-4000:]
+            pytest.fail(f"node B's driver did not finish in 400 s:\n{tail}")
     finally:
         gluster.link("b", up=True)
         gluster.remount("b")
