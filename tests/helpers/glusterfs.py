@@ -269,8 +269,9 @@ class GlusterFixture:
         # logs are this run's directories, whatever else runs on the machine.
         script = (
             "set -e; mount --make-rprivate /; "
-            f"mkdir -p /run/gluster /var/lib/glusterd /var/log/glusterfs; "
-            f"mount --bind {d}/lib /var/lib/glusterd; mount --bind {d}/run /run/gluster; "
+            f"mkdir -p {d}/run/gluster /var/lib/glusterd /var/log/glusterfs; "
+            # All of /run: glusterd's CLI socket is /run/glusterd.socket, beside /run/gluster.
+            f"mount --bind {d}/lib /var/lib/glusterd; mount --bind {d}/run /run; "
             f"mount --bind {d}/log /var/log/glusterfs; "
             f"exec {GLUSTERD} -p {pidfile} --log-level WARNING"
         )
@@ -406,8 +407,8 @@ def clean_leftovers(root: Path = ROOT) -> list[str]:
             owner = json.loads((run_dir / "state.json").read_text()).get("owner_pid")
         except (OSError, ValueError):
             owner = None
-        if owner is not None and owner != os.getpid() and _alive(owner):
-            continue  # another live session's fixture
+        if owner is not None and _alive(owner):
+            continue  # a live session's fixture (this process's too: a second fixture beside the first)
         teardown_state(run_dir)
         cleaned.append(run_dir.name)
     return cleaned

@@ -598,7 +598,15 @@ impl BlockStore {
             let _ = h.join();
         }
         if let Some(h) = self.refresher.lock().unwrap().take() {
-            let _ = h.join();
+            // A walk blocked on a dead mount must not hold close: the thread
+            // sees the stop flag when its syscall returns and exits by itself.
+            let until = Instant::now() + Duration::from_secs(2);
+            while !h.is_finished() && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
         }
         self.core.ops.drain();
         self.core.jobs.stop();
