@@ -39,6 +39,9 @@ VERIFY_MODES: tuple[str, ...]
 #: ``tests/test_core_constants.py``.
 ENGINE_DEFAULTS: dict[str, int | float | str]
 
+def key_hash(key: bytes) -> int:
+    """The 128-bit hash a chunk's file is named by (``BlockStore.take_removed``)."""
+
 def chunk_file_bytes(payload_bytes: int) -> int:
     """Bytes of the chunk file that holds ``payload_bytes`` (``HEADER_BYTES``
     plus the payload rounded up to ``IO_ALIGN``): its cost on disk and the
@@ -293,6 +296,7 @@ class BlockStore:
         min_free_bytes: int | None = None,
         min_free_fraction: float | None = None,
         io_deadline: float | None = None,
+        refresh_interval_s: float | None = None,
     ) -> None:
         """``chunk_workers`` threads checksum, verify and publish chunks, off the
         caller's and the ring's threads. Reads move in ``segment_bytes`` pieces
@@ -334,7 +338,11 @@ class BlockStore:
         accepted meanwhile). Three timeouts or storage errors (EIO, ENOTCONN,
         ESTALE...) in a row open that directory's circuit breaker: gets there
         are misses and puts skipped (errno ``EAGAIN``) at once until a probe
-        after a back-off succeeds. Each change is logged once."""
+        after a back-off succeeds. Each change is logged once.
+
+        ``refresh_interval_s`` (seconds, positive, or None): a thread runs
+        :meth:`refresh` that often, for directories other nodes write too;
+        ``capacity_bytes`` then bounds the shared directory."""
     def put(self, key: bytes, slot: int, length: int) -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
         visible atomically once complete; an existing chunk is success.
@@ -372,6 +380,14 @@ class BlockStore:
     def scan_complete(self) -> bool: ...
     def rescan(self) -> int:
         """Rebuild the index from the directories; returns chunks found."""
+    def refresh(self) -> tuple[int, int]:
+        """Walk the directories and bring the index in line while serving:
+        chunks others published are indexed (least recently used here) and
+        count against the capacity, chunks they removed leave the index, then
+        eviction restores the capacity. Returns (added, dropped)."""
+    def take_removed(self) -> tuple[list[int], int]:
+        """Key hashes (``key_hash``) of chunks that left the index since the
+        last call, oldest first, and how many the bounded log dropped."""
     def __len__(self) -> int:
         """Chunks indexed, fillers not counted."""
     @property

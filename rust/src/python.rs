@@ -392,7 +392,7 @@ impl PyBlockStore {
                         submit_timeout=Some(defaults::SUBMIT_TIMEOUT_S), io_threads=defaults::IO_THREADS,
                         chunk_workers=defaults::CHUNK_WORKERS, verify=defaults::VERIFY, recycle_files=true, background_scan=false,
                         preallocate=true, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
-                        min_free_bytes=None, min_free_fraction=None, io_deadline=None,
+                        min_free_bytes=None, min_free_fraction=None, io_deadline=None, refresh_interval_s=None,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -421,6 +421,7 @@ impl PyBlockStore {
         min_free_bytes: Option<u64>,
         min_free_fraction: Option<f64>,
         io_deadline: Option<f64>,
+        refresh_interval_s: Option<f64>,
         _fault_max_transfer: Option<usize>,
         _fault_fail_nth: Option<(u64, i32)>,
     ) -> PyResult<Self> {
@@ -444,6 +445,12 @@ impl PyBlockStore {
                 bytes: min_free_bytes.unwrap_or(0),
                 fraction: min_free_fraction.unwrap_or(0.0),
             };
+        }
+        if let Some(s) = refresh_interval_s {
+            if !(s.is_finite() && s > 0.0) {
+                return Err(PyValueError::new_err(format!("refresh_interval_s must be a positive number of seconds or None, not {s}")));
+            }
+            config.refresh_interval = Some(Duration::from_secs_f64(s.min(1e9)));
         }
         if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
             config.faults = Some(Arc::new(crate::faults::FaultPlan {
@@ -565,6 +572,15 @@ impl PyBlockStore {
     fn rescan(&self, py: Python<'_>) -> PyResult<usize> {
         let store = self.inner.clone();
         py.detach(move || store.rescan()).map_err(to_py)
+    }
+
+    fn refresh(&self, py: Python<'_>) -> PyResult<(usize, usize)> {
+        let store = self.inner.clone();
+        py.detach(move || store.refresh()).map_err(to_py)
+    }
+
+    fn take_removed(&self) -> (Vec<u128>, u64) {
+        self.inner.take_removed()
     }
 
     fn __len__(&self) -> usize {
@@ -716,6 +732,12 @@ fn probe_storage_dir<'py>(py: Python<'py>, path: PathBuf, file_mode: u32) -> PyR
 
 /// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
 /// holds `payload_bytes`: what a chunk costs on disk and in a staging slot.
+/// The 128-bit hash a chunk's file is named by (``take_removed`` reports these).
+#[pyfunction]
+fn key_hash(key: &[u8]) -> u128 {
+    crate::disk::format::key_hash(key)
+}
+
 #[pyfunction]
 fn chunk_file_bytes(#[pyo3(from_py_with = payload_bytes_arg)] payload_bytes: usize) -> PyResult<usize> {
     if payload_bytes > usize::MAX - 2 * IO_ALIGN - HEADER_BYTES {
@@ -762,6 +784,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DIRECT_IO_POLICIES", PyTuple::new(py, DirectIoPolicy::CHOICES)?)?;
     m.add("VERIFY_MODES", PyTuple::new(py, VerifyPolicy::CHOICES)?)?;
     m.add("ENGINE_DEFAULTS", engine_defaults(py)?)?;
+    m.add_function(wrap_pyfunction!(key_hash, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(check_storage_dir, m)?)?;
     m.add_function(wrap_pyfunction!(probe_storage_dir, m)?)?;

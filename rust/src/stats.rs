@@ -39,6 +39,13 @@ pub struct Stats {
     pub reserve_evictions: AtomicU64,
     /// Puts refused because evicting everything could not keep the reserve.
     pub reserve_refused: AtomicU64,
+    /// Directory walks that brought the index in line with a shared directory.
+    pub refreshes: AtomicU64,
+    /// Chunks a refresh found that another process or node wrote (now counted here).
+    pub refresh_added: AtomicU64,
+    /// Indexed chunks a refresh found gone (another process or node evicted them).
+    pub refresh_dropped: AtomicU64,
+    pub refresh_errors: AtomicU64,
     /// Anomalies the engine survived instead of panicking (a completion for
     /// an operation not in flight, ...): each is also written to stderr.
     pub internal_errors: AtomicU64,
@@ -113,6 +120,10 @@ impl Stats {
             ("capacity_lowered", g(&self.capacity_lowered)),
             ("reserve_evictions", g(&self.reserve_evictions)),
             ("reserve_refused", g(&self.reserve_refused)),
+            ("refreshes", g(&self.refreshes)),
+            ("refresh_added", g(&self.refresh_added)),
+            ("refresh_dropped", g(&self.refresh_dropped)),
+            ("refresh_errors", g(&self.refresh_errors)),
             ("internal_errors", g(&self.internal_errors)),
             ("read_latency_sum_us", g(&self.read_latency_sum_us)),
             ("write_latency_sum_us", g(&self.write_latency_sum_us)),

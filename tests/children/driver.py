@@ -17,7 +17,11 @@ Phase ops:
   settle              waits until pykvcache reports no writes in flight
   signal              sends ``signal`` (a name, e.g. SIGSTOP) to process ``pid`` (a FUSE
                       daemon: tests/helpers/stall_fs.py), ``wait_stopped`` until it is stopped
-  sleep               waits ``seconds``
+  shell               runs ``argv`` (a list), e.g. takes a network link down
+  sleep               sleeps ``seconds``
+  events_take         the KV events published since the engine started (scenario
+                      ``kv_events``: a KVEventsConfig dict with a ZMQ endpoint,
+                      subscribed to before the first phase)
 """
 
 from __future__ import annotations
@@ -138,9 +142,47 @@ def _wait_stopped(pid: int, timeout: float = 5.0) -> None:
         time.sleep(0.005)
 
 
+class _EventSubscriber:
+    """A ZMQ SUB socket on the engine's KV event publisher (what a router runs)."""
+
+    def __init__(self, endpoint: str):
+        import zmq
+        from msgspec.msgpack import Decoder
+        from vllm.distributed.kv_events import KVEventBatch
+
+        self._zmq = zmq
+        self.sock = zmq.Context.instance().socket(zmq.SUB)
+        self.sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sock.connect(endpoint)
+        self.decoder = Decoder(type=KVEventBatch)
+        time.sleep(0.5)  # PUB/SUB: a subscriber joining late misses what was sent
+
+    def take(self, wait_s: float = 2.0) -> list[dict]:
+        out = []
+        deadline = time.monotonic() + wait_s
+        while True:
+            left = max(0, int((deadline - time.monotonic()) * 1000))
+            if not self.sock.poll(left):
+                return out
+            frames = self.sock.recv_multipart()
+            batch = self.decoder.decode(frames[-1])
+            for ev in batch.events:
+                hashes = [h.hex() if isinstance(h, bytes) else h for h in getattr(ev, "block_hashes", [])]
+                out.append({"type": type(ev).__name__, "medium": getattr(ev, "medium", None),
+                            "block_hashes": hashes, "token_ids": list(getattr(ev, "token_ids", []) or []),
+                            "block_size": getattr(ev, "block_size", None)})
+            deadline = time.monotonic() + 0.5  # drain what follows closely
+
+
 def main() -> int:
     scenario = json.load(open(sys.argv[1]))
     from vllm import LLM, SamplingParams
+
+    extra_llm = dict(scenario.get("llm", {}))
+    if scenario.get("kv_events"):
+        from vllm.config import KVEventsConfig
+
+        extra_llm["kv_events_config"] = KVEventsConfig(**scenario["kv_events"])
 
     started = time.monotonic()
     llm = LLM(
@@ -153,8 +195,9 @@ def main() -> int:
         max_model_len=scenario.get("max_model_len", 2048),
         kv_cache_memory_bytes=scenario.get("kv_cache_memory_bytes", 8 << 20),
         seed=0,
-        **scenario.get("llm", {}),
+        **extra_llm,
     )
+    subscriber = _EventSubscriber(scenario["kv_events"]["endpoint"]) if scenario.get("kv_events") else None
     tokenizer = llm.get_tokenizer()
     startup_s = time.monotonic() - started
     staging = None
@@ -164,6 +207,7 @@ def main() -> int:
     for phase in scenario["phases"]:
         t0 = time.monotonic()
         entry = {"op": phase["op"], "name": phase.get("name", phase["op"])}
+        print(f"driver: phase {entry['name']} starts", file=sys.stderr, flush=True)
         if phase["op"] == "generate":
             params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 24),
                                     ignore_eos=True)
@@ -172,6 +216,9 @@ def main() -> int:
             entry["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
             entry["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
             entry["prompt_lens"] = [len(p["prompt_token_ids"]) for p in prompts]
+            entry["generate_s"] = round(time.monotonic() - t0, 3)
+            if phase.get("prompt_ids"):
+                entry["prompt_ids"] = [p["prompt_token_ids"] for p in prompts]
             if phase.get("settle", True) and scenario.get("llm", {}).get("kv_transfer_config"):
                 _settle(llm, tokenizer)
             entry["metrics"] = _metrics(llm)
@@ -192,6 +239,14 @@ def main() -> int:
         elif phase["op"] == "settle":
             _settle(llm, tokenizer)
             entry["metrics"] = _metrics(llm)
+        elif phase["op"] == "shell":
+            import subprocess
+
+            proc = subprocess.run(phase["argv"], capture_output=True, text=True, timeout=60)
+            entry["rc"] = proc.returncode
+            entry["output"] = (proc.stdout + proc.stderr)[-2000:]
+        elif phase["op"] == "events_take":
+            entry["events"] = subscriber.take()
         else:
             raise ValueError(f"unknown phase op {phase['op']}")
         entry["seconds"] = round(time.monotonic() - t0, 3)

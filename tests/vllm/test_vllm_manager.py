@@ -34,12 +34,12 @@ def _payload(i: int) -> bytes:
 
 
 class Harness:
-    def __init__(self, directory, num_slots=6):
+    def __init__(self, directory, num_slots=6, capacity_bytes=1 << 30):
         self.pool = StagingPool(LAYOUT.payload_bytes, num_slots)
         self.dirs = [str(directory)]
 
         def open_store():
-            return BlockStore(self.dirs, self.pool, namespace="test-ns", capacity_bytes=1 << 30)
+            return BlockStore(self.dirs, self.pool, namespace="test-ns", capacity_bytes=capacity_bytes)
 
         self.manager = NvmeOffloadingManager(pool=self.pool, store=open_store(), layout=LAYOUT,
                                              reopen_store=open_store, enable_events=True)
@@ -279,3 +279,58 @@ def test_background_preformat_fills_the_store_yields_to_stores_and_restarts_afte
     assert manager.store.stats()["filler_chunks"] == 20
     manager.shutdown()
     assert manager._preformatter is None
+
+
+def _event_keys(events, removed):
+    Medium = vllm_base.Medium
+    out = []
+    for e in events:
+        assert e.medium is Medium.STORAGE, e
+        if e.removed == removed:
+            out.extend(e.keys)
+    return out
+
+
+def test_disk_stores_and_capacity_evictions_reach_the_kv_event_stream(tmp_path):
+    """vLLM's KV events (take_events -> OffloadingEvent, medium STORAGE): a
+    chunk is announced once written, and announced removed when the engine
+    evicts it for capacity (before: only failed reads and resets were, so a
+    router kept scoring this node for prefixes it no longer had)."""
+    from pykvcache._core import chunk_file_bytes
+
+    h = Harness(tmp_path / "kv", num_slots=6, capacity_bytes=3 * chunk_file_bytes(LAYOUT.payload_bytes))
+    try:
+        h.store([0, 1, 2])
+        h.settle()
+        events = list(h.manager.take_events())
+        assert sorted(_event_keys(events, removed=False)) == [_key(0), _key(1), _key(2)]
+        assert _event_keys(events, removed=True) == []
+        h.store([3, 4])  # evicts the two least recently used: 0 and 1
+        h.settle()
+        events = list(h.manager.take_events())
+        assert sorted(_event_keys(events, removed=False)) == [_key(3), _key(4)]
+        assert sorted(_event_keys(events, removed=True)) == [_key(0), _key(1)]
+        assert not h.manager.store.contains(_key(0)) and h.manager.store.contains(_key(2))
+        assert list(h.manager.take_events()) == []  # each change announced once
+    finally:
+        h.close()
+
+
+def test_a_chunk_another_node_removed_is_announced_removed_after_a_refresh(tmp_path):
+    """Two managers on one directory (two nodes of a shared filesystem): the
+    node that stored a chunk announces its removal when its refresh finds
+    that the other node evicted it."""
+    a, b = Harness(tmp_path / "kv"), Harness(tmp_path / "kv")
+    try:
+        a.store([7])
+        a.settle()
+        assert _event_keys(a.manager.take_events(), removed=False) == [_key(7)]
+        assert b.manager.on_disk(_key(7))  # found by name on B
+        assert b.manager.store.evict(_key(7))
+        assert list(a.manager.take_events()) == []  # A cannot know yet
+        assert a.manager.store.refresh() == (0, 1)
+        assert _event_keys(a.manager.take_events(), removed=True) == [_key(7)]
+        assert _event_keys(b.manager.take_events(), removed=True) == []  # B never announced it
+    finally:
+        a.close()
+        b.close()

@@ -49,6 +49,16 @@ MAX_QUEUE_DEPTH = 4096
 LOOKAHEAD_SHARE = 0.5
 LOOKUP_HOLD_SHARE = 0.5
 
+#: ``refresh_interval_s: "auto"`` on a storage directory that other nodes may
+#: share (a network or FUSE filesystem): a walk there costs ~0.4 s on the
+#: GlusterFS test fixture, so every 10 s is ~4% of one core.
+SHARED_REFRESH_S = 10.0
+#: Filesystem types (/proc/self/mountinfo) that several hosts can mount.
+SHARED_FS_TYPES = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "9p",
+    "beegfs", "wekafs", "orangefs", "pvfs2", "afs", "ocfs2", "gfs2", "cvfs", "panfs",
+})
+
 
 class ConfigError(ValueError):
     """The pykvcache section of ``kv_connector_extra_config`` is invalid."""
@@ -104,6 +114,10 @@ class PykvcacheConfig:
     io_deadline_s: float | None = None
     # Accept a storage root owned by another user or world-writable.
     allow_insecure_root: bool = False
+    # Walk the storage directories this often so that chunks other nodes
+    # wrote count against capacity_bytes (decision 0036): seconds, 0 = off,
+    # "auto" = SHARED_REFRESH_S on network/FUSE filesystems, off elsewhere.
+    refresh_interval_s: float | str = "auto"
 
     @classmethod
     def keys(cls) -> frozenset[str]:
@@ -246,6 +260,14 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
             problems.append(f"io_deadline_s must be a number of seconds in (0, 3600] (got {deadline!r})")
         else:
             values["io_deadline_s"] = float(deadline)
+    if "refresh_interval_s" in extra:
+        value = extra["refresh_interval_s"]
+        if value == "auto" or (not isinstance(value, bool) and isinstance(value, (int, float))
+                               and 0 <= value < float("inf")):
+            values["refresh_interval_s"] = value if value == "auto" else float(value)
+        else:
+            problems.append(f"refresh_interval_s must be \"auto\", 0 (off) or a number of seconds "
+                            f"(got {value!r})")
     if extra.get("block_size") is not None and extra.get("blocks_per_chunk") is not None:
         problems.append("give only one of block_size (tokens per chunk) and blocks_per_chunk")
 
@@ -387,6 +409,38 @@ def validate_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
             "invalid pykvcache settings in kv_connector_extra_config:\n  - " + "\n  - ".join(problems)
         )
     return config
+
+
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding ``path`` (the longest mount point
+    that is a prefix of it, from /proc/self/mountinfo); "" when unknown."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mount_point = left.split()[4].replace("\\040", " ")
+                inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, kind = mount_point, right.split()[0]
+    except (OSError, IndexError):
+        return ""
+    return kind
+
+
+def is_shared_filesystem(path: str) -> bool:
+    kind = filesystem_type(path)
+    return kind in SHARED_FS_TYPES or kind.startswith("fuse")
+
+
+def refresh_interval(config: PykvcacheConfig) -> float | None:
+    """Seconds between walks of the storage directories, None for none."""
+    value = config.refresh_interval_s
+    if value == "auto":
+        shared = any(is_shared_filesystem(d) for d in config.storage_dirs)
+        return SHARED_REFRESH_S if shared else None
+    return float(value) or None
 
 
 def lookahead_budget_bytes(config: PykvcacheConfig) -> int:

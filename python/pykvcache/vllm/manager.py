@@ -111,6 +111,11 @@ class NvmeOffloadingManager(OffloadingManager):
         self._write_failures_logged: set[tuple[str, int | None]] = set()
         self._write_queue: list[bytes] = []  # stored in staging, not yet submitted
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        # With events: the chunks this node announced as stored, by the hash
+        # the engine reports removals with (BlockStore.take_removed), so that
+        # every chunk leaving the disk - evicted here, by another node sharing
+        # the directory, or found corrupt - is announced as removed, once.
+        self._announced: dict[int, bytes] = {}
         self._closed = False
         self.gating: GateWiring | NoGating = gating if gating is not None else NoGating()
         self.preloader = Preloader(self, budget_slots=lookahead_slots, window=lookahead_requests,
@@ -361,7 +366,6 @@ class NvmeOffloadingManager(OffloadingManager):
             self.cache.mark_ready(key, Origin.HOST)
             self._write_queue.append(key)
             stored.append(key)
-        self._emit(stored, removed=False)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
@@ -389,6 +393,10 @@ class NvmeOffloadingManager(OffloadingManager):
         return bool(self._reads or self._writes or self._write_queue)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return ()
+        self.poll_io()
+        self._collect_removed()
         if not self._events:
             return ()
         events, self._events = self._events, []
@@ -400,7 +408,9 @@ class NvmeOffloadingManager(OffloadingManager):
         every stored KV is stale."""
         self._stop_preformat()
         self.flush()
-        removed = [entry.key for entry in self.cache]
+        self._collect_removed()
+        removed = list(dict.fromkeys([entry.key for entry in self.cache] + list(self._announced.values())))
+        self._announced.clear()
         self.preloader.clear()
         self.gating.clear()
         self._waited.clear()
@@ -544,7 +554,8 @@ class NvmeOffloadingManager(OffloadingManager):
             self.store.evict(key)
         except Exception:  # noqa: BLE001
             logger.debug("evict after failed read", exc_info=True)
-        self._emit([key], removed=True)
+        if self._events is not None and self._announced.pop(self._key_hash(key), None) is not None:
+            self._emit([key], removed=True)
 
     def _submit_writes(self) -> None:
         while self._write_queue and len(self._writes) < self._max_inflight_writes:
@@ -566,6 +577,9 @@ class NvmeOffloadingManager(OffloadingManager):
             self.metrics.inc("disk_writes")
             self.metrics.inc("disk_write_bytes", result.length)
             self.metrics.observe("disk_write_latency_seconds", result.latency_s)
+            # Announced once on disk (not when only in staging): a router may
+            # send a request for this prefix to any node sharing the directory.
+            self._emit([key], removed=False)
         else:
             self.metrics.inc("write_errors")
             kind = (result.status, result.errno)
@@ -577,7 +591,28 @@ class NvmeOffloadingManager(OffloadingManager):
                        if first else "")
         self.cache.unpin(key)
 
+    @staticmethod
+    def _key_hash(key: bytes) -> int:
+        from pykvcache._core import key_hash
+
+        return key_hash(bytes(key))
+
+    def _collect_removed(self) -> None:
+        """Announces the chunks the engine's index lost since the last call
+        (capacity evictions, chunks another node removed, corrupt files) among
+        those this node announced as stored."""
+        if self._events is None:
+            return
+        hashes, dropped = self.store.take_removed()
+        if dropped:
+            logger.warning("pykvcache: %d chunk removals were not announced as KV events (log full)", dropped)
+        keys = [k for k in (self._announced.pop(h, None) for h in hashes) if k is not None]
+        self._emit(keys, removed=True)
+
     def _emit(self, keys: list[bytes], *, removed: bool) -> None:
+        if self._events is not None and keys and not removed:
+            for key in keys:
+                self._announced[self._key_hash(key)] = bytes(key)
         if self._events is not None and keys:
             self._events.append(
                 OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=removed,

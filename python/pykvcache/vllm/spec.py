@@ -20,6 +20,7 @@ from pykvcache.vllm.config import (
     PykvcacheConfig,
     lookahead_budget_bytes,
     lookup_hold_budget_bytes,
+    refresh_interval,
     validate_extra_config,
 )
 from pykvcache.vllm.layout import ChunkLayout, staging_shm_name
@@ -98,6 +99,7 @@ def open_block_store(settings: PykvcacheConfig, pool, namespace: str):
         min_free_bytes=s.min_free_bytes,
         min_free_fraction=s.min_free_fraction,
         io_deadline=s.io_deadline_s,
+        refresh_interval_s=refresh_interval(s),
     )
 
 

@@ -1,7 +1,10 @@
 //! In-memory index of the chunks present on disk, in LRU order, with the
 //! byte accounting that enforces the capacity limit.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+
+/// The most evicted chunks remembered for `take_removed` (older ones are dropped, counted).
+pub const REMOVED_LOG_MAX: usize = 1 << 16;
 
 #[derive(Clone, Copy, Debug)]
 struct Entry {
@@ -32,6 +35,10 @@ pub struct ChunkIndex {
     /// While a background scan runs: chunks removed meanwhile, which the scan
     /// may have seen before they went and must not bring back.
     removed_during_scan: Option<HashSet<u128>>,
+    /// Real chunks (not fillers) that left the index, oldest first, for the
+    /// caller to announce (vLLM's KV events); bounded, overflow counted.
+    removed_log: VecDeque<u128>,
+    removed_log_dropped: u64,
 }
 
 const MID_TICK: u64 = 1 << 63;
@@ -46,6 +53,8 @@ impl Default for ChunkIndex {
             low_tick: MID_TICK,
             used: 0,
             removed_during_scan: None,
+            removed_log: VecDeque::new(),
+            removed_log_dropped: 0,
         }
     }
 }
@@ -120,7 +129,7 @@ impl ChunkIndex {
 
     /// Inserts or refreshes a chunk as most recently used.
     pub fn insert(&mut self, hash: u128, file_len: u64) {
-        self.remove(hash);
+        self.remove_entry(hash);
         let tick = self.bump();
         self.entries.insert(hash, Entry { file_len, tick });
         self.lru.insert(tick, hash);
@@ -140,7 +149,50 @@ impl ChunkIndex {
         if let Some(removed) = &mut self.removed_during_scan {
             removed.insert(hash);
         }
-        self.remove_entry(hash)
+        let filler = self.fillers.contains(&hash);
+        let len = self.remove_entry(hash)?;
+        if !filler {
+            if self.removed_log.len() >= REMOVED_LOG_MAX {
+                self.removed_log.pop_front();
+                self.removed_log_dropped += 1;
+            }
+            self.removed_log.push_back(hash);
+        }
+        Some(len)
+    }
+
+    /// Chunks removed since the last call (evicted, found vanished or
+    /// corrupt), oldest first, and how many were dropped because the log was full.
+    pub fn take_removed(&mut self) -> (Vec<u128>, u64) {
+        (self.removed_log.drain(..).collect(), std::mem::take(&mut self.removed_log_dropped))
+    }
+
+    /// The tick of the most recent insert or touch: a `refresh` keeps
+    /// entries newer than its start whatever its walk saw.
+    pub fn last_tick(&self) -> u64 {
+        self.next_tick
+    }
+
+    /// Brings the index in line with a walk of the directories (started at
+    /// `since` = `last_tick()`, after `begin_scan`), for directories other
+    /// processes or nodes write too: chunks the walk found that the index
+    /// lacks are added as least recently used (this process never used them),
+    /// unless removed meanwhile; entries the walk did not find are dropped
+    /// (another node evicted them) unless inserted or touched since the walk
+    /// began. Returns (added, dropped).
+    pub fn refresh(&mut self, found: &[Found], since: u64) -> (usize, usize) {
+        let present: HashSet<u128> = found.iter().map(|f| f.hash).collect();
+        let gone: Vec<u128> = self
+            .entries
+            .iter()
+            .filter(|(h, e)| e.tick <= since && !present.contains(h))
+            .map(|(h, _)| *h)
+            .collect();
+        let added = self.merge_scanned(found);
+        for h in &gone {
+            self.remove(*h);
+        }
+        (added, gone.len())
     }
 
     fn remove_entry(&mut self, hash: u128) -> Option<u64> {
@@ -246,6 +298,29 @@ mod tests {
         assert_eq!(even, vec![2, 6], "skips odd keys and the kept one");
         assert!(ix.victims_where(0, 0, |_| true).is_empty());
         assert_eq!(ix.victims_where(10_000, 0, |h| h > 4).len(), 2, "at most what matches");
+    }
+
+    #[test]
+    fn refresh_adds_what_others_wrote_and_drops_what_they_removed() {
+        let mut ix = ChunkIndex::default();
+        for h in 1..=3u128 {
+            ix.insert(h, 100);
+        }
+        ix.begin_scan();
+        let since = ix.last_tick();
+        ix.insert(4, 100); // published here while the walk ran (the walk missed it)
+        // The walk: 1 and 3 still there, 2 gone (another node evicted it), 9 new (another node wrote it).
+        let found: Vec<Found> = [1, 3, 9].map(|hash| Found { hash, file_len: 100, filler: false }).to_vec();
+        assert_eq!(ix.refresh(&found, since), (1, 1));
+        assert!(ix.contains(1) && !ix.contains(2) && ix.contains(3) && ix.contains(4) && ix.contains(9));
+        assert_eq!(ix.used_bytes(), 400);
+        assert_eq!(ix.victims(100, 400, 0)[0].0, 9, "a chunk this process never used goes first");
+        let (removed, dropped) = ix.take_removed();
+        assert_eq!((removed, dropped), (vec![2], 0));
+        ix.insert(3, 100); // a re-insert is no removal
+        ix.demote_filler(3);
+        ix.remove(3); // nor is a filler leaving
+        assert!(ix.take_removed().0.is_empty());
     }
 
     #[test]

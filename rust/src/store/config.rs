@@ -104,6 +104,11 @@ pub struct StoreConfig {
     /// How long a get or put may take before it is abandoned (a miss, a
     /// skipped put); None: `health::default_deadline` of the slot size.
     pub io_deadline: Option<std::time::Duration>,
+    /// Walk the directories this often and bring the index in line with
+    /// them (`BlockStore::refresh`): for directories other nodes write too,
+    /// so that the capacity bounds what all of them store (their chunks
+    /// count and are evicted here). None: only at open and `rescan`.
+    pub refresh_interval: Option<std::time::Duration>,
     pub faults: SharedFaults,
 }
 
@@ -154,6 +159,7 @@ impl StoreConfig {
             permissions: Permissions::default(),
             min_free: FreeSpaceReserve::Default,
             io_deadline: None,
+            refresh_interval: None,
             faults: None,
         }
     }

@@ -164,6 +164,7 @@ pub struct BlockStore {
     dir_workers: Mutex<Vec<JoinHandle<()>>>,
     watchdog: Mutex<Option<JoinHandle<()>>>,
     scanner: Mutex<Option<JoinHandle<()>>>,
+    refresher: Mutex<Option<JoinHandle<()>>>,
     closed: AtomicBool,
 }
 
@@ -332,6 +333,22 @@ impl BlockStore {
         }
         let done = core.scan.report();
         let report = OpenReport { fallbacks: core.stats.fallbacks(), warnings, scanned_chunks: done.chunks, scan_time: done.time };
+        let mut refresher = None;
+        if let Some(every) = config.refresh_interval {
+            let c = core.clone();
+            match std::thread::Builder::new().name("pykvcache-refresh".into()).spawn(move || c.refresh_loop(every)) {
+                Ok(h) => refresher = Some(h),
+                Err(e) => {
+                    core.scan.stop.store(true, Ordering::Relaxed);
+                    core.jobs.stop();
+                    for w in workers {
+                        let _ = w.join();
+                    }
+                    backend.shutdown();
+                    return Err(EngineError::io("starting the refresh thread", e));
+                }
+            }
+        }
         let store = BlockStore {
             core,
             backend,
@@ -339,6 +356,7 @@ impl BlockStore {
             dir_workers: Mutex::new(Vec::new()),
             watchdog: Mutex::new(None),
             scanner: Mutex::new(scanner),
+            refresher: Mutex::new(refresher),
             closed: AtomicBool::new(false),
         };
         if let Err(e) = store.start_guards() {
@@ -476,6 +494,24 @@ impl BlockStore {
         let n = fresh.len();
         *self.core.index.lock().unwrap() = fresh;
         Ok(n)
+    }
+
+    /// Walks the directories and brings the index in line with them while
+    /// the store serves: chunks other processes or nodes published since
+    /// are indexed (least recently used here) and count against the
+    /// capacity, chunks they removed leave the index; then least recently
+    /// used chunks are evicted down to the capacity. Unlike `rescan`, keeps
+    /// this store's LRU order and what it wrote during the walk.
+    /// Returns (added, dropped).
+    pub fn refresh(&self) -> Result<(usize, usize)> {
+        self.core.refresh()
+    }
+
+    /// Chunks that left the index since the last call (evicted here, found
+    /// removed by another process, corrupt), as key hashes (`format::key_hash`),
+    /// and how many were not kept because the log was full.
+    pub fn take_removed(&self) -> (Vec<u128>, u64) {
+        self.core.index.lock().unwrap().take_removed()
     }
 
     /// The open-time scan: done or not, chunks it indexed, how long it took.
@@ -619,6 +655,17 @@ impl BlockStore {
         if let Some(h) = self.scanner.lock().unwrap().take() {
             let _ = h.join();
         }
+        if let Some(h) = self.refresher.lock().unwrap().take() {
+            // A walk blocked on a dead mount must not hold close: the thread
+            // sees the stop flag when its syscall returns and exits by itself.
+            let until = std::time::Instant::now() + CLOSE_GRACE.min(self.core.health.deadline);
+            while !h.is_finished() && std::time::Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            if h.is_finished() {
+                let _ = h.join();
+            }
+        }
         let grace = crate::wait::deadline_after(Some(CLOSE_GRACE.min(self.core.health.deadline)));
         let all_ended = self.core.ops.drain(grace);
         self.core.watchdog_stop.store(true, Ordering::Release);
@@ -758,6 +805,57 @@ impl Core {
 impl Drop for BlockStore {
     fn drop(&mut self) {
         self.close();
+    }
+}
+
+impl Core {
+    fn refresh(&self) -> Result<(usize, usize)> {
+        // A background scan still running owns the index's scan mode.
+        self.scan.wait(None);
+        let since = {
+            let mut index = self.index.lock().unwrap();
+            index.begin_scan();
+            index.last_tick()
+        };
+        let found = match scan::collect(&self.layout, &self.scan.stop) {
+            Ok(found) => found,
+            Err(e) => {
+                self.index.lock().unwrap().merge_scanned(&[]);
+                Stats::add(&self.stats.refresh_errors, 1);
+                return Err(e);
+            }
+        };
+        if self.scan.stop.load(Ordering::Relaxed) {
+            // Closing: the walk ended early and saw only part of the tree.
+            self.index.lock().unwrap().merge_scanned(&[]);
+            return Ok((0, 0));
+        }
+        let (added, dropped) = self.index.lock().unwrap().refresh(&found, since);
+        Stats::add(&self.stats.refreshes, 1);
+        Stats::add(&self.stats.refresh_added, added as u64);
+        Stats::add(&self.stats.refresh_dropped, dropped as u64);
+        // What the others wrote counts here now: back within the capacity.
+        self.make_room(0, 0, None, None);
+        Ok((added, dropped))
+    }
+
+    /// The refresh thread: one `refresh` every `every` until the store closes.
+    fn refresh_loop(&self, every: Duration) {
+        let tick = Duration::from_millis(20).min(every);
+        let mut next = Instant::now() + every;
+        while !self.scan.stop.load(Ordering::Relaxed) {
+            if Instant::now() < next {
+                std::thread::sleep(tick);
+                continue;
+            }
+            if let Err(e) = self.refresh() {
+                // The engine has no logger; once is enough (counted in refresh_errors).
+                if self.stats.refresh_errors.load(Ordering::Relaxed) == 1 {
+                    eprintln!("pykvcache: refreshing the index failed: {e}");
+                }
+            }
+            next = Instant::now() + every;
+        }
     }
 }
 

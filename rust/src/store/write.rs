@@ -184,6 +184,13 @@ impl Core {
         }
         let path = self.layout.chunk_path(ctx.hash);
         let published = files::publish(&file, &path);
+        if file.temp_path.is_some() {
+            // Drop the temp file's lock now, synchronously: on a network or
+            // FUSE filesystem the release at close() is sent asynchronously,
+            // and a reader on another node that opens the just-published
+            // chunk meanwhile would find it locked and call it a miss.
+            unsafe { libc::flock(file.fd, libc::LOCK_UN) };
+        }
         files::close(file.fd);
         match published {
             Ok(first) => {
