@@ -17,6 +17,8 @@ Phase ops:
   settle              waits until pykvcache reports no writes in flight
   signal              sends ``signal`` (a name, e.g. SIGSTOP) to process ``pid`` (a FUSE
                       daemon: tests/helpers/stall_fs.py), ``wait_stopped`` until it is stopped
+  until_breaker_closed  tiny requests until no storage directory's breaker is open (``closed``,
+                      bounded by ``timeout_s``)
   shell               runs ``argv`` (a list), e.g. takes a network link down
   sleep               sleeps ``seconds``
   events_take         the KV events published since the engine started (scenario
@@ -222,6 +224,22 @@ def main() -> int:
             if phase.get("settle", True) and scenario.get("llm", {}).get("kv_transfer_config"):
                 _settle(llm, tokenizer)
             entry["metrics"] = _metrics(llm)
+        elif phase["op"] == "until_breaker_closed":
+            # The breaker closes on the watchdog's probe after its back-off;
+            # the gauge reaches vLLM's metrics with engine steps, so drive a
+            # few tiny requests (unique, shorter than a chunk: no disk I/O).
+            params = SamplingParams(temperature=0.0, max_tokens=1)
+            end = t0 + phase.get("timeout_s", 60)
+            entry["closed"] = False
+            attempt = 0
+            while time.monotonic() < end:
+                attempt += 1
+                llm.generate([f"breaker check {attempt}"], params, use_tqdm=False)
+                if _metrics(llm).get("vllm:pykvcache_disk_breaker_open_dirs", 1) == 0:
+                    entry["closed"] = True
+                    break
+                time.sleep(phase.get("interval_s", 0.5))
+            entry["attempts"] = attempt
         elif phase["op"] == "reset_prefix_cache":
             entry["ok"] = bool(llm.reset_prefix_cache())
         elif phase["op"] == "corrupt_files":

@@ -86,7 +86,9 @@ def nodes(gluster, tiny_model, tmp_path_factory):
             {"op": "shell", "name": "link_down", "argv": ["ip", "-n", ns_b, "link", "set", "kvc", "down"]},
             _gen("R_partitioned", [texts["R"]]),
             {"op": "shell", "name": "link_up", "argv": ["ip", "-n", ns_b, "link", "set", "kvc", "up"]},
-            {"op": "sleep", "seconds": 3},
+            # The breaker probes after its back-off (doubling while the link
+            # was down): hits resume once a probe succeeds, not at once.
+            {"op": "until_breaker_closed", "name": "breaker_closed", "timeout_s": 90},
             _gen("S_link_back", [texts["S"]]),
             {"op": "shell", "name": "kill_client", "argv": ["kill", "-9", str(gluster.client_pids["b"])]},
             {"op": "sleep", "seconds": 1},
@@ -134,6 +136,9 @@ def test_node_b_partitioned_from_the_store_recomputes_within_the_bound_and_recov
     assert r["tokens"] == a["R"]["tokens"]
     assert r["num_cached_tokens"] == [0], "nothing could be loaded over a dead link"
     assert r["generate_s"] <= PARTITION_BOUND_S, f"the dead mount held the request {r['generate_s']} s"
+    closed = b["breaker_closed"]
+    print(f"breaker closed {closed['seconds']} s after the link came back ({closed['attempts']} tiny requests)")
+    assert closed["closed"], "no probe closed the breaker within 90 s of the link coming back"
     s = b["S_link_back"]
     assert s["tokens"] == a["S"]["tokens"]
     assert s["num_cached_tokens"][0] >= 13 * CHUNK_TOKENS, "disk hits did not resume after the link came back"
