@@ -123,6 +123,12 @@ class StoreStats(TypedDict):
     breaker_skipped_puts: int
     breaker_probes: int
     breaker_probe_failures: int
+    # Walks of the directories (refresh(), refresh_interval_s) for chunks
+    # other nodes wrote (added, now counted) or removed (dropped).
+    refreshes: int
+    refresh_added: int
+    refresh_dropped: int
+    refresh_errors: int
     late_completions: int
     stuck_ops: int
     quarantined_slots: int
