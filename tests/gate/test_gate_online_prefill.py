@@ -110,7 +110,7 @@ def test_a_host_that_computes_faster_than_it_loads_still_recomputes_short_prompt
     assert gate.decide([ChunkState.DISK] * 16).recompute
 
 
-def test_a_profile_is_still_the_prior_and_no_load_is_waved_through(tmp_path):
+def test_a_profile_stays_authoritative_and_no_load_is_waved_through(tmp_path):
     profile = GateProfile(
         model="/models/tiny-llama", dtype="float32", block_size=32, chunk_tokens=CT,
         kv_bytes_per_token=4096.0, world_size=1, hardware=hardware_id(),
@@ -127,6 +127,11 @@ def test_a_profile_is_still_the_prior_and_no_load_is_waved_through(tmp_path):
     assert source == "profile" and not gate.uncalibrated
     be = gate.break_even_tokens()
     assert gate.decide([ChunkState.DISK]).recompute == (be > profile.chunk_tokens)
+    assert gate.current_model().prefill == profile.cost_model().prefill
+    # It was measured on this host through vLLM: steps do not move it.
+    assert gate.prefill_online is None
+    work, seconds = next(_steps(PrefillCurve(0.0, 1.0, 0.0), 0.0, 1))
+    assert not gate.observe_prefill(work, seconds)
     assert gate.current_model().prefill == profile.cost_model().prefill
 
 

@@ -70,9 +70,11 @@ def build_gate(
     through ``gate.prefill_online.fed``)."""
     model, source = load_cost_model(profile_path, expected)
     refine = OnlineLoadModel(model.load) if online else None
-    # Without online refinement nothing could ever be learnt, so a gate with
-    # gate_online off keeps its static prior (default or profile) as before.
-    prefill = OnlinePrefillModel(model.prefill, calibrated=source == "profile") if online else None
+    # The prefill side is learnt only over the default prior: a profile timed
+    # prefill on this host through vLLM and stays authoritative (its load side
+    # is refined as before). Without online refinement nothing could ever be
+    # learnt, so gate_online off keeps the static default as before.
+    prefill = OnlinePrefillModel(model.prefill, calibrated=False) if online and source != "profile" else None
     if prefill is not None:
         prefill.fed = steps
     gate = AdmissionGate(model, chunk_tokens=expected.chunk_tokens, online=refine,
