@@ -189,3 +189,24 @@ def test_lookahead_stages_a_waiting_request_at_arrival(tiny_model, extra):
     second.on_new_request(request("b", tokens))
     assert all(manager.staged_state(k) is not None for k in keys), "no read started at arrival"
     manager.shutdown()
+
+
+def test_pykvcache_connector_times_steps_for_the_gate(tiny_model, extra):
+    """PyKvCacheConnector connects the gate's prefill side (issue 15): without a
+    profile the gate does not deny loads until steps are timed, and every step
+    vLLM builds reaches the manager's step timer."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    _, _, conn = _connector(tiny_model, extra)
+    manager = conn.scheduler.manager
+    gate = manager.gating.gate
+    assert gate.prefill_online.fed and gate.uncalibrated
+    timer = manager.gating.steps
+    times = iter([1.0, 2.5])
+    timer.clock = lambda: next(times)
+    conn.build_connector_meta(SchedulerOutput.make_empty())
+    assert [t for t, _ in timer._pending] == [1.0]  # the step is being timed
+    conn.update_connector_output(KVConnectorOutput())
+    assert timer._pending == [] and timer._last_end == 2.5  # and ended by its output
+    manager.shutdown()

@@ -4,7 +4,7 @@ faster than recomputing it.
 * :mod:`~pykvcache.gate.cost_model`  T_load vs T_prefill, break-even
 * :mod:`~pykvcache.gate.profile`     the profile ``pykvcache calibrate`` writes
 * :mod:`~pykvcache.gate.decision`    per-request decision (a prefix, in chunks)
-* :mod:`~pykvcache.gate.online`      refinement from observed load times
+* :mod:`~pykvcache.gate.online`      refinement from observed load and prefill times
 * :mod:`~pykvcache.gate.store_admission`  skipping stores that cannot pay off
 * :mod:`~pykvcache.gate.request_keys`  a request's key list from vLLM's ReqContext
 
@@ -17,7 +17,7 @@ import os
 
 from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
 from pykvcache.gate.decision import GATE_COUNTERS, GATE_GAUGES, AdmissionGate, ChunkState, GateDecision
-from pykvcache.gate.online import OnlineLoadModel
+from pykvcache.gate.online import OnlineLoadModel, OnlinePrefillModel
 from pykvcache.gate.profile import (
     DEFAULT_BREAK_EVEN_TOKENS,
     GateProfile,
@@ -42,6 +42,7 @@ __all__ = [
     "GateProfile",
     "LoadCost",
     "OnlineLoadModel",
+    "OnlinePrefillModel",
     "PrefillCurve",
     "ProfileError",
     "ProfileExpectation",
@@ -61,11 +62,21 @@ def build_gate(
     online: bool = True,
     margin: float = 1.0,
     enabled: bool = True,
+    steps: bool = False,
 ) -> tuple[AdmissionGate, str]:
     """The gate for a running engine and the source of its model (``"profile"``
-    or ``"default: <why>"``; a bad or foreign profile is logged, not raised)."""
+    or ``"default: <why>"``; a bad or foreign profile is logged, not raised).
+    ``steps``: engine steps will be timed for the prefill side (also set later
+    through ``gate.prefill_online.fed``)."""
     model, source = load_cost_model(profile_path, expected)
     refine = OnlineLoadModel(model.load) if online else None
+    # The prefill side is learnt only over the default prior: a profile timed
+    # prefill on this host through vLLM and stays authoritative (its load side
+    # is refined as before). Without online refinement nothing could ever be
+    # learnt, so gate_online off keeps the static default as before.
+    prefill = OnlinePrefillModel(model.prefill, calibrated=False) if online and source != "profile" else None
+    if prefill is not None:
+        prefill.fed = steps
     gate = AdmissionGate(model, chunk_tokens=expected.chunk_tokens, online=refine,
-                         margin=margin, enabled=enabled)
+                         margin=margin, enabled=enabled, prefill_online=prefill)
     return gate, source

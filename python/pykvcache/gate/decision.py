@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pykvcache.gate.cost_model import CostModel
-from pykvcache.gate.online import OnlineLoadModel
+from pykvcache.gate.online import OnlineLoadModel, OnlinePrefillModel
 
 
 class ChunkState(enum.IntEnum):
@@ -45,7 +45,9 @@ class GateDecision:
     queued_bytes: int
     est_load_s: float  # of the chosen prefix (0 when recomputing)
     est_recompute_s: float  # of the same tokens, or of the whole available prefix when recomputing
-    reason: str  # "load" | "below_break_even" | "nothing_available" | "gate_disabled"
+    #: "load" | "below_break_even" | "nothing_available" | "gate_disabled" |
+    #: "uncalibrated" (loaded because the prefill side is not known yet)
+    reason: str
 
     @property
     def recompute(self) -> bool:
@@ -71,15 +73,25 @@ GATE_GAUGES = {
     "gate_fixed_load_ms": "Current fixed cost estimate of one load (ms) used by the gate.",
     "gate_step_load_ms": "Calibrated cost of any load inside the engine (ms; vLLM's asynchronous load step).",
     "gate_disk_step_ms": "Calibrated extra cost of a load from disk inside the engine beyond the read (ms).",
+    "gate_prefill_scale": "Observed prefill cost over the prior's (profile or default; 1 before any observation).",
+    "gate_prefill_observations": "Engine steps the gate has timed to learn the prefill cost.",
 }
 
 
 class AdmissionGate:
     """Chooses load or recompute per request. ``enabled=False`` loads every
-    available prefix (vLLM's behaviour without a gate) but still counts."""
+    available prefix (vLLM's behaviour without a gate) but still counts.
+
+    With ``prefill_online`` the prefill side is learnt from timed engine
+    steps; while that model is not :attr:`~OnlinePrefillModel.trusted` (no
+    profile, too few steps seen) the gate never denies a load: its prior cannot
+    tell a slow host from a fast one, and a wrongly denied load costs a
+    recompute (seconds on a CPU) where a wrongly allowed one costs at most its
+    own load time, for the few requests before the steps are seen."""
 
     def __init__(self, model: CostModel, *, chunk_tokens: int, online: OnlineLoadModel | None = None,
-                 margin: float = 1.0, enabled: bool = True) -> None:
+                 margin: float = 1.0, enabled: bool = True,
+                 prefill_online: OnlinePrefillModel | None = None) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be > 0 (got {chunk_tokens})")
         if not margin > 0:
@@ -88,6 +100,7 @@ class AdmissionGate:
         self.chunk_tokens = chunk_tokens
         self.chunk_bytes = model.bytes_per_token * chunk_tokens
         self.online = online
+        self.prefill_online = prefill_online
         self.margin = margin  # load only when recompute > margin * load
         self.enabled = enabled
         self.totals: dict[str, float] = dict.fromkeys(GATE_COUNTERS, 0)
@@ -95,12 +108,22 @@ class AdmissionGate:
         self._refined: CostModel | None = None
 
     def current_model(self) -> CostModel:
-        if self.online is None or self.online.samples == 0:
+        load = self.online.current() if self.online is not None and self.online.samples else self.model.load
+        prefill = (self.prefill_online.current() if self.prefill_online is not None
+                   else self.model.prefill)
+        if load is self.model.load and prefill is self.model.prefill:
             return self.model
-        load = self.online.current()
-        if self._refined is None or self._refined.load is not load:
-            self._refined = self.model.with_load(load)  # rebuilt only after an observation
-        return self._refined
+        refined = self._refined
+        if refined is None or refined.load is not load or refined.prefill is not prefill:
+            # Rebuilt only after an observation changed a side.
+            self._refined = refined = CostModel(prefill, load, self.model.bytes_per_token)
+        return refined
+
+    @property
+    def uncalibrated(self) -> bool:
+        """True while the gate does not deny loads (prefill side unknown)."""
+        po = self.prefill_online
+        return po is not None and po.fed and not po.trusted
 
     def break_even_tokens(self, queued_bytes: float = 0.0) -> float:
         return self.current_model().break_even_tokens(queued_bytes=queued_bytes)
@@ -120,7 +143,8 @@ class AdmissionGate:
         c = prefill.c
         margin = self.margin
         missing, disk = int(ChunkState.MISSING), int(ChunkState.DISK)
-        load_always = not self.enabled
+        uncalibrated = self.enabled and self.uncalibrated
+        load_always = not self.enabled or uncalibrated
 
         best_k = best_staged = staged = k = 0
         best_net = best_load = load_s = 0.0
@@ -144,7 +168,7 @@ class AdmissionGate:
                 best_k, best_net, best_load, best_staged = k, net, load_s, staged
         available = k
         if best_k:
-            reason = "load" if self.enabled else "gate_disabled"
+            reason = "gate_disabled" if not self.enabled else "uncalibrated" if uncalibrated else "load"
             recompute_s = prefill.compute_cost(start_tokens, start_tokens + best_k * self.chunk_tokens)
         else:
             reason = "nothing_available" if available == 0 else "below_break_even"
@@ -194,8 +218,13 @@ class AdmissionGate:
         if self.online is not None:
             self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes)
 
+    def observe_prefill(self, work: Sequence[tuple[int, int]], seconds: float) -> bool:
+        """Feed a timed engine step back (see :class:`OnlinePrefillModel`)."""
+        return self.prefill_online is not None and self.prefill_online.observe(work, seconds)
+
     def gauges(self) -> dict[str, float]:
         model = self.current_model()
+        po = self.prefill_online
         be = model.break_even_tokens()
         return {
             "gate_break_even_tokens": be if be != float("inf") else -1.0,
@@ -203,4 +232,6 @@ class AdmissionGate:
             "gate_fixed_load_ms": model.load.fixed_s * 1e3,
             "gate_step_load_ms": model.load.step_s * 1e3,
             "gate_disk_step_ms": model.load.disk_step_s * 1e3,
+            "gate_prefill_scale": po.scale if po is not None else 1.0,
+            "gate_prefill_observations": po.samples if po is not None else 0,
         }

@@ -1,6 +1,7 @@
-"""Online refinement of the load cost from observed load times.
+"""Online refinement of the cost model: load times (:class:`OnlineLoadModel`)
+and prefill times (:class:`OnlinePrefillModel`) observed in service.
 
-The calibration measured an idle device. In service the SSD is shared with
+Load side: the calibration measured an idle device. In service the SSD is shared with
 stores, other requests' loads and possibly other processes, so every
 completed load is compared with its prediction and the error is split
 between the fixed cost and the bandwidth in proportion to how much of the
@@ -17,8 +18,11 @@ break-even: longer prefixes are then needed before loading pays.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
+from collections.abc import Iterable, Sequence
 
-from pykvcache.gate.cost_model import LoadCost
+from pykvcache.gate.cost_model import LoadCost, PrefillCurve
 
 
 class OnlineLoadModel:
@@ -89,3 +93,97 @@ class OnlineLoadModel:
             "bandwidth_ratio": self._bw / self.base.disk_bytes_per_s,
             "samples": self.samples,
         }
+
+
+class OnlinePrefillModel:
+    """Online refinement of the prefill curve from timed engine steps.
+
+    The load side is refined from timed reads; without this, the prefill side
+    would be only what the profile (or, without one, a default prior) says. A
+    default prior knows nothing of the host: on a 2-core CPU a 1k-token
+    prefill takes seconds where the prior says milliseconds, and the gate then
+    recomputes prefixes that loading would serve many times faster.
+
+    Each observation is one engine step that mostly prefilled: the work it did
+    (``(start, tokens)`` per scheduled request, decodes included as one token
+    at their position) and how long it took. The prior prices that work; the
+    step time is ``overhead + scale * priced``. The last ``window`` steps are
+    kept (bounded memory) and ``scale`` is their Theil-Sen slope (the median of
+    pairwise slopes: robust to a few stalled or idle-inflated steps, and it
+    separates the per-step overhead, which recomputing a prefix does not add,
+    from the per-token cost, which it does). Without enough spread in step
+    sizes the slope is not identifiable and the median ratio (through the
+    origin, i.e. overhead counted as compute: biased towards loading) is used.
+    CPU contention slows compute and reads alike, which the ratio the gate
+    compares is insensitive to.
+
+    ``calibrated`` says whether the prior was measured on this host (a gate
+    profile): its scale stays within ``[1/max_factor, max_factor]``; a default
+    prior may be off by orders of magnitude and gets ``uncalibrated_factor``.
+    :attr:`trusted` is what the gate needs before it denies a load, and only
+    once :attr:`fed` says that something times steps (PyKvCacheConnector
+    does; vLLM's tiering framework and the stock connector do not, and there
+    the gate keeps its prior as before).
+    """
+
+    def __init__(self, base: PrefillCurve, *, calibrated: bool, window: int = 32, min_samples: int = 4,
+                 max_factor: float = 8.0, uncalibrated_factor: float = 1e4) -> None:
+        if window < 2 or min_samples < 1 or min_samples > window:
+            raise ValueError(f"need 1 <= min_samples <= window and window >= 2 (got {min_samples}, {window})")
+        if not (max_factor >= 1 and uncalibrated_factor >= 1):
+            raise ValueError("max_factor and uncalibrated_factor must be >= 1")
+        self.base = base
+        self.calibrated = calibrated
+        self.min_samples = min_samples
+        self.factor = max_factor if calibrated else uncalibrated_factor
+        self._points: deque[tuple[float, float]] = deque(maxlen=window)  # (priced s, observed s)
+        self.samples = 0
+        self.rejected = 0
+        self.scale = 1.0
+        self.fed = False  # set once a step source is connected
+        self._current = base
+
+    @property
+    def trusted(self) -> bool:
+        """A profile, or enough steps observed on this host."""
+        return self.calibrated or self.samples >= self.min_samples
+
+    def current(self) -> PrefillCurve:
+        """The refined curve (the same object until the scale changes)."""
+        return self._current
+
+    def priced(self, work: Iterable[tuple[int, int]]) -> float:
+        return sum(self.base.compute_cost(start, start + n) for start, n in work)
+
+    def observe(self, work: Sequence[tuple[int, int]], seconds: float) -> bool:
+        """One step that computed ``work`` in ``seconds``; False when rejected."""
+        priced = self.priced(work) if work else 0.0
+        if not (priced > 0 and seconds > 0 and math.isfinite(seconds)):
+            self.rejected += 1
+            return False
+        self._points.append((priced, seconds))
+        self.samples += 1
+        scale = self._fit()
+        scale = min(self.factor, max(1.0 / self.factor, scale))
+        if scale != self.scale:
+            self.scale = scale
+            b = self.base
+            self._current = PrefillCurve(b.a * scale, b.b * scale, b.c * scale)
+        return True
+
+    def _fit(self) -> float:
+        pts = self._points
+        xs = [x for x, _ in pts]
+        if len(pts) >= 3 and max(xs) >= 1.5 * min(xs):
+            slopes = [(y2 - y1) / (x2 - x1)
+                      for i, (x1, y1) in enumerate(pts) for x2, y2 in list(pts)[i + 1:]
+                      if x2 > 1.2 * x1 or x1 > 1.2 * x2]
+            if slopes:
+                slope = statistics.median(slopes)
+                if slope > 0:
+                    return slope
+        return statistics.median(y / x for x, y in pts)
+
+    def state(self) -> dict[str, float]:
+        return {"scale": self.scale, "samples": self.samples, "rejected": self.rejected,
+                "trusted": float(self.trusted)}

@@ -11,7 +11,8 @@ which stages the head of the waiting queue ahead of the scheduler.
 Select it with ``"kv_connector": "PyKvCacheConnector",
 "kv_connector_module_path": "pykvcache.vllm"``; ``spec_name`` and
 ``spec_module_path`` default to pykvcache's spec. A request can opt out with
-``kv_transfer_params={"pykvcache_lookahead": false}``.
+``kv_transfer_params={"pykvcache_lookahead": false}``. It also times the
+engine's steps for the gate's prefill side (:class:`pykvcache.vllm.gate_plan.StepTimer`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.kv_offload.base import make_offload_key
 
 from pykvcache.vllm.config import ConfigError, validate_extra_config
+from pykvcache.vllm.gate_plan import step_work
 from pykvcache.vllm.host_config import publishing
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.lookahead import WaitingRequest
@@ -65,6 +67,7 @@ class PyKvCacheConnector(OffloadingConnector):
                 f"spec_module_path pykvcache.vllm); got a {type(manager).__name__}"
             )
         self._manager = manager
+        manager.gating.enable_step_timing()  # this connector reports the steps
         policy = str(getattr(vllm_config.scheduler_config, "policy", "fcfs"))
         manager.preloader.queue.by_priority = policy.endswith("priority")
         # Full-attention groups only: their keys form a prefix vLLM loads from
@@ -136,12 +139,34 @@ class PyKvCacheConnector(OffloadingConnector):
 
     def build_connector_meta(self, scheduler_output):
         if self._manager is not None:
+            # The gate learns the prefill cost from the engine's own steps:
+            # this step's work now, its end at the next output or build.
+            self._manager.step_scheduled(step_work(scheduler_output))
             # A preempted request that runs again is listed among the cached
             # requests, not the new ones: its lookahead holds end here.
             cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
             for req_id in getattr(cached, "resumed_req_ids", None) or ():
                 self._manager.on_request_resumed(req_id)
         return super().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output) -> None:
+        super().update_connector_output(connector_output)
+        if self._manager is not None:
+            self._manager.step_finished()
+
+    # A request finishes while its last step's output is processed: that step
+    # has ended (vLLM reports no connector output for a step with nothing in it).
+    def request_finished(self, request, block_ids):
+        result = super().request_finished(request, block_ids)
+        if self._manager is not None:
+            self._manager.step_finished()
+        return result
+
+    def request_finished_all_groups(self, request, block_ids):
+        result = super().request_finished_all_groups(request, block_ids)
+        if self._manager is not None:
+            self._manager.step_finished()
+        return result
 
     def _device_cached_tokens(self, request) -> int:
         """Prompt tokens the device prefix cache already holds (not worth

@@ -14,6 +14,12 @@ what the calibrated ``fixed + bytes/BW`` predicts. The scheduler step a
 request may wait before it sees its reads complete is not learned: it depends
 on the step time, not on the device (lookahead preloading hides it). The
 store side asks :meth:`GateWiring.admit_store` how many chunks to write.
+
+The prefill side is learnt from the engine's own steps (:class:`StepTimer`):
+the connector reports each step's scheduled work when it builds the step's
+metadata and the step's end when its output comes back (or the next step is
+built, whichever is first); a step that mostly prefilled is one observation
+for the gate's :class:`~pykvcache.gate.online.OnlinePrefillModel`.
 """
 
 from __future__ import annotations
@@ -40,6 +46,76 @@ class Plan:
     longest_read_s: float = 0.0
 
 
+def step_work(scheduler_output) -> list[tuple[int, int]]:
+    """``(computed_tokens, scheduled_tokens)`` of every request a vLLM
+    ``SchedulerOutput`` schedules (new, resumed and running ones)."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    work = []
+    for req in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
+        n = scheduled.get(req.req_id, 0)
+        if n > 0:
+            work.append((int(req.num_computed_tokens), int(n)))
+    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
+    if cached is not None:
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            n = scheduled.get(req_id, 0)
+            if n > 0:
+                work.append((int(computed), int(n)))
+    return work
+
+
+class StepTimer:
+    """Times engine steps for the prefill side of the gate.
+
+    ``scheduled(work, now)`` when a step is built, ``finished(now)`` when its
+    output comes back; a step also ends when the next one is built (vLLM does
+    not report outputs with nothing in them), and is timed from whichever is
+    later, its build or the previous step's end. Only steps that
+    mostly prefilled are observations: at least ``min_prefill_tokens``
+    prefill tokens and at most one decode per ``decode_ratio`` of them (a
+    decode is priced as one token at its position, which is right for
+    compute and bounded in error by that share).
+    """
+
+    def __init__(self, observe: Callable[[Sequence[tuple[int, int]], float], bool], *,
+                 min_prefill_tokens: int, decode_ratio: int = 8, clock: Callable[[], float] = time.monotonic):
+        self._observe = observe
+        self.min_prefill_tokens = max(1, min_prefill_tokens)
+        self.decode_ratio = decode_ratio
+        self.clock = clock
+        self._pending: list[tuple[float, list[tuple[int, int]] | None]] = []  # oldest first
+        self._last_end = 0.0
+        self.observed = 0
+
+    def qualifies(self, work: Sequence[tuple[int, int]]) -> bool:
+        prefill = sum(n for _, n in work if n > 1)
+        decodes = sum(1 for _, n in work if n == 1)
+        return prefill >= self.min_prefill_tokens and decodes * self.decode_ratio <= prefill
+
+    def scheduled(self, work: Sequence[tuple[int, int]], now: float | None = None) -> None:
+        now = self.clock() if now is None else now
+        # A step still pending ends here at the latest: synchronously its
+        # output would have come back before this build; with asynchronous
+        # scheduling steps are pipelined, so the interval between builds is
+        # the step period either way.
+        while self._pending:
+            self.finished(now)
+        self._pending.append((now, list(work) if work and self.qualifies(work) else None))
+
+    def finished(self, now: float | None = None) -> None:
+        if not self._pending:
+            return
+        now = self.clock() if now is None else now
+        built, work = self._pending.pop(0)
+        began = max(built, self._last_end)
+        self._last_end = now
+        if work is not None and now > began and self._observe(work, now - began):
+            self.observed += 1
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
 class NoGating:
     """The null strategy: every chunk a lookup finds is loaded, every chunk offered is stored."""
 
@@ -61,6 +137,15 @@ class NoGating:
 
     def admit_store(self, keys: Sequence[bytes], req_context) -> int:
         return len(keys)
+
+    def enable_step_timing(self) -> None:
+        pass
+
+    def step_scheduled(self, work: Sequence[tuple[int, int]]) -> None:
+        pass
+
+    def step_finished(self) -> None:
+        pass
 
     def take_counters(self) -> dict[str, float]:
         return {}
@@ -84,6 +169,9 @@ class GateWiring:
         self._plans: dict[Hashable, dict[bytes, Plan]] = {}  # req -> group -> plan
         self._awaited_by: dict[bytes, set[Hashable]] = {}  # disk key -> requests timing it
         self.observations = 0
+        # A step worth timing prefilled at least one chunk: shorter ones are
+        # dominated by per-step overhead, and a chunk is what the gate decides on.
+        self.steps = StepTimer(gate.observe_prefill, min_prefill_tokens=chunk_tokens)
 
     # -- lookups -------------------------------------------------------------
     def allows(self, key: bytes, req_context, state_of: Callable[[bytes], ChunkState],
@@ -96,7 +184,7 @@ class GateWiring:
         preload's decision is not a request's decision."""
         g = self.gate
         return AdmissionGate(g.model, chunk_tokens=g.chunk_tokens, online=g.online,
-                             margin=g.margin, enabled=g.enabled)
+                             margin=g.margin, enabled=g.enabled, prefill_online=g.prefill_online)
 
     def plan_for(self, key: bytes, req_context, state_of: Callable[[bytes], ChunkState],
                  queued_bytes: int) -> Plan:
@@ -168,6 +256,20 @@ class GateWiring:
         plan.awaiting.clear()
         plan.disk_bytes = 0
 
+    def enable_step_timing(self) -> None:
+        """Steps will be reported: the gate may rely on learning the prefill
+        side (and does not deny loads until it has)."""
+        if self.gate.prefill_online is not None:
+            self.gate.prefill_online.fed = True
+
+    def step_scheduled(self, work: Sequence[tuple[int, int]]) -> None:
+        """A step was built with ``work`` (see :func:`step_work`)."""
+        self.steps.scheduled(work)
+
+    def step_finished(self) -> None:
+        """The oldest built step's output came back."""
+        self.steps.finished()
+
     # -- stores ---------------------------------------------------------------
     def admit_store(self, keys: Sequence[bytes], req_context) -> int:
         """How many leading ``keys`` to write (the rest are skipped for good)."""
@@ -197,3 +299,4 @@ class GateWiring:
     def clear(self) -> None:
         self._plans.clear()
         self._awaited_by.clear()
+        self.steps.clear()

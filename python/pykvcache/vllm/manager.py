@@ -389,6 +389,14 @@ class NvmeOffloadingManager(OffloadingManager):
         # stores were handed to the disk.
         self.preloader.plan()
 
+    def step_scheduled(self, work) -> None:
+        """The connector built a step scheduling ``work`` ((computed, scheduled) per request)."""
+        self.gating.step_scheduled(work)
+
+    def step_finished(self) -> None:
+        """The connector saw the oldest built step's output."""
+        self.gating.step_finished()
+
     def has_pending_work(self) -> bool:
         return bool(self._reads or self._writes or self._write_queue)
 
