@@ -54,6 +54,7 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pykvcache.gate import ChunkState
+from pykvcache.vllm.disk_presence import DiskPresence
 from pykvcache.vllm.gate_plan import GateWiring, NoGating
 from pykvcache.vllm.layout import ChunkLayout
 from pykvcache.vllm.lookahead import Preloader, WaitingRequest
@@ -73,9 +74,6 @@ from pykvcache.vllm.transfer_spec import StagingSlotsSpec
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
-# Chunks another engine publishes in shared directories become visible within this.
-_PROBE_INTERVAL_S = 1.0
-_PROBE_MEMORY = 100_000
 
 
 class NvmeOffloadingManager(OffloadingManager):
@@ -125,10 +123,7 @@ class NvmeOffloadingManager(OffloadingManager):
         # cache knows who holds what: owners ("lookup", req_id)).
         self._lookup_hold_slots = lookup_hold_slots
         self._waited: set[str] = set()  # requests that met HIT_PENDING
-        self._probed_absent: dict[bytes, float] = {}  # key -> next probe time
-        # Keys whose last read found their directory unavailable (timed out,
-        # failing, breaker open): treated as not on disk until the time given.
-        self._unavailable: dict[bytes, float] = {}
+        self._presence = DiskPresence(self.metrics)
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
 
@@ -151,25 +146,8 @@ class NvmeOffloadingManager(OffloadingManager):
 
     def on_disk(self, key: bytes) -> bool:
         """In the index, or published since by another engine sharing the
-        directories. A key the disk did not have is probed again only after
-        ``_PROBE_INTERVAL_S``: a waiting request is looked up every step."""
-        now = time.monotonic()
-        if self._unavailable:
-            if self._unavailable.get(key, 0.0) > now:
-                return False
-            self._unavailable.pop(key, None)
-        if self.store.contains(key):
-            return True
-        if self._probed_absent.get(key, 0.0) > now:
-            return False
-        if self.store.probe(key):
-            self._probed_absent.pop(key, None)
-            self.metrics.inc("peer_chunks_found")
-            return True
-        if len(self._probed_absent) >= _PROBE_MEMORY:
-            self._probed_absent.clear()
-        self._probed_absent[key] = now + _PROBE_INTERVAL_S
-        return False
+        directories (:class:`~pykvcache.vllm.disk_presence.DiskPresence`)."""
+        return self._presence.on_disk(self.store, key)
 
     def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False) -> LookupResult:
         """Make ``key`` readable from staging: HIT if it already is, HIT_PENDING
@@ -552,9 +530,7 @@ class NvmeOffloadingManager(OffloadingManager):
             # breaker: the chunk may well be there, nothing to drop; but the
             # next lookup must not read it again at once (it would wait for
             # the same stalled directory, or fail the same way, every step).
-            if len(self._unavailable) >= _PROBE_MEMORY:
-                self._unavailable.clear()
-            self._unavailable[key] = time.monotonic() + _PROBE_INTERVAL_S
+            self._presence.unavailable(key)
             return
         # The store drops corrupt files itself; make sure the index agrees so
         # the next lookup is a plain MISS instead of another failing read.

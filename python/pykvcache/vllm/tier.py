@@ -58,6 +58,7 @@ from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import ManagerMetrics, metric_definitions
 from pykvcache.vllm.model_identity import model_identity
 from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace_for
+from pykvcache.vllm.disk_presence import DiskPresence
 from pykvcache.vllm.spec import MAX_STAGING_SLOTS, build_gating, open_block_store
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
@@ -86,9 +87,6 @@ MIN_TIER_SLOTS = 2
 #: Row-layout marker in the namespace: chunks are vLLM's CPU-tier chunk bytes,
 #: not pykvcache's per-rank rows, so the two modes never read each other's files.
 TIER_ROW_LAYOUT = "vllm-tiering-primary-chunk-v1"
-
-_PROBE_INTERVAL_S = 1.0
-_PROBE_MEMORY = 100_000
 
 
 def tier_settings(options: dict[str, Any]):
@@ -175,7 +173,7 @@ class PykvcacheTier(SecondaryTierManager):
         self._jobs: deque[_Job] = deque()  # jobs with chunks not started, in order
         self._ops: dict[int, tuple[Any, _Job, bytes, int]] = {}  # slot -> (handle, job, key, chunk)
         self._finished: list[JobResult] = []
-        self._probed_absent: dict[bytes, float] = {}
+        self._presence = DiskPresence(self.metrics)
         self._closed = False
         logger.info("pykvcache tier: namespace %s on %s: capacity_bytes %d, %d chunk(s) found; "
                     "%d staging slots of %d bytes; backend %s, direct I/O %s",
@@ -185,21 +183,7 @@ class PykvcacheTier(SecondaryTierManager):
 
     # -- lookups ---------------------------------------------------------------
     def _on_disk(self, key: bytes) -> bool:
-        """In the index, or published since by another engine sharing the
-        directories (probed at most once a second per absent key)."""
-        if self._store.contains(key):
-            return True
-        now = time.monotonic()
-        if self._probed_absent.get(key, 0.0) > now:
-            return False
-        if self._store.probe(key):
-            self._probed_absent.pop(key, None)
-            self.metrics.inc("peer_chunks_found")
-            return True
-        if len(self._probed_absent) >= _PROBE_MEMORY:
-            self._probed_absent.clear()
-        self._probed_absent[key] = now + _PROBE_INTERVAL_S
-        return False
+        return self._presence.on_disk(self._store, key)
 
     def _chunk_state(self, key: bytes) -> ChunkState:
         # Chunks the CPU tier holds never reach this tier's lookup.
