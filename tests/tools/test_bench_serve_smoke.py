@@ -28,6 +28,22 @@ pytestmark = [
 ]
 
 
+def _busy_loops_alive() -> list[int]:
+    import os
+
+    from pykvcache.tools.bench.contention import _BUSY_LOOP
+
+    alive = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if _BUSY_LOOP.encode() in f.read():
+                    alive.append(int(pid))
+        except OSError:
+            continue
+    return alive
+
+
 def test_part_is_listed_but_not_default():
     resolve_parts(None)
     assert "serve" in PARTS and not PARTS["serve"].default
@@ -55,10 +71,14 @@ def test_serve_part_tiny(tmp_path, tiny_model_cache):
     # its reason, at no cost (a real failed start is what the full run shows).
     opts.configs = ["recompute", "pykvcache", "lmcache"]
     opts.lmcache_path = str(tmp_path)
+    # One busy-loop process beside each measurement: the contention path runs
+    # for real (and is stopped: no process outlives the part).
+    opts.busy_cores = 1
 
     out = run_with(ctx, opts, model_cache=tiny_model_cache)
 
     runs = {r["config"]: r for r in out.raw["runs"]}
+    assert not _busy_loops_alive(), "a contention process outlived the part"
     for name in ("recompute", "pykvcache"):
         assert "error" not in runs[name], runs[name].get("error")
         recs = [r for lv in runs[name]["levels"] for r in lv["records"]]
@@ -79,5 +99,12 @@ def test_serve_part_tiny(tmp_path, tiny_model_cache):
     text = report.read_text()
     assert "Multi-turn sessions" in text and "serve_ttft_cdf.png" in text
     assert "| lmcache | unavailable |" in text
+    assert "1 busy-loop process(es) ran beside" in text
+    # Where TTFT goes, from the server's own histograms: vLLM's queue and
+    # prefill times are there for both, the connector's columns for pykvcache.
+    [time_table] = [t for t in out.tables if t.title.startswith("Where the time to first token goes")]
+    rows = {row[0]: row for row in time_table.rows}
+    assert rows["recompute"][1] != "-" and rows["recompute"][2] != "-" and rows["recompute"][3] == "-"
+    assert rows["pykvcache"][1] != "-" and rows["pykvcache"][3] != "-"
     assert (config.out / "serve_ttft_cdf.png").stat().st_size > 0
     assert json.loads((config.out / "results.json").read_text())["parts"]["serve"]["raw"]["runs"]

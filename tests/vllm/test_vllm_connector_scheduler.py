@@ -210,3 +210,22 @@ def test_pykvcache_connector_times_steps_for_the_gate(tiny_model, extra):
     conn.update_connector_output(KVConnectorOutput())
     assert timer._pending == [] and timer._last_end == 2.5  # and ended by its output
     manager.shutdown()
+
+
+@pytest.mark.parametrize("staging, warned", [("2MiB", True), ("16MiB", False)])
+def test_staging_too_small_for_the_longest_prompt_is_said_at_start(tiny_model, extra, caplog, staging, warned):
+    """The spec reads max_model_len from the real VllmConfig (2048 tokens: 31
+    chunks of 132 KiB files, 4.1 MiB): 2 MiB of staging cannot hold one such
+    prefix and the start-up log says so with the size to give; 16 MiB (3.9
+    prefixes) is quiet."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="vllm.pykvcache"):
+        _, _, connector = _connector(tiny_model, {**extra, "staging_bytes": staging})
+    said = [r.getMessage() for r in caplog.records if "full-length" in r.getMessage()]
+    if warned:
+        assert said and "fewer than the 31 of one full-length prompt" in said[0], said
+        assert "staging_bytes >= " in said[0]
+    else:
+        assert said == []
+    connector.scheduler.manager.shutdown()

@@ -86,6 +86,12 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--serve-concurrency", type=_int_list, default=None,
                         help="serve part: concurrent users per level, e.g. 2,6")
     parser.add_argument("--serve-repeats", type=int, default=None, help="serve part: repeats per configuration")
+    parser.add_argument("--serve-set", action="append", default=None, metavar="KEY=VALUE",
+                        help="serve part: set any of its options (ServeOptions in serve_part.py), e.g. "
+                             "staging_bytes=48MiB or doc_tokens=1024; repeatable")
+    parser.add_argument("--serve-busy-cores", type=int, default=None,
+                        help="serve part: busy-loop processes running while every configuration is measured "
+                             "(other work sharing the cores), default 0")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     parser.add_argument("--warm", action="store_true", help="do not drop caches before read phases")
     parser.add_argument("--cold-metadata", action="store_true",
@@ -137,6 +143,17 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
         config.serve_model = args.serve_model
         config.serve_concurrency = args.serve_concurrency
         config.serve_repeats = args.serve_repeats
+        config.serve_busy_cores = args.serve_busy_cores
+        config.serve_set = list(args.serve_set or [])
+        if config.serve_set or args.serve_busy_cores is not None:
+            from .bench.serve_part import options_from
+
+            try:  # a typo fails here, not after the other parts have run
+                problems = options_from(config).check()
+            except ValueError as exc:
+                parser.error(str(exc))
+            if problems:
+                parser.error("serve options: " + "; ".join(problems))
         config.cold_reads = not args.warm
         config.cold_metadata = args.cold_metadata
         if args.no_progress:

@@ -152,6 +152,15 @@ def _size_value(value: Any) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def parse_size(value: Any) -> int:
+    """A byte size as the configuration keys accept it (``50331648``,
+    ``"48MiB"``, ``"2TB"``); ValueError for anything else."""
+    parsed = _size_value(value)
+    if parsed is None:
+        raise ValueError(f"expected a number of bytes or a size such as '64GiB', got {value!r}")
+    return parsed
+
+
 def _parse_size(name: str, value: Any, problems: list[str], *, allow_zero: bool = False) -> int | None:
     """Byte sizes: a positive int, or a string with a suffix ("64GiB", "2TB")."""
     parsed = _size_value(value)

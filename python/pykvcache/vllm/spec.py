@@ -29,6 +29,7 @@ from pykvcache.vllm.metrics import metric_definitions
 from pykvcache.vllm.host_config import find_vllm_config
 from pykvcache.vllm.model_identity import model_identity
 from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace_for
+from pykvcache.vllm.staging_sizing import staging_sizing
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
@@ -279,6 +280,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 self.settings.staging_bytes / (1 << 20), self.num_slots,
                 self.layout.payload_bytes, store.backend, store.direct_io, store.fixed_buffers,
             )
+            self._advise_staging_size()
             if self.settings.preformat == "background":
                 free = store.capacity_bytes - store.committed_bytes
                 if free >= self.slot_footprint:
@@ -286,6 +288,16 @@ class NvmeOffloadingSpec(OffloadingSpec):
                                 free / (1 << 20))
                     self._manager.start_background_preformat()
         return self._manager
+
+    def _advise_staging_size(self) -> None:
+        model_config = getattr(self._vllm_config, "model_config", None)
+        sizing = staging_sizing(
+            slots=self.num_slots, slot_bytes=self.slot_footprint,
+            lookahead_slots=lookahead_budget_bytes(self.settings) // self.slot_footprint,
+            max_model_len=getattr(model_config, "max_model_len", None),
+            chunk_tokens=self.chunk_tokens, groups=max(1, len(self.tokens_per_block)))
+        for line in sizing.advice():
+            logger.warning("pykvcache: %s", line)
 
     def _create_pool(self, staging_pool_cls):
         """The staging region: a memfd, so it never outlives the engine (vLLM

@@ -68,6 +68,9 @@ class BenchConfig:
     serve_configs: list[str] | None = None
     serve_concurrency: list[int] | None = None
     serve_repeats: int | None = None
+    serve_busy_cores: int | None = None
+    # "key=value" overrides of any serve option (serve_part.ServeOptions).
+    serve_set: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -35,11 +35,12 @@ import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from .config import BenchConfig
+from .contention import CpuContention
 from .parts import BenchContext, Figure, Part, PartOutput, Step, Table, register_part
 from .serve_server import Server, ServerConfig, ServerFailed, log_tail
 from .serve_workload import Workload, run_sessions
@@ -72,12 +73,16 @@ class ServeOptions:
     max_model_len: int = 2048
     # Device KV cache: this many tokens (at least max_model_len: vLLM refuses less).
     kv_cache_tokens: int = 2048
-    staging_bytes: int = 48 << 20
+    # 2.5 full-length (max_model_len) prefixes, 2.8 of the workload's longest
+    # prompt: what pykvcache's start-up check asks for (staging_sizing.py;
+    # at 48 MiB, 1.1 prefixes, every load serialized and lookahead's gain was
+    # 1.0), and still below the working set, so prefixes come back from disk.
+    staging_bytes: int = 160 << 20
     chunk_tokens: int = 64
     sessions: int = 6
     turns: int = 3
     documents: int = 4
-    doc_tokens: int = 1024
+    doc_tokens: int = 1536
     question_tokens: int = 48
     answer_tokens: int = 48
     output_tokens: int = 16
@@ -90,6 +95,9 @@ class ServeOptions:
     pr_num_prefixes: int = 4
     start_timeout_s: float = 600.0
     lmcache_path: str | None = None
+    # Busy-loop processes kept running while every configuration is measured
+    # (other work sharing the cores: the tail must hold up then too).
+    busy_cores: int = 0
 
     def check(self) -> list[str]:
         problems = []
@@ -103,6 +111,8 @@ class ServeOptions:
             problems.append(f"the last turn's prompt (~{need} tokens) exceeds max_model_len {self.max_model_len}")
         if self.chunk_tokens % 32:
             problems.append("chunk_tokens must be a multiple of vLLM's CPU block size (32)")
+        if self.busy_cores < 0:
+            problems.append("busy_cores must be >= 0")
         if self.repeats <= 0 or not self.concurrency or min(self.concurrency) <= 0:
             problems.append("repeats and concurrency levels must be positive")
         return problems
@@ -132,7 +142,44 @@ def options_from(cfg: BenchConfig) -> ServeOptions:
         opts.concurrency = list(cfg.serve_concurrency)
     if cfg.serve_repeats:
         opts.repeats = cfg.serve_repeats
+    if cfg.serve_busy_cores is not None:
+        opts.busy_cores = cfg.serve_busy_cores
+    for item in cfg.serve_set:
+        set_option(opts, item)
     return opts
+
+
+def set_option(opts: ServeOptions, item: str) -> None:
+    """``key=value`` onto a ServeOptions field, typed by the field: sizes
+    accept units (``48MiB``), lists are comma-separated."""
+    from pykvcache.vllm.config import parse_size  # the same units as the vLLM keys
+
+    key, sep, raw = item.partition("=")
+    key = key.strip()
+    current = getattr(opts, key, _MISSING) if sep else _MISSING
+    if current is _MISSING:
+        known = ", ".join(f.name for f in fields(ServeOptions))
+        raise ValueError(f"--serve-set {item!r}: expected KEY=VALUE with KEY one of {known}")
+    raw = raw.strip()
+    try:
+        if key.endswith("_bytes"):
+            value: Any = parse_size(raw)
+        elif isinstance(current, bool):
+            value = {"true": True, "false": False}[raw.lower()]
+        elif isinstance(current, int):
+            value = int(raw)
+        elif isinstance(current, float):
+            value = float(raw)
+        elif isinstance(current, list):
+            value = [type(current[0])(x) if current else x for x in raw.split(",") if x]
+        else:
+            value = raw or None
+    except (KeyError, ValueError) as exc:
+        raise ValueError(f"--serve-set {item!r}: {raw!r} is not a valid {key} ({exc})") from None
+    setattr(opts, key, value)
+
+
+_MISSING = object()
 
 
 def steps_for(opts: ServeOptions) -> int:
@@ -224,7 +271,9 @@ def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: in
 def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     keys = [k for k in after if k.startswith(("vllm:pykvcache_", "vllm:prefix_cache", "vllm:prompt_tokens",
                                               "vllm:external_prefix_cache", "vllm:generation_tokens",
-                                              "vllm:kv_offload"))]
+                                              "vllm:kv_offload", "vllm:request_queue_time_seconds",
+                                              "vllm:request_prefill_time_seconds",
+                                              "vllm:time_to_first_token_seconds"))]
     def counter(k: str) -> bool:  # prometheus_client: counters end in _total, histograms in _sum/_count/_bucket
         return k.split("{")[0].endswith(("_total", "_sum", "_count", "_bucket"))
 
@@ -265,6 +314,7 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
             step.advance(f"{name} unavailable")
             return {**entry, "unavailable": reason}
     server = Server(cfg, log, opts.start_timeout_s)
+    busy: CpuContention | None = None
     entry["command"] = " ".join(server.command())
     step.advance(f"{name} #{rep + 1}: starting")
     try:
@@ -284,6 +334,8 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
         warm = Workload(sessions=2, turns=1, documents=2, doc_tokens=64, question_tokens=8, answer_tokens=8,
                         output_tokens=2, concurrency=2, think_s=0.0, seed=opts.seed + 99_999)
         run_sessions(server.url, model, warm, tokenizer_json)
+        busy = CpuContention(opts.busy_cores, enabled=opts.busy_cores > 0)
+        busy.__enter__()  # the warm-up above ran on quiet cores; the measurement does not
         cpu0, m0 = server.cpu_seconds(), server.metrics()
         for li, conc in enumerate(opts.concurrency):
             step.advance(f"{name} #{rep + 1}: sessions x{conc}")
@@ -309,6 +361,8 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
     except Exception as e:  # reported with the server's log, the other configurations go on
         entry["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}\n{log_tail(log, 25)}"
     finally:
+        if busy is not None:
+            busy.__exit__(None, None, None)
         step.advance(f"{name} #{rep + 1}: stopping")
         server.stop()
         entry["memory"] = server.peak_rss()
@@ -540,7 +594,8 @@ def analyse(runs: list[dict[str, Any]], opts: ServeOptions, model_info: dict[str
         out.targets["greedy outputs identical to recompute's in every configuration"] = (
             not bad, "all identical" if not bad else "; ".join(f"{r[0]} #{r[1]}: {r[2]}" for r in bad))
 
-    out.tables += [_turn_table(ok_cfg, configs, top), _bucket_table(ok_cfg, configs, top)]
+    out.tables += [_time_table(ok_cfg, configs, top), _turn_table(ok_cfg, configs, top),
+                   _bucket_table(ok_cfg, configs, top)]
     if ok_cfg.get("pykvcache") and ok_cfg.get("recompute"):
         out.tables.append(_tail_table(ok_cfg, top))
     if len(opts.concurrency) > 1:
@@ -581,6 +636,53 @@ def _tail_table(ok_cfg: dict[str, list], top: int, share: float = 0.1) -> Table:
                  header=["repeat", "session/turn", "prompt tokens", "reusable", "cached (pykvcache)",
                          "TTFT ms (pykvcache)", "TTFT ms (recompute, same request)", "cached (recompute)"],
                  rows=rows)
+
+
+def _level_metrics(entry: dict[str, Any], level: int) -> dict[str, float]:
+    return next((lv.get("metrics", {}) for lv in entry.get("levels", []) if lv["concurrency"] == level), {})
+
+
+def _time_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
+    """Where the time to first token goes, from the server's own counters: vLLM's
+    queue time (arrival -> first scheduled, which includes every deferred
+    lookup) and prefill time, the connector's deferred lookups, and what
+    deferred them (pykvcache's staging counters)."""
+    def mean(m: dict[str, float], name: str) -> float | None:
+        n = m.get(name + "_count", 0.0)
+        return m.get(name + "_sum", 0.0) / n if n else None
+
+    rows = []
+    for c in configs:
+        runs = ok_cfg.get(c, [])
+        if not runs:
+            continue
+        ms = [_level_metrics(e, top) for e in runs]
+        def per_run(name: str) -> str:
+            return _spread([m.get(name, 0.0) for m in ms], "{:.0f}")
+        def per_run_mean(name: str) -> str:
+            return _spread([None if (x := mean(m, name)) is None else x * 1e3 for m in ms], "{:.0f}")
+        pyk = c not in ("recompute", "lmcache", "native")
+        rows.append([
+            c, per_run_mean("vllm:request_queue_time_seconds"), per_run_mean("vllm:request_prefill_time_seconds"),
+            per_run("vllm:kv_offload_lookup_async_delay_seconds_count") if pyk else "-",
+            per_run_mean("vllm:kv_offload_lookup_async_delay_seconds") if pyk else "-",
+            per_run("vllm:pykvcache_lookup_ready_requests_total") if pyk else "-",
+            per_run("vllm:pykvcache_lookup_hold_cap_retries_total") if pyk else "-",
+            per_run("vllm:pykvcache_staging_full_misses_total") if pyk else "-",
+            per_run("vllm:pykvcache_store_deferred_total") if pyk else "-",
+            _spread([m.get("vllm:pykvcache_lookahead_preload_bytes_total", 0.0) / 1e6 for m in ms], "{:.0f}")
+            if pyk else "-",
+            per_run("vllm:pykvcache_lookahead_budget_stops_total") if pyk else "-",
+        ])
+    return Table(
+        title=f"Where the time to first token goes ({top} users; server-side, per run: median (min–max) over repeats)",
+        header=["configuration", "queue ms (mean)", "prefill ms (mean)", "deferred lookups", "deferred ms (mean)",
+                "requests all staged at first lookup", "lookup RETRYs (staging held by others)",
+                "staging-full misses", "stores deferred", "preloaded MB", "lookahead budget stops"],
+        rows=rows,
+        note="queue = vLLM's request_queue_time (arrival -> first scheduled; a deferred lookup keeps a request "
+             "queued); prefill = first scheduled -> first token. Deferred lookups: vLLM's "
+             "kv_offload_lookup_async_delay (a lookup answered 'not yet' until its reads landed or staging had room).")
 
 
 def _turn_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
@@ -722,7 +824,9 @@ def _notes(opts: ServeOptions, mi: dict[str, Any]) -> list[str]:
         f"tokens per level vs a {opts.kv_cache_tokens}-token device cache. vLLM's part: the server, `vllm bench "
         "serve` (prefix_repetition) and every server-side counter.",
         f"Configurations {', '.join(opts.configs)}; {opts.repeats} repeats, round-robin, order rotated per repeat; "
-        "each server fresh (empty storage).",
+        "each server fresh (empty storage)."
+        + (f" {opts.busy_cores} busy-loop process(es) ran beside every configuration's measurement (other work "
+           "sharing the cores)." if opts.busy_cores else ""),
     ]
 
 
