@@ -170,7 +170,8 @@ class LMCacheSystem:
 
         return {"lmcache": version("lmcache"), "disk_io_threads": self.config.get_extra_config_value("disk_io_threads", 4),
                 "o_direct": bool(self.disk.use_odirect), "allocator": type(self.disk.local_cpu_backend.memory_allocator).__name__,
-                "lmcache_path": str(Path(sys.modules["lmcache"].__file__).parent.parent)}
+                # The install's directory name only: reports carry no machine-specific paths.
+                "lmcache_install": Path(sys.modules["lmcache"].__file__).parent.parent.name}
 
     def close(self) -> None:
         for obj in [*self.sources.values(), *self.loaded.values()]:

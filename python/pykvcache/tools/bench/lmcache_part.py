@@ -263,7 +263,8 @@ def analyse(phases: list[PhaseResult], runs: list[dict[str, Any]], cfg: BenchCon
         fr = [p.device_fraction for p in reads if p.device_fraction is not None]
         ver_rows.append([s, str(sum(r["verified"] for r in rs)), str(sum(r["chunks"] + cfg.lmcache_latency_ops for r in rs)),
                          f"{sum(r['files'] for r in rs)}", f"{sum(r['file_bytes'] for r in rs) / 1e6:.0f}",
-                         _spread(fr), json.dumps(rs[0]["info"]) if rs else "-"])
+                         _spread(fr), json.dumps({k: v for k, v in rs[0]["info"].items() if k != "disk_io_threads"})
+                         if rs else "-"])
     out.tables.append(Table(
         title="Bytes read back, files, what each system is",
         header=["system", "chunks verified", "chunks read", "files written", "MB on disk", "device bytes / payload (loads)", "info"],
@@ -310,7 +311,7 @@ def run(ctx: BenchContext) -> PartOutput:
     phases, runs = measure(ctx, lmcache_dir)
     out = analyse(phases, runs, ctx.config)
     out.raw["phases"] = [p.to_dict() for p in phases]
-    out.raw["lmcache_path"] = str(lmcache_dir) if lmcache_dir else "sys.path"
+    out.raw["lmcache_install"] = lmcache_dir.name if lmcache_dir else "sys.path"
     return out
 
 
