@@ -6,7 +6,7 @@ VENV033 := .venv-vllm033
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_OMP_THREADS_BIND := nobind
 
-.PHONY: venv venv-vllm033 develop wheel test test-rust test-python test-vllm033 demo bench bench-serve clean
+.PHONY: venv venv-vllm033 lmcache-env develop wheel test test-rust test-python test-vllm033 demo bench bench-serve clean
 
 venv:
 	bash tools/setup_venv.sh
@@ -23,6 +23,11 @@ wheel: venv
 
 venv-vllm033:
 	bash tools/setup_venv_vllm033.sh
+
+# LMCache in .lmcache (never the venv), for `pykvcache bench --parts lmcache_disk`
+# and the serve part's lmcache config: ~20 MB download, ~100 MB on disk, seconds.
+lmcache-env:
+	bash tools/setup_lmcache.sh .lmcache
 
 test-rust:
 	cargo test --release --locked

@@ -92,6 +92,10 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--serve-busy-cores", type=int, default=None,
                         help="serve part: busy-loop processes running while every configuration is measured "
                              "(other work sharing the cores), default 0")
+    parser.add_argument("--lmcache-mib", type=int, default=None,
+                        help="lmcache_disk part: MiB stored and loaded per system and case (default 512)")
+    parser.add_argument("--lmcache-concurrency", type=_int_list, default=None,
+                        help="lmcache_disk part: operations in flight, e.g. 4,16 (LMCache disk threads = pykvcache queue depth)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     parser.add_argument("--warm", action="store_true", help="do not drop caches before read phases")
     parser.add_argument("--cold-metadata", action="store_true",
@@ -130,6 +134,13 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
         if args.chunk_mib:
             config.chunk_sizes = args.chunk_mib
             config.fs_chunk_sizes = args.chunk_mib
+            config.lmcache_chunk_sizes = args.chunk_mib
+        if args.lmcache_mib is not None and args.lmcache_mib <= 0:
+            parser.error(f"--lmcache-mib must be positive, got {args.lmcache_mib}")
+        if args.lmcache_mib:
+            config.lmcache_bytes = args.lmcache_mib * MiB
+        if args.lmcache_concurrency:
+            config.lmcache_concurrency = args.lmcache_concurrency
         if args.queue_depths:
             config.queue_depths = args.queue_depths
         if args.segment_mib:

@@ -53,6 +53,14 @@ class BenchConfig:
     fs_bytes: int = 384 * MiB
     fs_shapes: list[str] = field(default_factory=lambda: ["one_job", "jobs_of_8", "jobs_of_1"])
     fs_contention: list[bool] = field(default_factory=lambda: [False, True])
+    # Against LMCache's local disk tier (lmcache_part.py, not a default part):
+    # chunk sizes (2 MiB = pykvcache's serving chunk of 64 tokens x 32 KiB, 8 MiB =
+    # LMCache's default 256-token chunk), bytes per system per case, operations in
+    # flight (LMCache's disk threads = pykvcache's queue depth), one-at-a-time ops.
+    lmcache_chunk_sizes: list[int] = field(default_factory=lambda: [2 * MiB, 8 * MiB])
+    lmcache_bytes: int = 512 * MiB
+    lmcache_concurrency: list[int] = field(default_factory=lambda: [4, 16])
+    lmcache_latency_ops: int = 32
     # Memory of vLLM's serving processes (memory part): distinct ~1000-token
     # prompts, each ~14 MiB of KV, through a staging region several times smaller.
     memory_requests: int = 16
@@ -106,6 +114,10 @@ def quick(config: BenchConfig) -> BenchConfig:
         fs_chunk_sizes=[8 * MiB],
         fs_bytes=256 * MiB,
         fs_shapes=["one_job", "jobs_of_1"],
+        lmcache_chunk_sizes=[2 * MiB],
+        lmcache_bytes=128 * MiB,
+        lmcache_concurrency=[4],
+        lmcache_latency_ops=16,
         parts=config.parts if config.parts is not None else list(QUICK_PARTS),
         quick=True,
         memory_requests=8,
