@@ -32,7 +32,7 @@ lmcache-env:
 test-rust:
 	cargo test --release --locked
 
-test-python: develop
+test-python: develop lmcache-env
 	$(PY) -m pytest -q -ra
 
 # Against vLLM 0.33 (CUDA build, no GPU needed): pykvcache's wheel installed

@@ -447,3 +447,39 @@ def test_fifty_queued_requests_do_not_thrash_staging(tmp_path):
         assert max(peak) <= budget
     finally:
         h.close()
+
+
+def test_a_request_vllm_has_probed_hands_its_preloads_to_its_lookups(tmp_path):
+    """Found by the serving benchmark: the head request, once vLLM probes it,
+    holds its chunks through its own lookups; its preload holds then only
+    spent the lookahead budget, and the request behind it got a partial
+    preload (its first probe waited for reads). Now the head's preload holds
+    are released at the next pass and the next request is staged whole."""
+    h = Harness(tmp_path / "kv", num_slots=40, lookahead_slots=6, window=4, gate=_gate())
+    try:
+        head = [_key(i) for i in range(6)]
+        nxt = [_key(100 + i) for i in range(6)]
+        h.write_to_disk(head + nxt)
+        h.m.cache.clear()
+        h.queue("head", head, arrival=1.0)
+        h.queue("next", nxt, arrival=2.0)
+        h.settle()
+        # The budget (6 chunks) went to the head: nothing of "next" is staged.
+        assert all(h.m.staged_state(k) is None for k in nxt)
+        # vLLM probes the head (a slot freed): every chunk HIT, held by its lookups.
+        ctx, hits = h.probe("head", head)
+        assert hits == 6
+        h.step()  # step end: the preloader plans again, the head is still waiting
+        h.settle()
+        m = h.m.metrics.totals
+        assert m["lookahead_handed_to_lookups"] == 1
+        assert all(h.m.staged_state(k) is not None for k in nxt)  # staged whole
+        ctx2, hits2 = h.probe("next", nxt)
+        assert hits2 == 6  # HIT at its first probe: no deferred step
+        # The head's chunks stayed staged throughout (its lookups held them).
+        h.load(ctx, head)
+        h.load(ctx2, nxt)
+        h.step(scheduled=["head", "next"])
+        assert m["lookahead_used_bytes"] == 12 * CHUNK and m["lookahead_wasted_bytes"] == 0
+    finally:
+        h.close()

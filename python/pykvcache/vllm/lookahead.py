@@ -10,7 +10,9 @@ the preloader starts reads for the head of the queue.
 Rules that keep it from thrashing the staging region:
 
 * queue order (priority under the priority policy, then arrival), at most
-  ``window`` requests;
+  ``window`` requests that vLLM has not probed yet: once a request's own
+  lookups hold its chunks, its preload holds are handed over (released), so
+  the budget goes to the requests behind it;
 * every preloaded chunk is held for its request (never evicted) until the
   request is scheduled, finishes or is aborted; held chunks count against
   ``budget_slots`` (shared prefixes are held once);
@@ -33,7 +35,7 @@ from dataclasses import dataclass, field
 from vllm.v1.kv_offload.base import LookupResult
 
 from pykvcache.gate import AdmissionGate, ChunkState
-from pykvcache.vllm.staging_cache import LOOKAHEAD, owner
+from pykvcache.vllm.staging_cache import LOOKAHEAD, LOOKUP, owner
 
 
 @dataclass(eq=False)
@@ -183,7 +185,20 @@ class Preloader:
         self.sweep()
         if not self.enabled or not len(self.queue):
             return
-        for req in self.queue.head(self.window):
+        cache = self.manager.cache
+        planned = 0
+        for req in self.queue:
+            if planned >= self.window:
+                break
+            if cache.held_by(owner(LOOKUP, req.req_id)):
+                # vLLM has reached this request: its own lookups hold (and read)
+                # what it needs. Preload holds would only re-hold those chunks
+                # and spend the budget the requests behind it need.
+                if cache.held_by(self.owner(req.req_id)):
+                    cache.release_owner(self.owner(req.req_id))
+                    self.manager.metrics.inc("lookahead_handed_to_lookups")
+                continue
+            planned += 1
             skip = 0
             if req.device_cached_tokens is not None:
                 skip = max(0, req.device_cached_tokens()) // self.chunk_tokens

@@ -228,6 +228,8 @@ class ForeignLoad:
 
         self._t0, self._busy0, self._own0 = time.perf_counter(), _busy_jiffies(), self._own_s()
         self.cores: float | None = None
+        # The run's own CPU that rusage misses (set by the runner before exit).
+        self.own_extra_s = 0.0
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -235,5 +237,5 @@ class ForeignLoad:
 
         wall = time.perf_counter() - self._t0
         busy = (_busy_jiffies() - self._busy0) / self._hz
-        own = self._own_s() - self._own0
+        own = self._own_s() - self._own0 + self.own_extra_s
         self.cores = max(0.0, busy - own) / wall if wall > 0 else None

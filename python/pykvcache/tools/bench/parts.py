@@ -75,6 +75,10 @@ class BenchContext:
     machine: MachineInfo
     disk: DiskCounter
     progress: Progress
+    # CPU seconds of processes this run started but the kernel will never
+    # charge to it (grandchildren killed before their parent reaped them:
+    # a vLLM server's EngineCore and workers); not "other processes".
+    unreaped_cpu_s: float = 0.0
 
 
 @dataclass(frozen=True)

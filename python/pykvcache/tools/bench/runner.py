@@ -62,6 +62,7 @@ def run_bench(config: BenchConfig, progress: Progress | None = None) -> BenchRun
             out.raw[PART_ELAPSED] = round(time.perf_counter() - started, 1)
             outputs.append(out)
     finally:
+        foreign.own_extra_s = ctx.unreaped_cpu_s
         foreign.__exit__(None, None, None)
         shutil.rmtree(work, ignore_errors=True)
     machine.foreign_cores = foreign.cores

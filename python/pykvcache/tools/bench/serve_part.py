@@ -41,6 +41,8 @@ from typing import Any
 
 from .config import BenchConfig
 from .contention import CpuContention
+from .read_throttle import ReadThrottle
+from .read_throttle import unavailable as read_throttle_unavailable
 from .parts import BenchContext, Figure, Part, PartOutput, Step, Table, register_part
 from .serve_server import Server, ServerConfig, ServerFailed, log_tail
 from .serve_workload import Workload, run_sessions
@@ -98,6 +100,9 @@ class ServeOptions:
     # Busy-loop processes kept running while every configuration is measured
     # (other work sharing the cores: the tail must hold up then too).
     busy_cores: int = 0
+    # Cap on the server's disk reads, MB/s (0: none): a storage device slow
+    # next to compute, as on a GPU host (read_throttle.py; root, blkio v1).
+    read_mbps: float = 0.0
 
     def check(self) -> list[str]:
         problems = []
@@ -113,6 +118,10 @@ class ServeOptions:
             problems.append("chunk_tokens must be a multiple of vLLM's CPU block size (32)")
         if self.busy_cores < 0:
             problems.append("busy_cores must be >= 0")
+        if self.read_mbps < 0:
+            problems.append("read_mbps must be >= 0")
+        elif self.read_mbps and (why := read_throttle_unavailable()):
+            problems.append(f"read_mbps: {why}")
         if self.repeats <= 0 or not self.concurrency or min(self.concurrency) <= 0:
             problems.append("repeats and concurrency levels must be positive")
         return problems
@@ -315,6 +324,7 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
             return {**entry, "unavailable": reason}
     server = Server(cfg, log, opts.start_timeout_s)
     busy: CpuContention | None = None
+    throttle: ReadThrottle | None = None
     entry["command"] = " ".join(server.command())
     step.advance(f"{name} #{rep + 1}: starting")
     try:
@@ -334,6 +344,9 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
         warm = Workload(sessions=2, turns=1, documents=2, doc_tokens=64, question_tokens=8, answer_tokens=8,
                         output_tokens=2, concurrency=2, think_s=0.0, seed=opts.seed + 99_999)
         run_sessions(server.url, model, warm, tokenizer_json)
+        if opts.read_mbps and server.proc is not None:
+            throttle = ReadThrottle(server.proc.pid, storage, int(opts.read_mbps * 1e6))
+            throttle.__enter__()
         busy = CpuContention(opts.busy_cores, enabled=opts.busy_cores > 0)
         busy.__enter__()  # the warm-up above ran on quiet cores; the measurement does not
         cpu0, m0 = server.cpu_seconds(), server.metrics()
@@ -363,9 +376,12 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
     finally:
         if busy is not None:
             busy.__exit__(None, None, None)
+        if throttle is not None:
+            throttle.__exit__(None, None, None)
         step.advance(f"{name} #{rep + 1}: stopping")
         server.stop()
         entry["memory"] = server.peak_rss()
+        entry["unreaped_cpu_s"] = round(server.unreaped_cpu_s, 1)
     return entry
 
 
@@ -826,7 +842,9 @@ def _notes(opts: ServeOptions, mi: dict[str, Any]) -> list[str]:
         f"Configurations {', '.join(opts.configs)}; {opts.repeats} repeats, round-robin, order rotated per repeat; "
         "each server fresh (empty storage)."
         + (f" {opts.busy_cores} busy-loop process(es) ran beside every configuration's measurement (other work "
-           "sharing the cores)." if opts.busy_cores else ""),
+           "sharing the cores)." if opts.busy_cores else "")
+        + (f" The server's disk reads were capped at {opts.read_mbps:g} MB/s (cgroup-v1 blkio throttle on the "
+           "storage disk: a device slow next to compute, as on a GPU host)." if opts.read_mbps else ""),
     ]
 
 
@@ -861,6 +879,7 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
         for name in order:
             entry = run_server(name, rep, model, opts, model_info["bytes_per_token"], work, step)
             runs.append(entry)
+            ctx.unreaped_cpu_s += entry.get("unreaped_cpu_s", 0.0)
     out = analyse(runs, opts, model_info)
     # Every server's log goes into the report directory (the work directory is removed).
     logs = Path(ctx.config.out) / "serve-logs"

@@ -73,6 +73,13 @@ def tree_cpu_seconds(root: int) -> float:
     return total / _CLK_TCK
 
 
+def _children_cpu_s() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def parse_metrics(text: str) -> dict[str, float]:
     """Prometheus text -> ``name`` (summed over label sets) and
     ``name{label=value}`` for the ``source`` label vLLM uses to split cached
@@ -119,6 +126,7 @@ class Server:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
+        self.unreaped_cpu_s = 0.0
         self.sampler: TreeSampler | None = None
         self.startup_s: float | None = None
         self._peak_cpu = 0.0
@@ -211,6 +219,11 @@ class Server:
         proc = self.proc
         if proc is None:
             return
+        # The tree's CPU now, against what waiting for the server adds to our
+        # children's rusage: the difference is its processes that were killed
+        # without being reaped by it, whose CPU no rusage will ever show.
+        tree_s = self.cpu_seconds() if proc.poll() is None else 0.0
+        reaped0 = _children_cpu_s()
         if proc.poll() is None:
             # SIGINT is vLLM's clean shutdown (pykvcache flushes and frees its staging).
             try:
@@ -226,6 +239,7 @@ class Server:
         except ProcessLookupError:
             pass
         proc.wait()
+        self.unreaped_cpu_s = max(0.0, tree_s - (_children_cpu_s() - reaped0))
         if self.sampler is not None:
             self.sampler.stop()
 
