@@ -364,7 +364,7 @@ def test_the_readme_results_are_stated_in_the_performance_doc():
     """The README's headline table is an excerpt of docs/performance.md's, and
     every ratio the README's results section gives is stated there."""
     perf = PERF_DOC.read_text()
-    results = section(README, "Results")
+    results = section(README, "Performance")
     rows = [line for line in results.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) > 2, "the README has no results table"
     perf_lines = set(perf.splitlines())

@@ -483,3 +483,32 @@ def test_a_request_vllm_has_probed_hands_its_preloads_to_its_lookups(tmp_path):
         assert m["lookahead_used_bytes"] == 12 * CHUNK and m["lookahead_wasted_bytes"] == 0
     finally:
         h.close()
+
+
+def test_a_lookup_finding_staging_full_takes_a_slot_from_a_later_requests_preload(tmp_path):
+    """Found by the serving benchmark (18 staging-full misses per run once
+    preloads were handed over): staging full of preloads for a request still
+    queued, and vLLM probes another one (ahead of it in vLLM's order). The
+    lookup used to answer MISS (that request recomputed a prefix on disk); now
+    the youngest preload gives up its last chunks, one per slot needed."""
+    h = Harness(tmp_path / "kv", num_slots=8, lookahead_slots=8, window=4, gate=_gate())
+    try:
+        later = [_key(i) for i in range(8)]
+        now = [_key(100 + i) for i in range(3)]
+        h.write_to_disk(later + now)
+        h.m.cache.clear()
+        h.queue("later", later, arrival=2.0)
+        h.settle()
+        assert h.m.cache.allocatable() == 0  # every slot held for "later"
+        ctx, hits = h.probe("now", now)
+        m = h.m.metrics.totals
+        assert m["staging_full_misses"] == 0 and m["lookahead_reclaimed_chunks"] == 3
+        h.settle()
+        ctx, hits = h.probe("now", now)
+        assert hits == 3
+        h.load(ctx, now)
+        # "later" kept the head of its prefix; its last 3 chunks were given up.
+        held = h.m.cache.held_by(h.m.preloader.owner("later"))
+        assert held == frozenset(later[:5])
+    finally:
+        h.close()

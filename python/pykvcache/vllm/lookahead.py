@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from vllm.v1.kv_offload.base import LookupResult
 
 from pykvcache.gate import AdmissionGate, ChunkState
-from pykvcache.vllm.staging_cache import LOOKAHEAD, LOOKUP, owner
+from pykvcache.vllm.staging_cache import LOOKAHEAD, LOOKUP, EntryState, owner
 
 
 @dataclass(eq=False)
@@ -172,6 +172,29 @@ class Preloader:
         if gone:
             self.manager.metrics.inc("lookahead_wasted_bytes",
                                      len(gone) * self.manager.layout.payload_bytes)
+
+    def reclaim(self) -> bool:
+        """Staging is full and a lookup needs a slot: give up one unused
+        preload hold so that its slot becomes evictable. vLLM probes
+        in queue order, so whoever asks is ahead of every request still
+        preloaded; the youngest request yields first, the end of its prefix
+        first. False when no preload hold can be given up."""
+        cache = self.manager.cache
+        for req in reversed(self.queue.head(len(self.queue))):
+            holder = self.owner(req.req_id)
+            held = cache.held_by(holder)
+            if not held:
+                continue
+            for keys in reversed(req.key_lists):
+                for key in reversed(keys):
+                    entry = cache.get(key) if key in held else None
+                    if (entry is None or entry.state is not EntryState.READY or entry.pins
+                            or entry.owners != {holder}):
+                        continue  # in flight, pinned, or shared: freeing it frees nothing
+                    cache.release(holder, key)
+                    self.manager.metrics.inc("lookahead_reclaimed_chunks")
+                    return True
+        return False
 
     def clear(self) -> None:
         for req in list(self.queue):

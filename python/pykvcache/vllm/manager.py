@@ -161,6 +161,8 @@ class NvmeOffloadingManager(OffloadingManager):
             if not self.on_disk(key):
                 return LookupResult.MISS
             entry = self._start_read(key, background)
+            if entry is None and not background and self.preloader.reclaim():
+                entry = self._start_read(key, background)  # a preload gave way
             if entry is None:
                 self.metrics.inc("staging_full_misses")
                 return LookupResult.MISS

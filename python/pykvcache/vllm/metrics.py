@@ -55,6 +55,7 @@ COUNTERS = {
     "lookahead_budget_stops": "Planning passes stopped by the lookahead byte budget.",
     "lookahead_gate_skipped_chunks": "Chunks of waiting requests not preloaded because the gate would recompute them.",
     "lookahead_cancelled_requests": "Requests that left the lookahead queue (finished, aborted) while holding preloads.",
+    "lookahead_reclaimed_chunks": "Preload holds given up because a lookup found staging full (the request vLLM schedules now goes first).",
     "lookahead_handed_to_lookups": "Requests whose preload holds were released because vLLM's own lookups reached them.",
     "lookahead_requeued_preempted": "Preempted requests queued for lookahead again (their prefix is staged before they resume).",
 }
