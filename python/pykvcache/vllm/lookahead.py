@@ -173,14 +173,17 @@ class Preloader:
             self.manager.metrics.inc("lookahead_wasted_bytes",
                                      len(gone) * self.manager.layout.payload_bytes)
 
-    def reclaim(self) -> bool:
-        """Staging is full and a lookup needs a slot: give up one unused
-        preload hold so that its slot becomes evictable. vLLM probes
-        in queue order, so whoever asks is ahead of every request still
-        preloaded; the youngest request yields first, the end of its prefix
-        first. False when no preload hold can be given up."""
+    def reclaim(self, for_req: Hashable) -> bool:
+        """Staging is full and a lookup of ``for_req`` needs a slot: give up
+        one unused preload hold of another request so that its slot becomes
+        evictable. vLLM probes in queue order, so whoever asks is ahead of
+        every request still preloaded; the youngest request yields first, the
+        end of its prefix first (never ``for_req``'s own preloads: its next
+        lookups want them). False when no preload hold can be given up."""
         cache = self.manager.cache
         for req in reversed(self.queue.head(len(self.queue))):
+            if req.req_id == for_req:
+                continue
             holder = self.owner(req.req_id)
             held = cache.held_by(holder)
             if not held:

@@ -161,7 +161,10 @@ class NvmeOffloadingManager(OffloadingManager):
             if not self.on_disk(key):
                 return LookupResult.MISS
             entry = self._start_read(key, background)
-            if entry is None and not background and self.preloader.reclaim():
+            # A lookup (its owner names the request) may take a slot from a
+            # later request's preload; a preload never takes one.
+            if entry is None and not background and owner is not None \
+                    and self.preloader.reclaim(for_req=owner[1]):
                 entry = self._start_read(key, background)  # a preload gave way
             if entry is None:
                 self.metrics.inc("staging_full_misses")
