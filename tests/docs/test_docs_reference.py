@@ -445,3 +445,12 @@ def test_the_readme_key_list_is_the_vllm_key_table():
     full = [(r["Key"], r["Default"]) for r in tables(VLLM_DOC, ["Key", "Default", "Meaning"])]
     short = [(r["Key"], r["Default"]) for r in tables(README, ["Key", "Default"])]
     assert short == full, "README's key list differs from docs/vllm.md's key table"
+
+
+def test_every_decision_record_is_in_the_index():
+    """docs/decisions/README.md lists every record (a record nobody can find
+    from the index is a decision the next session re-makes)."""
+    index = (DOCS / "decisions" / "README.md").read_text()
+    records = sorted(p.name for p in (DOCS / "decisions").glob("[0-9][0-9][0-9][0-9]-*.md"))
+    missing = [name for name in records if f"]({name})" not in index]
+    assert records and not missing, f"decision records missing from docs/decisions/README.md: {missing}"

@@ -151,3 +151,23 @@ def test_counters_never_decrease_when_a_disabled_gate_loads_at_a_loss():
     counters = gate.take_counters()
     assert all(v >= 0 for v in counters.values()), counters
     assert counters["gate_est_lost_ms"] > 0 and "gate_est_saved_ms" not in counters
+
+
+def test_waiting_requests_weigh_a_recompute_by_everyone_it_delays():
+    """A prefix slightly slower to load than to recompute: recomputed on an
+    idle engine, loaded when others wait (a recompute takes the engine's
+    compute from all of them; a load waits on the disk alone). A load far
+    slower than the recompute stays a recompute with a short queue."""
+    gate = _gate(bw=2e8)
+    n = 24
+    idle = gate.decide([D] * n)
+    assert idle.recompute
+    # The load costs less than two recomputes: with one request waiting it pays.
+    t_load = _model(bw=2e8).load_time(n * CHUNK)
+    t_recompute = _model(bw=2e8).recompute_time(n * CHUNK)
+    assert t_recompute < t_load < 2 * t_recompute
+    busy = gate.decide([D] * n, waiting_requests=1)
+    assert not busy.recompute and busy.load_chunks == n
+    slow = _gate(bw=2e6)
+    assert slow.decide([D] * n, waiting_requests=1).recompute
+    assert not slow.decide([D] * n, waiting_requests=10_000).recompute

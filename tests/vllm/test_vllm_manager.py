@@ -273,7 +273,10 @@ def test_background_preformat_fills_the_store_yields_to_stores_and_restarts_afte
     manager.complete_store(out.keys_to_store, ctx)
     manager.flush(timeout=30)
     stats = manager.store.stats()
-    assert len(manager.store) == 5 and stats["filler_chunks"] == 15 and stats["recycled_files"] == 5
+    # Each write takes a filler's place; it recycles the file unless the claim
+    # finds it locked (then it writes a fresh file and the filler is unlinked).
+    assert len(manager.store) == 5 and stats["filler_chunks"] == 15
+    assert stats["recycled_files"] >= 1 and stats["recycled_files"] + stats["recycle_skipped"] == 5
     manager.reset_cache()  # wipes the files: the preformatter starts again on the new store
     assert manager._preformatter is not None and manager._preformatter.finished.wait(30)
     assert manager.store.stats()["filler_chunks"] == 20
@@ -300,8 +303,9 @@ def test_disk_stores_and_capacity_evictions_reach_the_kv_event_stream(tmp_path):
 
     h = Harness(tmp_path / "kv", num_slots=6, capacity_bytes=3 * chunk_file_bytes(LAYOUT.payload_bytes))
     try:
-        h.store([0, 1, 2])
-        h.settle()
+        for i in (0, 1, 2):  # one at a time: concurrent writes publish (enter the LRU) in any order
+            h.store([i])
+            h.settle()
         events = list(h.manager.take_events())
         assert sorted(_event_keys(events, removed=False)) == [_key(0), _key(1), _key(2)]
         assert _event_keys(events, removed=True) == []

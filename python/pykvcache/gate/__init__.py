@@ -69,7 +69,11 @@ def build_gate(
     ``steps``: engine steps will be timed for the prefill side (also set later
     through ``gate.prefill_online.fed``)."""
     model, source = load_cost_model(profile_path, expected)
-    refine = OnlineLoadModel(model.load) if online else None
+    # A profile measured this host's device: the online estimate stays within
+    # 8x of it. The default prior (1 GB/s) knows nothing of the device, which
+    # may be a network filesystem at tens of MB/s or an NVMe array at tens of
+    # GB/s: 100x either way (a 25 MB/s device was pinned at 125 MB/s by 8x).
+    refine = OnlineLoadModel(model.load, max_factor=8.0 if source == "profile" else 100.0) if online else None
     # The prefill side is learnt only over the default prior: a profile timed
     # prefill on this host through vLLM and stays authoritative (its load side
     # is refined as before). Without online refinement nothing could ever be

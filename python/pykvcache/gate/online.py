@@ -1,18 +1,25 @@
 """Online refinement of the cost model: load times (:class:`OnlineLoadModel`)
 and prefill times (:class:`OnlinePrefillModel`) observed in service.
 
-Load side: the calibration measured an idle device. In service the SSD is shared with
-stores, other requests' loads and possibly other processes, so every
-completed load is compared with its prediction and the error is split
-between the fixed cost and the bandwidth in proportion to how much of the
-prediction each explained: a small read that ran slow mostly moves the
-fixed cost, a large one mostly the bandwidth. Each update moves an estimate
-by at most ``alpha`` of the way (an EWMA of the log, with each error
-capped at 4x), and both stay within
-``[1/max_factor, max_factor]`` of the calibrated value, so one outlier cannot
-swing the gate and the model cannot drift arbitrarily far from what was
-measured. A slower SSD lowers the bandwidth estimate, which raises the
-break-even: longer prefixes are then needed before loading pays.
+Load side: the calibration measured an idle device. In service the SSD is
+shared with stores, other requests' loads and possibly other processes (or
+it is slower than calibrated). Every completed load is an observation of
+``(bytes, seconds)`` where the bytes include the I/O already queued ahead of
+it; :class:`OnlineLoadModel` keeps the last ``window`` of them and fits the
+device from those alone: a Theil-Sen line (fixed cost and bandwidth) when
+the loads' sizes differ enough, else the median throughput of the loads over
+the current fixed cost. Medians make a single stall or a lucky page-cache
+hit irrelevant, and the window makes the model follow a device whose speed
+changes, within a few loads: an exponential average with a small step
+(what this was before) needed tens of loads to move, and a serving engine
+with long prefixes sees only a few loads a minute (a server whose reads were
+capped at 200 MB/s still believed 478-1159 MB/s after a run). The
+calibrated value first counts as ``prior_weight`` observations, one fewer
+with each load seen: the first load alone cannot swing the gate, two that
+agree do. Both estimates
+stay within ``[1/max_factor, max_factor]`` of the calibrated value. A slower
+SSD lowers the bandwidth estimate, which raises the break-even: longer
+prefixes are then needed before loading pays.
 """
 
 from __future__ import annotations
@@ -26,14 +33,16 @@ from pykvcache.gate.cost_model import LoadCost, PrefillCurve
 
 
 class OnlineLoadModel:
-    def __init__(self, base: LoadCost, *, alpha: float = 0.1, max_factor: float = 8.0,
+    def __init__(self, base: LoadCost, *, window: int = 16, prior_weight: int = 2, max_factor: float = 8.0,
                  min_fixed_s: float = 1e-3) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1] (got {alpha})")
+        if window < 3:
+            raise ValueError(f"window must be >= 3 (got {window})")
+        if prior_weight < 0:
+            raise ValueError(f"prior_weight must be >= 0 (got {prior_weight})")
         if not max_factor >= 1:
             raise ValueError(f"max_factor must be >= 1 (got {max_factor})")
         self.base = base
-        self.alpha = alpha
+        self.prior_weight = prior_weight
         self.max_factor = max_factor
         # The calibration timed raw reads; in service a load also waits for a
         # scheduler step and the copy into KV pages. A calibrated fixed cost
@@ -42,6 +51,7 @@ class OnlineLoadModel:
         self._fixed_floor = max(base.fixed_s, min_fixed_s)
         self._fixed = base.fixed_s
         self._bw = base.disk_bytes_per_s
+        self._points: deque[tuple[float, float]] = deque(maxlen=window)  # (bytes incl. queued, seconds)
         self.samples = 0
         self.rejected = 0
         self._current = base
@@ -65,26 +75,32 @@ class OnlineLoadModel:
                 and queued_bytes >= 0 and math.isfinite(queued_bytes)):
             self.rejected += 1
             return
-        transfer = (disk_bytes + queued_bytes) / self._bw
-        predicted = self._fixed + transfer
-        # Winsorised: a single stall (or a lucky cache hit) counts as at most
-        # a 4x error, so it moves an estimate by at most 4**alpha.
-        ratio = min(4.0, max(0.25, seconds / predicted))
-        share = transfer / predicted  # how much of the prediction the bandwidth explained
-        step_bw = self.alpha * share
-        step_fixed = self.alpha * (1.0 - share)
-        # Geometric steps: a 2x slower and a 2x faster observation cancel out.
-        bw = self._bw * ratio ** (-step_bw)
-        fixed = self._fixed * ratio ** step_fixed if self._fixed > 0 else (
-            step_fixed * max(0.0, seconds - transfer)
-        )
-        lo_bw, hi_bw = self.base.disk_bytes_per_s / self.max_factor, self.base.disk_bytes_per_s * self.max_factor
-        self._bw = min(hi_bw, max(lo_bw, bw))
-        self._fixed = min(self._fixed_floor * self.max_factor,
-                          max(self.base.fixed_s / self.max_factor, fixed))
+        self._points.append((disk_bytes + queued_bytes, seconds))
         self.samples += 1
-        self._current = LoadCost(self._fixed, self._bw, self.base.h2d_bytes_per_s, self.base.step_s,
-                                 self.base.disk_step_s)
+        fixed, bw = self._fit()
+        b = self.base
+        self._bw = min(b.disk_bytes_per_s * self.max_factor, max(b.disk_bytes_per_s / self.max_factor, bw))
+        self._fixed = min(self._fixed_floor * self.max_factor, max(b.fixed_s / self.max_factor, fixed))
+        self._current = LoadCost(self._fixed, self._bw, b.h2d_bytes_per_s, b.step_s, b.disk_step_s)
+
+    def _fit(self) -> tuple[float, float]:
+        """``(fixed_s, bytes_per_s)`` from the window (and the prior while it is short)."""
+        pts = list(self._points)
+        xs = [x for x, _ in pts]
+        if len(pts) >= 3 and max(xs) >= 1.5 * min(xs):
+            slopes = [(y2 - y1) / (x2 - x1)
+                      for i, (x1, y1) in enumerate(pts) for x2, y2 in pts[i + 1:]
+                      if x2 > 1.2 * x1 or x1 > 1.2 * x2]
+            if slopes and (slope := statistics.median(slopes)) > 0:
+                return max(0.0, statistics.median(y - slope * x for x, y in pts)), 1.0 / slope
+        # One size (or no usable spread): the fixed cost cannot be separated,
+        # so it stays what it is and each load gives a throughput. A load that
+        # took less than the fixed cost (a page-cache hit) counts as fast, not
+        # as infinitely fast.
+        fixed = self._fixed
+        rates = [x / max(y - fixed, 0.05 * y) for x, y in pts]
+        rates += [self.base.disk_bytes_per_s] * max(0, self.prior_weight + 1 - len(pts))
+        return fixed, statistics.median(rates)
 
     def state(self) -> dict[str, float]:
         return {

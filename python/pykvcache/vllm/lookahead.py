@@ -243,7 +243,8 @@ class Preloader:
         states = [m.chunk_state(k) for k in keys]
         if self.gate is not None:
             decision = self.gate.decide(states, start_tokens=start_tokens,
-                                        queued_bytes=m.queued_bytes())
+                                        queued_bytes=m.queued_bytes(),
+                                        waiting_requests=m.waiting_besides(req_id))
             self.gate.take_counters()  # a gate of its own: lookups count decisions, preloads not
             wanted = decision.load_chunks
             m.metrics.inc("lookahead_gate_skipped_chunks", decision.available_chunks - wanted)

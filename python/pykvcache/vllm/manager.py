@@ -103,6 +103,7 @@ class NvmeOffloadingManager(OffloadingManager):
         self._lock = threading.RLock()
         self._max_inflight_writes = max(1, max_inflight_writes)
         self._reads: dict[bytes, object] = {}  # key -> IoHandle
+        self._prefetching: set[bytes] = set()  # keys of _reads submitted at background priority
         self._writes: dict[bytes, object] = {}
         # (status, errno) of write failures logged so far: each kind is logged
         # once at WARNING (a full disk would otherwise log every chunk).
@@ -123,6 +124,9 @@ class NvmeOffloadingManager(OffloadingManager):
         # cache knows who holds what: owners ("lookup", req_id)).
         self._lookup_hold_slots = lookup_hold_slots
         self._waited: set[str] = set()  # requests that met HIT_PENDING
+        # Requests that arrived (or were preempted) and are not scheduled yet:
+        # the gate weighs a recompute by how many wait behind it.
+        self._waiting: set[str] = set()
         self._presence = DiskPresence(self.metrics)
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
@@ -184,8 +188,22 @@ class NvmeOffloadingManager(OffloadingManager):
         return ChunkState.DISK if self.on_disk(key) else ChunkState.MISSING
 
     def queued_bytes(self) -> int:
-        return (len(self._reads) + len(self._writes) + len(self._write_queue)) * \
-            self.layout.payload_bytes
+        """Disk I/O a read submitted now waits behind: demand reads and writes
+        handed to the engine and not finished (its demand class is FIFO). Not
+        I/O that finished but is not collected yet (it is collected at the
+        next step: up to a second later under prefill), not the writes still
+        queued here (submitted after it) and not prefetches (the engine starts
+        a demand read before queued background work). Counting those made
+        loads look faster than predicted, and the gate learnt a disk capped
+        at 200 MB/s as 0.4-7 GB/s."""
+        waiting = sum(1 for key, handle in self._reads.items()
+                      if key not in self._prefetching and not handle.done())
+        waiting += sum(1 for handle in self._writes.values() if not handle.done())
+        return waiting * self.layout.payload_bytes
+
+    def waiting_besides(self, req_id) -> int:
+        """Requests waiting to be scheduled, other than ``req_id``."""
+        return len(self._waiting) - (req_id in self._waiting)
 
     def lookahead_add(self, request: WaitingRequest) -> None:
         """A request arrived (lookahead connector): queue it and plan at once,
@@ -221,7 +239,8 @@ class NvmeOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         req_id = req_context.req_id
-        if not self.gating.allows(key, req_context, self.chunk_state, self.queued_bytes()):
+        if not self.gating.allows(key, req_context, self.chunk_state, self.queued_bytes(),
+                                  self.waiting_besides(req_id)):
             self.metrics.inc("gate_limited_lookups")
             return LookupResult.MISS
         entry_before = self.cache.get(key)
@@ -253,6 +272,7 @@ class NvmeOffloadingManager(OffloadingManager):
         and gate plan end (a pending load pins what it still needs)."""
         self.cache.release_owner(owner(LOOKUP, req_id))
         self._waited.discard(req_id)
+        self._waiting.discard(req_id)
         self.preloader.forget(req_id, cancelled=finished)
         self.gating.drop(req_id)
 
@@ -351,6 +371,7 @@ class NvmeOffloadingManager(OffloadingManager):
             stored.append(key)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        self._waiting.add(req_context.req_id)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -365,6 +386,7 @@ class NvmeOffloadingManager(OffloadingManager):
         for req_id in context.new_req_ids:
             self._release_request(req_id, finished=False)
         for req_id in getattr(context, "preempted_req_ids", None) or ():
+            self._waiting.add(req_id)
             self.preloader.preempted(req_id)
         self.poll_io()
         self._submit_writes()
@@ -497,6 +519,8 @@ class NvmeOffloadingManager(OffloadingManager):
         try:
             read = self.store.prefetch if background else self.store.get
             self._reads[key] = read(key, entry.slot)
+            if background:
+                self._prefetching.add(key)
         except Exception as exc:  # noqa: BLE001 - submission refused: a miss
             logger.warning("pykvcache: read of chunk %s not submitted: %s", key.hex(), exc)
             self.metrics.inc("read_errors")
@@ -511,6 +535,7 @@ class NvmeOffloadingManager(OffloadingManager):
 
     def _finish_read(self, key: bytes) -> None:
         handle = self._reads.pop(key)
+        self._prefetching.discard(key)
         result = handle.wait()
         self.metrics.inc("gate_load_observations",
                          self.gating.read_finished(key, result.status == "ok", result.latency_s or 0.0))

@@ -282,7 +282,7 @@ def _delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float
                                               "vllm:external_prefix_cache", "vllm:generation_tokens",
                                               "vllm:kv_offload", "vllm:request_queue_time_seconds",
                                               "vllm:request_prefill_time_seconds",
-                                              "vllm:time_to_first_token_seconds"))]
+                                              "vllm:time_to_first_token_seconds", "vllm:num_preemptions"))]
     def counter(k: str) -> bool:  # prometheus_client: counters end in _total, histograms in _sum/_count/_bucket
         return k.split("{")[0].endswith(("_total", "_sum", "_count", "_bucket"))
 
@@ -680,6 +680,7 @@ def _time_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
         pyk = c not in ("recompute", "lmcache", "native")
         rows.append([
             c, per_run_mean("vllm:request_queue_time_seconds"), per_run_mean("vllm:request_prefill_time_seconds"),
+            per_run("vllm:num_preemptions_total"),
             per_run("vllm:kv_offload_lookup_async_delay_seconds_count") if pyk else "-",
             per_run_mean("vllm:kv_offload_lookup_async_delay_seconds") if pyk else "-",
             per_run("vllm:pykvcache_lookup_ready_requests_total") if pyk else "-",
@@ -689,16 +690,25 @@ def _time_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
             _spread([m.get("vllm:pykvcache_lookahead_preload_bytes_total", 0.0) / 1e6 for m in ms], "{:.0f}")
             if pyk else "-",
             per_run("vllm:pykvcache_lookahead_budget_stops_total") if pyk else "-",
+            _spread([m.get("vllm:pykvcache_lookahead_wasted_bytes_total", 0.0) / 1e6 for m in ms], "{:.0f}")
+            if pyk else "-",
+            per_run("vllm:pykvcache_gate_decisions_load_total") + " / "
+            + per_run("vllm:pykvcache_gate_decisions_recompute_total") if pyk else "-",
+            _spread([m.get("vllm:pykvcache_gate_disk_bandwidth_mbps") for m in ms], "{:.0f}") if pyk else "-",
         ])
     return Table(
         title=f"Where the time to first token goes ({top} users; server-side, per run: median (min–max) over repeats)",
-        header=["configuration", "queue ms (mean)", "prefill ms (mean)", "deferred lookups", "deferred ms (mean)",
+        header=["configuration", "queue ms (mean)", "prefill ms (mean)", "preemptions", "deferred lookups",
+                "deferred ms (mean)",
                 "requests all staged at first lookup", "lookup RETRYs (staging held by others)",
-                "staging-full misses", "stores deferred", "preloaded MB", "lookahead budget stops"],
+                "staging-full misses", "stores deferred", "preloaded MB", "lookahead budget stops",
+                "preloaded MB wasted", "gate: load / recompute decisions", "gate: disk MB/s learnt"],
         rows=rows,
         note="queue = vLLM's request_queue_time (arrival -> first scheduled; a deferred lookup keeps a request "
-             "queued); prefill = first scheduled -> first token. Deferred lookups: vLLM's "
-             "kv_offload_lookup_async_delay (a lookup answered 'not yet' until its reads landed or staging had room).")
+             "queued); prefill = first scheduled -> first token; preemptions: vLLM's (a request whose KV blocks were "
+             "taken back, to be recomputed or loaded again). Deferred lookups: vLLM's "
+             "kv_offload_lookup_async_delay (a lookup answered 'not yet' until its reads landed or staging had room). "
+             "Gate: its decisions per run and the disk bandwidth it had learnt at the end (gauge).")
 
 
 def _turn_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
