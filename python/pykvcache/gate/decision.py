@@ -9,7 +9,10 @@ order, starting at the first chunk the device cache does not already hold:
 
 The gate evaluates every prefix length ``k`` (in chunks) up to the first
 missing chunk and keeps the one that saves the most time; it loads nothing
-when no prefix saves time.
+when no prefix saves time. The answer is always a prefix, because vLLM can
+only skip computing the leading tokens of a prompt. The cost is one pass over
+the chunk list with a few multiplications per chunk (microseconds for a
+prompt of hundreds of chunks).
 
 With other requests waiting (``waiting_requests``) the engine is saturated,
 and the two choices do not cost the same people: recomputing takes the
@@ -17,12 +20,9 @@ engine's compute, so every waiting request is served that much later, while
 a load waits on the disk and staging and lets the engine compute for the
 others meanwhile. The recompute side is then worth ``1 + waiting`` times its
 compute. Measured: with the server's reads capped at 25 MB/s a 1.5k-token
-prefix read for ~2 s against ~1.8 s of prefill, and loading it still gave
-2.07x recompute's p50 TTFT and 1.75x its throughput at 6 users
-(decision 0048). The answer is always a prefix, because vLLM can
-only skip computing the leading tokens of a prompt. The cost is one pass over
-the chunk list with a few multiplications per chunk (microseconds for a
-prompt of hundreds of chunks).
+prefix reads in ~2 s against ~1.8 s of prefill, and loading it gave 2.51x
+recompute's p50 TTFT and 2.07x its throughput at 6 users (decision 0048,
+docs/perf/serve-read25).
 """
 
 from __future__ import annotations
