@@ -457,6 +457,7 @@ class NvmeOffloadingManager(OffloadingManager):
         stats = self.store.stats()
         self.metrics.set_gauge("disk_filler_chunks", stats["filler_chunks"])
         self.metrics.set_gauge("disk_recycled_files", stats["recycled_files"])
+        self.metrics.set_gauge("disk_recycle_skipped", stats["recycle_skipped"])
         self.metrics.set_gauge("disk_capacity_bytes", self.store.capacity_bytes)
         for gauge, key in (("disk_io_timeouts", "io_timeouts"), ("disk_breaker_opens", "breaker_opens"),
                            ("disk_breaker_skipped_gets", "breaker_skipped_gets"),

@@ -70,6 +70,7 @@ GAUGES = {
     "disk_chunks": "Chunk files under this namespace (filler chunks not counted).",
     "disk_filler_chunks": "Filler chunks (preformat: true) not yet overwritten by real chunks.",
     "disk_recycled_files": "Puts since start that overwrote an evicted chunk's or a filler's file instead of allocating one.",
+    "disk_recycle_skipped": "Puts since start whose evicted or filler file was locked or taken when claimed (a reader, a scan, another node): they wrote a fresh file.",
     "disk_capacity_bytes": "Capacity eviction enforces: capacity_bytes, or lower once the filesystem filled up first (ENOSPC).",
     "lookahead_queue_requests": "Waiting requests known to the lookahead queue.",
     "lookahead_slots_held": "Staging slots held by preloads for waiting requests.",
