@@ -91,6 +91,11 @@ class Harness:
             pending = pending[len(batch):]
             self.settle()
 
+    def on_disk_only(self, keys):
+        """Store ``keys`` to disk, then empty staging: they come back only by a read."""
+        self.write_to_disk(keys)
+        self.m.cache.clear()
+
     def step(self, scheduled=()):
         self.m.on_schedule_end(ScheduleEndContext(new_req_ids=list(scheduled),
                                                   preempted_req_ids=[]))
@@ -201,8 +206,7 @@ def test_preempted_request_is_queued_again_and_staged_before_it_resumes(tmp_path
     h = Harness(tmp_path / "kv", num_slots=32, lookahead_slots=16, window=4, gate=_gate())
     try:
         keys = [_key(i) for i in range(6)]
-        h.write_to_disk(keys)
-        h.m.cache.clear()
+        h.on_disk_only(keys)
         h.queue("r1", keys, arrival=1.0)
         h.settle()
         ctx, hits = h.probe("r1", keys)
@@ -238,8 +242,7 @@ def test_shared_prefix_is_read_once_and_window_and_budget_bound_preloads(tmp_pat
     try:
         shared = [_key(i) for i in range(4)]
         tails = {r: [_key(100 + 10 * r + j) for j in range(4)] for r in range(4)}
-        h.write_to_disk(shared + [k for t in tails.values() for k in t])
-        h.m.cache.clear()
+        h.on_disk_only(shared + [k for t in tails.values() for k in t])
         for r in range(4):
             h.queue(f"r{r}", shared + tails[r], arrival=float(r))
         h.settle()
@@ -272,8 +275,7 @@ def test_preloads_never_evict_unused_preloads_and_waste_is_counted(tmp_path):
         a = [_key(i) for i in range(4)]
         b = [_key(10 + i) for i in range(4)]
         c = [_key(20 + i) for i in range(8)]
-        h.write_to_disk(a + b + c)
-        h.m.cache.clear()
+        h.on_disk_only(a + b + c)
         h.queue("a", a, 1.0)
         h.queue("b", b, 2.0)
         h.settle()
@@ -301,8 +303,7 @@ def test_gate_recomputes_short_prefixes_without_reading_and_loads_long_ones(tmp_
     h = Harness(tmp_path / "kv", num_slots=32, gate=_gate(break_even_chunks=3.5))
     try:
         keys = [_key(i) for i in range(8)]
-        h.write_to_disk(keys)
-        h.m.cache.clear()
+        h.on_disk_only(keys)
         reads = h.m.metrics.totals["disk_reads"]
         short = keys[:2]
         ctx, hits = h.probe("short", short)
@@ -332,8 +333,7 @@ def test_gate_applies_to_preloads(tmp_path):
                 gate=_gate(break_even_chunks=3.5))
     try:
         keys = [_key(i) for i in range(8)]
-        h.write_to_disk(keys)
-        h.m.cache.clear()
+        h.on_disk_only(keys)
         h.queue("short", [_key(i) for i in range(2)], 1.0)
         h.settle()
         assert h.m.metrics.totals["lookahead_preload_reads"] == 0
@@ -357,8 +357,7 @@ def test_online_refinement_observes_disk_loads(tmp_path):
     h = Harness(tmp_path / "kv", num_slots=16, gate=gate)
     try:
         keys = [_key(i) for i in range(8)]
-        h.write_to_disk(keys)
-        h.m.cache.clear()
+        h.on_disk_only(keys)
         h.probe("r", keys[:4])
         h.settle()
         assert h.m.metrics.totals["gate_load_observations"] == 1
@@ -397,8 +396,7 @@ def test_lookup_holds_of_waiting_requests_are_capped(tmp_path):
     try:
         a = [_key(i) for i in range(5)]
         b = [_key(10 + i) for i in range(3)]
-        h.write_to_disk(a + b)
-        h.m.cache.clear()
+        h.on_disk_only(a + b)
         _, hits = h.probe("a", a)  # the first waiting request may take what it needs
         assert hits is None
         assert all(h.m.staged_state(k) is not None for k in a)
@@ -465,8 +463,7 @@ def test_a_request_vllm_has_probed_hands_its_preloads_to_its_lookups(tmp_path):
     try:
         head = [_key(i) for i in range(6)]
         nxt = [_key(100 + i) for i in range(6)]
-        h.write_to_disk(head + nxt)
-        h.m.cache.clear()
+        h.on_disk_only(head + nxt)
         h.queue("head", head, arrival=1.0)
         h.queue("next", nxt, arrival=2.0)
         h.settle()
@@ -501,8 +498,7 @@ def test_a_lookup_finding_staging_full_takes_a_slot_from_a_later_requests_preloa
     try:
         later = [_key(i) for i in range(8)]
         now = [_key(100 + i) for i in range(3)]
-        h.write_to_disk(later + now)
-        h.m.cache.clear()
+        h.on_disk_only(later + now)
         h.queue("later", later, arrival=2.0)
         h.settle()
         assert h.m.cache.allocatable() == 0  # every slot held for "later"
@@ -536,8 +532,7 @@ def test_queued_bytes_count_what_a_new_read_waits_behind(tmp_path):
         h = Harness(fs.mount_point, num_slots=16, lookahead_slots=8, window=4)
         try:
             keys = [_key(i) for i in range(1, 7)]
-            h.write_to_disk(keys)
-            h.m.cache.clear()
+            h.on_disk_only(keys)
             assert h.m.queued_bytes() == 0
             # A stored chunk whose write is not submitted yet is not ahead of a read.
             ctx = ReqContext(req_id="writer")

@@ -123,7 +123,8 @@ class NoGating:
     admission = None
     chunk_tokens = 1
 
-    def allows(self, key: bytes, req_context, state_of, queued_bytes: int, waiting_requests: int = 0) -> bool:
+    def allows(self, key: bytes, req_context, state_of, queued_bytes: Callable[[], int],
+               waiting_requests: Callable[[], int] = lambda: 0) -> bool:
         return True
 
     def preload_gate(self) -> AdmissionGate | None:
@@ -175,8 +176,10 @@ class GateWiring:
 
     # -- lookups -------------------------------------------------------------
     def allows(self, key: bytes, req_context, state_of: Callable[[bytes], ChunkState],
-               queued_bytes: int, waiting_requests: int = 0) -> bool:
-        """Whether this lookup's key is in the request's plan (decided at its first lookup)."""
+               queued_bytes: Callable[[], int], waiting_requests: Callable[[], int] = lambda: 0) -> bool:
+        """Whether this lookup's key is in the request's plan (decided at its first lookup).
+        ``queued_bytes`` and ``waiting_requests`` are asked only when a plan is made
+        (once per request, not per key: counting queued I/O walks the I/O tables)."""
         return key in self.plan_for(key, req_context, state_of, queued_bytes, waiting_requests).allowed
 
     def preload_gate(self) -> AdmissionGate:
@@ -187,7 +190,7 @@ class GateWiring:
                              margin=g.margin, enabled=g.enabled, prefill_online=g.prefill_online)
 
     def plan_for(self, key: bytes, req_context, state_of: Callable[[bytes], ChunkState],
-                 queued_bytes: int, waiting_requests: int = 0) -> Plan:
+                 queued_bytes: Callable[[], int], waiting_requests: Callable[[], int] = lambda: 0) -> Plan:
         req_id = req_context.req_id
         group = key[-4:]
         plans = self._plans.get(req_id)
@@ -200,11 +203,12 @@ class GateWiring:
             self._stop_timing(req_id, plan)
         keys, start = request_keys_from(req_context, key, self.chunk_tokens)
         states = [state_of(k) for k in keys]
-        decision = self.gate.decide(states, start_tokens=start, queued_bytes=queued_bytes,
-                                    waiting_requests=waiting_requests)
+        queued = queued_bytes()
+        decision = self.gate.decide(states, start_tokens=start, queued_bytes=queued,
+                                    waiting_requests=waiting_requests())
         allowed = keys[: decision.load_chunks]
         plan = Plan(considered=frozenset(keys), allowed=frozenset(allowed), decision=decision,
-                    started=time.monotonic(), queued_bytes=queued_bytes)
+                    started=time.monotonic(), queued_bytes=queued)
         for k, state in zip(allowed, states):
             if state is ChunkState.DISK:
                 plan.awaiting.add(k)

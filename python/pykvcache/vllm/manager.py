@@ -239,8 +239,8 @@ class NvmeOffloadingManager(OffloadingManager):
     # ------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         req_id = req_context.req_id
-        if not self.gating.allows(key, req_context, self.chunk_state, self.queued_bytes(),
-                                  self.waiting_besides(req_id)):
+        if not self.gating.allows(key, req_context, self.chunk_state, self.queued_bytes,
+                                  lambda: self.waiting_besides(req_id)):
             self.metrics.inc("gate_limited_lookups")
             return LookupResult.MISS
         entry_before = self.cache.get(key)

@@ -193,7 +193,7 @@ class PykvcacheTier(SecondaryTierManager):
         return (len(self._ops) + sum(len(j.todo) for j in self._jobs)) * self.chunk_bytes
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if not self.gating.allows(key, req_context, self._chunk_state, self._queued_bytes()):
+        if not self.gating.allows(key, req_context, self._chunk_state, self._queued_bytes):
             self.metrics.inc("gate_limited_lookups")
             return LookupResult.MISS
         return LookupResult.HIT if self._on_disk(key) else LookupResult.MISS
