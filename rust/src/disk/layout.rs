@@ -133,31 +133,22 @@ const DIR_CREATE_WAIT: Duration = Duration::from_secs(2);
 /// there is retried until `DIR_CREATE_WAIT`; a non-directory in the way is still
 /// an error at once.
 fn create_dir_shared(dir: &Path, mode: u32) -> std::io::Result<()> {
-    let fs = DirCalls {
-        mkdir: &|p| std::fs::DirBuilder::new().mode(mode).create(p),
-        lookup: &|p| std::fs::metadata(p),
-    };
-    create_dir_shared_with(dir, DIR_CREATE_WAIT, &fs)
+    create_dir_shared_with(dir, DIR_CREATE_WAIT, &|p| std::fs::DirBuilder::new().mode(mode).create(p))
 }
 
-/// The two filesystem calls `create_dir_shared` makes, replaceable in tests.
-struct DirCalls<'a> {
-    mkdir: &'a dyn Fn(&Path) -> std::io::Result<()>,
-    lookup: &'a dyn Fn(&Path) -> std::io::Result<std::fs::Metadata>,
-}
-
-fn create_dir_shared_with(dir: &Path, wait: Duration, fs: &DirCalls) -> std::io::Result<()> {
+/// `create_dir_shared` with the wait and the mkdir call as parameters, for tests.
+fn create_dir_shared_with(dir: &Path, wait: Duration, mkdir: &dyn Fn(&Path) -> std::io::Result<()>) -> std::io::Result<()> {
     if dir.as_os_str().is_empty() {
         return Ok(());
     }
     let deadline = Instant::now() + wait;
     let mut pause = Duration::from_millis(1);
     loop {
-        let exists = match (fs.mkdir)(dir) {
+        let exists = match mkdir(dir) {
             Ok(()) => return Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => match dir.parent() {
                 Some(parent) if Instant::now() < deadline => {
-                    create_dir_shared_with(parent, wait, fs)?;
+                    create_dir_shared_with(parent, wait, mkdir)?;
                     continue;
                 }
                 _ => return Err(e),
@@ -165,7 +156,7 @@ fn create_dir_shared_with(dir: &Path, wait: Duration, fs: &DirCalls) -> std::io:
             Err(e) if e.raw_os_error() == Some(libc::EEXIST) => e,
             Err(e) => return Err(e),
         };
-        match (fs.lookup)(dir) {
+        match std::fs::metadata(dir) {
             Ok(meta) if meta.is_dir() => return Ok(()),
             Ok(_) => return Err(exists),
             Err(e) if Instant::now() >= deadline => {
@@ -232,7 +223,7 @@ mod tests {
 
     /// The filesystem, except that the first `spurious` mkdirs of `dir` fail
     /// with EEXIST without creating anything (what GlusterFS did).
-    fn spurious_eexist(dir: &Path, spurious: u32, test: impl FnOnce(&DirCalls)) -> u32 {
+    fn spurious_eexist(dir: &Path, spurious: u32, test: impl FnOnce(&dyn Fn(&Path) -> std::io::Result<()>)) -> u32 {
         let calls = Cell::new(0);
         let mkdir = |p: &Path| {
             if p == dir {
@@ -243,7 +234,7 @@ mod tests {
             }
             std::fs::create_dir(p)
         };
-        test(&DirCalls { mkdir: &mkdir, lookup: &|p| std::fs::metadata(p) });
+        test(&mkdir);
         calls.get()
     }
 
@@ -260,7 +251,7 @@ mod tests {
     fn a_spurious_eexist_is_retried_until_the_directory_exists() {
         let tmp = tempfile::tempdir().unwrap();
         let d = tmp.path().join("00");
-        let calls = spurious_eexist(&d, 3, |fs| create_dir_shared_with(&d, WAIT, fs).unwrap());
+        let calls = spurious_eexist(&d, 3, |mkdir| create_dir_shared_with(&d, WAIT, mkdir).unwrap());
         assert_eq!(calls, 4);
         assert!(d.is_dir());
     }
@@ -270,8 +261,8 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let d = tmp.path().join("00");
         let started = Instant::now();
-        spurious_eexist(&d, u32::MAX, |fs| {
-            let err = create_dir_shared_with(&d, WAIT, fs).unwrap_err();
+        spurious_eexist(&d, u32::MAX, |mkdir| {
+            let err = create_dir_shared_with(&d, WAIT, mkdir).unwrap_err();
             assert!(err.to_string().contains("still not there"), "{err}");
         });
         assert!(started.elapsed() >= WAIT);
