@@ -3,10 +3,10 @@ engine where it judged the file; the callers above it never delete one (issue 21
 
 - ``absent``: no chunk file there; the index forgot the key.
 - ``corrupt``: it failed verification; the engine removed it.
-- ``kept``: a file this store does not serve and leaves in place (another writer's
-  ``verify="header"`` chunk, unknown header flags, a chunk larger than its slots, a read error
-  it could not judge the file by); the index forgets it, so a put may replace it.
-- ``unavailable``: the directory could not answer; the file is untouched and stays indexed.
+- ``kept``: a sound file this store does not serve and leaves in place, indexed (another
+  writer's ``verify="header"`` chunk, unknown header flags, a chunk larger than its slots).
+- ``unavailable``: the file could not be read (the directory did not answer, or the read
+  failed), so it was not judged; it is untouched and stays indexed.
 """
 
 import errno
@@ -104,9 +104,9 @@ def _unknown_flag(path):
 
 
 @pytest.mark.parametrize("case", ["verify-header-writer", "unknown-flags", "larger-slots"])
-def test_another_writers_chunk_is_kept_unserved_and_a_put_may_replace_it(store_dir, backend, case):
-    """Sound chunks this store cannot serve: a miss, never deleted; the index forgets them so
-    the key can be stored again, as a chunk both writers serve."""
+def test_another_writers_chunk_is_kept_unserved_and_untouched(store_dir, backend, case):
+    """Sound chunks this store cannot serve: a miss; neither the file nor the index entry is
+    touched, and the writer still serves its chunk."""
     key, data = b"theirs", os.urandom(6000)
     pool = kv.StagingPool(64 << 10, 2)
     s = pool.acquire()
@@ -128,15 +128,16 @@ def test_another_writers_chunk_is_kept_unserved_and_a_put_may_replace_it(store_d
         r = reader.get(key, s).wait(10)
         assert (r.status, r.miss_kind, r.errno) == ("miss", "kept", None), r
         assert file_bytes(path) == before, "another writer's chunk is left as it is"
-        assert not reader.contains(key), "forgotten by the index: a lookup misses without a read"
-        assert reader.stats()["corrupt_chunks"] == 0
-        # This store's own chunk for the key replaces it.
-        assert put(reader, pool, s, key, data).ok
-        assert reader.get(key, s).wait(10).ok
+        assert reader.contains(key) and reader.stats()["corrupt_chunks"] == 0
+        r = reader.get(key, s).wait(10)
+        assert (r.status, r.miss_kind) == ("miss", "kept"), "judged the same way every time"
+    assert file_bytes(path) == before
     if case == "verify-header-writer":
         with make_store(store_dir, pool, verify="header", backend=backend) as writer:
             r = writer.get(key, s).wait(10)
             assert r.ok, r
+            with pool.view(s) as v:
+                assert bytes(v[: len(data)]) == data
     pool.release(s)
 
 
@@ -161,9 +162,9 @@ def test_unreachable_storage_is_unavailable_and_the_chunk_stays(store_dir, backe
 
 
 @pytest.mark.parametrize("verify", ["full", "header"])
-def test_a_read_error_it_cannot_judge_the_file_by_keeps_the_file(store_dir, backend, verify):
-    """An errno that is not a storage failure (EINVAL here): an error; the file is not judged,
-    so it is kept; the index forgets it until a probe or a refresh finds it again."""
+def test_a_failed_read_leaves_the_file_unjudged(store_dir, backend, verify):
+    """An errno that is not a storage failure (EINVAL here): status ``error``; the file was not
+    read, so not judged: ``unavailable``, untouched and still indexed."""
     pool = kv.StagingPool(MiB, 2)
     s = pool.acquire()
     with make_store(store_dir, pool) as writer:
@@ -171,7 +172,7 @@ def test_a_read_error_it_cannot_judge_the_file_by_keeps_the_file(store_dir, back
     [path] = chunk_files(store_dir)
     with make_store(store_dir, pool, backend=backend, verify=verify, _fault_fail_nth=(1, errno.EINVAL)) as reader:
         r = reader.get(b"k", s).wait(10)
-        assert (r.status, r.miss_kind, r.errno) == ("error", "kept", errno.EINVAL), r
-        assert os.path.exists(path) and not reader.contains(b"k")
-        assert reader.probe(b"k") and reader.get(b"k", s).wait(10).ok
+        assert (r.status, r.miss_kind, r.errno) == ("error", "unavailable", errno.EINVAL), r
+        assert os.path.exists(path) and reader.contains(b"k")
+        assert reader.get(b"k", s).wait(10).ok
     pool.release(s)
