@@ -253,6 +253,14 @@ class IoResult:
         """Submit-to-completion time."""
     @property
     def ok(self) -> bool: ...
+    @property
+    def miss_kind(self) -> Literal["absent", "kept", "unavailable", "corrupt"] | None:
+        """A get that served nothing: what became of its chunk file, as the engine judged it.
+        ``absent``: no file (the index forgot the key); ``kept``: a sound file this store does
+        not serve (another writer's), left in place and indexed; ``unavailable``: the file could
+        not be read (deadline, storage errno, open breaker, or status ``error``), untouched;
+        ``corrupt``: failed verification, removed by the engine. None for puts and hits.
+        Callers never delete a chunk file after a failed read (decision 0050)."""
     def raise_for_status(self) -> None:
         """Raise CorruptChunk / StoreError (or KeyError for a miss) unless ok."""
 

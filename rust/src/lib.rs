@@ -34,7 +34,7 @@ pub use disk::files::DirectIoPolicy;
 pub use disk::format::{file_len as chunk_file_bytes, key_hash, FORMAT_VERSION, HEADER_BYTES, IO_ALIGN};
 pub use error::{EngineError, Result};
 pub use faults::{FaultPlan, SharedFaults};
-pub use ops::{OpId, Outcome, Status};
+pub use ops::{MissKind, OpId, Outcome, Status};
 pub use staging::StagingPool;
 pub use stats::Stats;
 pub use store::config::defaults;

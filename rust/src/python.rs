@@ -290,6 +290,10 @@ impl PyIoResult {
     fn latency_s(&self) -> f64 { self.outcome.latency.as_secs_f64() }
     #[getter]
     fn ok(&self) -> bool { self.outcome.status == Status::Ok }
+    /// A get that served nothing: what became of its chunk file, as the
+    /// engine judged it ("absent", "kept", "unavailable", "corrupt").
+    #[getter]
+    fn miss_kind(&self) -> Option<&'static str> { self.outcome.miss_kind.map(|k| k.name()) }
 
     fn raise_for_status(&self) -> PyResult<()> {
         let o = &self.outcome;
@@ -305,7 +309,9 @@ impl PyIoResult {
     }
 
     fn __repr__(&self) -> String {
-        format!("IoResult(status={:?}, length={}, latency_s={:.6}, message={:?})", self.status(), self.outcome.length, self.latency_s(), self.outcome.message)
+        let kind = self.miss_kind().map_or("None".to_owned(), |k| format!("{k:?}"));
+        let (status, length, message) = (self.status(), self.outcome.length, &self.outcome.message);
+        format!("IoResult(status={status:?}, miss_kind={kind}, length={length}, latency_s={:.6}, message={message:?})", self.latency_s())
     }
 }
 

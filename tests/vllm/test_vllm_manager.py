@@ -6,6 +6,7 @@ order vLLM does, and writes chunk bytes into slots the way a worker does.
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import time
@@ -34,12 +35,13 @@ def _payload(i: int) -> bytes:
 
 
 class Harness:
-    def __init__(self, directory, num_slots=6, capacity_bytes=1 << 30):
+    def __init__(self, directory, num_slots=6, capacity_bytes=1 << 30, **store_keys):
         self.pool = StagingPool(LAYOUT.payload_bytes, num_slots)
         self.dirs = [str(directory)]
 
         def open_store():
-            return BlockStore(self.dirs, self.pool, namespace="test-ns", capacity_bytes=capacity_bytes)
+            return BlockStore(self.dirs, self.pool, namespace="test-ns", capacity_bytes=capacity_bytes,
+                              **store_keys)
 
         self.manager = NvmeOffloadingManager(pool=self.pool, store=open_store(), layout=LAYOUT,
                                              reopen_store=open_store, enable_events=True)
@@ -338,3 +340,78 @@ def test_a_chunk_another_node_removed_is_announced_removed_after_a_refresh(tmp_p
     finally:
         a.close()
         b.close()
+
+
+def _chunk_files(directory) -> dict[str, bytes]:
+    paths = glob.glob(os.path.join(str(directory), "**", "*.kvc"), recursive=True)
+    return {p: open(p, "rb").read() for p in sorted(paths)}
+
+
+def test_a_verify_header_writers_chunks_survive_a_full_verifying_manager(tmp_path):
+    """issue 21: a verify="full" engine sharing the directory with a verify="header" writer
+    cannot serve the writer's chunks (no payload checksum); the manager then evicted, so
+    deleted, every one it read. The engine keeps them (miss kind ``kept``): the files stay,
+    the next lookups miss without a read, and the writer still serves them."""
+    writer = Harness(tmp_path / "kv", verify="header")
+    reader = Harness(tmp_path / "kv")
+    try:
+        writer.store([4, 5])
+        writer.settle()
+        before = _chunk_files(tmp_path / "kv")
+        assert len(before) == 2
+        assert reader.manager.on_disk(_key(4))  # found by name (published after the reader opened)
+        result, _ = reader.lookup_until_final(_key(4))
+        assert result is LookupResult.MISS
+        assert _chunk_files(tmp_path / "kv") == before, "the writer's chunks are left as they are"
+        assert reader.manager.metrics.totals["kept_chunks"] == 1
+        assert reader.manager.lookup(_key(4), ReqContext(req_id="again")) is LookupResult.MISS
+        assert reader.manager.metrics.totals["kept_chunks"] == 1, "no second read"
+        assert reader.manager.store.stats()["corrupt_chunks"] == 0
+        writer.manager.cache.remove(_key(4))  # as if evicted from staging: read from disk
+        assert writer.lookup_until_final(_key(4), req="w")[0] is LookupResult.HIT
+        slot = writer.manager.prepare_load([_key(4)], ReqContext(req_id="w")).block_ids[0]
+        assert writer.slot_bytes(slot) == _payload(4)
+        writer.manager.complete_load([_key(4)], ReqContext(req_id="w"))
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_read_error_the_engine_cannot_judge_deletes_no_chunk(tmp_path):
+    """A read that fails with an errno that says nothing about the file (EINVAL, injected into
+    the transfer): before, the manager evicted the chunk after any ``error``, deleting it."""
+    writer = Harness(tmp_path / "kv")
+    writer.store([8])
+    writer.close()
+    before = _chunk_files(tmp_path / "kv")
+    reader = Harness(tmp_path / "kv", _fault_fail_nth=(1, errno.EINVAL))
+    try:
+        result, _ = reader.lookup_until_final(_key(8))
+        assert result is LookupResult.MISS
+        assert reader.manager.metrics.totals["read_errors"] == 1
+        assert _chunk_files(tmp_path / "kv") == before
+    finally:
+        reader.close()
+
+
+def test_a_corrupt_chunk_is_removed_once_by_the_engine(harness, tmp_path):
+    """The engine removes a corrupt chunk when it finds it (miss kind ``corrupt``); the
+    manager forgets it and announces it removed, once, and deletes nothing itself."""
+    harness.store([3, 6])
+    harness.settle()
+    harness.manager.cache.remove(_key(3))
+    assert len(_event_keys(harness.manager.take_events(), removed=False)) == 2
+    files = _chunk_files(tmp_path / "kv")
+    victim = next(p for p, data in files.items() if data[4096:4096 + 64] == _payload(3)[:64])
+    with open(victim, "r+b") as f:
+        f.seek(4096 + 100)
+        f.write(b"\xff")
+    assert harness.lookup_until_final(_key(3))[0] is LookupResult.MISS
+    assert sorted(_chunk_files(tmp_path / "kv")) == sorted(p for p in files if p != victim)
+    assert harness.manager.store.stats()["corrupt_chunks"] == 1
+    assert harness.manager.metrics.totals["corrupt_chunks"] == 1
+    assert len(harness.manager.store) == 1
+    assert _event_keys(harness.manager.take_events(), removed=True) == [_key(3)]
+    assert harness.lookup_until_final(_key(3))[0] is LookupResult.MISS
+    assert harness.manager.metrics.totals["corrupt_chunks"] == 1, "no second read"
+    assert list(harness.manager.take_events()) == []

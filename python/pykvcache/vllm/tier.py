@@ -55,7 +55,7 @@ from pykvcache.vllm.config import GIB, ConfigError, validate_extra_config
 from pykvcache.vllm.gate_plan import GateWiring, NoGating
 from pykvcache.vllm.host_config import find_vllm_config
 from pykvcache.vllm.logs import route_engine_logs
-from pykvcache.vllm.metrics import ManagerMetrics, metric_definitions
+from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter, metric_definitions
 from pykvcache.vllm.model_identity import model_identity
 from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace_for
 from pykvcache.vllm.disk_presence import DiskPresence
@@ -267,12 +267,13 @@ class PykvcacheTier(SecondaryTierManager):
                     self.metrics.inc("disk_read_bytes", result.length)
                     self.metrics.observe("disk_read_latency_seconds", result.latency_s)
                 else:
-                    self.metrics.inc({"corrupt": "corrupt_chunks", "miss": "vanished_chunks"}.get(
-                        result.status, "read_errors"))
+                    self.metrics.inc(failed_read_counter(result.status, result.miss_kind))
                     if result.status != "miss":
                         logger.warning("pykvcache tier: chunk %s unusable (%s: %s); a miss",
                                        key.hex(), result.status, result.message)
-                    self._store.evict(key)
+                    # The engine alone decides the file's fate (decision 0050):
+                    # a stalled directory's chunk, or another writer's, stays.
+                    self._presence.read_failed(key, result.miss_kind)
             elif ok:
                 self.metrics.inc("disk_writes")
                 self.metrics.inc("disk_write_bytes", result.length)

@@ -74,7 +74,7 @@ use crate::disk::index::ChunkIndex;
 use crate::disk::layout::Layout;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
 use crate::error::{EngineError, Result};
-use crate::ops::{OpId, OpTable, Outcome, Status};
+use crate::ops::{MissKind, OpId, OpTable, Outcome, Status};
 use crate::staging::StagingPool;
 use crate::stats::Stats;
 
@@ -776,7 +776,7 @@ impl Core {
                         Outcome::new(Status::Error, 0, Some(libc::ETIMEDOUT), format!("{msg}: put skipped"))
                     } else {
                         Stats::add(&self.stats.read_misses, 1);
-                        Outcome::new(Status::Miss, 0, Some(libc::ETIMEDOUT), format!("{msg}: a miss"))
+                        Outcome::miss(MissKind::Unavailable, Some(libc::ETIMEDOUT), format!("{msg}: a miss"))
                     }
                 },
                 &mut abandoned,
