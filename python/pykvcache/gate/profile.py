@@ -164,6 +164,9 @@ class GateProfile:
         for key in ("prefill", "load", "hardware", "storage"):
             if not isinstance(getattr(profile, key), dict):
                 raise ProfileError(f"profile field {key} must be an object")
+        bpt = profile.kv_bytes_per_token
+        if not (isinstance(bpt, (int, float)) and not isinstance(bpt, bool) and math.isfinite(bpt) and bpt > 0):
+            raise ProfileError(f"profile field kv_bytes_per_token must be a number > 0 (got {bpt!r})")
         for key, lo in (("block_size", 1), ("chunk_tokens", 1), ("world_size", 1)):
             v = getattr(profile, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -180,14 +183,25 @@ class GateProfile:
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> GateProfile:
         try:
-            text = Path(path).read_text()
+            raw = Path(path).read_bytes()
         except OSError as exc:
             raise ProfileError(f"cannot read gate profile {path}: {exc.strerror or exc}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            # A binary file (or the wrong file) must not stop start-up either.
+            raise ProfileError(f"gate profile {path} is not UTF-8 text, so not a JSON profile "
+                               f"(byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"gate profile {path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        except RecursionError:
+            raise ProfileError(f"gate profile {path} is not valid JSON: nested too deeply") from None
+        try:
+            return cls.from_dict(data)
+        except ProfileError as exc:
+            raise ProfileError(f"gate profile {path}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -263,7 +277,7 @@ def load_cost_model(
                 return profile.cost_model(), "profile"
             why = f"gate profile {path} was measured for something else: " + "; ".join(fatal)
     logger.warning(
-        "pykvcache gate: %s. Using a conservative default: load prefixes of %d tokens or more.",
-        why, DEFAULT_BREAK_EVEN_TOKENS,
+        "pykvcache gate: %s.%s Using a conservative default: load prefixes of %d tokens or more.",
+        why, "" if path is None else " The gate_profile setting is ignored.", DEFAULT_BREAK_EVEN_TOKENS,
     )
     return default_cost_model(expected.kv_bytes_per_token), f"default: {why}"
