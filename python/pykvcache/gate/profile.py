@@ -224,7 +224,8 @@ def mismatches(profile: GateProfile, expected: ProfileExpectation) -> tuple[list
     if _norm_model(profile.model) != _norm_model(expected.model):
         fatal.append(f"model {profile.model!r} != {expected.model!r}")
     if _norm_dtype(profile.dtype) != _norm_dtype(expected.dtype):
-        fatal.append(f"dtype {profile.dtype} != {_norm_dtype(expected.dtype)}")
+        fatal.append(f"dtype {profile.dtype} != {_norm_dtype(expected.dtype)} (run `pykvcache calibrate "
+                     f"--dtype {_norm_dtype(expected.dtype)}`, or serve with --dtype {profile.dtype})")
     if not math.isclose(profile.kv_bytes_per_token, expected.kv_bytes_per_token, rel_tol=0.02):
         fatal.append(
             f"KV bytes per token {profile.kv_bytes_per_token:g} != {expected.kv_bytes_per_token:g}"
