@@ -37,7 +37,8 @@ class _Dispatcher:
     def __init__(self, loop: asyncio.AbstractEventLoop, store: BlockStore) -> None:
         self._fd = store.completion_fd
         self._store = weakref.ref(store)
-        self._loop = loop
+        # Weakly: _dispatchers holds this under a weak key of the loop.
+        self._loop = weakref.ref(loop)
         self._pending: list[tuple[IoHandle, asyncio.Future[IoResult]]] = []
         with _readers_lock:
             _readers.setdefault(store, weakref.WeakSet()).add(self)
@@ -73,9 +74,10 @@ class _Dispatcher:
             # misses nothing: d appends a handle before it checks done(), and
             # an operation it found unfinished signals the eventfd later, so
             # the drain that takes that signal sees the append.
-            if d._pending:
+            loop = d._loop()
+            if d._pending and loop is not None:
                 try:
-                    d._loop.call_soon_threadsafe(d._resolve)
+                    loop.call_soon_threadsafe(d._resolve)
                 except RuntimeError:  # that loop is closed: nothing waits there any more
                     pass
 

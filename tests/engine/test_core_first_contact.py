@@ -8,8 +8,10 @@ regression fails instead of hanging the suite.
 """
 
 import asyncio
+import gc
 import threading
 import time
+import weakref
 
 import pytest
 
@@ -39,11 +41,13 @@ def test_aio_wait_from_two_event_loops_on_two_threads_completes(store_dir):
     rounds = 8
     barrier = threading.Barrier(2)
     outcomes: dict[int, object] = {}
+    loops: list[weakref.ref] = []
 
     def worker(n: int) -> None:
         slot = pool.acquire(timeout=5)
 
         async def main():
+            loops.append(weakref.ref(asyncio.get_running_loop()))
             done = 0
             for i in range(rounds):
                 barrier.wait(10)  # both loops have an operation in flight together
@@ -69,6 +73,8 @@ def test_aio_wait_from_two_event_loops_on_two_threads_completes(store_dir):
     assert not any(t.is_alive() for t in threads), "a loop is still waiting"
     assert outcomes == {0: rounds, 1: rounds}, outcomes
     store.close()
+    gc.collect()
+    assert [ref() for ref in loops] == [None, None]  # the readers keep no loop alive
 
 
 # ---- finding 7: one handle, many waiting threads
