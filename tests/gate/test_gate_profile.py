@@ -166,6 +166,28 @@ def test_a_profile_that_is_not_text_is_one_warning_and_the_default(tmp_path, cap
     assert model.break_even_tokens() == pytest.approx(DEFAULT_BREAK_EVEN_TOKENS)
 
 
+def test_a_fifo_or_a_huge_file_as_profile_is_refused_without_reading_it(tmp_path, caplog):
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # reading it would block start-up until a writer came
+    import threading
+
+    got = []
+    # In a daemon thread: a regression blocks in open() and fails here, not hangs.
+    reader = threading.Thread(target=lambda: got.append(load_cost_model(fifo, _expect())), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert got, "reading the FIFO blocked"
+    source = got[0][1]
+    assert source.startswith("default:") and "not a regular file" in source
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(64 << 20)  # sparse: nothing written, and nothing read
+    with pytest.raises(ProfileError, match="more than a profile"):
+        GateProfile.read(huge)
+
+
 def test_a_profile_with_a_numeric_field_as_text_is_rejected(tmp_path, caplog):
     data = json.loads(_profile().to_json())
     data["kv_bytes_per_token"] = "4096"  # float() accepts it; the comparison with the engine did not

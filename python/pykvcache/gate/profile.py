@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from pykvcache._sysinfo import cpu_model
 
+import errno
 import json
 import logging
 import math
 import os
+import stat
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -95,6 +97,29 @@ def _norm_dtype(dtype: Any) -> str:
 
 def _norm_model(model: str) -> str:
     return str(model).rstrip("/").rsplit("/", 1)[-1]
+
+
+#: Far above any profile (a few KiB): a larger file is not one, and is not read into memory.
+MAX_PROFILE_BYTES = 16 << 20
+
+
+def _read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes. Opened
+    non-blocking and checked before reading: a FIFO or device at the path
+    would otherwise block start-up or be read without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{st.st_size} bytes, more than a profile ({limit} at most)")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            return f.read(limit + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
 
 
 @dataclass
@@ -183,7 +208,7 @@ class GateProfile:
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> GateProfile:
         try:
-            raw = Path(path).read_bytes()
+            raw = _read_regular_file(path, MAX_PROFILE_BYTES)
         except OSError as exc:
             raise ProfileError(f"cannot read gate profile {path}: {exc.strerror or exc}") from None
         try:
