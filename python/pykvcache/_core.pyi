@@ -277,7 +277,8 @@ class IoHandle:
     def done(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> IoResult:
         """Block (GIL released) until complete; raises TimeoutError on timeout
-        (None, or above 1e9 s = forever)."""
+        (None, or above 1e9 s = forever). Several threads may wait at once:
+        each gets the same result."""
 
 @final
 class BlockStore:

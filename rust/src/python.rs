@@ -4,7 +4,7 @@
 
 use std::ffi::c_int;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyOverflowError, PyTimeoutError, PyValueError};
@@ -115,6 +115,7 @@ int_args! {
     chunk_workers_arg: usize = "chunk_workers";
     length_arg: usize = "length";
     payload_bytes_arg: usize = "payload_bytes";
+    slot_arg: usize = "slot";
 }
 
 // ---- staging
@@ -213,7 +214,7 @@ impl PyStagingPool {
     #[getter]
     fn deferred_releases(&self) -> usize { self.inner.deferred_releases() }
 
-    fn payload_offset(&self, slot: usize) -> PyResult<usize> {
+    fn payload_offset(&self, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<usize> {
         self.inner.payload_offset(slot).map_err(to_py)
     }
 
@@ -232,11 +233,11 @@ impl PyStagingPool {
         }
     }
 
-    fn release(&self, slot: usize) -> PyResult<()> {
+    fn release(&self, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<()> {
         self.inner.release(slot).map_err(to_py)
     }
 
-    fn view<'py>(&self, py: Python<'py>, slot: usize) -> PyResult<Bound<'py, PyMemoryView>> {
+    fn view<'py>(&self, py: Python<'py>, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<Bound<'py, PyMemoryView>> {
         let ptr = self.inner.payload_offset(slot).map_err(to_py)? + self.inner.base_address();
         let exporter = Bound::new(py, SlotBuffer { pool: self.inner.clone(), slot: Some(slot), ptr, len: self.inner.slot_bytes() })?;
         PyMemoryView::from(exporter.as_any())
@@ -250,7 +251,7 @@ impl PyStagingPool {
         PyMemoryView::from(exporter.as_any())
     }
 
-    fn exports(&self, slot: usize) -> u32 {
+    fn exports(&self, #[pyo3(from_py_with = slot_arg)] slot: usize) -> u32 {
         self.inner.exports(slot)
     }
 
@@ -315,7 +316,11 @@ impl PyIoResult {
     }
 }
 
-#[pyclass(name = "IoHandle", module = "pykvcache._core")]
+// frozen: a handle is shared by every thread that waits for it (a mutable
+// borrow held across the GIL-free wait made the others fail "Already
+// borrowed"); the result is cached in a `OnceLock`, set once by the first
+// waiter that sees the outcome.
+#[pyclass(name = "IoHandle", module = "pykvcache._core", frozen)]
 struct PyIoHandle {
     store: Arc<store::BlockStore>,
     id: OpId,
@@ -323,7 +328,13 @@ struct PyIoHandle {
     op: &'static str,
     key: Vec<u8>,
     slot: usize,
-    result: Option<Py<PyIoResult>>,
+    result: OnceLock<Py<PyIoResult>>,
+}
+
+impl PyIoHandle {
+    fn new(store: &Arc<store::BlockStore>, id: OpId, op: &'static str, key: Vec<u8>, slot: usize) -> Self {
+        PyIoHandle { store: store.clone(), id, op, key, slot, result: OnceLock::new() }
+    }
 }
 
 #[pymethods]
@@ -340,28 +351,41 @@ impl PyIoHandle {
     fn slot(&self) -> usize { self.slot }
 
     fn done(&self) -> PyResult<bool> {
-        if self.result.is_some() {
+        if self.result.get().is_some() {
             return Ok(true);
         }
         self.store.is_done(self.id).map_err(to_py)
     }
 
+    /// Any number of threads may wait at once; each gets the same result.
     #[pyo3(signature = (timeout=None))]
-    fn wait(&mut self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyIoResult>> {
-        if let Some(r) = &self.result {
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyIoResult>> {
+        if let Some(r) = self.result.get() {
             return Ok(r.clone_ref(py));
         }
         let t = timeout_of("timeout", timeout)?;
         let (store, id) = (self.store.clone(), self.id);
-        let outcome = py.detach(move || store.wait(id, t)).map_err(to_py)?;
-        let Some(outcome) = outcome else {
+        let waited = py.detach(move || store.wait(id, t));
+        // Another waiter may have taken the outcome first and given the
+        // table entry back (this wait then finds the entry stale): its cached
+        // result is the answer. It caches before it releases the entry, and
+        // both go through the table's lock, so the result is visible here.
+        if let Some(r) = self.result.get() {
+            return Ok(r.clone_ref(py));
+        }
+        let Some(outcome) = waited.map_err(to_py)? else {
             return Err(PyTimeoutError::new_err(format!("{} still in flight after {:?} s", self.op(), timeout.unwrap_or(0.0))));
         };
         let r = Py::new(py, PyIoResult { outcome })?;
-        self.result = Some(r.clone_ref(py));
-        // The outcome is now cached here: give the table entry back right away.
-        self.store.release_op(self.id);
-        Ok(r)
+        match self.result.set(r.clone_ref(py)) {
+            Ok(()) => {
+                // The outcome is now cached here: give the table entry back right away.
+                self.store.release_op(self.id);
+                Ok(r)
+            }
+            // A concurrent waiter cached it first (and released the entry).
+            Err(_) => Ok(self.result.get().expect("set by the other waiter").clone_ref(py)),
+        }
     }
 
     fn __repr__(&self) -> String {
@@ -371,7 +395,7 @@ impl PyIoHandle {
 
 impl Drop for PyIoHandle {
     fn drop(&mut self) {
-        if self.result.is_none() {
+        if self.result.get().is_none() {
             self.store.release_op(self.id);
         }
     }
@@ -512,7 +536,7 @@ impl PyBlockStore {
         Ok(())
     }
 
-    fn put(&self, py: Python<'_>, key: Vec<u8>, slot: usize, #[pyo3(from_py_with = length_arg)] length: usize) -> PyResult<PyIoHandle> {
+    fn put(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize, #[pyo3(from_py_with = length_arg)] length: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
@@ -522,23 +546,23 @@ impl PyBlockStore {
             let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
             logger.call_method1("warning", ("pykvcache: %s", notice))?;
         }
-        Ok(PyIoHandle { store: self.inner.clone(), id, op: "put", key, slot, result: None })
+        Ok(PyIoHandle::new(&self.inner, id, "put", key, slot))
     }
 
-    fn get(&self, py: Python<'_>, key: Vec<u8>, slot: usize) -> PyResult<PyIoHandle> {
+    fn get(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.get(&k, slot, t)).map_err(to_py)?;
         self.log_health(py)?;
-        Ok(PyIoHandle { store: self.inner.clone(), id, op: "get", key, slot, result: None })
+        Ok(PyIoHandle::new(&self.inner, id, "get", key, slot))
     }
 
-    fn prefetch(&self, py: Python<'_>, key: Vec<u8>, slot: usize) -> PyResult<PyIoHandle> {
+    fn prefetch(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.prefetch(&k, slot, t)).map_err(to_py)?;
         self.log_health(py)?;
-        Ok(PyIoHandle { store: self.inner.clone(), id, op: "prefetch", key, slot, result: None })
+        Ok(PyIoHandle::new(&self.inner, id, "prefetch", key, slot))
     }
 
     fn contains(&self, key: &[u8]) -> bool {

@@ -415,3 +415,56 @@ def test_a_corrupt_chunk_is_removed_once_by_the_engine(harness, tmp_path):
     assert harness.lookup_until_final(_key(3))[0] is LookupResult.MISS
     assert harness.manager.metrics.totals["corrupt_chunks"] == 1, "no second read"
     assert list(harness.manager.take_events()) == []
+
+
+def test_many_corrupt_chunks_log_one_warning_then_a_summary(harness, tmp_path, caplog):
+    # Issue 24, finding 8: one WARNING line per corrupt chunk (65 for one
+    # attack). Now: the first in full, the rest counted into one summary.
+    import logging
+
+    indices = list(range(40, 52))
+    for start in range(0, len(indices), 4):
+        harness.store(indices[start:start + 4])
+        harness.settle()
+    for i in indices:
+        harness.manager.cache.remove(_key(i))  # as if evicted from staging
+    files = glob.glob(os.path.join(str(tmp_path / "kv"), "**", "*.kvc"), recursive=True)
+    assert len(files) == len(indices)
+    for path in files:
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 1]))
+    with caplog.at_level(logging.WARNING):
+        for i in indices:
+            result, _ = harness.lookup_until_final(_key(i), req=f"r{i}")
+            assert result is LookupResult.MISS
+        assert harness.manager.metrics.totals["corrupt_chunks"] == len(indices)
+        lines = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "corrupt" in lines[0] and "summarised" in lines[0]
+        harness.close()  # the summary of the rest comes out at shutdown
+    lines = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
+    assert len(lines) == 2 and f"{len(indices) - 1} more" in lines[1] and "corrupt" in lines[1], lines
+
+
+def test_unusable_chunk_summaries_come_at_most_once_per_interval(caplog):
+    import logging
+
+    from pykvcache.vllm.logs import ChunkTroubleLog
+
+    now = [0.0]
+    log = ChunkTroubleLog(logging.getLogger("test.trouble"), "unusable chunks", interval_s=60, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.trouble"):
+        for i in range(65):  # one attack: 64 corrupt chunks and an I/O error, within 2 s
+            now[0] = i / 32
+            log.report(b"\x01%d" % i, "error" if i == 30 else "corrupt", "payload checksum mismatch")
+        assert len(caplog.records) == 1
+        now[0] = 61.0
+        log.report(b"\x02", "corrupt", "bad header")  # the interval has passed: the summary
+        assert len(caplog.records) == 2
+        assert "65 more in the last 61 s (corrupt 64, error 1)" in caplog.records[1].getMessage()
+        assert "bad header" in caplog.records[1].getMessage()
+        log.flush()  # nothing counted since: no line
+        assert len(caplog.records) == 2

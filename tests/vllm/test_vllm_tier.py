@@ -281,6 +281,22 @@ def test_standalone_only_keys_are_refused_with_the_reason(tmp_path):
         _spec(tmp_path, capacity="1GiB").get_manager()
 
 
+def test_refused_misspelt_and_invalid_tier_keys_are_reported_in_one_error(tmp_path):
+    # Issue 24, finding 8: the refused (standalone-only) keys were reported
+    # alone; the misspelt and invalid ones only after those were fixed.
+    from pykvcache.vllm.config import ConfigError
+    from pykvcache.vllm.tier import tier_settings
+
+    with pytest.raises(ConfigError) as info:
+        tier_settings({"storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "64MiB",
+                       "wipe_on_reset": True, "lookahead_bytes": "1GiB", "capacty_bytes": "1GiB",
+                       "verify": "sometimes"})
+    message = str(info.value)
+    for part in ("'wipe_on_reset'", "'lookahead_bytes'", "unknown key(s) 'capacty_bytes'", "verify must be one of"):
+        assert part in message, (part, message)
+    assert message.count("invalid pykvcache") == 1, message  # one error, one heading
+
+
 def test_the_tier_declares_its_metrics_to_vllm(tmp_path):
     """vLLM asserts on emitting an undeclared metric: every name the tier
     reports is in the spec's definitions (built from the tier entry)."""

@@ -57,6 +57,7 @@ from pykvcache.gate import ChunkState
 from pykvcache.vllm.disk_presence import DiskPresence
 from pykvcache.vllm.gate_plan import GateWiring, NoGating
 from pykvcache.vllm.layout import ChunkLayout
+from pykvcache.vllm.logs import ChunkTroubleLog
 from pykvcache.vllm.lookahead import Preloader, WaitingRequest
 from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter
 from pykvcache.vllm.staging_cache import (
@@ -99,6 +100,7 @@ class NvmeOffloadingManager(OffloadingManager):
         self._reopen_store = reopen_store
         self.cache = StagingCache(pool)
         self.metrics = ManagerMetrics()
+        self._unusable = ChunkTroubleLog(logger, "unusable chunks (each treated as a miss)")
         # What ``lock`` returns (vLLM >= 0.33 holds it around manager calls).
         self._lock = threading.RLock()
         self._max_inflight_writes = max(1, max_inflight_writes)
@@ -503,6 +505,7 @@ class NvmeOffloadingManager(OffloadingManager):
             self.flush(timeout=60.0)
         except Exception:  # noqa: BLE001 - shutting down anyway; say what was lost
             logger.exception("pykvcache: not every pending chunk write completed")
+        self._unusable.flush()
         self.cache.clear()
         self.store.close()
         try:
@@ -548,8 +551,7 @@ class NvmeOffloadingManager(OffloadingManager):
             return
         self.metrics.inc(failed_read_counter(result.status, result.miss_kind))
         if result.status != "miss":
-            logger.warning("pykvcache: chunk %s unusable (%s: %s); treated as a miss",
-                           key.hex(), result.status, result.message)
+            self._unusable.report(key, result.status, result.message)
         self.cache.remove(key)
         # The engine alone decides the file's fate (decision 0050): it removed
         # a corrupt one, and keeps the rest, also a chunk another writer made

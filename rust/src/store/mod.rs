@@ -207,7 +207,8 @@ impl BlockStore {
         let smallest = config.segment_bytes.min(if config.write_segment_bytes == 0 { usize::MAX } else { config.write_segment_bytes });
         if pool.stride() / smallest >= u32::MAX as usize {
             return Err(EngineError::invalid(format!(
-                "segment_bytes/write_segment_bytes of {smallest} cut a {}-byte slot into too many segments",
+                "segment_bytes/write_segment_bytes of {smallest} cut a {}-byte slot (a chunk file of up to {} bytes) into too many segments",
+                pool.slot_bytes(),
                 pool.stride()
             )));
         }

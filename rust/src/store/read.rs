@@ -86,7 +86,13 @@ impl Core {
         if size > max_len && size % IO_ALIGN == 0 {
             // Possibly a valid chunk from a process with larger slots sharing
             // the directory: not ours to judge or delete, just not loadable here.
-            let msg = format!("chunk of {size} bytes does not fit a {max_len}-byte slot");
+            // Named by the slot's payload size (what the user configured), not by
+            // `max_len`, the largest chunk file such a slot takes.
+            let msg = format!(
+                "chunk file of {size} bytes (up to {} bytes of payload) does not fit a {}-byte slot",
+                size - HEADER_BYTES,
+                pool.slot_bytes()
+            );
             return self.keep(id, ctx, msg);
         }
         if size < HEADER_BYTES || size % IO_ALIGN != 0 {
