@@ -22,6 +22,7 @@ pub(crate) mod disk;
 pub(crate) mod error;
 pub(crate) mod faults;
 pub(crate) mod ops;
+pub(crate) mod ready;
 pub(crate) mod staging;
 pub(crate) mod stats;
 pub(crate) mod store;
@@ -35,6 +36,7 @@ pub use disk::format::{file_len as chunk_file_bytes, key_hash, FORMAT_VERSION, H
 pub use error::{EngineError, Result};
 pub use faults::{FaultPlan, SharedFaults};
 pub use ops::{MissKind, OpId, Outcome, Status};
+pub use ready::Readiness;
 pub use staging::StagingPool;
 pub use stats::Stats;
 pub use store::config::defaults;

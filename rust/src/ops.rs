@@ -121,6 +121,8 @@ pub struct Watch {
     pub slot: u32,
     pub put: bool,
     pub since: Instant,
+    /// A get's ready-word generation (0 for a put): settled failed when abandoned.
+    pub ready_gen: u32,
 }
 
 /// An operation the watchdog just abandoned.
@@ -608,7 +610,7 @@ mod tests {
         let ops = Table::new(1).unwrap();
         let id = ops.allocate(None).unwrap();
         let since = Instant::now();
-        ops.watch(id, Watch { root: 0, slot: 3, put: false, since });
+        ops.watch(id, Watch { root: 0, slot: 3, put: false, since, ready_gen: 0 });
         ops.start(id, "get", 1).unwrap();
         let mut out = Vec::new();
         ops.abandon_overdue(|w| w.since <= Instant::now(), |_| Outcome::new(Status::Miss, 0, Some(libc::ETIMEDOUT), "timed out"), &mut out);

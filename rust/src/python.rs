@@ -255,6 +255,33 @@ impl PyStagingPool {
         self.inner.exports(slot)
     }
 
+    /// `(generation, state)` of the slot's ready word: "idle", "pending",
+    /// "ready" or "failed" (see the engine's `ready.rs`).
+    fn ready_state(&self, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<(u32, &'static str)> {
+        self.inner.payload_offset(slot).map_err(to_py)?;
+        Ok(self.inner.ready_state(slot))
+    }
+
+    /// Waits (GIL released) until the reads of `generations[i]` into
+    /// `slots[i]` have ended, all within `timeout` seconds; one of "ready",
+    /// "failed", "recycled", "timed_out" per slot.
+    fn wait_ready(&self, py: Python<'_>, slots: Vec<usize>, generations: Vec<u32>, timeout: f64) -> PyResult<Vec<&'static str>> {
+        if slots.len() != generations.len() {
+            return Err(PyValueError::new_err("slots and generations differ in length"));
+        }
+        for &slot in &slots {
+            self.inner.payload_offset(slot).map_err(to_py)?;
+        }
+        let t = timeout_of("timeout", Some(timeout))?.unwrap_or(Duration::MAX);
+        let pairs: Vec<(usize, u32)> = slots.into_iter().zip(generations).collect();
+        let pool = self.inner.clone();
+        let verdicts = py.detach(move || {
+            let deadline = crate::wait::deadline_after(Some(t)).unwrap_or_else(|| std::time::Instant::now() + Duration::from_secs(86400 * 365));
+            pool.wait_ready_all(&pairs, deadline)
+        });
+        Ok(verdicts.into_iter().map(|v| v.name()).collect())
+    }
+
     fn close(&self) -> PyResult<()> {
         self.inner.close().map_err(to_py)
     }

@@ -20,7 +20,9 @@ use crate::wait::{deadline_after, wait_until, TimedOut};
 
 const MAP_ALIGN: usize = 2 << 20;
 const TRAILER_BYTES: usize = 4096;
-const TRAILER_MAGIC: u64 = 0x5059_4b56_5354_4731; // "PYKVSTG1"
+// "PYKVSTG2": version 2 added the ready words between the slots and the trailer
+// (a version-1 attacher would read the sizes wrong, so it refuses the pool).
+const TRAILER_MAGIC: u64 = 0x5059_4b56_5354_4732;
 
 /// Most slots of one pool: segments name their slot in a u16 (fixed-buffer index).
 pub const MAX_SLOTS: usize = u16::MAX as usize;
@@ -47,10 +49,17 @@ fn layout(slot_bytes: usize, num_slots: usize) -> Result<(usize, usize)> {
         .and_then(|p| p.checked_add(HEADER_BYTES))
         .ok_or_else(too_big)?;
     let data_len = stride.checked_mul(num_slots).ok_or_else(too_big)?;
-    match data_len.checked_add(TRAILER_BYTES + MAP_ALIGN) {
+    match data_len.checked_add(ready_table_bytes(num_slots) + TRAILER_BYTES + MAP_ALIGN) {
         Some(total) if total <= isize::MAX as usize => Ok((stride, data_len)),
         _ => Err(too_big()),
     }
+}
+
+/// Bytes of the ready-word table (one `u32` per slot, `ready.rs`), whole pages
+/// so the trailer stays page-aligned; it lies between the slots and the
+/// trailer, outside the region registered for I/O or with CUDA.
+fn ready_table_bytes(num_slots: usize) -> usize {
+    round_up(num_slots * 4, IO_ALIGN)
 }
 
 pub struct StagingPool {
@@ -116,7 +125,7 @@ impl StagingPool {
     /// now, with an error, instead of a SIGBUS when a slot is first touched.
     pub fn create_backed(slot_bytes: usize, num_slots: usize, backing: Backing<'_>) -> Result<Self> {
         let (stride, data_len) = layout(slot_bytes, num_slots)?;
-        let mapped_len = data_len + TRAILER_BYTES;
+        let mapped_len = data_len + ready_table_bytes(num_slots) + TRAILER_BYTES;
         let (reserved, reserved_len, base) = reserve_aligned(mapped_len)?;
         let (result, shm_name) = match backing {
             Backing::Private => (map_anonymous(base, mapped_len).map(|()| None), None),
@@ -130,7 +139,7 @@ impl StagingPool {
                 return Err(e);
             }
         };
-        let trailer = unsafe { std::slice::from_raw_parts_mut(base.add(data_len), TRAILER_BYTES) };
+        let trailer = unsafe { std::slice::from_raw_parts_mut(base.add(mapped_len - TRAILER_BYTES), TRAILER_BYTES) };
         trailer[0..8].copy_from_slice(&TRAILER_MAGIC.to_le_bytes());
         trailer[8..16].copy_from_slice(&(slot_bytes as u64).to_le_bytes());
         trailer[16..24].copy_from_slice(&(stride as u64).to_le_bytes());
@@ -177,7 +186,8 @@ impl StagingPool {
         let (magic, slot_bytes, stride, num_slots) = (word(0) as u64, word(1), word(2), word(3));
         // The trailer is file content: its sizes must be the ones `create`
         // derives, or slot pointers (and views) could reach past the mapping.
-        let consistent = layout(slot_bytes, num_slots).is_ok_and(|(s, d)| s == stride && d.checked_add(TRAILER_BYTES) == Some(mapped_len));
+        let consistent = layout(slot_bytes, num_slots)
+            .is_ok_and(|(s, d)| s == stride && d.checked_add(ready_table_bytes(num_slots) + TRAILER_BYTES) == Some(mapped_len));
         if magic != TRAILER_MAGIC || !consistent {
             unsafe { libc::munmap(reserved as *mut _, reserved_len) };
             return Err(EngineError::invalid(format!("{path} is not a pykvcache staging pool")));
@@ -255,6 +265,14 @@ impl StagingPool {
 
     pub fn region_ptr(&self) -> *mut u8 { self.base }
     pub fn region_len(&self) -> usize { self.stride * self.num_slots }
+
+    /// The ready word of `slot` (see `ready.rs`): in the shared mapping, so
+    /// every process that maps the pool sees the same word.
+    pub(crate) fn ready_word(&self, slot: usize) -> &std::sync::atomic::AtomicU32 {
+        assert!(slot < self.num_slots, "slot {slot} out of range");
+        // 4-byte aligned (page-aligned table); lives as long as the mapping.
+        unsafe { &*(self.base.add(self.region_len() + slot * 4) as *const std::sync::atomic::AtomicU32) }
+    }
 
     fn check_slot(&self, slot: usize) -> Result<()> {
         if slot >= self.num_slots {
@@ -659,7 +677,7 @@ mod tests {
         let slots: Vec<_> = (0..3).map(|_| pool.acquire(Some(Duration::ZERO)).unwrap()).collect();
         let err = pool.acquire(Some(Duration::from_millis(50))).unwrap_err();
         assert!(matches!(err, EngineError::PoolExhausted { .. }));
-        assert_eq!(pool.total_bytes(), 3 * pool.stride() + TRAILER_BYTES);
+        assert_eq!(pool.total_bytes(), 3 * pool.stride() + IO_ALIGN + TRAILER_BYTES);
         for s in slots {
             pool.release(s).unwrap();
         }
@@ -683,7 +701,7 @@ mod tests {
         let pool = StagingPool::create(8192, 2, Some(&name)).unwrap();
         // A slot size beyond the stride (stride x slots still matching the
         // file): views of it would reach past the mapping.
-        let trailer = unsafe { std::slice::from_raw_parts_mut(pool.region_ptr().add(pool.region_len()), 32) };
+        let trailer = unsafe { std::slice::from_raw_parts_mut(pool.region_ptr().add(pool.total_bytes() - TRAILER_BYTES), 32) };
         trailer[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
         assert!(matches!(StagingPool::attach(&name), Err(EngineError::InvalidArgument(_))));
         trailer[8..16].copy_from_slice(&8192u64.to_le_bytes());

@@ -13,6 +13,14 @@ Select it with ``"kv_connector": "PyKvCacheConnector",
 ``spec_module_path`` default to pykvcache's spec. A request can opt out with
 ``kv_transfer_params={"pykvcache_lookahead": false}``. It also times the
 engine's steps for the gate's prefill side (:class:`pykvcache.vllm.gate_plan.StepTimer`).
+
+It also lets a lookup answer HIT for chunks whose disk reads are in flight
+(decision 0055): the worker's copy waits for each slot's ready word, and a
+load whose read failed is reported to vLLM as a failed receive
+(``failed_recving``), which vLLM recomputes under
+``kv_load_failure_policy="recompute"`` - the policy this connector sets. The
+stock ``OffloadingConnector`` asserts that every transfer succeeds and
+reports no failed loads, so with it lookups keep answering HIT_PENDING.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ class PyKvCacheConnector(OffloadingConnector):
             super().__init__(vllm_config, role, kv_cache_config)
         self._manager = None
         self._groups: list[tuple[int, int, int]] = []
+        self._load_reqs: dict[int, str] = {}  # worker: load job -> request
         if role != KVConnectorRole.SCHEDULER:
             return
         from pykvcache.vllm.manager import NvmeOffloadingManager
@@ -68,6 +77,7 @@ class PyKvCacheConnector(OffloadingConnector):
             )
         self._manager = manager
         manager.gating.enable_step_timing()  # this connector reports the steps
+        self._enable_in_flight_hits(vllm_config, manager)
         policy = str(getattr(vllm_config.scheduler_config, "policy", "fcfs"))
         manager.preloader.queue.by_priority = policy.endswith("priority")
         # Full-attention groups only: their keys form a prefix vLLM loads from
@@ -77,6 +87,54 @@ class PyKvCacheConnector(OffloadingConnector):
             for g in self.scheduler.config.kv_group_configs
             if g.sliding_window_size_in_chunks is None
         ]
+
+    @staticmethod
+    def _enable_in_flight_hits(vllm_config, manager) -> None:
+        """A failed load must be recomputed, not fail the request: pykvcache is
+        a cache, a chunk that cannot be read is one to recompute. vLLM's
+        scheduler reads the policy right after building its connector (0.32,
+        0.33), so setting it here takes effect."""
+        kv = vllm_config.kv_transfer_config
+        if kv.kv_load_failure_policy != "recompute":
+            logger.info("pykvcache: kv_load_failure_policy %r -> 'recompute' (a chunk whose read "
+                        "fails during a load is recomputed)", kv.kv_load_failure_policy)
+            kv.kv_load_failure_policy = "recompute"
+        manager.enable_in_flight_hits()
+
+    # -- worker side: loads the worker could not copy are failed receives ----
+    def register_kv_caches(self, kv_caches):
+        super().register_kv_caches(kv_caches)
+        worker = self._staging_worker()
+        if worker is not None:
+            worker.report_load_failures = True
+
+    def _staging_worker(self):
+        from pykvcache.vllm.worker import StagingWorker
+
+        worker = getattr(self.connector_worker, "worker", None)
+        return worker if isinstance(worker, StagingWorker) else None
+
+    def start_load_kv(self, forward_context, **kwargs) -> None:
+        meta = self._connector_metadata
+        for job_id, entry in getattr(meta, "load_jobs", {}).items():
+            self._load_reqs[job_id] = entry.req_id
+        super().start_load_kv(forward_context, **kwargs)
+
+    def get_transfer_results(self, finished_req_ids):
+        results = super().get_transfer_results(finished_req_ids)
+        worker = self._staging_worker()
+        if worker is not None:
+            for job_id in worker.take_failed_loads():
+                req_id = self._load_reqs.get(job_id)
+                if req_id is not None:
+                    # Also in finished_recving (the job was reported finished):
+                    # vLLM releases the request and recomputes its prefix.
+                    results.failed_recving.add(req_id)
+        done = results.finished_recving
+        if done:
+            for job_id in [j for j, r in self._load_reqs.items() if r in done]:
+                del self._load_reqs[job_id]
+        return results
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -152,6 +210,9 @@ class PyKvCacheConnector(OffloadingConnector):
     def update_connector_output(self, connector_output) -> None:
         super().update_connector_output(connector_output)
         if self._manager is not None:
+            failed = getattr(connector_output, "failed_recving", None)
+            if failed:
+                self._manager.metrics.inc("failed_loads", len(failed))
             self._manager.step_finished()
 
     # A request finishes while its last step's output is processed: that step

@@ -8,8 +8,13 @@ corrupt or unreadable chunk turns into a MISS at lookup time.
 
 Lookup protocol per chunk key:
 
-* HIT          the chunk is verified in staging (READY);
-* HIT_PENDING  its disk read is in flight, or a worker is still copying it in;
+* HIT          the chunk is verified in staging (READY), or - with in-flight
+               hits (:meth:`enable_in_flight_hits`, turned on by
+               ``PyKvCacheConnector``) - its disk read is in flight: the
+               worker's copy waits for the slot's ready word, and a read that
+               fails becomes a failed load that vLLM recomputes;
+* HIT_PENDING  its disk read is in flight (without in-flight hits), or a
+               worker is still copying it in (STORING);
 * RETRY        on disk, but waiting requests already hold their share of
                staging (``lookup_hold_slots``): asked again next step;
 * MISS         not in staging and not on disk (or no slot to read it into).
@@ -130,8 +135,19 @@ class NvmeOffloadingManager(OffloadingManager):
         # the gate weighs a recompute by how many wait behind it.
         self._waiting: set[str] = set()
         self._presence = DiskPresence(self.metrics)
+        # Lookups answer HIT for chunks whose reads are in flight (decision
+        # 0055); only a connector that reports failed loads to vLLM, under
+        # kv_load_failure_policy="recompute", may turn it on.
+        self.in_flight_hits = False
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
+
+    def enable_in_flight_hits(self) -> None:
+        """Answer HIT for a chunk whose disk read is in flight. The caller
+        guarantees that a load the worker reports failed is recomputed by
+        vLLM (``PyKvCacheConnector`` with ``kv_load_failure_policy=
+        "recompute"``): otherwise a failed read would fail the request."""
+        self.in_flight_hits = True
 
     @property
     def lock(self):
@@ -175,6 +191,8 @@ class NvmeOffloadingManager(OffloadingManager):
             if entry is None:
                 self.metrics.inc("staging_full_misses")
                 return LookupResult.MISS
+        if entry.state is EntryState.FAILED:
+            return LookupResult.MISS  # its read failed; a load still holds the slot
         if owner is not None:
             self.cache.hold(owner, key)
         if entry.state is EntryState.READY:
@@ -257,10 +275,19 @@ class NvmeOffloadingManager(OffloadingManager):
             others = self.cache.count_held(LOOKUP) - len(self.cache.held_by(mine))
             if others >= self._lookup_hold_slots and self.store.contains(key):
                 self.metrics.inc("lookup_hold_cap_retries")
+                self.metrics.inc("lookups_deferred")
                 return LookupResult.RETRY
         result = self.stage(key, owner=owner(LOOKUP, req_id))
         if result is LookupResult.MISS:
             return result
+        if result is LookupResult.HIT_PENDING and self.in_flight_hits \
+                and self.cache.get(key).state is EntryState.READING:
+            # The read started (now or earlier) at once; the worker's copy
+            # waits for it (prepare_load hands over the ready word's generation).
+            self.metrics.inc("lookup_in_flight_hits")
+            return LookupResult.HIT
+        if result is not LookupResult.HIT:
+            self.metrics.inc("lookups_deferred")
         if result is LookupResult.HIT_PENDING:
             if req_id not in self._waited:
                 self._waited.add(req_id)
@@ -287,25 +314,45 @@ class NvmeOffloadingManager(OffloadingManager):
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext):
         slots = []
         pinned = []
+        # Per slot: 0 = verified now, > 0 = the worker waits for that
+        # generation of the slot's ready word, -1 = failed already.
+        generations = []
         loader = owner(LOAD, req_context.req_id)
         for key in keys:
+            self._poll_read(key)
             entry = self.cache.get(key)
-            if entry is None or entry.state is not EntryState.READY:
+            ready = entry is not None and entry.state is EntryState.READY
+            reading = entry is not None and entry.state is EntryState.READING and entry.ready_gen > 0
+            if not ready and not (self.in_flight_hits and reading):
+                if self.in_flight_hits:
+                    # Answered HIT while its read was in flight, and the read
+                    # failed since: the worker reports this load failed and
+                    # vLLM recomputes (nothing is copied from this slot).
+                    self.metrics.inc("in_flight_read_failures")
+                    slots.append(entry.slot if entry is not None else 0)
+                    generations.append(-1)
+                    continue
                 # The connector only loads keys this manager answered HIT for,
                 # and held keys are never evicted; reaching this is a bug.
                 for done in pinned:
                     self.cache.release(loader, done)
                 raise RuntimeError(f"prepare_load of chunk {key.hex()} that is not staged")
+            # Held until complete_load: the slot is never recycled while a
+            # worker may wait on it or copy from it.
             self.cache.hold(loader, key)
             pinned.append(key)
             slots.append(entry.slot)
+            generations.append(0 if ready else entry.ready_gen)
         self.preloader.loaded(pinned)
         if pinned and req_context.req_id not in self._waited:
             self.metrics.inc("lookup_ready_requests")
         # The request is being scheduled: what it held for lookups is now
         # either pinned for this load or not needed any more.
         self._release_request(req_context.req_id, finished=False)
-        return StagingSlotsSpec(slots)
+        if not any(generations):
+            return StagingSlotsSpec(slots)
+        return StagingSlotsSpec(slots, ready_generations=generations,
+                                wait_s=self.store.stats()["io_deadline_s"])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
@@ -523,6 +570,9 @@ class NvmeOffloadingManager(OffloadingManager):
         try:
             read = self.store.prefetch if background else self.store.get
             self._reads[key] = read(key, entry.slot)
+            # The get armed the slot's ready word; the slot stays pinned for
+            # it until it ends, so nothing re-arms it before this is read.
+            entry.ready_gen = self.pool.ready_state(entry.slot)[0]
             if background:
                 self._prefetching.add(key)
         except Exception as exc:  # noqa: BLE001 - submission refused: a miss
@@ -552,7 +602,11 @@ class NvmeOffloadingManager(OffloadingManager):
         self.metrics.inc(failed_read_counter(result.status, result.miss_kind))
         if result.status != "miss":
             self._unusable.report(key, result.status, result.message)
-        self.cache.remove(key)
+        if self.cache.is_held(key, LOAD):
+            # Answered HIT in flight and handed to a load: the engine settled
+            # the ready word failed, the worker reports the load failed.
+            self.metrics.inc("in_flight_read_failures")
+        self.cache.fail(key)
         # The engine alone decides the file's fate (decision 0050): it removed
         # a corrupt one, and keeps the rest, also a chunk another writer made
         # or one a stalled directory could not read. What is left here is not

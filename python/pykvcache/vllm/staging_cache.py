@@ -61,6 +61,9 @@ class EntryState(enum.Enum):
     STORING = "storing"  # a worker copies KV into the slot; not readable yet
     READING = "reading"  # an NVMe read fills the slot; not readable yet
     READY = "ready"  # verified bytes: a load may copy from the slot
+    # The read failed while a load held the slot (a worker may be waiting on
+    # its ready word): kept, never readable, until the last holder lets go.
+    FAILED = "failed"
 
 
 class Origin(enum.Enum):
@@ -76,6 +79,9 @@ class StagingEntry:
     origin: Origin
     pins: int = 0
     owners: set[Hashable] = field(default_factory=set)
+    # The generation of the slot's ready word armed by this entry's disk read
+    # (0: none, the bytes came from a store): what a worker waits for.
+    ready_gen: int = 0
 
     @property
     def evictable(self) -> bool:
@@ -206,6 +212,19 @@ class StagingCache:
             entry.origin = origin
         self._refresh(entry)
 
+    def fail(self, key: bytes) -> None:
+        """The read filling ``key`` failed. Dropped at once unless a load holds
+        it; then FAILED until released, so its slot is never recycled while a
+        worker may still wait on it."""
+        entry = self._entries.get(key)
+        if entry is None:
+            return
+        if not self.is_held(key, LOAD):
+            self.remove(key)
+            return
+        entry.state = EntryState.FAILED
+        self._refresh(entry)
+
     def touch(self, key: bytes) -> None:
         if key in self._lru:
             self._lru.move_to_end(key)
@@ -283,6 +302,9 @@ class StagingCache:
             keys.pop(key, None)
 
     def _refresh(self, entry: StagingEntry) -> None:
+        if entry.state is EntryState.FAILED and entry.pins == 0 and not entry.owners:
+            self.remove(entry.key)  # its last holder let go
+            return
         if entry.evictable:
             self._lru[entry.key] = None
             self._lru.move_to_end(entry.key)

@@ -1,7 +1,12 @@
 """Worker-side OffloadingWorker: copies KV pages to and from staging slots.
 
-No disk I/O happens here, so nothing here can fail for storage reasons: the
-scheduler only hands out loads of chunks it has already verified in staging.
+No disk I/O happens here. The scheduler hands out loads of chunks verified in
+staging or, with in-flight hits (decision 0055), of chunks whose reads are in
+flight: a load then first waits (GIL released, bounded by the store's I/O
+deadline) for each slot's ready word, which the scheduler process's engine
+settles with the read's verdict. A load with any slot not ready copies
+nothing and is reported failed (:meth:`StagingWorker.take_failed_loads`, read
+by ``PyKvCacheConnector``, which tells vLLM to recompute the request).
 The staging region is created by the scheduler process as a memfd (no name
 in /dev/shm: it goes away with the engine however the engine exits); vLLM
 builds workers before the scheduler, so the region is attached on the first
@@ -41,6 +46,10 @@ class StagingWorker(OffloadingWorker):
         self._copier = None
         self._on_cuda = bool(self._kv) and self._kv[0].is_cuda
         self._finished: list[TransferResult] = []
+        # Set by a connector that reports failed loads to vLLM
+        # (PyKvCacheConnector); without it a failed wait raises instead.
+        self.report_load_failures = False
+        self._failed_loads: set[int] = set()
 
     @property
     def copier(self):
@@ -70,7 +79,49 @@ class StagingWorker(OffloadingWorker):
                     **_future_kwargs) -> bool:
         # ``expedited`` (vLLM >= 0.33) asks to jump queued stores; copies here
         # are issued in order on one stream and are short, so it needs nothing.
+        start = time.perf_counter()
+        if not self._reads_ended(job_id, src_spec):
+            # Nothing copied: the KV pages keep whatever they held, and vLLM
+            # recomputes them (the connector reports this job's request failed).
+            self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=0,
+                                                 transfer_time=time.perf_counter() - start))
+            return True
         return self._submit(job_id, gpu_spec=dst_spec, slots=src_spec.block_ids, to_gpu=True)
+
+    def _reads_ended(self, job_id: int, src_spec) -> bool:
+        """Waits for the reads of a load's slots that were in flight when it
+        was prepared; True when every slot holds verified bytes."""
+        generations = getattr(src_spec, "ready_generations", None)
+        if not generations or not any(generations):
+            return True
+        slots = [int(s) for s in src_spec.block_ids]
+        waits = [(slot, gen) for slot, gen in zip(slots, generations) if gen > 0]
+        failed = sum(1 for gen in generations if gen < 0)
+        verdicts = []
+        if waits and not failed:
+            pool = self._attached_pool()
+            verdicts = pool.wait_ready([s for s, _ in waits], [g for _, g in waits],
+                                       float(src_spec.wait_s or 10.0))
+        if not failed and all(v == "ready" for v in verdicts):
+            return True
+        why = f"{failed} read(s) failed before the load" if failed else ", ".join(
+            f"slot {s}: {v}" for (s, _), v in zip(waits, verdicts) if v != "ready")
+        if not self.report_load_failures:
+            # Copying would serve wrong KV and nobody would tell vLLM: stop.
+            raise RuntimeError(f"load job {job_id}: chunks not ready ({why}) and the connector "
+                               "does not report failed loads (use PyKvCacheConnector)")
+        logger.warning("pykvcache: load job %d not copied, vLLM recomputes it: %s", job_id, why)
+        self._failed_loads.add(job_id)
+        return False
+
+    def take_failed_loads(self) -> set[int]:
+        """Load jobs reported finished but not copied since the last call."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
+
+    def _attached_pool(self):
+        self.copier  # attaches the region on first use
+        return self._pool
 
     def _submit(self, job_id: int, *, gpu_spec, slots, to_gpu: bool) -> bool:
         copier = self.copier

@@ -42,6 +42,7 @@ impl Core {
     /// without touching the directory.
     pub(super) fn refuse(&self, id: OpId, ctx: OpContext, why: String) {
         self.pool.unpin_io(ctx.slot);
+        self.pool.settle_ready(ctx.slot, ctx.ready_gen, false);
         let c = &self.health.counters;
         let outcome = match ctx.kind {
             OpKind::Get => {
@@ -59,7 +60,7 @@ impl Core {
 
     /// Starts the deadline clock of an operation about to be queued.
     pub(super) fn watch(&self, id: OpId, ctx: &OpContext) {
-        let w = Watch { root: ctx.root as u32, slot: ctx.slot as u32, put: ctx.kind == OpKind::Put, since: ctx.started };
+        let w = Watch { root: ctx.root as u32, slot: ctx.slot as u32, put: ctx.kind == OpKind::Put, since: ctx.started, ready_gen: ctx.ready_gen };
         self.ops.watch(id, w);
     }
 
@@ -124,6 +125,9 @@ impl Core {
             }
             (OpKind::Put, _) => Stats::add(&s.write_errors, 1),
         }
+        // Before the caller can see the outcome; a no-op when the watchdog
+        // settled it already (abandoned between the check above and here).
+        self.pool.settle_ready(ctx.slot, ctx.ready_gen, outcome.status == Status::Ok);
         self.ops.complete(id, outcome);
     }
 

@@ -117,6 +117,9 @@ pub struct OpContext {
     /// Finished on the ring thread: the file is closed by a directory
     /// worker (a close can wait on the filesystem).
     pub close_elsewhere: bool,
+    /// A get's generation of its slot's ready word (`ready.rs`), settled
+    /// with its verdict; 0 for a put.
+    pub ready_gen: u32,
 }
 
 struct Core {
@@ -405,6 +408,7 @@ impl BlockStore {
             enospc_retried: false,
             reserved: 0,
             close_elsewhere: false,
+            ready_gen: 0,
         };
         Ok((id, ctx))
     }
@@ -768,6 +772,8 @@ impl Core {
                     // Under the op table's lock, before the caller can see the
                     // outcome and release the slot: quarantined first.
                     self.pool.quarantine(w.slot as usize);
+                    // A worker waiting on this read learns it failed now.
+                    self.pool.settle_ready(w.slot as usize, w.ready_gen, false);
                     self.health.dirs[w.root as usize].stuck.fetch_add(1, Ordering::Relaxed);
                     self.health.failure(w.root as usize, true, now);
                     let dir = self.health.dirs[w.root as usize].path.display();

@@ -39,6 +39,9 @@ impl BlockStore {
         }
         let (id, mut ctx) = self.begin(OpKind::Get, key, slot, timeout)?;
         ctx.background = background;
+        // Armed before the get can end (a refusal ends it at once): a worker
+        // may wait on this word from now on (`ready.rs`).
+        ctx.ready_gen = self.core.pool.arm_ready(slot);
         if let Some(why) = self.core.health.refusal(ctx.root) {
             self.core.refuse(id, ctx, why);
             return Ok(id);
