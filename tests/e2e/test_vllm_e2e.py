@@ -150,6 +150,30 @@ def other_model(models, workdir, store_dir, restart):
     return _run(scenario, workdir, "other")
 
 
+@pytest.fixture(scope="session")
+def in_flight(models, workdir):
+    """PyKvCacheConnector (lookups answer HIT for reads in flight, decision
+    0055) on its own directory, lookahead preloads off so that every disk read
+    is started by a lookup: the prefix comes back from disk with no deferred
+    lookup; then every chunk file is corrupted and the same prefix, answered
+    HIT while its reads were in flight, becomes failed loads vLLM recomputes."""
+    xs, fillers, _ = _texts()
+    store = workdir / "store-in-flight"
+    config = _kv_config(store, 24, lookahead=True, lookahead_bytes=0, lookahead_requests=0)
+    phases = [
+        {"op": "generate", "name": "first", "prompts": xs},
+        {"op": "reset_prefix_cache"},
+        {"op": "generate", "name": "fillers", "prompts": fillers},
+        {"op": "generate", "name": "repeat", "prompts": [xs[0]]},
+        {"op": "corrupt_files", "dir": str(store)},
+        {"op": "reset_prefix_cache"},
+        {"op": "generate", "name": "fillers_after_corruption", "prompts": fillers},
+        {"op": "generate", "name": "corrupt_repeat", "prompts": [xs[0]]},
+    ]
+    return _run({"model": models["main"], "llm": {"kv_transfer_config": config}, "phases": phases},
+                workdir, "in_flight")
+
+
 def _metric(phase: dict, name: str) -> float:
     return phase["metrics"].get("vllm:pykvcache_" + name, 0)
 
@@ -333,3 +357,35 @@ def test_a_preformatted_store_serves_identical_tokens_from_recycled_filler_files
     assert repeat["num_cached_tokens"][0] >= 800
     read = _metric(repeat, "disk_read_bytes") - _metric(phases["fillers"], "disk_read_bytes")
     assert read >= CHUNK_BYTES, "the repeated prefix did not come back from disk"
+
+
+def test_reads_in_flight_are_hits_and_a_failed_one_is_recomputed(baseline, offload, in_flight):
+    by = in_flight["by_name"]
+    for name in ("first", "fillers", "repeat"):
+        assert by[name]["tokens"] == baseline["by_name"][name]["tokens"], name
+    repeat, before = by["repeat"], by["fillers"]
+
+    def delta(name, phase=repeat, since=before):
+        return _metric(phase, name) - _metric(since, name)
+
+    # The prefix came back from disk, every lookup of it a HIT at once.
+    assert repeat["num_cached_tokens"][0] >= 800
+    assert delta("disk_read_bytes") >= 12 * CHUNK_BYTES
+    assert delta("lookup_in_flight_hits") >= 12
+    assert delta("lookups_deferred") == 0 and delta("lookup_waited_requests") == 0
+    assert _metric(repeat, "failed_loads") == 0
+    # The same workload on the stock OffloadingConnector defers (HIT_PENDING).
+    stock = offload["by_name"]
+    stock_deferred = _metric(stock["repeat"], "lookups_deferred") - _metric(stock["fillers"], "lookups_deferred")
+    print(f"[in_flight] deferred lookups for the repeat from disk: stock connector {stock_deferred:.0f}, "
+          f"PyKvCacheConnector {delta('lookups_deferred'):.0f}", file=sys.stderr)
+    assert stock_deferred > 0
+    # Corrupted on disk: answered HIT, read, found corrupt; the load failed,
+    # vLLM recomputed the request and the tokens are the same.
+    corrupt = by["corrupt_repeat"]
+    assert next(p for p in in_flight["phases"] if p["op"] == "corrupt_files")["files"] > 0
+    assert _metric(corrupt, "corrupt_chunks") > 0
+    assert _metric(corrupt, "in_flight_read_failures") > 0
+    assert _metric(corrupt, "failed_loads") >= 1
+    assert corrupt["tokens"] == baseline["by_name"]["repeat"]["tokens"]
+    assert by["fillers_after_corruption"]["tokens"] == baseline["by_name"]["fillers"]["tokens"]
