@@ -234,6 +234,16 @@ class StagingPool:
     def region(self) -> memoryview:
         """Zero-copy view of the whole mapping (for workers that copy rows)."""
     def exports(self, slot: int) -> int: ...
+    def ready_state(self, slot: int) -> tuple[int, str]:
+        """``(generation, state)`` of the slot's ready word, which a store's get
+        arms (new generation, "pending") and settles with its verdict ("ready":
+        read and verified; "failed"); "idle" if never armed. Shared by every
+        process mapping the pool (decision 0055)."""
+    def wait_ready(self, slots: list[int], generations: list[int], timeout: float) -> list[str]:
+        """Waits (GIL released) until the read of ``generations[i]`` into
+        ``slots[i]`` ended, all within ``timeout`` seconds: per slot "ready",
+        "failed", "recycled" (the word holds another generation: never ready)
+        or "timed_out"."""
     def close(self) -> None:
         """Unmap (refused while views are exported); the owner unlinks the shm file."""
 
