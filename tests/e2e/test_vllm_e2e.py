@@ -372,13 +372,19 @@ def test_reads_in_flight_are_hits_and_a_failed_one_is_recomputed(baseline, offlo
     assert repeat["num_cached_tokens"][0] >= 800
     assert delta("disk_read_bytes") >= 12 * CHUNK_BYTES
     assert delta("lookup_in_flight_hits") >= 12
-    assert delta("lookups_deferred") == 0 and delta("lookup_waited_requests") == 0
+    assert delta("lookups_deferred") == 0
+    assert delta("lookup_waited_requests") == 1, "waited for its reads, in the worker's copy"
     assert _metric(repeat, "failed_loads") == 0
     # The same workload on the stock OffloadingConnector defers (HIT_PENDING).
     stock = offload["by_name"]
     stock_deferred = _metric(stock["repeat"], "lookups_deferred") - _metric(stock["fillers"], "lookups_deferred")
-    print(f"[in_flight] deferred lookups for the repeat from disk: stock connector {stock_deferred:.0f}, "
-          f"PyKvCacheConnector {delta('lookups_deferred'):.0f}", file=sys.stderr)
+    corrupt = by["corrupt_repeat"]
+    print(f"[in_flight] the repeat from disk: deferred lookups stock connector {stock_deferred:.0f}, "
+          f"PyKvCacheConnector {delta('lookups_deferred'):.0f}; phase {stock['repeat']['seconds']} s vs "
+          f"{repeat['seconds']} s; in-flight hits {delta('lookup_in_flight_hits'):.0f}. Corrupt repeat: "
+          f"in-flight read failures {_metric(corrupt, 'in_flight_read_failures'):.0f}, failed loads "
+          f"{_metric(corrupt, 'failed_loads'):.0f}, corrupt chunks {_metric(corrupt, 'corrupt_chunks'):.0f}",
+          file=sys.stderr)
     assert stock_deferred > 0
     # Corrupted on disk: answered HIT, read, found corrupt; the load failed,
     # vLLM recomputed the request and the tokens are the same.

@@ -280,18 +280,22 @@ class NvmeOffloadingManager(OffloadingManager):
         result = self.stage(key, owner=owner(LOOKUP, req_id))
         if result is LookupResult.MISS:
             return result
-        if result is LookupResult.HIT_PENDING and self.in_flight_hits \
-                and self.cache.get(key).state is EntryState.READING:
+        in_flight = result is LookupResult.HIT_PENDING and self.in_flight_hits \
+            and self.cache.get(key).state is EntryState.READING
+        if in_flight:
             # The read started (now or earlier) at once; the worker's copy
             # waits for it (prepare_load hands over the ready word's generation).
             self.metrics.inc("lookup_in_flight_hits")
-            return LookupResult.HIT
-        if result is not LookupResult.HIT:
+        elif result is not LookupResult.HIT:
             self.metrics.inc("lookups_deferred")
         if result is LookupResult.HIT_PENDING:
+            # The request waits for a disk read: a scheduler step (deferred)
+            # or, in flight, its worker's copy.
             if req_id not in self._waited:
                 self._waited.add(req_id)
                 self.metrics.inc("lookup_waited_requests")
+            if in_flight:
+                return LookupResult.HIT
         elif entry_before is not None and entry_before.state is EntryState.READY:
             self.metrics.inc("staging_hits")
         return result
