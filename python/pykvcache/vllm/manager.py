@@ -139,6 +139,9 @@ class NvmeOffloadingManager(OffloadingManager):
         # 0055); only a connector that reports failed loads to vLLM, under
         # kv_load_failure_policy="recompute", may turn it on.
         self.in_flight_hits = False
+        # A load of this step waits for reads in its worker: the step's time
+        # is not the prefill's, the gate must not learn from it.
+        self._step_waits_for_reads = False
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
 
@@ -355,6 +358,7 @@ class NvmeOffloadingManager(OffloadingManager):
         self._release_request(req_context.req_id, finished=False)
         if not any(generations):
             return StagingSlotsSpec(slots)
+        self._step_waits_for_reads = True
         return StagingSlotsSpec(slots, ready_generations=generations,
                                 wait_s=self.store.stats()["io_deadline_s"])
 
@@ -448,7 +452,13 @@ class NvmeOffloadingManager(OffloadingManager):
         self.preloader.plan()
 
     def step_scheduled(self, work) -> None:
-        """The connector built a step scheduling ``work`` ((computed, scheduled) per request)."""
+        """The connector built a step scheduling ``work`` ((computed, scheduled) per request).
+        A step whose loads wait for reads in flight is timed as no work: its
+        duration includes disk time, which the gate's prefill model must not
+        learn as compute (decision 0055)."""
+        if self._step_waits_for_reads:
+            self._step_waits_for_reads = False
+            work = []
         self.gating.step_scheduled(work)
 
     def step_finished(self) -> None:
