@@ -333,3 +333,33 @@ def test_without_in_flight_hits_the_first_lookup_still_defers(tmp_path):
         assert manager.metrics.totals["lookups_deferred"] == 1
     finally:
         manager.shutdown()
+
+
+@needs_fuse
+def test_a_step_whose_load_waits_for_reads_teaches_the_gate_no_prefill_cost(stall_fs):
+    """The step's time includes the worker's wait for the disk: not compute."""
+    from pykvcache.gate import ProfileExpectation, build_gate
+    from pykvcache.vllm.gate_plan import GateWiring
+
+    rig = Rig(stall_fs.mount_point, io_deadline=10.0)
+    try:
+        rig.store_chunk()
+        gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32",
+                                                       kv_bytes_per_token=LAYOUT.payload_bytes // 64,
+                                                       chunk_tokens=64), enabled=False)
+        rig.manager.gating = GateWiring(gate, chunk_tokens=64, chunk_bytes=LAYOUT.payload_bytes)
+        rig.manager.gating.enable_step_timing()
+        seen = []
+        rig.manager.gating.steps._observe = lambda work, seconds: seen.append(work) or True
+        stall_fs.stall()
+        ctx, spec = _first_lookup_is_a_hit_in_flight(rig)
+        rig.manager.step_scheduled([(0, 1024)])  # this step's load waits for the read
+        stall_fs.resume()
+        rig.manager.flush(timeout=10)
+        rig.manager.step_scheduled([(0, 1024)])  # a plain prefill step
+        rig.manager.step_finished()
+        assert seen == [[(0, 1024)]], seen
+        rig.manager.complete_load([KEY], ctx)
+    finally:
+        stall_fs.resume()
+        rig.close()
