@@ -2,9 +2,12 @@
 
 Workers only copy between KV pages and staging slots; every disk read and
 write happens here, through the Rust engine, into and out of the shared
-staging region. A read is verified before its chunk is answered HIT, so a
-worker-side load cannot fail (vLLM asserts that transfers succeed): a missing,
-corrupt or unreadable chunk turns into a MISS at lookup time.
+staging region. Every read is verified before a worker copies from its slot:
+either before the lookup answers HIT (the stock connector: vLLM asserts that
+transfers succeed, so a missing, corrupt or unreadable chunk turns into a MISS
+at lookup time), or, with in-flight hits, by the engine while the worker's
+copy waits on the slot's ready word (a failed read is then a failed load that
+vLLM recomputes; decision 0055).
 
 Lookup protocol per chunk key:
 
