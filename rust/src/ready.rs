@@ -35,6 +35,12 @@ const FAILED: u32 = 3;
 /// Spins before the first futex wait: a read that ends within microseconds
 /// (a staging-speed device) costs no system call.
 const SPINS: u32 = 200;
+/// Then yields the CPU, still polling, for this long before sleeping on the
+/// futex: a waiter that sleeps gives up its CPU, and on a busy host it gets
+/// it back only when the scheduler gets round to it, while reads of a few
+/// MiB end within a millisecond or two. Yielding lets the threads finishing
+/// the read (ring thread, checksum workers) run.
+const YIELD_FOR: Duration = Duration::from_millis(2);
 
 /// What a waiter learnt about one slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,6 +135,7 @@ impl StagingPool {
     pub fn wait_ready(&self, slot: usize, generation: u32, deadline: Instant) -> Readiness {
         let w = self.ready_word(slot);
         let mut spins = 0;
+        let mut yield_until: Option<Instant> = None;
         loop {
             let now = w.load(Ordering::Acquire);
             if generation == 0 || generation_of(now) != generation {
@@ -142,6 +149,11 @@ impl StagingPool {
             if spins < SPINS {
                 spins += 1;
                 std::hint::spin_loop();
+                continue;
+            }
+            let until = *yield_until.get_or_insert_with(|| Instant::now() + YIELD_FOR);
+            if Instant::now() < until.min(deadline) {
+                std::thread::yield_now();
                 continue;
             }
             let left = deadline.saturating_duration_since(Instant::now());
