@@ -96,9 +96,11 @@ def test_a_stalled_directory_gives_misses_within_the_deadline_quarantines_and_re
         pool.release(slot)
         s = store.stats()
         assert s["breaker_opens"] == 1 and s["dir_states"] == ["open"], s
-        # Open breaker: a miss / a skipped put at once, the directory is not touched.
+        # Open breaker: a miss / a skipped put at once, the directory is not touched ("at once":
+        # before the deadline a stalled open would wait for; a bound, not a tight time, so a
+        # loaded machine's scheduling delay cannot fail it).
         r, took, slot = get(store, pool, keys[2])
-        assert (r.status, r.errno, r.miss_kind) == ("miss", errno.EAGAIN, "unavailable") and took < 0.2, (r, took)
+        assert (r.status, r.errno, r.miss_kind) == ("miss", errno.EAGAIN, "unavailable") and took < DEADLINE * 0.9, (r, took)
         pool.release(slot)
         assert put(store, pool, b"new-1").errno == errno.EAGAIN
         assert not store.probe(b"never-written"), "probe() says no at once while the breaker is open"
@@ -204,7 +206,11 @@ def test_filesystem_quirks_are_probed_not_assumed(tmp_path):
         assert got["unaligned_o_direct_accepted"] is False, got
 
 
-DEADLINE_SLOW = 0.2
+# Far above one 4 KiB segment (~0.3 ms here) and far below the whole transfer (~4-5 s).
+# It was 0.2 s: with a load average of ~7 on 2 cores (other suites beside this one) the one
+# I/O thread once waited longer than that for a core between two segments, which the engine
+# rightly calls a stall; 1 s keeps the margin on both sides.
+DEADLINE_SLOW = 1.0
 
 
 def test_a_slow_but_moving_transfer_is_not_abandoned(tmp_path):
