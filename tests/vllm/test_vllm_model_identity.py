@@ -299,16 +299,18 @@ def test_quantization_is_part_of_the_identity(engine_configs):
     assert identity_digest(config_identity(quantized)) != identity_digest(config_identity(config))
 
 
-def test_the_cost_script_samples_every_tensor_of_a_llama_shaped_checkpoint(tmp_path):
+def test_the_cost_script_measures_a_first_and_a_cached_start(tmp_path):
     import importlib.util as iu
 
     script = Path(__file__).resolve().parents[2] / "scripts" / "weights_identity_cost.py"
     spec = iu.spec_from_file_location("weights_identity_cost", script)
     mod = iu.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    count, size = mod.build_sparse_checkpoint(tmp_path, layers=2, shards=2)
-    assert count == 2 * 9 + 3 and size > 4e9  # embeddings and lm_head alone are 4.2 GB
-    identity = weights_identity(tmp_path)
-    assert identity.tensors == count
-    # per shard: header length + header; 3 samples a tensor; config.json
-    assert identity.reads == 2 * 2 + 3 * count + 1
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    size = mod.build_checkpoint(ckpt, 3 << 20, shards=2)
+    results = mod.measure(ckpt, tmp_path / "digests.json")
+    assert results["cold"].bytes_hashed == results["warm"].bytes_hashed == size + 2
+    assert results["cached"].bytes_hashed == 0 and results["cached"].files_cached == 3
+    assert len({r.digest for r in results.values()}) == 1
+    assert "16 GB in" in mod.describe("warm", results["warm"])
