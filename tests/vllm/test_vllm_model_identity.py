@@ -49,14 +49,26 @@ def _safetensors(path: Path, tensors: dict[str, bytes]) -> None:
         f.write(struct.pack("<Q", len(blob)) + blob + b"".join(tensors.values()))
 
 
-@pytest.fixture
-def checkpoint(tmp_path):
-    d = tmp_path / "ckpt"
+def _build_checkpoint(d: Path) -> Path:
     d.mkdir()
     tensors = {f"layer{i}.weight": bytes([i]) * (TENSOR_BYTES + i) for i in range(4)}
     _safetensors(d / "model.safetensors", tensors)
     (d / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 8}))
     (d / "tokenizer.json").write_text("{}")
+    return d
+
+
+@pytest.fixture
+def checkpoint(tmp_path):
+    return _build_checkpoint(tmp_path / "ckpt")
+
+
+@pytest.fixture(scope="module")
+def aged_checkpoint(tmp_path_factory):
+    """A checkpoint older than the racy window, for tests that do not change it
+    (one wait for all of them)."""
+    d = _build_checkpoint(tmp_path_factory.mktemp("aged") / "ckpt")
+    _age(d / "model.safetensors", d / "config.json")
     return d
 
 
@@ -189,28 +201,51 @@ def test_identical_copies_on_one_node_share_the_identity_and_each_is_cached(chec
     assert weights_identity(checkpoint).files_cached == weights_identity(other).files_cached == 2
 
 
-def test_an_unusable_cache_location_recomputes_and_warns_once(checkpoint, private_cache_home, caplog):
+def _assert_cacheable(checkpoint: Path, cache_path: Path) -> None:
+    """With a usable cache these files would have been cached (so a test that
+    sees none cached saw the cache location refused, not a racy file)."""
+    from pykvcache.vllm.digest_cache import DigestCache
+
+    weights_identity(checkpoint, cache=DigestCache(cache_path))
+    assert weights_identity(checkpoint, cache=DigestCache(cache_path)).files_cached == 2
+
+
+def test_an_unusable_cache_location_recomputes_and_warns_once(aged_checkpoint, private_cache_home, caplog):
     private_cache_home.parent.mkdir(parents=True, exist_ok=True)
     private_cache_home.write_text("a file where the cache directory should be")
-    _age(checkpoint / "model.safetensors", checkpoint / "config.json")
     caplog.set_level(logging.WARNING)
-    first = weights_identity(checkpoint)
-    second = weights_identity(checkpoint)
+    first = weights_identity(aged_checkpoint)
+    second = weights_identity(aged_checkpoint)
     assert first.digest == second.digest != ""
     assert second.files_cached == 0
     warnings = [r for r in caplog.records if "digest cache" in r.getMessage()]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    _assert_cacheable(aged_checkpoint, private_cache_home.parent / "usable.json")
 
 
-def test_a_cache_file_others_can_write_is_not_trusted(checkpoint, private_cache_home, caplog):
-    _age(checkpoint / "model.safetensors", checkpoint / "config.json")
-    weights_identity(checkpoint)
+def test_without_a_home_or_cache_directory_nothing_is_cached_in_the_working_directory(
+        aged_checkpoint, tmp_path, monkeypatch, caplog):
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/cache")  # ignored, as the XDG spec says
+    monkeypatch.setenv("HOME", "relative-home")  # as ~ stays when no home is known
+    caplog.set_level(logging.WARNING)
+    first = weights_identity(aged_checkpoint)
+    assert weights_identity(aged_checkpoint).files_cached == 0
+    assert first.digest != "" and list(cwd.iterdir()) == []
+    assert "digest cache" in caplog.text
+    _assert_cacheable(aged_checkpoint, tmp_path / "usable.json")
+
+
+def test_a_cache_file_others_can_write_is_not_trusted(aged_checkpoint, private_cache_home, caplog):
+    weights_identity(aged_checkpoint)
     cache_files = list(private_cache_home.rglob("*.json"))
     assert len(cache_files) == 1
     assert stat.S_IMODE(cache_files[0].stat().st_mode) & 0o077 == 0
     os.chmod(cache_files[0], 0o666)
     caplog.set_level(logging.WARNING)
-    again = weights_identity(checkpoint)
+    again = weights_identity(aged_checkpoint)
     assert again.files_cached == 0
     assert "digest cache" in caplog.text
 

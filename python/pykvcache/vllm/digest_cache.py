@@ -73,8 +73,17 @@ class DigestCache:
         self._new: dict[str, dict[str, Any]] = {}
 
     @classmethod
-    def default(cls) -> DigestCache:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    def default(cls) -> DigestCache | None:
+        """``$XDG_CACHE_HOME/pykvcache/weights-digests.json`` (``~/.cache`` by
+        default); None when neither is an absolute path (a container without
+        a home directory): a cache relative to the working directory would
+        land wherever the server happens to start."""
+        xdg = os.environ.get("XDG_CACHE_HOME", "")
+        base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
+        if not os.path.isabs(base):
+            _warn_once("has no location", Path(base), "neither XDG_CACHE_HOME nor the home "
+                       "directory is an absolute path")
+            return None
         return cls(Path(base) / "pykvcache" / "weights-digests.json")
 
     def _read(self) -> dict[str, dict[str, Any]]:
