@@ -40,7 +40,7 @@ pub fn xxh3_128_range(fd: RawFd, offset: u64, length: u64) -> io::Result<u128> {
         if n == 0 {
             return Err(io::Error::new(
                 io::ErrorKind::UnexpectedEof,
-                format!("file ended {} bytes into a {length}-byte range at {offset}", done),
+                format!("file ended {done} bytes into a {length}-byte range at {offset}"),
             ));
         }
         hasher.update(&buf[..n as usize]);
