@@ -10,7 +10,7 @@ Weights are identified by content, all of it: every KV-relevant file's name,
 size and a digest of every byte (:mod:`pykvcache.vllm.weights_digest`), so any
 changed byte, however few and wherever, is a new namespace. Samples are not
 enough: editing rows of an embedding in place kept a sampled identity (issue
-24). The cost is reading the weights once (~6.7 GB/s a core from the page
+24). The cost is reading the weights once (3–11 GB/s a core from the page
 cache, where vLLM's own load has just put them; the disk's speed otherwise),
 and only on the first start: a node's digest cache
 (:mod:`pykvcache.vllm.digest_cache`), keyed on each file's path, size, mtime,
