@@ -42,6 +42,12 @@ ENGINE_DEFAULTS: dict[str, int | float | str]
 def key_hash(key: bytes) -> int:
     """The 128-bit hash a chunk's file is named by (``BlockStore.take_removed``)."""
 
+def digest_range(fd: int, offset: int, length: int) -> int:
+    """xxh3-128 of the ``length`` bytes of the open file ``fd`` from ``offset``
+    (``pread``, without the GIL: threads may digest pieces of one file at once).
+    ``OSError`` when the file ends before the range does. The vLLM
+    integration's weights identity (``pykvcache.vllm.weights_digest``)."""
+
 def chunk_file_bytes(payload_bytes: int) -> int:
     """Bytes of the chunk file that holds ``payload_bytes`` (``HEADER_BYTES``
     plus the payload rounded up to ``IO_ALIGN``): its cost on disk and the

@@ -760,14 +760,21 @@ fn probe_storage_dir<'py>(py: Python<'py>, path: PathBuf, file_mode: u32) -> PyR
     support_dict(py, &s)
 }
 
-/// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
-/// holds `payload_bytes`: what a chunk costs on disk and in a staging slot.
 /// The 128-bit hash a chunk's file is named by (``take_removed`` reports these).
 #[pyfunction]
 fn key_hash(key: &[u8]) -> u128 {
     crate::disk::format::key_hash(key)
 }
 
+/// xxh3-128 of the `length` bytes of the open file `fd` from `offset`, read
+/// without the GIL (threads digest pieces of one file in parallel).
+#[pyfunction]
+fn digest_range(py: Python<'_>, fd: i32, offset: u64, length: u64) -> PyResult<u128> {
+    py.detach(|| crate::digest::xxh3_128_range(fd, offset, length)).map_err(PyErr::from)
+}
+
+/// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
+/// holds `payload_bytes`: what a chunk costs on disk and in a staging slot.
 #[pyfunction]
 fn chunk_file_bytes(#[pyo3(from_py_with = payload_bytes_arg)] payload_bytes: usize) -> PyResult<usize> {
     if payload_bytes > usize::MAX - 2 * IO_ALIGN - HEADER_BYTES {
@@ -816,6 +823,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_DEFAULTS", engine_defaults(py)?)?;
     m.add_function(wrap_pyfunction!(key_hash, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(digest_range, m)?)?;
     m.add_function(wrap_pyfunction!(check_storage_dir, m)?)?;
     m.add_function(wrap_pyfunction!(probe_storage_dir, m)?)?;
     m.add("FORMAT_VERSION", FORMAT_VERSION)?;
