@@ -84,7 +84,7 @@ GATE_COUNTERS = {
     "gate_est_saved_ms": "Estimated prefill milliseconds saved by the gate's load decisions.",
     "gate_est_lost_ms": "Estimated milliseconds lost by loads slower than recompute (gate disabled, or exploring).",
     "gate_decisions_explore": "Requests whose prefix the gate loaded to sample the disk although it estimated recompute faster.",
-    "gate_loads_forgotten": "Loads the gate had learnt from and forgot because a storage directory's circuit breaker opened soon after.",
+    "gate_loads_forgotten": "Loads the gate had learnt from and forgot: a storage directory's circuit breaker opened soon after, or two explored loads in a row showed the device had changed.",
     "gate_loads_ignored": "Finished loads not learnt from: they overlapped a circuit-breaker outage or were the first after one.",
 }
 GATE_GAUGES = {
@@ -315,7 +315,14 @@ class AdmissionGate:
             if now is None:
                 now = self.exploration.now()
             predicted = self.online.predict_s(disk_bytes, queued_bytes)
-            self.exploration.sampled(predicted, seconds, now)
+            if self.exploration.sampled(predicted, seconds, now):
+                # Two explored loads in a row beat the model: the device
+                # changed; what was learnt before them is stale.
+                self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes, now=now)
+                forgotten = self.online.forget_before(self.exploration.streak_since)
+                if forgotten:
+                    self._inc("gate_loads_forgotten", forgotten)
+                return
         self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes, now=now)
 
     def ignore_load(self) -> None:

@@ -14,9 +14,11 @@ bounded twice:
   ``min_interval_s`` and doubles (up to ``max_interval_s``) each time a sample
   confirms what the model predicted. A sample well faster than predicted (by
   ``surprise``) says the model is stale: the next eligible request explores
-  again at once, so a disk that got fast is relearnt at the pace requests
-  arrive (each such sample moves the window; the streak ends as soon as the
-  model predicts the samples, i.e. within a window of loads at most);
+  again at once. Two surprising samples in a row (:attr:`streak_since`) say
+  the device changed: the gate then forgets what it learnt before the first
+  of them (two loads that agree move the model, as after calibration; one
+  lucky page-cache hit does not), so a disk that got fast is loaded from
+  again after two explored requests, not after a window of them;
 * **how much**: the explored prefix is the longest whose estimated load is at
   most ``max_load_ratio`` times its estimated recompute (at least the first
   chunk that must come from disk: one read is the smallest sample). Where the
@@ -50,6 +52,8 @@ class Exploration:
         self._next_at = float("-inf")
         self.explored = 0
         self.surprises = 0
+        self.streak = 0  # surprising samples in a row
+        self.streak_since = 0.0  # when the first of them finished
 
     @staticmethod
     def now() -> float:
@@ -64,21 +68,29 @@ class Exploration:
         self.explored += 1
         self._next_at = now + self.interval_s
 
-    def sampled(self, predicted_s: float, observed_s: float, now: float) -> None:
-        """An explored load finished in ``observed_s`` where the model (before
-        learning from it) predicted ``predicted_s``."""
+    def sampled(self, predicted_s: float, observed_s: float, now: float) -> bool:
+        """An explored load finished at ``now`` in ``observed_s`` where the
+        model (before learning from it) predicted ``predicted_s``; returns
+        whether this sample and the one before both were surprising (the
+        device changed at :attr:`streak_since`)."""
         if observed_s * self.surprise <= predicted_s:
             # Stale model: sample again with the next eligible request.
             self.surprises += 1
+            if self.streak == 0:
+                self.streak_since = now
+            self.streak += 1
             self.interval_s = self.min_interval_s
             self._next_at = now
-        else:
-            self.interval_s = min(self.max_interval_s, self.interval_s * 2)
-            self._next_at = max(self._next_at, now + self.interval_s)
+            return self.streak >= 2
+        self.streak = 0
+        self.interval_s = min(self.max_interval_s, self.interval_s * 2)
+        self._next_at = max(self._next_at, now + self.interval_s)
+        return False
 
     def reset(self, now: float) -> None:
         """The storage came back from an outage: explore with the next eligible request."""
         self.interval_s = self.min_interval_s
+        self.streak = 0
         self._next_at = now
 
     def state(self) -> dict[str, float]:

@@ -98,7 +98,14 @@ class OnlineLoadModel:
         """Drops the loads observed at or after ``since`` (monotonic seconds) and
         fits the device from the others (the calibrated value once none is
         left); returns how many were dropped."""
-        kept = [p for p in self._points if p[2] < since]
+        return self._keep(lambda t: t < since)
+
+    def forget_before(self, since: float) -> int:
+        """Drops the loads observed before ``since``: the device changed then."""
+        return self._keep(lambda t: t >= since)
+
+    def _keep(self, keep) -> int:
+        kept = [p for p in self._points if keep(p[2])]
         dropped = len(self._points) - len(kept)
         if dropped:
             self._points.clear()
