@@ -112,6 +112,9 @@ class OnlineLoadModel:
             self._points.extend(kept)
             self.forgotten += dropped
             if kept:
+                # A fixed cost fitted with the dropped loads goes with them
+                # (with one size left it is not refitted, only used).
+                self._fixed = self.base.fixed_s
                 self._refit()
             else:
                 self._fixed, self._bw, self._current = self.base.fixed_s, self.base.disk_bytes_per_s, self.base
