@@ -7,10 +7,13 @@ got fast again. Measured on the two-node GlusterFS fixture (issue 24): the
 first loads after a reconnect taught the gate 20.7 MB/s, and it recomputed
 every lookup for the next 92 s and more (84 decisions, 0 disk reads).
 
-:class:`Exploration` decides when such a gate loads anyway. Its cost is
-bounded twice:
+:class:`Exploration` decides when such a gate loads anyway. The gate asks
+only for a request whose decision reads nothing from disk although a chunk is
+there, and whose prefix the calibrated (or default) device would have loaded:
+the learnt device is why it recomputes (``AdmissionGate.decide``). Its cost
+is bounded twice:
 
-* **how often**: at most one explored request per interval, which starts at
+* **how often**: one explored request per interval, which starts at
   ``min_interval_s`` and doubles (up to ``max_interval_s``) each time a sample
   confirms what the model predicted. A sample well faster than predicted (by
   ``surprise``) says the model is stale: the next eligible request explores
