@@ -4,6 +4,7 @@
 //! prefetch and their verification), `write` (put: seal, publish),
 //! `capacity` (reservation, eviction, ENOSPC, the free-space reserve),
 //! `completion` (segment hand-off, chunk workers, the single exit `finish`),
+//! `refresh` (walks for what other writers did, the writer lease),
 //! `config` (options, defaults, choices).
 //!
 //! # Threads
@@ -73,6 +74,7 @@ use crate::disk::format::{self, Fingerprint, HEADER_BYTES, IO_ALIGN, MAX_KEY_BYT
 use crate::disk::index::ChunkIndex;
 use crate::disk::layout::Layout;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
+use crate::disk::writers::WriterLease;
 use crate::error::{EngineError, Result};
 use crate::ops::{OpId, OpTable, Outcome, Status};
 use crate::staging::StagingPool;
@@ -84,9 +86,10 @@ mod jobs;
 mod completion;
 pub mod config;
 mod read;
+mod refresh;
 mod write;
 
-pub use config::{BackendChoice, FreeSpaceReserve, StoreConfig, VerifyPolicy, MAX_INFLIGHT, MAX_THREADS};
+pub use config::{BackendChoice, FreeSpaceReserve, RefreshPolicy, StoreConfig, VerifyPolicy, MAX_INFLIGHT, MAX_THREADS};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpKind {
@@ -128,8 +131,16 @@ struct Core {
     /// What eviction keeps the index within: the configured capacity, lowered
     /// when the filesystem fills up first (ENOSPC). Never raised again.
     capacity: AtomicU64,
-    /// Set when `capacity` was first lowered; taken once by whoever logs it.
-    capacity_notice: Mutex<Option<String>>,
+    /// Messages about space for the caller to log (the engine has no
+    /// logger): the capacity lowered by ENOSPC, the first eviction of another
+    /// namespace's chunk, the first refused put, another writer found.
+    notices: Mutex<Vec<String>>,
+    other_ns_noticed: AtomicBool,
+    /// This store's writer lease in each root (`disk::writers`); dropped at close.
+    lease: Mutex<Option<WriterLease>>,
+    /// Other writers' live leases, as last checked by the refresh thread.
+    other_writers: AtomicU64,
+    refresh_policy: RefreshPolicy,
     /// Bytes kept free on each root's filesystem (`FreeSpaceReserve`); 0 = none.
     min_free: Vec<u64>,
     /// Bytes of puts between eviction and publication: they count against the
@@ -174,6 +185,8 @@ pub struct OpenReport {
     /// Configuration that works but is probably not what was meant (the
     /// capacity exceeds the filesystems): for the caller to log.
     pub warnings: Vec<String>,
+    /// What the caller may log at info level (other namespaces found).
+    pub notes: Vec<String>,
     pub scanned_chunks: usize,
     pub scan_time: Duration,
 }
@@ -251,7 +264,9 @@ impl BlockStore {
             direct_active.push(direct);
         }
 
-        let (min_free, warnings) = capacity::free_space_plan(&layout, &config)?;
+        let (min_free, mut warnings) = capacity::free_space_plan(&layout, &config)?;
+        let (lease, lease_notes) = WriterLease::take(layout.roots(), config.permissions.dir_mode, config.permissions.file_mode);
+        warnings.extend(lease_notes);
 
         let (index, scan_progress) = if config.background_scan {
             let mut index = ChunkIndex::default();
@@ -279,7 +294,11 @@ impl BlockStore {
             namespace,
             configured_capacity: config.capacity_bytes,
             capacity: AtomicU64::new(config.capacity_bytes),
-            capacity_notice: Mutex::new(None),
+            notices: Mutex::new(Vec::new()),
+            other_ns_noticed: AtomicBool::new(false),
+            lease: Mutex::new(Some(lease)),
+            other_writers: AtomicU64::new(0),
+            refresh_policy: config.refresh,
             min_free,
             reserved: AtomicU64::new(0),
             recycle_files: config.recycle_files,
@@ -332,12 +351,21 @@ impl BlockStore {
             }
         }
         let done = core.scan.report();
-        let report = OpenReport { fallbacks: core.stats.fallbacks(), warnings, scanned_chunks: done.chunks, scan_time: done.time };
-        let mut refresher = None;
-        if let Some(every) = config.refresh_interval {
-            let c = core.clone();
-            match std::thread::Builder::new().name("pykvcache-refresh".into()).spawn(move || c.refresh_loop(every)) {
-                Ok(h) => refresher = Some(h),
+        let mut notes = Vec::new();
+        if core.scan.report().done && !core.index.lock().unwrap().other_namespaces().is_empty() {
+            notes.push(format!(
+                "other namespaces' chunks under the storage directories count against capacity_bytes and are evicted \
+                 when stalest (decision 0053): {}",
+                core.space_holders()
+            ));
+        }
+        let report = OpenReport { fallbacks: core.stats.fallbacks(), warnings, notes, scanned_chunks: done.chunks, scan_time: done.time };
+        // Always started: it renews this store's writer lease, which other
+        // stores look for, whatever this one's policy.
+        let refresher = {
+            let (c, policy) = (core.clone(), config.refresh);
+            match std::thread::Builder::new().name("pykvcache-refresh".into()).spawn(move || c.refresh_loop(policy)) {
+                Ok(h) => Some(h),
                 Err(e) => {
                     core.scan.stop.store(true, Ordering::Relaxed);
                     core.jobs.stop();
@@ -348,7 +376,7 @@ impl BlockStore {
                     return Err(EngineError::io("starting the refresh thread", e));
                 }
             }
-        }
+        };
         let store = BlockStore {
             core,
             backend,
@@ -559,12 +587,33 @@ impl BlockStore {
         self.core.index.lock().unwrap().used_bytes()
     }
 
-    /// `used_bytes` plus the bytes puts in flight reserved: what eviction
-    /// weighs against the capacity. Exact: a put's bytes move from reserved
-    /// to used under the index lock.
+    /// Bytes of every namespace's chunks under the roots plus the bytes
+    /// puts in flight reserved: what eviction weighs against the capacity.
+    /// Exact: a put's bytes move from reserved to used under the index lock.
     pub fn committed_bytes(&self) -> u64 {
         let index = self.core.index.lock().unwrap();
-        index.used_bytes() + self.core.reserved.load(Ordering::Relaxed)
+        index.total_bytes() + self.core.reserved.load(Ordering::Relaxed)
+    }
+
+    /// Chunks and bytes of the other namespaces under the roots, which count
+    /// against the capacity (decision 0053).
+    pub fn other_namespace_usage(&self) -> (u64, u64) {
+        let others = self.core.index.lock().unwrap().other_namespaces();
+        (others.iter().map(|(_, c, _)| c).sum(), others.iter().map(|(_, _, b)| b).sum())
+    }
+
+    /// What holds the indexed space: this namespace and the largest others.
+    pub fn space_holders(&self) -> String {
+        self.core.space_holders()
+    }
+
+    /// Other writers' live leases in the roots, as last checked.
+    pub fn other_writers(&self) -> u64 {
+        self.core.other_writers.load(Ordering::Relaxed)
+    }
+
+    pub fn refresh_policy(&self) -> RefreshPolicy {
+        self.core.refresh_policy
     }
 
     /// The capacity eviction enforces now: `capacity_bytes` as configured,
@@ -582,10 +631,12 @@ impl BlockStore {
         self.core.min_free.clone()
     }
 
-    /// A message the first time ENOSPC lowered the capacity, once: for the
-    /// caller to log (the engine has no logger).
-    pub fn take_capacity_notice(&self) -> Option<String> {
-        self.core.capacity_notice.lock().unwrap().take()
+    /// Messages about space since the last call (ENOSPC lowered the
+    /// capacity, another namespace's chunks evicted, a put refused for the
+    /// reserve, another writer found), each once: for the caller to log (the
+    /// engine has no logger).
+    pub fn take_notices(&self) -> Vec<String> {
+        std::mem::take(&mut *self.core.notices.lock().unwrap())
     }
 
     pub fn backend_name(&self) -> &'static str {
@@ -666,6 +717,8 @@ impl BlockStore {
                 let _ = h.join();
             }
         }
+        // Others stop counting this store as a writer.
+        self.core.lease.lock().unwrap().take();
         let grace = crate::wait::deadline_after(Some(CLOSE_GRACE.min(self.core.health.deadline)));
         let all_ended = self.core.ops.drain(grace);
         self.core.watchdog_stop.store(true, Ordering::Release);
@@ -805,57 +858,6 @@ impl Core {
 impl Drop for BlockStore {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-impl Core {
-    fn refresh(&self) -> Result<(usize, usize)> {
-        // A background scan still running owns the index's scan mode.
-        self.scan.wait(None);
-        let since = {
-            let mut index = self.index.lock().unwrap();
-            index.begin_scan();
-            index.last_tick()
-        };
-        let found = match scan::collect(&self.layout, &self.scan.stop) {
-            Ok(found) => found,
-            Err(e) => {
-                self.index.lock().unwrap().merge_scanned(&[]);
-                Stats::add(&self.stats.refresh_errors, 1);
-                return Err(e);
-            }
-        };
-        if self.scan.stop.load(Ordering::Relaxed) {
-            // Closing: the walk ended early and saw only part of the tree.
-            self.index.lock().unwrap().merge_scanned(&[]);
-            return Ok((0, 0));
-        }
-        let (added, dropped) = self.index.lock().unwrap().refresh(&found, since);
-        Stats::add(&self.stats.refreshes, 1);
-        Stats::add(&self.stats.refresh_added, added as u64);
-        Stats::add(&self.stats.refresh_dropped, dropped as u64);
-        // What the others wrote counts here now: back within the capacity.
-        self.make_room(0, 0, None, None);
-        Ok((added, dropped))
-    }
-
-    /// The refresh thread: one `refresh` every `every` until the store closes.
-    fn refresh_loop(&self, every: Duration) {
-        let tick = Duration::from_millis(20).min(every);
-        let mut next = Instant::now() + every;
-        while !self.scan.stop.load(Ordering::Relaxed) {
-            if Instant::now() < next {
-                std::thread::sleep(tick);
-                continue;
-            }
-            if let Err(e) = self.refresh() {
-                // The engine has no logger; once is enough (counted in refresh_errors).
-                if self.stats.refresh_errors.load(Ordering::Relaxed) == 1 {
-                    eprintln!("pykvcache: refreshing the index failed: {e}");
-                }
-            }
-            next = Instant::now() + every;
-        }
     }
 }
 
