@@ -138,6 +138,15 @@ fn refresh_arg(ob: &Bound<'_, PyAny>) -> PyResult<store::RefreshPolicy> {
     Err(PyValueError::new_err(format!("refresh_interval_s must be \"auto\", a positive number of seconds, or None/0 (never), not {ob}")))
 }
 
+/// A refresh policy as Python names it: "auto", "off", "every <s> s".
+fn refresh_name(p: store::RefreshPolicy) -> String {
+    match p {
+        store::RefreshPolicy::Off => "off".to_string(),
+        store::RefreshPolicy::Auto => "auto".to_string(),
+        store::RefreshPolicy::Every(d) => format!("every {:.3} s", d.as_secs_f64()),
+    }
+}
+
 // ---- staging
 
 #[pyclass(name = "StagingPool", module = "pykvcache._core", frozen)]
@@ -413,7 +422,7 @@ impl PyBlockStore {
                         submit_timeout=Some(defaults::SUBMIT_TIMEOUT_S), io_threads=defaults::IO_THREADS,
                         chunk_workers=defaults::CHUNK_WORKERS, verify=defaults::VERIFY, recycle_files=true, background_scan=false,
                         preallocate=true, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
-                        min_free_bytes=None, min_free_fraction=None, io_deadline=None, refresh_interval_s=store::RefreshPolicy::Auto,
+                        min_free_bytes=None, min_free_fraction=None, io_deadline=None, refresh_interval_s=defaults::REFRESH_INTERVAL_S,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -696,14 +705,7 @@ impl PyBlockStore {
         d.set_item("other_namespace_chunks", other_chunks)?;
         d.set_item("other_namespace_bytes", other_bytes)?;
         d.set_item("other_writers", self.inner.other_writers())?;
-        d.set_item(
-            "refresh_mode",
-            match self.inner.refresh_policy() {
-                store::RefreshPolicy::Off => "off".to_string(),
-                store::RefreshPolicy::Auto => "auto".to_string(),
-                store::RefreshPolicy::Every(d) => format!("every {:.3} s", d.as_secs_f64()),
-            },
-        )?;
+        d.set_item("refresh_mode", refresh_name(self.inner.refresh_policy()))?;
         d.set_item("capacity_bytes", self.inner.capacity_bytes())?;
         d.set_item("configured_capacity_bytes", self.inner.configured_capacity_bytes())?;
         d.set_item("min_free_bytes", self.inner.min_free_bytes())?;
@@ -749,6 +751,7 @@ fn engine_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("file_mode", defaults::FILE_MODE)?;
     // None: derived from the slot size (`store::health::default_deadline`).
     d.set_item("io_deadline", py.None())?;
+    d.set_item("refresh_interval_s", refresh_name(defaults::REFRESH_INTERVAL_S))?;
     Ok(d)
 }
 

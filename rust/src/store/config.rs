@@ -25,6 +25,8 @@ pub mod defaults {
     pub const BACKEND: &str = "auto";
     pub const DIRECT_IO: &str = "optional";
     pub const VERIFY: &str = "full";
+    /// Walk while another writer's lease is live (exported as "auto").
+    pub const REFRESH_INTERVAL_S: super::RefreshPolicy = super::RefreshPolicy::Auto;
     pub use crate::disk::layout::{DEFAULT_DIR_MODE as DIR_MODE, DEFAULT_FILE_MODE as FILE_MODE};
 }
 

@@ -136,8 +136,10 @@ struct Core {
     /// namespace's chunk, the first refused put, another writer found.
     notices: Mutex<Vec<String>>,
     other_ns_noticed: AtomicBool,
-    /// This store's writer lease in each root (`disk::writers`); dropped at close.
-    lease: Mutex<Option<WriterLease>>,
+    /// This store's writer lease in each root (`disk::writers`); taken at
+    /// close. Shared so that no lock is held across its file operations,
+    /// which can block on a stalled directory.
+    lease: Mutex<Option<Arc<WriterLease>>>,
     /// Other writers' live leases, as last checked by the refresh thread.
     other_writers: AtomicU64,
     refresh_policy: RefreshPolicy,
@@ -296,7 +298,7 @@ impl BlockStore {
             capacity: AtomicU64::new(config.capacity_bytes),
             notices: Mutex::new(Vec::new()),
             other_ns_noticed: AtomicBool::new(false),
-            lease: Mutex::new(Some(lease)),
+            lease: Mutex::new(Some(Arc::new(lease))),
             other_writers: AtomicU64::new(0),
             refresh_policy: config.refresh,
             min_free,
@@ -717,8 +719,12 @@ impl BlockStore {
                 let _ = h.join();
             }
         }
-        // Others stop counting this store as a writer.
-        self.core.lease.lock().unwrap().take();
+        // Others stop counting this store as a writer: the lease files are
+        // removed when the last holder lets go, off this thread (an unlink
+        // can block on a stalled directory; close must not).
+        if let Some(lease) = self.core.lease.lock().unwrap().take() {
+            let _ = std::thread::Builder::new().name("pykvcache-lease".into()).spawn(move || drop(lease));
+        }
         let grace = crate::wait::deadline_after(Some(CLOSE_GRACE.min(self.core.health.deadline)));
         let all_ended = self.core.ops.drain(grace);
         self.core.watchdog_stop.store(true, Ordering::Release);

@@ -47,7 +47,8 @@ impl Core {
 
     /// Other writers' live leases in this store's roots, as last checked.
     pub(super) fn check_writers(&self) -> usize {
-        let n = self.lease.lock().unwrap().as_ref().map_or(0, |l| l.others());
+        let lease = self.lease.lock().unwrap().clone();
+        let n = lease.map_or(0, |l| l.others());
         self.other_writers.store(n as u64, Ordering::Relaxed);
         n
     }
@@ -68,7 +69,8 @@ impl Core {
         while !self.scan.stop.load(Ordering::Relaxed) {
             let now = Instant::now();
             if now >= next_beat {
-                if let Some(l) = self.lease.lock().unwrap().as_ref() {
+                let lease = self.lease.lock().unwrap().clone();
+                if let Some(l) = lease {
                     l.beat();
                 }
                 next_beat = now + LEASE_BEAT;
