@@ -34,12 +34,13 @@ def _payload(i: int) -> bytes:
 
 
 class Harness:
-    def __init__(self, directory, num_slots=6, capacity_bytes=1 << 30):
+    def __init__(self, directory, num_slots=6, capacity_bytes=1 << 30, refresh_interval_s="auto"):
         self.pool = StagingPool(LAYOUT.payload_bytes, num_slots)
         self.dirs = [str(directory)]
 
         def open_store():
-            return BlockStore(self.dirs, self.pool, namespace="test-ns", capacity_bytes=capacity_bytes)
+            return BlockStore(self.dirs, self.pool, namespace="test-ns", capacity_bytes=capacity_bytes,
+                              refresh_interval_s=refresh_interval_s)
 
         self.manager = NvmeOffloadingManager(pool=self.pool, store=open_store(), layout=LAYOUT,
                                              reopen_store=open_store, enable_events=True)
@@ -235,8 +236,10 @@ def test_persistence_reset_and_declared_stats(tmp_path):
 
 def test_chunks_published_by_another_engine_become_hits(tmp_path):
     """Two engines share one directory: a chunk the other one stored after
-    this one opened is found (one lstat, rate-limited per key) and served."""
-    ours = Harness(tmp_path)
+    this one opened is found (one lstat, rate-limited per key) and served.
+    Walks off here: with the default, the walk that starts when the other
+    writer appears may index the chunk before the lookup probes it."""
+    ours = Harness(tmp_path, refresh_interval_s=None)
     theirs = Harness(tmp_path)
     assert ours.lookup_until_final(_key(7))[0] == LookupResult.MISS
     theirs.store([7])
