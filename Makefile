@@ -6,7 +6,7 @@ VENV033 := .venv-vllm033
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_OMP_THREADS_BIND := nobind
 
-.PHONY: venv venv-vllm033 lmcache-env develop wheel test test-rust test-python test-vllm033 demo bench bench-serve clean
+.PHONY: venv venv-vllm033 lmcache-env develop wheel test test-quick test-rust test-python test-vllm033 demo bench bench-serve clean
 
 venv:
 	bash tools/setup_venv.sh
@@ -33,7 +33,7 @@ test-rust:
 	cargo test --release --locked
 
 test-python: develop lmcache-env
-	$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra --durations=30
 
 # Against vLLM 0.33 (CUDA build, no GPU needed): pykvcache's wheel installed
 # into .venv-vllm033, every test that starts no engine process (spec, manager,
@@ -49,9 +49,18 @@ test-vllm033: wheel
 	  $(VENV033)/bin/python -m pytest -q -ra -m "not vllm" tests/vllm tests/gate; \
 	fi
 
-# Benchmarks are smoke-run once (tiny sizes, no timing) so they cannot rot.
-test: test-rust test-python test-vllm033
-	if [ -d benches ]; then $(PY) -m pytest -q benches --benchmark-disable; fi
+# The full suite CI runs, stage by stage (venv, build, lmcache, cargo, vllm033env, pytest,
+# vllm033, benches: the benchmarks smoke-run once, tiny sizes, no timing so they cannot rot),
+# each timed, with a per-stage summary at the end (tools/test_stages.sh).
+test:
+	bash tools/test_stages.sh
+
+# The inner loop (< 3 min here once built): the engine's cargo tests and every test that
+# starts no vLLM engine in tests/engine, tests/gate, tests/vllm and tests/docs.
+QUICK_DIRS := tests/engine tests/gate tests/vllm tests/docs
+test-quick: develop
+	cargo test --release --locked
+	$(PY) -m pytest -q -ra -m "not vllm" --durations=10 $(QUICK_DIRS)
 
 demo: develop
 	$(PY) -m pykvcache.cli demo

@@ -10,7 +10,10 @@ VENV=.venv
 TORCH_VERSION=2.13.0
 VLLM_VERSION=0.32.0
 
-[ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+# Once per machine (tools/env_cache.sh): keyed on this script, the dev pins and whether vLLM is in.
+. tools/env_cache.sh
+env_cache_link "$VENV" "$(cat "$0" tools/requirements-dev.txt | sha256sum | cut -c1-12)-vllm${PYKVCACHE_SKIP_VLLM:-0}"
+[ -x "$VENV/bin/python" ] || "$PY" -m venv "$ENV_CACHE_TARGET"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
 if ! "$VENV/bin/python" -c "import maturin, pytest, hypothesis, pytest_benchmark, numpy, rich, matplotlib, mfusepy" 2>/dev/null; then
@@ -37,4 +40,5 @@ PYEOF
   # CUDA builds of these from PyPI break imports beside a CPU torch; triton is unused on CPU.
   pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
-"$VENV/bin/python" -c "import sys; print('setup_venv: ok', sys.version.split()[0])"
+env_cache_done
+"$VENV/bin/python" -c "import sys; print('setup_venv: ok', sys.version.split()[0], '(' + sys.prefix + ')')"

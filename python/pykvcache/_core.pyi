@@ -42,6 +42,12 @@ ENGINE_DEFAULTS: dict[str, int | float | str]
 def key_hash(key: bytes) -> int:
     """The 128-bit hash a chunk's file is named by (``BlockStore.take_removed``)."""
 
+def digest_range(fd: int, offset: int, length: int) -> int:
+    """xxh3-128 of the ``length`` bytes of the open file ``fd`` from ``offset``
+    (``pread``, without the GIL: threads may digest pieces of one file at once).
+    ``OSError`` when the file ends before the range does. The vLLM
+    integration's weights identity (``pykvcache.vllm.weights_digest``)."""
+
 def chunk_file_bytes(payload_bytes: int) -> int:
     """Bytes of the chunk file that holds ``payload_bytes`` (``HEADER_BYTES``
     plus the payload rounded up to ``IO_ALIGN``): its cost on disk and the
@@ -264,6 +270,14 @@ class IoResult:
         """Submit-to-completion time."""
     @property
     def ok(self) -> bool: ...
+    @property
+    def miss_kind(self) -> Literal["absent", "kept", "unavailable", "corrupt"] | None:
+        """A get that served nothing: what became of its chunk file, as the engine judged it.
+        ``absent``: no file (the index forgot the key); ``kept``: a sound file this store does
+        not serve (another writer's), left in place and indexed; ``unavailable``: the file could
+        not be read (deadline, storage errno, open breaker, or status ``error``), untouched;
+        ``corrupt``: failed verification, removed by the engine. None for puts and hits.
+        Callers never delete a chunk file after a failed read (decision 0050)."""
     def raise_for_status(self) -> None:
         """Raise CorruptChunk / StoreError (or KeyError for a miss) unless ok."""
 
@@ -280,7 +294,8 @@ class IoHandle:
     def done(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> IoResult:
         """Block (GIL released) until complete; raises TimeoutError on timeout
-        (None, or above 1e9 s = forever)."""
+        (None, or above 1e9 s = forever). Several threads may wait at once:
+        each gets the same result."""
 
 @final
 class BlockStore:

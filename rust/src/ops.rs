@@ -38,6 +38,36 @@ impl Status {
     }
 }
 
+/// What became of the chunk file of a get that served nothing, as the store
+/// judged it where it found out. The one verdict on a file: nothing above the
+/// store deletes a chunk file after a failed read (decision 0050).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MissKind {
+    /// No chunk file under the key's name; the index forgot the key.
+    Absent,
+    /// A sound file this store does not serve and leaves in place, indexed:
+    /// another writer's (no payload checksum to verify, unknown header flags,
+    /// larger than a slot). Reading it again soon would end the same way.
+    Kept,
+    /// The file could not be read, so it was not judged: the directory did
+    /// not answer (deadline, storage errno, open breaker) or the read failed
+    /// (status `Error`). The file is untouched and stays indexed.
+    Unavailable,
+    /// It failed verification: the store removed it.
+    Corrupt,
+}
+
+impl MissKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            MissKind::Absent => "absent",
+            MissKind::Kept => "kept",
+            MissKind::Unavailable => "unavailable",
+            MissKind::Corrupt => "corrupt",
+        }
+    }
+}
+
 #[derive(Clone, Debug)]
 pub struct Outcome {
     pub status: Status,
@@ -45,11 +75,21 @@ pub struct Outcome {
     pub errno: Option<i32>,
     pub message: String,
     pub latency: Duration,
+    /// Gets that served nothing: the file's fate. None for puts and hits.
+    pub miss_kind: Option<MissKind>,
 }
 
 impl Outcome {
+    /// An outcome of status `status`; a `Corrupt` one is of kind `Corrupt`
+    /// (the store removes what it finds corrupt), any other of no kind.
     pub fn new(status: Status, length: u64, errno: Option<i32>, message: impl Into<String>) -> Self {
-        Outcome { status, length, errno, message: message.into(), latency: Duration::ZERO }
+        let miss_kind = (status == Status::Corrupt).then_some(MissKind::Corrupt);
+        Outcome { status, length, errno, message: message.into(), latency: Duration::ZERO, miss_kind }
+    }
+
+    /// A get that served nothing, of kind `kind` (status `miss`).
+    pub fn miss(kind: MissKind, errno: Option<i32>, message: impl Into<String>) -> Self {
+        Outcome { miss_kind: Some(kind), ..Outcome::new(Status::Miss, 0, errno, message) }
     }
 }
 

@@ -4,7 +4,7 @@
 
 use std::ffi::c_int;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyOverflowError, PyTimeoutError, PyValueError};
@@ -115,6 +115,7 @@ int_args! {
     chunk_workers_arg: usize = "chunk_workers";
     length_arg: usize = "length";
     payload_bytes_arg: usize = "payload_bytes";
+    slot_arg: usize = "slot";
 }
 
 /// `refresh_interval_s`: "auto" (walk while another writer's lease is live,
@@ -243,7 +244,7 @@ impl PyStagingPool {
     #[getter]
     fn deferred_releases(&self) -> usize { self.inner.deferred_releases() }
 
-    fn payload_offset(&self, slot: usize) -> PyResult<usize> {
+    fn payload_offset(&self, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<usize> {
         self.inner.payload_offset(slot).map_err(to_py)
     }
 
@@ -262,11 +263,11 @@ impl PyStagingPool {
         }
     }
 
-    fn release(&self, slot: usize) -> PyResult<()> {
+    fn release(&self, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<()> {
         self.inner.release(slot).map_err(to_py)
     }
 
-    fn view<'py>(&self, py: Python<'py>, slot: usize) -> PyResult<Bound<'py, PyMemoryView>> {
+    fn view<'py>(&self, py: Python<'py>, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<Bound<'py, PyMemoryView>> {
         let ptr = self.inner.payload_offset(slot).map_err(to_py)? + self.inner.base_address();
         let exporter = Bound::new(py, SlotBuffer { pool: self.inner.clone(), slot: Some(slot), ptr, len: self.inner.slot_bytes() })?;
         PyMemoryView::from(exporter.as_any())
@@ -280,7 +281,7 @@ impl PyStagingPool {
         PyMemoryView::from(exporter.as_any())
     }
 
-    fn exports(&self, slot: usize) -> u32 {
+    fn exports(&self, #[pyo3(from_py_with = slot_arg)] slot: usize) -> u32 {
         self.inner.exports(slot)
     }
 
@@ -320,6 +321,10 @@ impl PyIoResult {
     fn latency_s(&self) -> f64 { self.outcome.latency.as_secs_f64() }
     #[getter]
     fn ok(&self) -> bool { self.outcome.status == Status::Ok }
+    /// A get that served nothing: what became of its chunk file, as the
+    /// engine judged it ("absent", "kept", "unavailable", "corrupt").
+    #[getter]
+    fn miss_kind(&self) -> Option<&'static str> { self.outcome.miss_kind.map(|k| k.name()) }
 
     fn raise_for_status(&self) -> PyResult<()> {
         let o = &self.outcome;
@@ -335,11 +340,17 @@ impl PyIoResult {
     }
 
     fn __repr__(&self) -> String {
-        format!("IoResult(status={:?}, length={}, latency_s={:.6}, message={:?})", self.status(), self.outcome.length, self.latency_s(), self.outcome.message)
+        let kind = self.miss_kind().map_or("None".to_owned(), |k| format!("{k:?}"));
+        let (status, length, message) = (self.status(), self.outcome.length, &self.outcome.message);
+        format!("IoResult(status={status:?}, miss_kind={kind}, length={length}, latency_s={:.6}, message={message:?})", self.latency_s())
     }
 }
 
-#[pyclass(name = "IoHandle", module = "pykvcache._core")]
+// frozen: a handle is shared by every thread that waits for it (a mutable
+// borrow held across the GIL-free wait made the others fail "Already
+// borrowed"); the result is cached in a `OnceLock`, set once by the first
+// waiter that sees the outcome.
+#[pyclass(name = "IoHandle", module = "pykvcache._core", frozen)]
 struct PyIoHandle {
     store: Arc<store::BlockStore>,
     id: OpId,
@@ -347,7 +358,13 @@ struct PyIoHandle {
     op: &'static str,
     key: Vec<u8>,
     slot: usize,
-    result: Option<Py<PyIoResult>>,
+    result: OnceLock<Py<PyIoResult>>,
+}
+
+impl PyIoHandle {
+    fn new(store: &Arc<store::BlockStore>, id: OpId, op: &'static str, key: Vec<u8>, slot: usize) -> Self {
+        PyIoHandle { store: store.clone(), id, op, key, slot, result: OnceLock::new() }
+    }
 }
 
 #[pymethods]
@@ -364,28 +381,41 @@ impl PyIoHandle {
     fn slot(&self) -> usize { self.slot }
 
     fn done(&self) -> PyResult<bool> {
-        if self.result.is_some() {
+        if self.result.get().is_some() {
             return Ok(true);
         }
         self.store.is_done(self.id).map_err(to_py)
     }
 
+    /// Any number of threads may wait at once; each gets the same result.
     #[pyo3(signature = (timeout=None))]
-    fn wait(&mut self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyIoResult>> {
-        if let Some(r) = &self.result {
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyIoResult>> {
+        if let Some(r) = self.result.get() {
             return Ok(r.clone_ref(py));
         }
         let t = timeout_of("timeout", timeout)?;
         let (store, id) = (self.store.clone(), self.id);
-        let outcome = py.detach(move || store.wait(id, t)).map_err(to_py)?;
-        let Some(outcome) = outcome else {
+        let waited = py.detach(move || store.wait(id, t));
+        // Another waiter may have taken the outcome first and given the
+        // table entry back (this wait then finds the entry stale): its cached
+        // result is the answer. It caches before it releases the entry, and
+        // both go through the table's lock, so the result is visible here.
+        if let Some(r) = self.result.get() {
+            return Ok(r.clone_ref(py));
+        }
+        let Some(outcome) = waited.map_err(to_py)? else {
             return Err(PyTimeoutError::new_err(format!("{} still in flight after {:?} s", self.op(), timeout.unwrap_or(0.0))));
         };
         let r = Py::new(py, PyIoResult { outcome })?;
-        self.result = Some(r.clone_ref(py));
-        // The outcome is now cached here: give the table entry back right away.
-        self.store.release_op(self.id);
-        Ok(r)
+        match self.result.set(r.clone_ref(py)) {
+            Ok(()) => {
+                // The outcome is now cached here: give the table entry back right away.
+                self.store.release_op(self.id);
+                Ok(r)
+            }
+            // A concurrent waiter cached it first (and released the entry).
+            Err(_) => Ok(self.result.get().expect("set by the other waiter").clone_ref(py)),
+        }
     }
 
     fn __repr__(&self) -> String {
@@ -395,7 +425,7 @@ impl PyIoHandle {
 
 impl Drop for PyIoHandle {
     fn drop(&mut self) {
-        if self.result.is_none() {
+        if self.result.get().is_none() {
             self.store.release_op(self.id);
         }
     }
@@ -552,29 +582,29 @@ impl PyBlockStore {
         Ok(())
     }
 
-    fn put(&self, py: Python<'_>, key: Vec<u8>, slot: usize, #[pyo3(from_py_with = length_arg)] length: usize) -> PyResult<PyIoHandle> {
+    fn put(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize, #[pyo3(from_py_with = length_arg)] length: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
         self.log_health(py)?;
         self.log_notices(py)?;
-        Ok(PyIoHandle { store: self.inner.clone(), id, op: "put", key, slot, result: None })
+        Ok(PyIoHandle::new(&self.inner, id, "put", key, slot))
     }
 
-    fn get(&self, py: Python<'_>, key: Vec<u8>, slot: usize) -> PyResult<PyIoHandle> {
+    fn get(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.get(&k, slot, t)).map_err(to_py)?;
         self.log_health(py)?;
-        Ok(PyIoHandle { store: self.inner.clone(), id, op: "get", key, slot, result: None })
+        Ok(PyIoHandle::new(&self.inner, id, "get", key, slot))
     }
 
-    fn prefetch(&self, py: Python<'_>, key: Vec<u8>, slot: usize) -> PyResult<PyIoHandle> {
+    fn prefetch(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.prefetch(&k, slot, t)).map_err(to_py)?;
         self.log_health(py)?;
-        Ok(PyIoHandle { store: self.inner.clone(), id, op: "prefetch", key, slot, result: None })
+        Ok(PyIoHandle::new(&self.inner, id, "prefetch", key, slot))
     }
 
     fn contains(&self, key: &[u8]) -> bool {
@@ -779,14 +809,21 @@ fn probe_storage_dir<'py>(py: Python<'py>, path: PathBuf, file_mode: u32) -> PyR
     support_dict(py, &s)
 }
 
-/// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
-/// holds `payload_bytes`: what a chunk costs on disk and in a staging slot.
 /// The 128-bit hash a chunk's file is named by (``take_removed`` reports these).
 #[pyfunction]
 fn key_hash(key: &[u8]) -> u128 {
     crate::disk::format::key_hash(key)
 }
 
+/// xxh3-128 of the `length` bytes of the open file `fd` from `offset`, read
+/// without the GIL (threads digest pieces of one file in parallel).
+#[pyfunction]
+fn digest_range(py: Python<'_>, fd: i32, offset: u64, length: u64) -> PyResult<u128> {
+    py.detach(|| crate::digest::xxh3_128_range(fd, offset, length)).map_err(PyErr::from)
+}
+
+/// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
+/// holds `payload_bytes`: what a chunk costs on disk and in a staging slot.
 #[pyfunction]
 fn chunk_file_bytes(#[pyo3(from_py_with = payload_bytes_arg)] payload_bytes: usize) -> PyResult<usize> {
     if payload_bytes > usize::MAX - 2 * IO_ALIGN - HEADER_BYTES {
@@ -835,6 +872,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_DEFAULTS", engine_defaults(py)?)?;
     m.add_function(wrap_pyfunction!(key_hash, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(digest_range, m)?)?;
     m.add_function(wrap_pyfunction!(check_storage_dir, m)?)?;
     m.add_function(wrap_pyfunction!(probe_storage_dir, m)?)?;
     m.add("FORMAT_VERSION", FORMAT_VERSION)?;

@@ -8,7 +8,9 @@ use std::process::Command;
 use std::sync::Arc;
 use std::time::Duration;
 
-use pykvcache::{BackendChoice, BlockStore, DirectIoPolicy, FaultPlan, FreeSpaceReserve, OpId, StagingPool, Status, StoreConfig};
+use pykvcache::{
+    BackendChoice, BlockStore, DirectIoPolicy, FaultPlan, FreeSpaceReserve, MissKind, OpId, StagingPool, Status, StoreConfig, VerifyPolicy,
+};
 
 const T: Option<Duration> = Some(Duration::from_secs(30));
 
@@ -719,5 +721,66 @@ fn a_flipped_payload_byte_is_caught_wherever_it_lies() {
         }
         pool.release(a).unwrap();
         pool.release(b).unwrap();
+    }
+}
+
+#[test]
+fn every_get_that_serves_nothing_names_the_fate_of_its_file() {
+    // issue 21: the store alone decides what becomes of a chunk file after a
+    // failed read, and says so where it decides; callers never delete one.
+    for backend in [BackendChoice::IoUring, BackendChoice::Threads] {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = Arc::new(StagingPool::create(64 << 10, 2, None).unwrap());
+        let a = pool.acquire(T).unwrap();
+        let mut c = config(dir.path(), backend);
+        c.verify = VerifyPolicy::Header;
+        let header_writer = open(c, &pool);
+        fill(&pool, a, 5000, 1);
+        assert_eq!(wait(&header_writer, header_writer.put(b"theirs", a, 5000, T).unwrap()).status, Status::Ok);
+        drop(header_writer);
+
+        let store = open(config(dir.path(), backend), &pool);
+        for (i, key) in [&b"ours"[..], b"fine", b"judged"].into_iter().enumerate() {
+            fill(&pool, a, 5000, i as u8);
+            let o = wait(&store, store.put(key, a, 5000, T).unwrap());
+            assert_eq!((o.status, o.miss_kind), (Status::Ok, None), "{}", o.message);
+        }
+        let o = wait(&store, store.get(b"ours", a, T).unwrap());
+        assert_eq!((o.status, o.miss_kind), (Status::Ok, None));
+
+        let o = wait(&store, store.get(b"never-written", a, T).unwrap());
+        assert_eq!((o.status, o.miss_kind, o.errno), (Status::Miss, Some(MissKind::Absent), None));
+
+        let theirs = chunk_file(&store, b"theirs");
+        let before = std::fs::read(&theirs).unwrap();
+        assert!(store.contains(b"theirs"));
+        let o = wait(&store, store.get(b"theirs", a, T).unwrap());
+        assert_eq!((o.status, o.miss_kind, o.errno), (Status::Miss, Some(MissKind::Kept), None), "{}", o.message);
+        assert_eq!(std::fs::read(&theirs).unwrap(), before, "another writer's chunk is left as it is");
+        assert!(store.contains(b"theirs"), "not this store's to evict either");
+
+        let ours = chunk_file(&store, b"ours");
+        {
+            use std::os::unix::fs::FileExt;
+            let f = std::fs::OpenOptions::new().write(true).open(&ours).unwrap();
+            f.write_at(&[0xff; 8], 4096 + 100).unwrap();
+        }
+        let o = wait(&store, store.get(b"ours", a, T).unwrap());
+        assert_eq!((o.status, o.miss_kind), (Status::Corrupt, Some(MissKind::Corrupt)), "{}", o.message);
+        assert!(!ours.exists() && !store.contains(b"ours"), "removed by the store");
+
+        // The first transfer of a store with a fault plan fails, so the file is
+        // not judged: EIO (storage failed) is a miss, EINVAL an error.
+        for (key, errno, status) in [(&b"fine"[..], libc::EIO, Status::Miss), (b"judged", libc::EINVAL, Status::Error)] {
+            let mut c = config(dir.path(), backend);
+            c.faults = Some(Arc::new(FaultPlan { fail_nth: Some((1, errno)), ..Default::default() }));
+            let failing = open(c, &pool);
+            let o = wait(&failing, failing.get(key, a, T).unwrap());
+            assert_eq!((o.status, o.miss_kind, o.errno), (status, Some(MissKind::Unavailable), Some(errno)), "{}", o.message);
+            assert!(chunk_file(&failing, key).exists() && failing.contains(key), "untouched, still indexed");
+            assert_eq!(wait(&failing, failing.get(key, a, T).unwrap()).status, Status::Ok);
+        }
+        assert_eq!(counter(&store, "corrupt_chunks"), 1);
+        pool.release(a).unwrap();
     }
 }

@@ -454,3 +454,35 @@ def test_every_decision_record_is_in_the_index():
     records = sorted(p.name for p in (DOCS / "decisions").glob("[0-9][0-9][0-9][0-9]-*.md"))
     missing = [name for name in records if f"]({name})" not in index]
     assert records and not missing, f"decision records missing from docs/decisions/README.md: {missing}"
+
+
+# ---------------------------------------------------------------- resetting the tier on a server
+
+
+def _user_docs() -> list[Path]:
+    return [README, *sorted(DOCS.glob("*.md"))]
+
+
+def test_docs_that_tell_users_to_reset_give_the_servers_endpoint_and_its_dev_mode():
+    """Issue 24, finding 8: ``POST /reset_prefix_cache`` answers only when
+    the server runs with ``VLLM_SERVER_DEV_MODE=1``; the docs told users to
+    reset without saying so."""
+    telling = [p for p in _user_docs() if "reset_prefix_cache" in p.read_text()]
+    assert telling, "no user document explains how to reset the tier"
+    for path in telling:
+        text = path.read_text()
+        assert "POST /reset_prefix_cache?reset_external=true" in text, path.name
+        assert "VLLM_SERVER_DEV_MODE=1" in text, path.name
+
+
+def test_the_documented_reset_endpoint_is_vllms():
+    """What the docs say about the endpoint is what the installed vLLM does:
+    its dev routes (``/reset_prefix_cache`` among them) are mounted only under
+    ``VLLM_SERVER_DEV_MODE``, and ``reset_external`` resets the connector."""
+    import inspect
+
+    pytest.importorskip("vllm", reason="vLLM is not installed")
+    routers = pytest.importorskip("vllm.entrypoints.launchers.api_server.routers")
+    cache_router = pytest.importorskip("vllm.entrypoints.serve.dev.cache.api_router")
+    assert "VLLM_SERVER_DEV_MODE" in inspect.getsource(routers)
+    assert "reset_external" in inspect.signature(cache_router.reset_prefix_cache).parameters

@@ -26,7 +26,6 @@ the temporary directory (then only the timing test is skipped):
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 import pytest
 from vllm_marks import VLLM_ENGINE
 from child_paths import child
+from engine_driver import driver_env
 
 sys.path.insert(0, str(Path(__file__).parent))
 from slow_device import ThrottledDevice  # noqa: E402
@@ -147,8 +147,7 @@ def scenario_result(tmp_path_factory, tiny_model, slow_device):
     }
     path = work / "scenario.json"
     path.write_text(json.dumps(scenario))
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-               TOKENIZERS_PARALLELISM="false")
+    env = driver_env(multiprocess=False)
     proc = subprocess.run([sys.executable, str(DRIVER), str(path)], capture_output=True,
                           text=True, timeout=900, env=env,
                           preexec_fn=dev.preexec if dev is not None else None)

@@ -22,7 +22,9 @@ VLLM_LINE = r"^\((?:EngineCore|Worker|MainProcess)[^)]*\) (?:INFO|WARNING) \d\d-
 
 
 def _run(scenario: dict, workdir: Path, name: str) -> tuple[dict, str]:
-    return run_driver(str(DRIVER), scenario, workdir, name)
+    # Multi-process: the subject includes the log lines of vLLM's spawned
+    # processes (EngineCore, Worker) and a refused start spawning none.
+    return run_driver(str(DRIVER), scenario, workdir, name, multiprocess=True)
 
 
 @pytest.fixture(scope="module")

@@ -142,3 +142,57 @@ def test_storage_info_names_the_filesystem(tmp_path):
     info = storage_info(tmp_path)
     assert info["dir"] == str(tmp_path)
     assert info["device"] and info["fstype"]
+
+
+@pytest.mark.parametrize(
+    "content,why",
+    [
+        (b"\xff\xfe\x00binary\x80\x81", "not UTF-8 text"),  # issue 24 finding 6: UnicodeDecodeError
+        (b"[" * 200_000, "not valid JSON"),  # nested past the parser's recursion limit
+        (b"\x00" * 64, "not valid JSON"),
+    ],
+)
+def test_a_profile_that_is_not_text_is_one_warning_and_the_default(tmp_path, caplog, content, why):
+    # Issue 24, finding 6: a binary gate_profile crashed start-up with a
+    # UnicodeDecodeError that named neither the file nor gate_profile.
+    path = tmp_path / "p.json"
+    path.write_bytes(content)
+    with pytest.raises(ProfileError, match=why):
+        GateProfile.read(path)
+    with caplog.at_level(logging.WARNING, logger="pykvcache.gate.profile"):
+        model, source = load_cost_model(path, _expect())
+    assert source.startswith("default:") and why in source and str(path) in source
+    assert len(caplog.records) == 1 and "conservative default" in caplog.text and "gate_profile" in caplog.text
+    assert model.break_even_tokens() == pytest.approx(DEFAULT_BREAK_EVEN_TOKENS)
+
+
+def test_a_fifo_or_a_huge_file_as_profile_is_refused_without_reading_it(tmp_path, caplog):
+    import os
+
+    fifo = tmp_path / "fifo.json"
+    os.mkfifo(fifo)  # reading it would block start-up until a writer came
+    import threading
+
+    got = []
+    # In a daemon thread: a regression blocks in open() and fails here, not hangs.
+    reader = threading.Thread(target=lambda: got.append(load_cost_model(fifo, _expect())), daemon=True)
+    reader.start()
+    reader.join(10)
+    assert got, "reading the FIFO blocked"
+    source = got[0][1]
+    assert source.startswith("default:") and "not a regular file" in source
+    huge = tmp_path / "huge.json"
+    with open(huge, "wb") as f:
+        f.truncate(64 << 20)  # sparse: nothing written, and nothing read
+    with pytest.raises(ProfileError, match="more than a profile"):
+        GateProfile.read(huge)
+
+
+def test_a_profile_with_a_numeric_field_as_text_is_rejected(tmp_path, caplog):
+    data = json.loads(_profile().to_json())
+    data["kv_bytes_per_token"] = "4096"  # float() accepts it; the comparison with the engine did not
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    with caplog.at_level(logging.WARNING, logger="pykvcache.gate.profile"):
+        _, source = load_cost_model(path, _expect())
+    assert source.startswith("default:") and "kv_bytes_per_token" in source

@@ -80,7 +80,7 @@ def test_a_stalled_directory_gives_misses_within_the_deadline_quarantines_and_re
         stall_fs.stall()
         # The first get waits in the kernel's open on the FUSE mount: abandoned at the deadline.
         r, took, slot = get(store, pool, keys[0])
-        assert (r.status, r.errno) == ("miss", errno.ETIMEDOUT), r
+        assert (r.status, r.errno, r.miss_kind) == ("miss", errno.ETIMEDOUT, "unavailable"), r
         assert DEADLINE * 0.9 < took < DEADLINE * 3 + 1, took
         s = store.stats()
         assert s["io_timeouts"] == 1 and s["stuck_ops"] == 1 and s["quarantined_slots"] == 1
@@ -96,9 +96,11 @@ def test_a_stalled_directory_gives_misses_within_the_deadline_quarantines_and_re
         pool.release(slot)
         s = store.stats()
         assert s["breaker_opens"] == 1 and s["dir_states"] == ["open"], s
-        # Open breaker: a miss / a skipped put at once, the directory is not touched.
+        # Open breaker: a miss / a skipped put at once, the directory is not touched ("at once":
+        # before the deadline a stalled open would wait for; a bound, not a tight time, so a
+        # loaded machine's scheduling delay cannot fail it).
         r, took, slot = get(store, pool, keys[2])
-        assert (r.status, r.errno) == ("miss", errno.EAGAIN) and took < 0.2, (r, took)
+        assert (r.status, r.errno, r.miss_kind) == ("miss", errno.EAGAIN, "unavailable") and took < DEADLINE * 0.9, (r, took)
         pool.release(slot)
         assert put(store, pool, b"new-1").errno == errno.EAGAIN
         assert not store.probe(b"never-written"), "probe() says no at once while the breaker is open"
@@ -142,7 +144,7 @@ def test_a_directory_that_fails_every_call_gives_misses_and_opens_the_breaker(st
         for _ in range(3):
             r, took, slot = get(store, pool, b"k")
             pool.release(slot)
-            assert r.status == "miss" and r.errno == err and took < DEADLINE, (r, took)
+            assert (r.status, r.errno, r.miss_kind) == ("miss", err, "unavailable") and took < DEADLINE, (r, took)
         assert store.stats()["dir_states"] == ["open"]
         assert put(store, pool, b"k2").errno == errno.EAGAIN
         s = store.stats()
@@ -204,7 +206,11 @@ def test_filesystem_quirks_are_probed_not_assumed(tmp_path):
         assert got["unaligned_o_direct_accepted"] is False, got
 
 
-DEADLINE_SLOW = 0.2
+# Far above one 4 KiB segment (~0.3 ms here) and far below the whole transfer (~4-5 s).
+# It was 0.2 s: with a load average of ~7 on 2 cores (other suites beside this one) the one
+# I/O thread once waited longer than that for a core between two segments, which the engine
+# rightly calls a stall; 1 s keeps the margin on both sides.
+DEADLINE_SLOW = 1.0
 
 
 def test_a_slow_but_moving_transfer_is_not_abandoned(tmp_path):

@@ -27,10 +27,55 @@ needs_vllm = pytest.mark.skipif(
 
 
 def test_bad_arguments_fail_before_starting_anything(tmp_path, capsys):
-    rc = cli.main(["--storage-dir", str(tmp_path / "absent"), "--out", str(tmp_path / "p.json")])
+    (tmp_path / "a-file").write_text("")
+    rc = cli.main(["--storage-dir", str(tmp_path / "a-file"), "--out", str(tmp_path / "p.json")])
     assert rc == 2
     assert "is not a directory" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_a_missing_storage_dir_is_created_as_the_server_creates_it(tmp_path, capsys):
+    # Issue 24, finding 8: calibrate refused a --storage-dir that did not
+    # exist yet, while the server (the engine) creates it.
+    target = tmp_path / "new" / "kv"
+    rc = cli.main(["--storage-dir", str(target), "--repeats", "0", "--out", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--repeats must be > 0" in err  # stopped by the other argument only
+    assert "storage-dir" not in err, err
+    assert target.is_dir() and (target.stat().st_mode & 0o777) == 0o700
+    # Where it cannot be created, the reason is given before anything starts.
+    (tmp_path / "blocker").write_text("")
+    rc = cli.main(["--storage-dir", str(tmp_path / "blocker" / "kv"), "--out", str(tmp_path / "p.json")])
+    assert rc == 2 and "cannot be created" in capsys.readouterr().err
+
+
+def test_the_default_dtype_on_cpu_is_the_cpu_servers_float32():
+    # Issue 24, finding 8: on CPU calibrate ran the model in vLLM's default
+    # bfloat16, and the README's float32 CPU server rejected the profile.
+    assert cli.calibration_dtype("auto", on_gpu=False) == "float32"
+    assert cli.calibration_dtype("auto", on_gpu=True) == "auto"  # the model's own, as vLLM serves it
+    assert cli.calibration_dtype("bfloat16", on_gpu=False) == "bfloat16"
+
+
+def test_the_summary_names_the_dtype_and_what_each_column_shows(tmp_path, capsys, monkeypatch):
+    # Issue 24, finding 8: the column "TTFT fit ms" showed the fitted prefix
+    # compute, and nothing said which dtype the profile is valid for.
+    monkeypatch.setenv("COLUMNS", "250")  # one line per header
+    from pykvcache.gate import hardware_id
+
+    profile = GateProfile(
+        model="m", dtype="float32", block_size=32, chunk_tokens=32, kv_bytes_per_token=2048.0, world_size=1,
+        hardware=hardware_id(), storage={"dir": str(tmp_path), "cold": "O_DIRECT", "backend": "io_uring"},
+        prefill={"a": 0.0, "b": 1e-4, "c": 0.0},
+        load={"fixed_s": 1e-4, "disk_bytes_per_s": 1e9, "h2d_bytes_per_s": 1e10, "step_s": 1e-3,
+              "copy": {"bytes_per_s": 1e10}},
+        break_even_tokens=12.0, created="2026-01-01T00:00:00+00:00", pykvcache_version="0")
+    points = [measure.Point(32, [0.010, 0.011, 0.012]), measure.Point(256, [0.040, 0.041, 0.042])]
+    cli._summary(profile, points, [], tmp_path / "p.json", 1.0)
+    out = capsys.readouterr().out
+    assert "TTFT fit" not in out
+    assert "TTFT measured ms" in out and "prefix compute fit ms" in out
+    assert "--dtype float32" in out  # what to serve with, or the gate ignores the profile
 
 
 def test_default_sweep_is_whole_chunks_and_geometric():

@@ -6,6 +6,7 @@ order vLLM does, and writes chunk bytes into slots the way a worker does.
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import time
@@ -34,13 +35,13 @@ def _payload(i: int) -> bytes:
 
 
 class Harness:
-    def __init__(self, directory, num_slots=6, capacity_bytes=1 << 30, refresh_interval_s="auto"):
+    def __init__(self, directory, num_slots=6, capacity_bytes=1 << 30, **store_keys):
         self.pool = StagingPool(LAYOUT.payload_bytes, num_slots)
         self.dirs = [str(directory)]
 
         def open_store():
             return BlockStore(self.dirs, self.pool, namespace="test-ns", capacity_bytes=capacity_bytes,
-                              refresh_interval_s=refresh_interval_s)
+                              **store_keys)
 
         self.manager = NvmeOffloadingManager(pool=self.pool, store=open_store(), layout=LAYOUT,
                                              reopen_store=open_store, enable_events=True)
@@ -341,3 +342,131 @@ def test_a_chunk_another_node_removed_is_announced_removed_after_a_refresh(tmp_p
     finally:
         a.close()
         b.close()
+
+
+def _chunk_files(directory) -> dict[str, bytes]:
+    paths = glob.glob(os.path.join(str(directory), "**", "*.kvc"), recursive=True)
+    return {p: open(p, "rb").read() for p in sorted(paths)}
+
+
+def test_a_verify_header_writers_chunks_survive_a_full_verifying_manager(tmp_path):
+    """issue 21: a verify="full" engine sharing the directory with a verify="header" writer
+    cannot serve the writer's chunks (no payload checksum); the manager then evicted, so
+    deleted, every one it read. The engine keeps them (miss kind ``kept``): the files stay,
+    the next lookups miss without a read, and the writer still serves them."""
+    writer = Harness(tmp_path / "kv", verify="header")
+    reader = Harness(tmp_path / "kv")
+    try:
+        writer.store([4, 5])
+        writer.settle()
+        before = _chunk_files(tmp_path / "kv")
+        assert len(before) == 2
+        assert reader.manager.on_disk(_key(4))  # found by name (published after the reader opened)
+        result, _ = reader.lookup_until_final(_key(4))
+        assert result is LookupResult.MISS
+        assert _chunk_files(tmp_path / "kv") == before, "the writer's chunks are left as they are"
+        assert reader.manager.metrics.totals["kept_chunks"] == 1
+        assert reader.manager.lookup(_key(4), ReqContext(req_id="again")) is LookupResult.MISS
+        assert reader.manager.metrics.totals["kept_chunks"] == 1, "no second read"
+        assert reader.manager.store.stats()["corrupt_chunks"] == 0
+        writer.manager.cache.remove(_key(4))  # as if evicted from staging: read from disk
+        assert writer.lookup_until_final(_key(4), req="w")[0] is LookupResult.HIT
+        slot = writer.manager.prepare_load([_key(4)], ReqContext(req_id="w")).block_ids[0]
+        assert writer.slot_bytes(slot) == _payload(4)
+        writer.manager.complete_load([_key(4)], ReqContext(req_id="w"))
+    finally:
+        reader.close()
+        writer.close()
+
+
+def test_a_read_error_the_engine_cannot_judge_deletes_no_chunk(tmp_path):
+    """A read that fails with an errno that says nothing about the file (EINVAL, injected into
+    the transfer): before, the manager evicted the chunk after any ``error``, deleting it."""
+    writer = Harness(tmp_path / "kv")
+    writer.store([8])
+    writer.close()
+    before = _chunk_files(tmp_path / "kv")
+    reader = Harness(tmp_path / "kv", _fault_fail_nth=(1, errno.EINVAL))
+    try:
+        result, _ = reader.lookup_until_final(_key(8))
+        assert result is LookupResult.MISS
+        assert reader.manager.metrics.totals["read_errors"] == 1
+        assert _chunk_files(tmp_path / "kv") == before
+    finally:
+        reader.close()
+
+
+def test_a_corrupt_chunk_is_removed_once_by_the_engine(harness, tmp_path):
+    """The engine removes a corrupt chunk when it finds it (miss kind ``corrupt``); the
+    manager forgets it and announces it removed, once, and deletes nothing itself."""
+    harness.store([3, 6])
+    harness.settle()
+    harness.manager.cache.remove(_key(3))
+    assert len(_event_keys(harness.manager.take_events(), removed=False)) == 2
+    files = _chunk_files(tmp_path / "kv")
+    victim = next(p for p, data in files.items() if data[4096:4096 + 64] == _payload(3)[:64])
+    with open(victim, "r+b") as f:
+        f.seek(4096 + 100)
+        f.write(b"\xff")
+    assert harness.lookup_until_final(_key(3))[0] is LookupResult.MISS
+    assert sorted(_chunk_files(tmp_path / "kv")) == sorted(p for p in files if p != victim)
+    assert harness.manager.store.stats()["corrupt_chunks"] == 1
+    assert harness.manager.metrics.totals["corrupt_chunks"] == 1
+    assert len(harness.manager.store) == 1
+    assert _event_keys(harness.manager.take_events(), removed=True) == [_key(3)]
+    assert harness.lookup_until_final(_key(3))[0] is LookupResult.MISS
+    assert harness.manager.metrics.totals["corrupt_chunks"] == 1, "no second read"
+    assert list(harness.manager.take_events()) == []
+
+
+def test_many_corrupt_chunks_log_one_warning_then_a_summary(harness, tmp_path, caplog):
+    # Issue 24, finding 8: one WARNING line per corrupt chunk (65 for one
+    # attack). Now: the first in full, the rest counted into one summary.
+    import logging
+
+    indices = list(range(40, 52))
+    for start in range(0, len(indices), 4):
+        harness.store(indices[start:start + 4])
+        harness.settle()
+    for i in indices:
+        harness.manager.cache.remove(_key(i))  # as if evicted from staging
+    files = glob.glob(os.path.join(str(tmp_path / "kv"), "**", "*.kvc"), recursive=True)
+    assert len(files) == len(indices)
+    for path in files:
+        with open(path, "r+b") as f:
+            f.seek(-1, os.SEEK_END)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_END)
+            f.write(bytes([byte[0] ^ 1]))
+    with caplog.at_level(logging.WARNING):
+        for i in indices:
+            result, _ = harness.lookup_until_final(_key(i), req=f"r{i}")
+            assert result is LookupResult.MISS
+        assert harness.manager.metrics.totals["corrupt_chunks"] == len(indices)
+        lines = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
+        assert len(lines) == 1, lines
+        assert "corrupt" in lines[0] and "summarised" in lines[0]
+        harness.close()  # the summary of the rest comes out at shutdown
+    lines = [r.getMessage() for r in caplog.records if "unusable" in r.getMessage()]
+    assert len(lines) == 2 and f"{len(indices) - 1} more" in lines[1] and "corrupt" in lines[1], lines
+
+
+def test_unusable_chunk_summaries_come_at_most_once_per_interval(caplog):
+    import logging
+
+    from pykvcache.vllm.logs import ChunkTroubleLog
+
+    now = [0.0]
+    log = ChunkTroubleLog(logging.getLogger("test.trouble"), "unusable chunks", interval_s=60, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="test.trouble"):
+        for i in range(65):  # one attack: 64 corrupt chunks and an I/O error, within 2 s
+            now[0] = i / 32
+            log.report(b"\x01%d" % i, "error" if i == 30 else "corrupt", "payload checksum mismatch")
+        assert len(caplog.records) == 1
+        now[0] = 61.0
+        log.report(b"\x02", "corrupt", "bad header")  # the interval has passed: the summary
+        assert len(caplog.records) == 2
+        assert "65 more in the last 61 s (corrupt 64, error 1)" in caplog.records[1].getMessage()
+        assert "bad header" in caplog.records[1].getMessage()
+        log.flush()  # nothing counted since: no line
+        assert len(caplog.records) == 2

@@ -181,7 +181,80 @@ def test_a_corrupt_chunk_fails_only_its_key_and_ends_the_prefix_there(tmp_path):
     for key, got in zip(hits, data):
         assert np.array_equal(got, _payload(key, second.primary.shape[1]))
     assert second.tier.metrics.totals["corrupt_chunks"] == 1
+    # Removed by the engine when it found it, and by nothing else.
+    assert second.tier.store.stats()["corrupt_chunks"] == 1
+    assert sorted((tmp_path / "kv").rglob("*.kvc")) == files[1:]
+    assert len(second.tier.store) == 7
     second.close()
+
+
+def _chunk_files(root) -> dict:
+    return {p: p.read_bytes() for p in sorted(root.rglob("*.kvc"))}
+
+
+def test_a_verify_header_writers_chunks_survive_a_full_verifying_tier(tmp_path):
+    """issue 21: the tier evicted (deleted) every chunk a promotion could not read, also the
+    sound chunks of a verify="header" writer sharing the directory, which a verify="full"
+    engine does not serve. The engine keeps them now; the tier does not read them again soon,
+    and the writer still serves them."""
+    keys = _keys("header", 4)
+    writer = Scheduler(_spec(tmp_path, engine_id="one", verify="header", gate=False))
+    writer.store(keys)
+    writer.close()
+    before = _chunk_files(tmp_path / "kv")
+    assert len(before) == 4
+    reader = Scheduler(_spec(tmp_path, engine_id="two", gate=False))
+    hits, _ = reader.load(keys)
+    assert hits == []
+    assert _chunk_files(tmp_path / "kv") == before, "the writer's chunks are left as they are"
+    kept = reader.tier.metrics.totals["kept_chunks"]
+    assert kept >= 1 and reader.tier.store.stats()["corrupt_chunks"] == 0
+    assert reader.load(keys)[0] == []
+    assert reader.tier.metrics.totals["kept_chunks"] == kept, "not read again at once"
+    reader.close()
+    assert _chunk_files(tmp_path / "kv") == before
+    writer = Scheduler(_spec(tmp_path, engine_id="three", verify="header", gate=False))
+    hits, data = writer.load(keys)
+    assert hits == keys
+    assert all(np.array_equal(d, _payload(k, writer.primary.shape[1])) for k, d in zip(keys, data))
+    writer.close()
+
+
+def test_a_stalled_directory_under_the_tier_deletes_no_chunk(tmp_path):
+    """issue 21: a promotion timed out on a stalled mount before the breaker opened, the tier
+    evicted the chunk, and the unlink, queued behind the stalled work, deleted the good chunk
+    once the mount answered again. A miss of kind ``unavailable`` now only keeps the key from
+    being read again for a moment."""
+    from stall_fs import StallFs, skip_reason
+
+    if skip_reason() is not None:
+        pytest.skip(skip_reason())
+    keys = _keys("stall", 4)
+    with StallFs(tmp_path / "fuse") as fs:
+        s = Scheduler(_spec(tmp_path, storage_dirs=[str(fs.mount_point)], io_deadline_s=0.5, gate=False))
+        try:
+            s.store(keys)
+            s.reset()
+            before = _chunk_files(fs.backing)
+            assert len(before) == 4
+            fs.stall()
+            hits, _ = s.load(keys[:1])  # one timeout: the breaker stays closed
+            assert hits == []
+            s.settle()
+            fs.resume()
+            deadline = time.monotonic() + 20
+            while s.tier.store.stats()["stuck_ops"]:
+                assert time.monotonic() < deadline, "the stalled work never ended"
+                time.sleep(0.05)
+            time.sleep(1.1)  # the key is not read again for a second (DiskPresence)
+            hits, data = s.load(keys)
+            assert hits == keys
+            assert all(np.array_equal(d, _payload(k, s.primary.shape[1])) for k, d in zip(keys, data))
+            assert _chunk_files(fs.backing) == before
+            assert s.tier.metrics.totals["unavailable_reads"] == 1
+        finally:
+            fs.resume()
+            s.close()
 
 
 def test_the_gate_limits_what_the_tier_promotes(tmp_path):
@@ -206,6 +279,22 @@ def test_standalone_only_keys_are_refused_with_the_reason(tmp_path):
         _spec(tmp_path, lookahead_bytes="1GiB").get_manager()
     with pytest.raises(ConfigError, match="unknown key"):
         _spec(tmp_path, capacity="1GiB").get_manager()
+
+
+def test_refused_misspelt_and_invalid_tier_keys_are_reported_in_one_error(tmp_path):
+    # Issue 24, finding 8: the refused (standalone-only) keys were reported
+    # alone; the misspelt and invalid ones only after those were fixed.
+    from pykvcache.vllm.config import ConfigError
+    from pykvcache.vllm.tier import tier_settings
+
+    with pytest.raises(ConfigError) as info:
+        tier_settings({"storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "64MiB",
+                       "wipe_on_reset": True, "lookahead_bytes": "1GiB", "capacty_bytes": "1GiB",
+                       "verify": "sometimes"})
+    message = str(info.value)
+    for part in ("'wipe_on_reset'", "'lookahead_bytes'", "unknown key(s) 'capacty_bytes'", "verify must be one of"):
+        assert part in message, (part, message)
+    assert message.count("invalid pykvcache") == 1, message  # one error, one heading
 
 
 def test_the_tier_declares_its_metrics_to_vllm(tmp_path):

@@ -12,10 +12,12 @@ from __future__ import annotations
 
 from pykvcache._sysinfo import cpu_model
 
+import errno
 import json
 import logging
 import math
 import os
+import stat
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -97,6 +99,29 @@ def _norm_model(model: str) -> str:
     return str(model).rstrip("/").rsplit("/", 1)[-1]
 
 
+#: Far above any profile (a few KiB): a larger file is not one, and is not read into memory.
+MAX_PROFILE_BYTES = 16 << 20
+
+
+def _read_regular_file(path: str | os.PathLike[str], limit: int) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes. Opened
+    non-blocking and checked before reading: a FIFO or device at the path
+    would otherwise block start-up or be read without end."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.EINVAL, "not a regular file")
+        if st.st_size > limit:
+            raise OSError(errno.EFBIG, f"{st.st_size} bytes, more than a profile ({limit} at most)")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            return f.read(limit + 1)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+
+
 @dataclass
 class GateProfile:
     model: str
@@ -164,6 +189,9 @@ class GateProfile:
         for key in ("prefill", "load", "hardware", "storage"):
             if not isinstance(getattr(profile, key), dict):
                 raise ProfileError(f"profile field {key} must be an object")
+        bpt = profile.kv_bytes_per_token
+        if not (isinstance(bpt, (int, float)) and not isinstance(bpt, bool) and math.isfinite(bpt) and bpt > 0):
+            raise ProfileError(f"profile field kv_bytes_per_token must be a number > 0 (got {bpt!r})")
         for key, lo in (("block_size", 1), ("chunk_tokens", 1), ("world_size", 1)):
             v = getattr(profile, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
@@ -180,14 +208,25 @@ class GateProfile:
     @classmethod
     def read(cls, path: str | os.PathLike[str]) -> GateProfile:
         try:
-            text = Path(path).read_text()
+            raw = _read_regular_file(path, MAX_PROFILE_BYTES)
         except OSError as exc:
             raise ProfileError(f"cannot read gate profile {path}: {exc.strerror or exc}") from None
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            # A binary file (or the wrong file) must not stop start-up either.
+            raise ProfileError(f"gate profile {path} is not UTF-8 text, so not a JSON profile "
+                               f"(byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
             raise ProfileError(f"gate profile {path} is not valid JSON: {exc}") from None
-        return cls.from_dict(data)
+        except RecursionError:
+            raise ProfileError(f"gate profile {path} is not valid JSON: nested too deeply") from None
+        try:
+            return cls.from_dict(data)
+        except ProfileError as exc:
+            raise ProfileError(f"gate profile {path}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -210,7 +249,8 @@ def mismatches(profile: GateProfile, expected: ProfileExpectation) -> tuple[list
     if _norm_model(profile.model) != _norm_model(expected.model):
         fatal.append(f"model {profile.model!r} != {expected.model!r}")
     if _norm_dtype(profile.dtype) != _norm_dtype(expected.dtype):
-        fatal.append(f"dtype {profile.dtype} != {_norm_dtype(expected.dtype)}")
+        fatal.append(f"dtype {profile.dtype} != {_norm_dtype(expected.dtype)} (run `pykvcache calibrate "
+                     f"--dtype {_norm_dtype(expected.dtype)}`, or serve with --dtype {profile.dtype})")
     if not math.isclose(profile.kv_bytes_per_token, expected.kv_bytes_per_token, rel_tol=0.02):
         fatal.append(
             f"KV bytes per token {profile.kv_bytes_per_token:g} != {expected.kv_bytes_per_token:g}"
@@ -263,7 +303,7 @@ def load_cost_model(
                 return profile.cost_model(), "profile"
             why = f"gate profile {path} was measured for something else: " + "; ".join(fatal)
     logger.warning(
-        "pykvcache gate: %s. Using a conservative default: load prefixes of %d tokens or more.",
-        why, DEFAULT_BREAK_EVEN_TOKENS,
+        "pykvcache gate: %s.%s Using a conservative default: load prefixes of %d tokens or more.",
+        why, "" if path is None else " The gate_profile setting is ignored.", DEFAULT_BREAK_EVEN_TOKENS,
     )
     return default_cost_model(expected.kv_bytes_per_token), f"default: {why}"

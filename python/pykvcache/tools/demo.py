@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -30,6 +31,8 @@ from .vllm_run import start_child, wait_child
 
 DEFAULT_OUT = Path("demo-out")
 DEMO_JSON = "demo.json"
+#: ``PYKVCACHE_DEMO_BENCH=smoke`` runs the storage benchmark at its smallest sizes (tests).
+DEMO_BENCH_ENV = "PYKVCACHE_DEMO_BENCH"
 BLOCK_TOKENS = 32  # vLLM block size (a multiple of 32 on the CPU)
 CHUNK_TOKENS = 64  # pykvcache chunk: two vLLM blocks
 # The default tiny model: 2 layers x (K, V) x 2 KV heads x 64 x fp32.
@@ -237,9 +240,13 @@ def run_demo(out: Path, bench: bool = True, vllm: bool = True, argv: list[str] |
             status_ok &= summary["ok"]
     if bench:
         from .bench import BenchConfig, quick, run_bench
+        from .bench.config import smoke
         from .progress import RichProgress
 
         config = quick(BenchConfig(out=out, directory=out, argv=argv or ["pykvcache", "demo"]))
+        if os.environ.get(DEMO_BENCH_ENV) == "smoke":  # the test of `make demo`: smallest sizes
+            config = smoke(config)
+            console.print(f"[yellow]{DEMO_BENCH_ENV}=smoke[/]: storage benchmark at its smallest sizes (not a measurement)")
         console.print("[bold]Storage: pykvcache vs fio (the device limit) and vs vLLM's fs tier[/] (quick preset)")
         with RichProgress() as progress:
             result = run_bench(config, progress)

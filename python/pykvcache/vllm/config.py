@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -61,7 +61,14 @@ SHARED_FS_TYPES = frozenset({
 
 
 class ConfigError(ValueError):
-    """The pykvcache section of ``kv_connector_extra_config`` is invalid."""
+    """The pykvcache section of ``kv_connector_extra_config`` is invalid.
+
+    ``problems`` lists each problem found (the message lists them too), so
+    that a caller adding its own checks still reports all in one error."""
+
+    def __init__(self, message: str, problems: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.problems = list(problems) or [message]
 
 
 @dataclass(frozen=True)
@@ -312,7 +319,7 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
     if problems:
         raise ConfigError(
             "invalid pykvcache settings in kv_connector_extra_config:\n  - "
-            + "\n  - ".join(problems)
+            + "\n  - ".join(problems), problems
         )
     return PykvcacheConfig(**values)
 
@@ -417,7 +424,7 @@ def validate_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
     problems = storage_problems(config)
     if problems:
         raise ConfigError(
-            "invalid pykvcache settings in kv_connector_extra_config:\n  - " + "\n  - ".join(problems)
+            "invalid pykvcache settings in kv_connector_extra_config:\n  - " + "\n  - ".join(problems), problems
         )
     return config
 

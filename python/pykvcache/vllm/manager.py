@@ -57,8 +57,9 @@ from pykvcache.gate import ChunkState
 from pykvcache.vllm.disk_presence import DiskPresence
 from pykvcache.vllm.gate_plan import GateWiring, NoGating
 from pykvcache.vllm.layout import ChunkLayout
+from pykvcache.vllm.logs import ChunkTroubleLog
 from pykvcache.vllm.lookahead import Preloader, WaitingRequest
-from pykvcache.vllm.metrics import ManagerMetrics
+from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter
 from pykvcache.vllm.staging_cache import (
     LOAD,
     LOOKAHEAD,
@@ -99,6 +100,7 @@ class NvmeOffloadingManager(OffloadingManager):
         self._reopen_store = reopen_store
         self.cache = StagingCache(pool)
         self.metrics = ManagerMetrics()
+        self._unusable = ChunkTroubleLog(logger, "unusable chunks (each treated as a miss)")
         # What ``lock`` returns (vLLM >= 0.33 holds it around manager calls).
         self._lock = threading.RLock()
         self._max_inflight_writes = max(1, max_inflight_writes)
@@ -503,6 +505,7 @@ class NvmeOffloadingManager(OffloadingManager):
             self.flush(timeout=60.0)
         except Exception:  # noqa: BLE001 - shutting down anyway; say what was lost
             logger.exception("pykvcache: not every pending chunk write completed")
+        self._unusable.flush()
         self.cache.clear()
         self.store.close()
         try:
@@ -546,30 +549,17 @@ class NvmeOffloadingManager(OffloadingManager):
             self.metrics.observe("disk_read_latency_seconds", result.latency_s)
             self.cache.mark_ready(key, Origin.DISK)
             return
-        counter = {"corrupt": "corrupt_chunks", "miss": "vanished_chunks"}.get(
-            result.status, "read_errors"
-        )
-        if result.status == "miss" and result.errno is not None:
-            counter = "unavailable_reads"
-        self.metrics.inc(counter)
+        self.metrics.inc(failed_read_counter(result.status, result.miss_kind))
         if result.status != "miss":
-            logger.warning("pykvcache: chunk %s unusable (%s: %s); treated as a miss",
-                           key.hex(), result.status, result.message)
+            self._unusable.report(key, result.status, result.message)
         self.cache.remove(key)
-        if result.status == "miss" and result.errno is not None:
-            # The directory timed out, failed or is behind an open circuit
-            # breaker: the chunk may well be there, nothing to drop; but the
-            # next lookup must not read it again at once (it would wait for
-            # the same stalled directory, or fail the same way, every step).
-            self._presence.unavailable(key)
-            return
-        # The store drops corrupt files itself; make sure the index agrees so
-        # the next lookup is a plain MISS instead of another failing read.
-        try:
-            self.store.evict(key)
-        except Exception:  # noqa: BLE001
-            logger.debug("evict after failed read", exc_info=True)
-        if self._events is not None and self._announced.pop(self._key_hash(key), None) is not None:
+        # The engine alone decides the file's fate (decision 0050): it removed
+        # a corrupt one, and keeps the rest, also a chunk another writer made
+        # or one a stalled directory could not read. What is left here is not
+        # to read it again at once (it would end the same way every step).
+        self._presence.read_failed(key, result.miss_kind)
+        if result.miss_kind in ("absent", "corrupt") and self._events is not None \
+                and self._announced.pop(self._key_hash(key), None) is not None:
             self._emit([key], removed=True)
 
     def _submit_writes(self) -> None:

@@ -40,6 +40,7 @@ COUNTERS = {
     "store_truncated_chunks": "Chunks not stored because a request offered more than staging holds.",
     "staging_evictions": "Chunks dropped from staging memory to make room (they stay on disk).",
     "unavailable_reads": "Chunk reads answered as misses because the directory timed out, failed or its circuit breaker was open.",
+    "kept_chunks": "Chunk reads answered as misses because the file is another writer's that this engine does not serve (a verify=\"header\" writer's, unknown header flags, larger than a slot); the file is kept.",
     # Gate wiring (the gate's own decision counters are merged in below).
     "gate_limited_lookups": "Lookups answered MISS because the gate chose to recompute from that chunk on.",
     "gate_load_observations": "Finished loads fed back to the gate's online load model.",
@@ -115,6 +116,15 @@ def zero_counter_stats():
     for name in COUNTERS:
         stats.increase_counter(PREFIX + name, 0)
     return stats
+
+
+def failed_read_counter(status: str, miss_kind: str | None) -> str:
+    """The counter of a chunk read that served nothing, by the engine's verdict
+    on its file (``IoResult.status`` and ``miss_kind``)."""
+    if status == "error":
+        return "read_errors"
+    return {"absent": "vanished_chunks", "corrupt": "corrupt_chunks", "kept": "kept_chunks",
+            "unavailable": "unavailable_reads"}.get(miss_kind or "", "read_errors")
 
 
 class ManagerMetrics:

@@ -54,8 +54,8 @@ from pykvcache.gate import ChunkState
 from pykvcache.vllm.config import GIB, ConfigError, validate_extra_config
 from pykvcache.vllm.gate_plan import GateWiring, NoGating
 from pykvcache.vllm.host_config import find_vllm_config
-from pykvcache.vllm.logs import route_engine_logs
-from pykvcache.vllm.metrics import ManagerMetrics, metric_definitions
+from pykvcache.vllm.logs import ChunkTroubleLog, route_engine_logs
+from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter, metric_definitions
 from pykvcache.vllm.model_identity import model_identity
 from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace_for
 from pykvcache.vllm.disk_presence import DiskPresence
@@ -92,13 +92,19 @@ TIER_ROW_LAYOUT = "vllm-tiering-primary-chunk-v1"
 def tier_settings(options: dict[str, Any]):
     """The tier's keys validated as the spec's are, with the keys that only the
     standalone spec has refused, all problems in one :class:`ConfigError`."""
-    refused = [f"{k!r}: {STANDALONE_ONLY[k]}" for k in sorted(options) if k in STANDALONE_ONLY]
-    if refused:
-        raise ConfigError("invalid pykvcache tier settings (secondary_tiers entry):\n  - "
-                          + "\n  - ".join(f"{r} (standalone NvmeOffloadingSpec only)" for r in refused))
-    values = dict(options)
+    problems = [f"{k!r}: {STANDALONE_ONLY[k]} (standalone NvmeOffloadingSpec only)"
+                for k in sorted(options) if k in STANDALONE_ONLY]
+    values = {k: v for k, v in options.items() if k not in STANDALONE_ONLY}
     values.setdefault("staging_bytes", TIER_STAGING_BYTES)
-    return validate_extra_config(values)
+    try:
+        config = validate_extra_config(values)
+    except ConfigError as exc:
+        # The rest is checked even when keys were refused: every problem in one error.
+        problems += exc.problems
+    if problems:
+        raise ConfigError("invalid pykvcache tier settings (secondary_tiers entry):\n  - "
+                          + "\n  - ".join(problems), problems)
+    return config
 
 
 @dataclass(eq=False)
@@ -170,6 +176,7 @@ class PykvcacheTier(SecondaryTierManager):
             self.settings, model=config.model.name, dtype=str(config.model.dtype),
             chunk_bytes=self.chunk_bytes, chunk_tokens=self.chunk_tokens)
         self.metrics = ManagerMetrics()
+        self._unusable = ChunkTroubleLog(logger, "unusable chunks in the tier (each a miss)")
         self._jobs: deque[_Job] = deque()  # jobs with chunks not started, in order
         self._ops: dict[int, tuple[Any, _Job, bytes, int]] = {}  # slot -> (handle, job, key, chunk)
         self._finished: list[JobResult] = []
@@ -267,12 +274,12 @@ class PykvcacheTier(SecondaryTierManager):
                     self.metrics.inc("disk_read_bytes", result.length)
                     self.metrics.observe("disk_read_latency_seconds", result.latency_s)
                 else:
-                    self.metrics.inc({"corrupt": "corrupt_chunks", "miss": "vanished_chunks"}.get(
-                        result.status, "read_errors"))
+                    self.metrics.inc(failed_read_counter(result.status, result.miss_kind))
                     if result.status != "miss":
-                        logger.warning("pykvcache tier: chunk %s unusable (%s: %s); a miss",
-                                       key.hex(), result.status, result.message)
-                    self._store.evict(key)
+                        self._unusable.report(key, result.status, result.message)
+                    # The engine alone decides the file's fate (decision 0050):
+                    # a stalled directory's chunk, or another writer's, stays.
+                    self._presence.read_failed(key, result.miss_kind)
             elif ok:
                 self.metrics.inc("disk_writes")
                 self.metrics.inc("disk_write_bytes", result.length)
@@ -339,6 +346,7 @@ class PykvcacheTier(SecondaryTierManager):
         try:
             self.drain_jobs()
         finally:
+            self._unusable.flush()
             self._store.close()
             self._pool.close()
             self._primary = None  # lets the framework unmap its CPU tier

@@ -9,7 +9,7 @@ use super::jobs::{DirJob, Job};
 use super::health;
 use crate::disk::files;
 use crate::disk::format::HEADER_BYTES;
-use crate::ops::{Finished, OpId, Outcome, Status, Watch};
+use crate::ops::{Finished, MissKind, OpId, Outcome, Status, Watch};
 use crate::staging::StagingPool;
 use crate::stats::Stats;
 
@@ -21,6 +21,12 @@ impl Core {
             Stats::add(&self.stats.write_enospc, 1);
         }
         self.finish(id, ctx, Outcome::new(Status::Error, 0, errno, message));
+    }
+
+    /// A sound chunk file this store does not serve (another writer's): a
+    /// miss. Not this store's to delete: file and index entry stay as they are.
+    pub(super) fn keep(&self, id: OpId, ctx: OpContext, reason: String) {
+        self.finish(id, ctx, Outcome::miss(MissKind::Kept, None, reason));
     }
 
     pub(super) fn corrupt(&self, id: OpId, ctx: OpContext, reason: String) {
@@ -41,7 +47,7 @@ impl Core {
             OpKind::Get => {
                 Stats::add(&c.skipped_gets, 1);
                 Stats::add(&self.stats.read_misses, 1);
-                Outcome::new(Status::Miss, 0, Some(libc::EAGAIN), format!("{why}: a miss"))
+                Outcome::miss(MissKind::Unavailable, Some(libc::EAGAIN), format!("{why}: a miss"))
             }
             OpKind::Put => {
                 Stats::add(&c.skipped_puts, 1);
@@ -84,6 +90,10 @@ impl Core {
             self.health.dirs[ctx.root].stuck.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
             self.health.progress(ctx.root);
             return self.ops.complete(id, outcome);
+        }
+        if ctx.kind == OpKind::Get && outcome.status == Status::Error {
+            // The file could not be read, so it was not judged: it stays, indexed.
+            outcome.miss_kind = Some(MissKind::Unavailable);
         }
         match outcome.errno {
             Some(e) if health::is_storage_failure(e) => {

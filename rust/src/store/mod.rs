@@ -76,7 +76,7 @@ use crate::disk::layout::Layout;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
 use crate::disk::writers::WriterLease;
 use crate::error::{EngineError, Result};
-use crate::ops::{OpId, OpTable, Outcome, Status};
+use crate::ops::{MissKind, OpId, OpTable, Outcome, Status};
 use crate::staging::StagingPool;
 use crate::stats::Stats;
 
@@ -222,7 +222,8 @@ impl BlockStore {
         let smallest = config.segment_bytes.min(if config.write_segment_bytes == 0 { usize::MAX } else { config.write_segment_bytes });
         if pool.stride() / smallest >= u32::MAX as usize {
             return Err(EngineError::invalid(format!(
-                "segment_bytes/write_segment_bytes of {smallest} cut a {}-byte slot into too many segments",
+                "segment_bytes/write_segment_bytes of {smallest} cut a {}-byte slot (a chunk file of up to {} bytes) into too many segments",
+                pool.slot_bytes(),
                 pool.stride()
             )));
         }
@@ -835,7 +836,7 @@ impl Core {
                         Outcome::new(Status::Error, 0, Some(libc::ETIMEDOUT), format!("{msg}: put skipped"))
                     } else {
                         Stats::add(&self.stats.read_misses, 1);
-                        Outcome::new(Status::Miss, 0, Some(libc::ETIMEDOUT), format!("{msg}: a miss"))
+                        Outcome::miss(MissKind::Unavailable, Some(libc::ETIMEDOUT), format!("{msg}: a miss"))
                     }
                 },
                 &mut abandoned,

@@ -12,7 +12,7 @@ use crate::disk::files;
 use crate::disk::format::{self, FormatError, HEADER_BYTES, IO_ALIGN};
 use crate::error::Result;
 use super::jobs::{DirJob, Job};
-use crate::ops::{Finished, OpId, Outcome, Status};
+use crate::ops::{Finished, MissKind, OpId, Outcome, Status};
 use crate::stats::Stats;
 
 use super::completion;
@@ -56,7 +56,7 @@ impl Core {
     pub(super) fn open_read(&self, id: OpId, mut ctx: OpContext, backend: &dyn Backend) {
         if self.ops.is_abandoned(id) {
             // Timed out while queued behind stuck work: the caller has its miss.
-            return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, "abandoned before it started"));
+            return self.finish(id, ctx, Outcome::miss(MissKind::Unavailable, None, "abandoned before it started"));
         }
         let pool = &self.pool;
         let hash = ctx.hash;
@@ -66,7 +66,7 @@ impl Core {
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                 // Absent (or deleted by another process sharing the directory): a miss.
                 self.index.lock().unwrap().remove(hash);
-                return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, "chunk not on disk"));
+                return self.finish(id, ctx, Outcome::miss(MissKind::Absent, None, "chunk not on disk"));
             }
             Err(e) if e.raw_os_error() == Some(libc::ELOOP) => {
                 // O_NOFOLLOW refused a symlink planted at a chunk path: never
@@ -86,8 +86,14 @@ impl Core {
         if size > max_len && size % IO_ALIGN == 0 {
             // Possibly a valid chunk from a process with larger slots sharing
             // the directory: not ours to judge or delete, just not loadable here.
-            let msg = format!("chunk of {size} bytes does not fit a {max_len}-byte slot");
-            return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, msg));
+            // Named by the slot's payload size (what the user configured), not by
+            // `max_len`, the largest chunk file such a slot takes.
+            let msg = format!(
+                "chunk file of {size} bytes (up to {} bytes of payload) does not fit a {}-byte slot",
+                size - HEADER_BYTES,
+                pool.slot_bytes()
+            );
+            return self.keep(id, ctx, msg);
         }
         if size < HEADER_BYTES || size % IO_ALIGN != 0 {
             let reason = format!("file is {size} bytes (expected a multiple of {IO_ALIGN} in {HEADER_BYTES}..={max_len})");
@@ -95,7 +101,7 @@ impl Core {
         }
         if self.ops.is_abandoned(id) {
             // The open answered after the deadline: nothing is read into the slot.
-            return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, "opened after the deadline"));
+            return self.finish(id, ctx, Outcome::miss(MissKind::Unavailable, None, "opened after the deadline"));
         }
         ctx.file_len = size;
         self.pieces.reset(id.index, completion::segment_count(0, size, self.segment_bytes));
@@ -220,7 +226,7 @@ impl Core {
         let header = match format::decode_header(block, &self.namespace, &ctx.key, ctx.file_len as u64) {
             Ok(h) => h,
             // A sound header this build cannot interpret: not ours to delete.
-            Err(e @ FormatError::Flags(_)) => return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, e.to_string())),
+            Err(e @ FormatError::Flags(_)) => return self.keep(id, ctx, e.to_string()),
             Err(_) if on_backend_thread => return to_worker(ctx),
             Err(e) => return self.corrupt(id, ctx, e.to_string()),
         };
@@ -232,7 +238,7 @@ impl Core {
                 // Written by a verify="header" store: sound, but nothing to
                 // check the payload against. Never served here, never deleted.
                 let msg = "chunk written without a payload checksum (verify=\"header\" writer); this store verifies payloads";
-                return self.finish(id, ctx, Outcome::new(Status::Miss, 0, None, msg));
+                return self.keep(id, ctx, msg.into());
             };
             let Some(prefix_crc) = self.pieces.prefix(id.index) else {
                 // Cannot happen (pieces are numbered by segment); if it did,

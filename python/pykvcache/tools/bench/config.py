@@ -124,6 +124,21 @@ def quick(config: BenchConfig) -> BenchConfig:
     )
 
 
+def smoke(config: BenchConfig) -> BenchConfig:
+    """The quick preset at its smallest sizes: every step of it runs, on a few
+    chunks each, so a test of ``make demo`` proves the storage comparison works
+    without spending minutes measuring it (``PYKVCACHE_DEMO_BENCH=smoke``).
+    Its ratios are not measurements (the demo prints so when it runs it)."""
+    return replace(
+        quick(config),
+        engine_bytes=64 * MiB,
+        fio_runtime_s=0.25,
+        fio_file_bytes=64 * MiB,
+        fio_sweep=[(1, 1), (1, 8)],
+        fs_bytes=64 * MiB,
+    )
+
+
 def fio_sweep_for(config: BenchConfig) -> list[tuple[int, int]]:
     """The sweep plus one-job runs at every engine queue depth, so each engine
     depth has a like-for-like fio figure."""

@@ -67,8 +67,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-cache", type=Path, default=None,
                         help="where the tiny model is built (default: ~/.cache/pykvcache/models)")
     parser.add_argument("--storage-dir", type=Path, nargs="+", default=None,
-                        help="the storage directories pykvcache will use (a temporary subdirectory is "
-                             "created in each and removed); default: current directory")
+                        help="the storage directories pykvcache will use, created when missing (a "
+                             "temporary subdirectory is created in each and removed); default: current directory")
     parser.add_argument("--out", type=Path, default=Path("pykvcache-gate-profile.json"),
                         help="profile to write (default: ./pykvcache-gate-profile.json)")
     parser.add_argument("--quick", action="store_true",
@@ -78,7 +78,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=None,
                         help="longest prompt of the default sweep (default: 8192, quick 2048, capped by the model)")
     parser.add_argument("--repeats", type=int, default=None, help="measurements per point (median kept)")
-    parser.add_argument("--dtype", default="auto", help="vLLM dtype (default: auto)")
+    parser.add_argument("--dtype", default="auto",
+                        help="vLLM dtype; serve with the same, or the gate ignores the profile "
+                             "(default: float32 on CPU, as vLLM's CPU server runs in this README; "
+                             "the model's own on GPUs)")
     parser.add_argument("--block-size", type=int, default=None, help="vLLM KV block size in tokens")
     parser.add_argument("--chunk-tokens", type=int, default=None,
                         help="tokens per stored chunk, a multiple of the block size "
@@ -111,9 +114,44 @@ def _prepare_model(args: argparse.Namespace) -> tuple[str, bool]:
     return str(build_tiny_model(args.model_cache or default_model_cache())), True
 
 
+#: Mode of a storage directory calibrate creates: the engine's default
+#: ``dir_mode``, with which the server creates a missing one.
+STORAGE_DIR_MODE = 0o700
+
+
+def _create_storage_dir(d: Path) -> str | None:
+    """Creates a missing ``--storage-dir`` and its missing parents, as the
+    server does when it opens the store; the problem, or None."""
+    missing = []
+    p = d.absolute()
+    while not p.exists() and not p.is_symlink():
+        missing.append(p)
+        p = p.parent
+    try:
+        for m in reversed(missing):
+            m.mkdir(mode=STORAGE_DIR_MODE)
+    except OSError as exc:
+        return f"--storage-dir {d} does not exist and cannot be created: {exc.strerror or exc}"
+    return None
+
+
+def calibration_dtype(requested: str, on_gpu: bool) -> str:
+    """The dtype to calibrate in. ``auto`` on CPU is float32: vLLM's CPU
+    backend would pick bfloat16, while the CPU server of the README (and the
+    tiny model) run in float32, and a profile of another dtype is ignored."""
+    if requested == "auto" and not on_gpu:
+        return "float32"
+    return requested
+
+
 def _check_args(args: argparse.Namespace) -> list[str]:
     problems = []
     for d in args.storage_dir:
+        if not d.exists() and not d.is_symlink():
+            created = _create_storage_dir(d)
+            if created:
+                problems.append(created)
+                continue
         if not d.is_dir():
             problems.append(f"--storage-dir {d} is not a directory")
         elif not os.access(d, os.W_OK | os.X_OK):
@@ -142,13 +180,13 @@ def run(args: argparse.Namespace) -> int:
     started = time.monotonic()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no binding fights on small hosts
     model, tiny = _prepare_model(args)
-    if tiny and args.dtype == "auto":
-        args.dtype = "float32"  # vLLM's CPU backend would otherwise run it in bfloat16
 
     import torch
     from transformers import AutoConfig
 
     on_gpu = torch.cuda.is_available()
+    # The tiny model is float32 on GPUs too (its KV size is tested as such).
+    args.dtype = calibration_dtype(args.dtype, on_gpu and not tiny)
     hf_config = AutoConfig.from_pretrained(model)
     text_cfg = getattr(hf_config, "text_config", None) or hf_config
     vocab = int(text_cfg.vocab_size)
@@ -338,14 +376,16 @@ def _summary(profile, prefill_points: list[Point], load_points: list[Point], pat
     console = Console(stderr=False)
     model = profile.cost_model()
     table = Table(title="prefill vs load")
-    for h in ("tokens", "TTFT measured ms", "TTFT fit ms", "prefix compute ms", "load ms", "winner"):
+    # What the gate compares: the fitted compute of the prefix (no constant
+    # term: loading saves the prefix's compute, not the request's overhead)
+    # against the fitted load. A "TTFT fit" column showed that same compute
+    # fit under a TTFT name, next to measured TTFTs it does not fit.
+    for h in ("tokens", "TTFT measured ms", "prefix compute fit ms", "load fit ms", "winner"):
         table.add_column(h, justify="right")
     for p in prefill_points:
-        # Loading saves the prefix's compute, not the request's constant overhead.
         recompute = model.recompute_time(p.x)
         load = model.load_time(p.x)
-        table.add_row(str(p.x), f"{p.median * 1e3:.2f}", f"{model.prefill.time(p.x) * 1e3:.2f}",
-                      f"{recompute * 1e3:.3f}", f"{load * 1e3:.3f}",
+        table.add_row(str(p.x), f"{p.median * 1e3:.2f}", f"{recompute * 1e3:.3f}", f"{load * 1e3:.3f}",
                       "load" if load < recompute else "recompute")
     console.print(table)
     bw = profile.load["disk_bytes_per_s"]
@@ -356,7 +396,8 @@ def _summary(profile, prefill_points: list[Point], load_points: list[Point], pat
                   f"{profile.load['h2d_bytes_per_s'] / 1e9:.2f} GB/s")
     be = profile.break_even_tokens
     console.print(f"break-even: {'never (loading does not pay)' if be is None else f'{be:.0f} tokens'}")
-    console.print(f"profile: {path} ({elapsed:.0f} s)")
+    console.print(f"profile: {path} ({elapsed:.0f} s), valid for {profile.model} in {profile.dtype}: "
+                  f"serve with --dtype {profile.dtype} (the gate ignores it for another dtype)")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# `make test`: every stage of the full suite in order, each timed, with a one-line summary per
+# stage at the end (also when a stage fails), so a slow stage shows in every CI log.
+#
+#   venv      .venv (tools/setup_venv.sh: reused when its stamp matches)
+#   build     the Rust extension into .venv (maturin develop --release)
+#   lmcache   LMCache into .lmcache (the storage-level comparison's private install)
+#   cargo     cargo test (the engine alone)
+#   pytest    tests/ (real files, real io_uring, a real vLLM CPU build), slowest 30 printed
+#   vllm033   the engine-free tests against vLLM 0.33's CUDA build (.venv-vllm033)
+#   benches   the benchmark suite smoke-run once (tiny sizes, no timing)
+#
+# .venv-vllm033 (9.4 GB) is installed in the background while the Rust stages build and run:
+# that install is network and disk work, the Rust stages are compiles; both are done before
+# pytest starts, so nothing timing-sensitive shares the cores with it.
+# Every stage runs even after one fails (one CI log shows every failure); the exit status is
+# the first failure's.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+summary=()
+first_rc=0
+suite_start=$(date +%s)
+
+stage() {
+  local name=$1; shift
+  local start rc
+  start=$(date +%s)
+  echo "==== stage $name: $*"
+  "$@"
+  rc=$?
+  local secs=$(( $(date +%s) - start ))
+  summary+=("$(printf 'stage %-9s %5d s  %s' "$name" "$secs" "$([ $rc -eq 0 ] && echo ok || echo "FAILED (exit $rc)")")")
+  echo "==== stage $name: ${secs} s, exit $rc"
+  if [ $rc -ne 0 ] && [ $first_rc -eq 0 ]; then first_rc=$rc; fi
+  return $rc
+}
+
+print_summary() {
+  echo "==== make test: per-stage wall time"
+  printf '%s\n' "${summary[@]}"
+  echo "stage total     $(( $(date +%s) - suite_start )) s"
+}
+trap print_summary EXIT
+
+vllm033_env_log=$(mktemp)
+skip033=${PYKVCACHE_SKIP_VLLM033:-0}
+
+stage venv bash tools/setup_venv.sh || exit $first_rc
+if [ "$skip033" != 1 ]; then
+  bash tools/setup_venv_vllm033.sh >"$vllm033_env_log" 2>&1 &
+  env033_pid=$!
+  env033_start=$(date +%s)
+fi
+stage build make --no-print-directory develop || exit $first_rc
+stage lmcache make --no-print-directory lmcache-env
+stage cargo cargo test --release --locked
+if [ "$skip033" != 1 ]; then
+  wait_env033() { wait "$env033_pid"; local rc=$?; cat "$vllm033_env_log"; return $rc; }
+  stage vllm033env wait_env033
+  summary[-1]="${summary[-1]}  (started with the build: $(( $(date +%s) - env033_start )) s in all)"
+fi
+stage pytest "$PY" -m pytest -q -ra --durations=30
+if [ "$skip033" = 1 ]; then
+  echo "test-vllm033: SKIPPED (PYKVCACHE_SKIP_VLLM033=1): nothing ran against vLLM 0.33"
+  summary+=("stage vllm033   SKIPPED (PYKVCACHE_SKIP_VLLM033=1)")
+else
+  stage vllm033 make --no-print-directory test-vllm033
+fi
+stage benches "$PY" -m pytest -q benches --benchmark-disable
+exit $first_rc
