@@ -115,15 +115,7 @@ impl Core {
             }
             victims
         };
-        if victims.iter().any(|(c, _)| c.ns != OWN) && !self.other_ns_noticed.swap(true, Ordering::Relaxed) {
-            // Once per store: the first time another namespace's chunk goes.
-            let holders = self.space_holders();
-            self.notices.lock().unwrap().push(format!(
-                "capacity_bytes ({capacity} bytes) bounds every namespace under {} together: evicting the stalest \
-                 chunks, other namespaces' included (decision 0053); held before: {holders}",
-                self.layout.roots().iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
-            ));
-        }
+        self.notice_other_namespaces(&victims);
         let mut kept = None;
         for (chunk, _) in victims {
             if kept.is_none() && reuse == Some(self.layout.root_of_ref(chunk)) {
@@ -136,6 +128,30 @@ impl Core {
             self.remove_chunk_ref(chunk);
         }
         (kept, unmet)
+    }
+
+    /// Once per store, the first time another namespace's chunk is to go:
+    /// a log line saying what holds the space.
+    fn notice_other_namespaces(&self, victims: &[(ChunkRef, u64)]) {
+        if victims.iter().any(|(c, _)| c.ns != OWN) && !self.other_ns_noticed.swap(true, Ordering::Relaxed) {
+            let holders = self.space_holders();
+            self.notices.lock().unwrap().push(format!(
+                "capacity_bytes ({} bytes) bounds every namespace under {} together: evicting the stalest \
+                 chunks, other namespaces' included (decision 0053); held before: {holders}",
+                self.capacity.load(Ordering::Relaxed),
+                self.layout.roots().iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
+            ));
+        }
+    }
+
+    /// Unlinks and counts chunks already removed from the index (by whoever
+    /// chose them under its lock).
+    pub(super) fn unlink_evicted(&self, victims: Vec<(ChunkRef, u64)>) {
+        self.notice_other_namespaces(&victims);
+        for (chunk, len) in victims {
+            let _ = std::fs::remove_file(self.layout.chunk_path_of(chunk));
+            self.count_eviction(chunk, len);
+        }
     }
 
     fn count_eviction(&self, chunk: ChunkRef, len: u64) {

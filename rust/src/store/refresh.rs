@@ -36,12 +36,22 @@ impl Core {
             self.index.lock().unwrap().merge_scanned(&[]);
             return Ok((0, 0));
         }
-        let (added, dropped) = self.index.lock().unwrap().refresh(&found, since);
+        // What the others wrote counts here now: back within the capacity
+        // under the same lock, so the index never shows more than the
+        // capacity (the files go after the lock is released).
+        let ((added, dropped), victims) = {
+            let mut index = self.index.lock().unwrap();
+            let counts = index.refresh(&found, since);
+            let victims = index.victims(self.reserved.load(Ordering::Relaxed), self.capacity.load(Ordering::Relaxed), 0);
+            for (chunk, _) in &victims {
+                index.remove_ref(*chunk);
+            }
+            (counts, victims)
+        };
+        self.unlink_evicted(victims);
         Stats::add(&self.stats.refreshes, 1);
         Stats::add(&self.stats.refresh_added, added as u64);
         Stats::add(&self.stats.refresh_dropped, dropped as u64);
-        // What the others wrote counts here now: back within the capacity.
-        self.make_room(0, 0, None, None);
         Ok((added, dropped))
     }
 
