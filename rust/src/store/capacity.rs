@@ -14,7 +14,21 @@ use crate::disk::layout::Layout;
 use crate::error::{EngineError, Result};
 use crate::stats::Stats;
 
-use super::{Core, OpContext, StoreConfig};
+use super::{BlockStore, Core, OpContext, StoreConfig};
+
+impl BlockStore {
+    /// Chunks and bytes of the other namespaces under the roots, which count
+    /// against the capacity (decision 0053).
+    pub fn other_namespace_usage(&self) -> (u64, u64) {
+        let others = self.core.index.lock().unwrap().other_namespaces();
+        (others.iter().map(|(_, c, _)| c).sum(), others.iter().map(|(_, _, b)| b).sum())
+    }
+
+    /// What holds the indexed space: this namespace and the largest others.
+    pub fn space_holders(&self) -> String {
+        self.core.space_holders()
+    }
+}
 
 impl Core {
     /// Makes room for a put and reserves its bytes until it is published or
@@ -171,14 +185,12 @@ impl Core {
             let index = self.index.lock().unwrap();
             let fits = index.total_bytes().max(incoming);
             let before = self.capacity.fetch_min(fits, Ordering::Relaxed);
-            if fits < before {
-                if Stats::add_first(&self.stats.capacity_lowered, 1) {
-                    self.notices.lock().unwrap().push(format!(
-                        "filesystem full before capacity_bytes ({} bytes): evicting on ENOSPC; capacity lowered to {fits} bytes \
-                         (stats capacity_bytes shows the current value)",
-                        self.configured_capacity
-                    ));
-                }
+            if fits < before && Stats::add_first(&self.stats.capacity_lowered, 1) {
+                self.notices.lock().unwrap().push(format!(
+                    "filesystem full before capacity_bytes ({} bytes): evicting on ENOSPC; capacity lowered to {fits} bytes \
+                     (stats capacity_bytes shows the current value)",
+                    self.configured_capacity
+                ));
             }
             index.victims(incoming.saturating_mul(2), fits, keep)
         };

@@ -527,17 +527,6 @@ impl BlockStore {
         Ok(n)
     }
 
-    /// Walks the directories and brings the index in line with them while
-    /// the store serves: chunks other processes or nodes published since
-    /// are indexed (least recently used here) and count against the
-    /// capacity, chunks they removed leave the index; then least recently
-    /// used chunks are evicted down to the capacity. Unlike `rescan`, keeps
-    /// this store's LRU order and what it wrote during the walk.
-    /// Returns (added, dropped).
-    pub fn refresh(&self) -> Result<(usize, usize)> {
-        self.core.refresh()
-    }
-
     /// Chunks that left the index since the last call (evicted here, found
     /// removed by another process, corrupt), as key hashes (`format::key_hash`),
     /// and how many were not kept because the log was full.
@@ -596,27 +585,6 @@ impl BlockStore {
     pub fn committed_bytes(&self) -> u64 {
         let index = self.core.index.lock().unwrap();
         index.total_bytes() + self.core.reserved.load(Ordering::Relaxed)
-    }
-
-    /// Chunks and bytes of the other namespaces under the roots, which count
-    /// against the capacity (decision 0053).
-    pub fn other_namespace_usage(&self) -> (u64, u64) {
-        let others = self.core.index.lock().unwrap().other_namespaces();
-        (others.iter().map(|(_, c, _)| c).sum(), others.iter().map(|(_, _, b)| b).sum())
-    }
-
-    /// What holds the indexed space: this namespace and the largest others.
-    pub fn space_holders(&self) -> String {
-        self.core.space_holders()
-    }
-
-    /// Other writers' live leases in the roots, as last checked.
-    pub fn other_writers(&self) -> u64 {
-        self.core.other_writers.load(Ordering::Relaxed)
-    }
-
-    pub fn refresh_policy(&self) -> RefreshPolicy {
-        self.core.refresh_policy
     }
 
     /// The capacity eviction enforces now: `capacity_bytes` as configured,

@@ -12,7 +12,29 @@ use crate::error::Result;
 use crate::stats::Stats;
 
 use super::config::{RefreshPolicy, AUTO_REFRESH_COST, AUTO_REFRESH_MAX, AUTO_REFRESH_MIN, WRITER_CHECK};
-use super::Core;
+use super::{BlockStore, Core};
+
+impl BlockStore {
+    /// Walks the directories and brings the index in line with them while
+    /// the store serves: chunks other processes or nodes published since
+    /// (of any namespace) are indexed, ranked by their modification time,
+    /// and count against the capacity; chunks they removed leave the index;
+    /// then the stalest chunks are evicted down to the capacity. Unlike
+    /// `rescan`, keeps this store's recency order and what it wrote during
+    /// the walk. Returns (added, dropped) of this namespace.
+    pub fn refresh(&self) -> Result<(usize, usize)> {
+        self.core.refresh()
+    }
+
+    /// Other writers' live leases in the roots, as last checked.
+    pub fn other_writers(&self) -> u64 {
+        self.core.other_writers.load(Ordering::Relaxed)
+    }
+
+    pub fn refresh_policy(&self) -> RefreshPolicy {
+        self.core.refresh_policy
+    }
+}
 
 impl Core {
     pub(super) fn refresh(&self) -> Result<(usize, usize)> {
