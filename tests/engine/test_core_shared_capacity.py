@@ -77,3 +77,36 @@ def test_two_processes_writing_one_local_directory_stay_within_one_capacity(stor
             if p.poll() is None:
                 p.stdin.close()
                 p.wait(timeout=30)
+
+
+def test_auto_refresh_walks_only_while_another_writer_holds_a_lease(store_dir, caplog):
+    """The default costs nothing alone (no walk); a second store's lease starts
+    the walks within about a second (logged once), its close ends them."""
+    import pykvcache as kv
+
+    pool = kv.StagingPool(PAYLOAD, 1)
+    a = kv.BlockStore([str(store_dir)], pool, namespace="lease-a", capacity_bytes=CAPACITY, min_free_bytes=0)
+    time.sleep(1.5)
+    s = a.stats()
+    assert (s["refresh_mode"], s["other_writers"], s["refreshes"]) == ("auto", 0, 0), s
+    leases = os.listdir(store_dir / ".writers")
+    assert len(leases) == 1 and leases[0].startswith(f"{os.getpid()}-")
+    with caplog.at_level("INFO", logger="pykvcache"):
+        b = kv.BlockStore([str(store_dir)], pool, namespace="lease-b", capacity_bytes=CAPACITY, min_free_bytes=0)
+        deadline = time.monotonic() + 5
+        while a.stats()["refreshes"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        s = a.stats()
+    assert s["other_writers"] == 1 and s["refreshes"] >= 1 and s["auto_refresh_starts"] == 1, s
+    assert any("another process writes" in r.getMessage() for r in caplog.records)
+    b.close()
+    assert len(os.listdir(store_dir / ".writers")) == 1, "a closed store's lease is gone"
+    deadline = time.monotonic() + 10
+    while a.stats()["other_writers"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # the check that saw it gone starts one last walk (a few ms here)
+    walks = a.stats()["refreshes"]
+    time.sleep(2.5)
+    assert a.stats()["other_writers"] == 0 and a.stats()["refreshes"] == walks, "alone again: no more walks"
+    a.close()
+    assert os.listdir(store_dir / ".writers") == []
