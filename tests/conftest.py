@@ -72,3 +72,10 @@ def mounted(tmp_path):
 
 def pytest_report_header(config):
     return f"pykvcache tests, uid={os.getuid()}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Engine hosts (tests/helpers/engine_driver.py) end with the session.
+    helpers = sys.modules.get("engine_driver")
+    if helpers is not None:
+        helpers.close_hosts()

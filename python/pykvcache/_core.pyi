@@ -135,6 +135,7 @@ class StoreStats(TypedDict):
     breaker_skipped_puts: int
     breaker_probes: int
     breaker_probe_failures: int
+    breaker_closes: int
     # Walks of the directories (refresh(), refresh_interval_s) for chunks
     # other nodes wrote (added, now counted) or removed (dropped).
     refreshes: int
@@ -460,6 +461,9 @@ class BlockStore:
     def completion_fd(self) -> int:
         """eventfd that becomes readable when any operation completes (for asyncio)."""
     def inflight(self) -> int: ...
+    def breaker_health(self) -> tuple[int, int, int]:
+        """``(breaker_opens, breaker_closes, open_dirs)`` of :meth:`stats`, alone
+        (cheap enough to ask once per request)."""
     def stats(self) -> StoreStats: ...
     def close(self) -> None:
         """Drain in-flight I/O, stop the backend. Idempotent. Callers waiting

@@ -683,6 +683,16 @@ impl PyBlockStore {
     #[getter]
     fn completion_fd(&self) -> i32 { self.inner.completion_fd() }
 
+    /// `(breaker_opens, breaker_closes, open_dirs)`: what `stats()` says of
+    /// the circuit breakers, without the rest of it (a few atomic loads and one
+    /// lock per directory; the gate asks once per request).
+    fn breaker_health(&self) -> (u64, u64, usize) {
+        let c = &self.inner.health().counters;
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        let open = self.inner.dir_states().iter().filter(|(_, st)| *st != "closed").count();
+        (g(&c.breaker_opens), g(&c.breaker_closes), open)
+    }
+
     fn inflight(&self) -> usize {
         self.inner.in_flight()
     }
@@ -702,6 +712,7 @@ impl PyBlockStore {
         d.set_item("breaker_skipped_puts", g(&c.skipped_puts))?;
         d.set_item("breaker_probes", g(&c.probes))?;
         d.set_item("breaker_probe_failures", g(&c.probe_failures))?;
+        d.set_item("breaker_closes", g(&c.breaker_closes))?;
         d.set_item("late_completions", g(&c.late_completions))?;
         d.set_item("stuck_ops", self.inner.stuck_ops())?;
         d.set_item("quarantined_slots", self.inner.pool().quarantined_slots())?;

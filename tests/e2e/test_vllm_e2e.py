@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from engine_driver import run_driver
+from engine_driver import hosted_run
 from vllm_marks import VLLM_ENGINE
 from child_paths import child
 
@@ -86,7 +86,9 @@ def _kv_config(store_dir: Path, staging_slots: int, **extra) -> dict:
 
 
 def _run(scenario: dict, workdir: Path, name: str) -> dict:
-    result, _ = run_driver(str(DRIVER), scenario, workdir, name)
+    # Through the session's engine host: this module's engines and those of the
+    # modules that import _run (model identity, canonical layout) share one process.
+    result, _ = hosted_run(str(DRIVER), scenario, workdir, name)
     times = ", ".join(f"{p['name']}={p['seconds']}s" for p in result["phases"])
     print(f"[{name}] startup={result['startup_s']}s {times}", file=sys.stderr)
     result["by_name"] = {p["name"]: p for p in result["phases"]}

@@ -96,6 +96,8 @@ def test_a_stalled_directory_gives_misses_within_the_deadline_quarantines_and_re
         pool.release(slot)
         s = store.stats()
         assert s["breaker_opens"] == 1 and s["dir_states"] == ["open"], s
+        # What the vLLM gate watches (decision 0054): an outage began, none ended.
+        assert store.breaker_health() == (1, 0, 1)
         # Open breaker: a miss / a skipped put at once, the directory is not touched ("at once":
         # before the deadline a stalled open would wait for; a bound, not a tight time, so a
         # loaded machine's scheduling delay cannot fail it).
@@ -115,6 +117,7 @@ def test_a_stalled_directory_gives_misses_within_the_deadline_quarantines_and_re
         s = store.stats()
         assert s["quarantined_slots"] == 0 and s["quarantine_releases"] >= 3 and s["late_completions"] >= 3, s
         assert pool.free_slots == 8, "every quarantined slot came back"
+        assert store.breaker_health() == (1, 1, 0) and s["breaker_closes"] == 1
         # Disk hits again, without a restart; every chunk still verified.
         for k in keys:
             r, _, slot = get(store, pool, k)

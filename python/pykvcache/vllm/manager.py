@@ -132,6 +132,11 @@ class NvmeOffloadingManager(OffloadingManager):
         self._presence = DiskPresence(self.metrics)
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
+        # The gate must not learn the device from loads timed during a storage
+        # outage, and restarts its exploration after one (decision 0054). A
+        # lambda: reset_cache replaces the store.
+        self.gating.watch_breakers(lambda: self.store.breaker_health(),
+                                   io_deadline_s=self.store.stats()["io_deadline_s"])
 
     @property
     def lock(self):
@@ -444,6 +449,9 @@ class NvmeOffloadingManager(OffloadingManager):
     def get_stats(self):
         self.poll_io()
         self.preloader.sweep()
+        # Once per engine step: an outage is seen within a step even when no
+        # request is planned or loaded meanwhile.
+        self.gating.poll_breakers()
         for name, value in self.gating.take_counters().items():
             self.metrics.inc(name, value)
         for name, value in self.gating.gauges().items():
