@@ -11,7 +11,9 @@ Four engine processes, each running several phases (see driver.py):
 * other      another model (same tokenizer, so the same chunk keys) on the
              same directory: no hits; then the staging memory it loads from
              is overwritten with noise: the output changes, which proves the
-             loaded KV is really used.
+             loaded KV is really used. Its capacity_bytes is below what the
+             first model left there: capacity spans both namespaces, so it
+             evicts the first model's stalest chunks (decision 0053).
 """
 
 from __future__ import annotations
@@ -34,6 +36,9 @@ CHUNK_TOKENS = 64  # pykvcache chunk = 2 vLLM blocks: exercises blocks_per_chunk
 MAX_TOKENS = 24
 CHUNK_BYTES = 2 * 2 * 2 * 64 * 4 * CHUNK_TOKENS  # layers * (K,V) * kv heads * head_dim * fp32
 SLOT_FOOTPRINT = CHUNK_BYTES + 4096
+#: The other model's capacity_bytes, in chunk files: its own prefix (~14
+#: chunks) fits, the ~50 the first model left in the directory do not.
+OTHER_CAPACITY_CHUNKS = 20
 
 
 def _texts():
@@ -134,12 +139,20 @@ def restart(models, workdir, store_dir, offload):
     return _run(scenario, workdir, "restart")
 
 
+def _chunk_bytes_by_namespace(store_dir: Path) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for f in store_dir.glob("*/*/*.kvc"):
+        out[f.parent.parent.name] = out.get(f.parent.parent.name, 0) + f.stat().st_size
+    return out
+
+
 @pytest.fixture(scope="session")
 def other_model(models, workdir, store_dir, restart):
     xs, _, _ = _texts()
+    disk_before = _chunk_bytes_by_namespace(store_dir)
     scenario = {
         "model": models["other"],
-        "llm": {"kv_transfer_config": _kv_config(store_dir, 64)},
+        "llm": {"kv_transfer_config": _kv_config(store_dir, 64, capacity_bytes=OTHER_CAPACITY_CHUNKS * SLOT_FOOTPRINT)},
         "phases": [
             {"op": "generate", "name": "mismatch", "prompts": [xs[0]]},
             {"op": "reset_prefix_cache"},
@@ -149,7 +162,9 @@ def other_model(models, workdir, store_dir, restart):
             {"op": "generate", "name": "scribbled", "prompts": [xs[0]]},
         ],
     }
-    return _run(scenario, workdir, "other")
+    result = _run(scenario, workdir, "other")
+    result["disk_before"], result["disk_after"] = disk_before, _chunk_bytes_by_namespace(store_dir)
+    return result
 
 
 def _metric(phase: dict, name: str) -> float:
@@ -213,6 +228,24 @@ def test_other_model_on_same_directory_gets_no_hits(other_model):
     staged = other_model["by_name"]["staged"]
     assert staged["num_cached_tokens"][0] >= 800
     assert staged["tokens"] == mismatch["tokens"]
+
+
+def test_a_new_model_makes_room_in_the_old_namespace_within_one_capacity(other_model):
+    """Issue 24 finding 2 through vLLM: the first model's chunks count against
+    the other model's capacity_bytes and the stalest go, so the new namespace
+    stores its own and the directory holds one capacity in total."""
+    before, after = other_model["disk_before"], other_model["disk_after"]
+    capacity = OTHER_CAPACITY_CHUNKS * SLOT_FOOTPRINT
+    assert len(before) == 1 and sum(before.values()) > capacity, before
+    (old_ns,) = before
+    (new_ns,) = set(after) - {old_ns}
+    assert sum(after.values()) <= capacity, after
+    assert 0 < after.get(old_ns, 0) < before[old_ns], "only the old namespace's stalest chunks went"
+    last = other_model["by_name"]["scribbled"]
+    # The other model's own chunks are all kept, and its metrics say what is on disk.
+    assert after[new_ns] >= 13 * SLOT_FOOTPRINT
+    assert _metric(last, "disk_used_bytes") == after[new_ns]
+    assert _metric(last, "disk_chunks") * SLOT_FOOTPRINT == after[new_ns]
 
 
 def test_loaded_kv_is_really_used(other_model):

@@ -469,6 +469,8 @@ class NvmeOffloadingManager(OffloadingManager):
         self.metrics.set_gauge("disk_recycled_files", stats["recycled_files"])
         self.metrics.set_gauge("disk_recycle_skipped", stats["recycle_skipped"])
         self.metrics.set_gauge("disk_capacity_bytes", self.store.capacity_bytes)
+        self.metrics.set_gauge("disk_other_namespace_bytes", stats["other_namespace_bytes"])
+        self.metrics.set_gauge("disk_other_writers", stats["other_writers"])
         for gauge, key in (("disk_io_timeouts", "io_timeouts"), ("disk_breaker_opens", "breaker_opens"),
                            ("disk_breaker_skipped_gets", "breaker_skipped_gets"),
                            ("disk_breaker_skipped_puts", "breaker_skipped_puts"),

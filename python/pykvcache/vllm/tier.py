@@ -339,6 +339,9 @@ class PykvcacheTier(SecondaryTierManager):
         self.metrics.set_gauge("disk_used_bytes", self._store.used_bytes)
         self.metrics.set_gauge("disk_chunks", len(self._store))
         self.metrics.set_gauge("disk_capacity_bytes", self._store.capacity_bytes)
+        stats = self._store.stats()
+        self.metrics.set_gauge("disk_other_namespace_bytes", stats["other_namespace_bytes"])
+        self.metrics.set_gauge("disk_other_writers", stats["other_writers"])
         return self.metrics.take_stats()
 
     def shutdown(self) -> None:
