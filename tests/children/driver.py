@@ -276,6 +276,8 @@ def run_scenario(scenario: dict, report) -> None:
         from pykvcache.vllm.layout import staging_shm_prefix
 
         prefix = staging_shm_prefix(kv_config.engine_id)
+    if staging is not None:
+        staging.close()  # this driver's own mapping of the engine's staging (scribble_staging)
     report({"startup_s": round(startup_s, 2), "phases": results, "staging_prefix": prefix})
     # Shut the engine down explicitly so pykvcache's shutdown path (flush
     # pending writes) runs before exit (or before the host's next engine).
