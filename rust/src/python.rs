@@ -118,6 +118,36 @@ int_args! {
     slot_arg: usize = "slot";
 }
 
+/// `refresh_interval_s`: "auto" (walk while another writer's lease is live,
+/// decision 0053), a positive number of seconds, or None / 0 (never).
+fn refresh_arg(ob: &Bound<'_, PyAny>) -> PyResult<store::RefreshPolicy> {
+    if ob.is_none() {
+        return Ok(store::RefreshPolicy::Off);
+    }
+    if let Ok(text) = ob.extract::<String>() {
+        if text == "auto" {
+            return Ok(store::RefreshPolicy::Auto);
+        }
+    } else if let Ok(s) = ob.extract::<f64>() {
+        if s == 0.0 {
+            return Ok(store::RefreshPolicy::Off);
+        }
+        if s.is_finite() && s > 0.0 {
+            return Ok(store::RefreshPolicy::Every(Duration::from_secs_f64(s.min(1e9))));
+        }
+    }
+    Err(PyValueError::new_err(format!("refresh_interval_s must be \"auto\", a positive number of seconds, or None/0 (never), not {ob}")))
+}
+
+/// A refresh policy as Python names it: "auto", "off", "every <s> s".
+fn refresh_name(p: store::RefreshPolicy) -> String {
+    match p {
+        store::RefreshPolicy::Off => "off".to_string(),
+        store::RefreshPolicy::Auto => "auto".to_string(),
+        store::RefreshPolicy::Every(d) => format!("every {:.3} s", d.as_secs_f64()),
+    }
+}
+
 // ---- staging
 
 #[pyclass(name = "StagingPool", module = "pykvcache._core", frozen)]
@@ -449,7 +479,7 @@ impl PyBlockStore {
                         submit_timeout=Some(defaults::SUBMIT_TIMEOUT_S), io_threads=defaults::IO_THREADS,
                         chunk_workers=defaults::CHUNK_WORKERS, verify=defaults::VERIFY, recycle_files=true, background_scan=false,
                         preallocate=true, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
-                        min_free_bytes=None, min_free_fraction=None, io_deadline=None, refresh_interval_s=None,
+                        min_free_bytes=None, min_free_fraction=None, io_deadline=None, refresh_interval_s=defaults::REFRESH_INTERVAL_S,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -478,7 +508,7 @@ impl PyBlockStore {
         min_free_bytes: Option<u64>,
         min_free_fraction: Option<f64>,
         io_deadline: Option<f64>,
-        refresh_interval_s: Option<f64>,
+        #[pyo3(from_py_with = refresh_arg)] refresh_interval_s: store::RefreshPolicy,
         _fault_max_transfer: Option<usize>,
         _fault_fail_nth: Option<(u64, i32)>,
     ) -> PyResult<Self> {
@@ -503,12 +533,7 @@ impl PyBlockStore {
                 fraction: min_free_fraction.unwrap_or(0.0),
             };
         }
-        if let Some(s) = refresh_interval_s {
-            if !(s.is_finite() && s > 0.0) {
-                return Err(PyValueError::new_err(format!("refresh_interval_s must be a positive number of seconds or None, not {s}")));
-            }
-            config.refresh_interval = Some(Duration::from_secs_f64(s.min(1e9)));
-        }
+        config.refresh = refresh_interval_s;
         if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
             config.faults = Some(Arc::new(crate::faults::FaultPlan {
                 max_transfer: _fault_max_transfer,
@@ -530,6 +555,9 @@ impl PyBlockStore {
         for w in &report.warnings {
             logger.call_method1("warning", ("pykvcache: %s", w))?;
         }
+        for n in &report.notes {
+            logger.call_method1("info", ("pykvcache: %s", n))?;
+        }
         for (dir, s) in store.storage_support() {
             logger.call_method1(
                 "info",
@@ -546,6 +574,24 @@ impl PyBlockStore {
             )?;
         }
         Ok(PyBlockStore { inner: Arc::new(store), submit_timeout })
+    }
+
+    /// Logs the engine's messages about space since the last call (from
+    /// worker threads, during earlier puts or walks), each once: ENOSPC
+    /// lowered the capacity, another namespace's chunks evicted, a put refused
+    /// for the reserve (what holds the space), another writer found.
+    fn log_notices(&self, py: Python<'_>) -> PyResult<()> {
+        let notices = self.inner.take_notices();
+        if notices.is_empty() {
+            return Ok(());
+        }
+        let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
+        for n in notices {
+            // Another writer found is news, not trouble.
+            let level = if n.starts_with("another process writes") { "info" } else { "warning" };
+            logger.call_method1(level, ("pykvcache: %s", n))?;
+        }
+        Ok(())
     }
 
     /// Logs the circuit breakers' state changes since the last call: one
@@ -568,11 +614,7 @@ impl PyBlockStore {
         let k = key.clone();
         let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
         self.log_health(py)?;
-        if let Some(notice) = self.inner.take_capacity_notice() {
-            // ENOSPC lowered the capacity (on a worker thread, during an earlier put): logged once.
-            let logger = py.import("logging")?.call_method1("getLogger", ("pykvcache",))?;
-            logger.call_method1("warning", ("pykvcache: %s", notice))?;
-        }
+        self.log_notices(py)?;
         Ok(PyIoHandle::new(&self.inner, id, "put", key, slot))
     }
 
@@ -668,12 +710,23 @@ impl PyBlockStore {
     #[getter]
     fn completion_fd(&self) -> i32 { self.inner.completion_fd() }
 
+    /// `(breaker_opens, breaker_closes, open_dirs)`: what `stats()` says of
+    /// the circuit breakers, without the rest of it (a few atomic loads and one
+    /// lock per directory; the gate asks once per request).
+    fn breaker_health(&self) -> (u64, u64, usize) {
+        let c = &self.inner.health().counters;
+        let g = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+        let open = self.inner.dir_states().iter().filter(|(_, st)| *st != "closed").count();
+        (g(&c.breaker_opens), g(&c.breaker_closes), open)
+    }
+
     fn inflight(&self) -> usize {
         self.inner.in_flight()
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         self.log_health(py)?;
+        self.log_notices(py)?;
         let d = PyDict::new(py);
         let s = self.inner.stats();
         let h = self.inner.health();
@@ -686,6 +739,7 @@ impl PyBlockStore {
         d.set_item("breaker_skipped_puts", g(&c.skipped_puts))?;
         d.set_item("breaker_probes", g(&c.probes))?;
         d.set_item("breaker_probe_failures", g(&c.probe_failures))?;
+        d.set_item("breaker_closes", g(&c.breaker_closes))?;
         d.set_item("late_completions", g(&c.late_completions))?;
         d.set_item("stuck_ops", self.inner.stuck_ops())?;
         d.set_item("quarantined_slots", self.inner.pool().quarantined_slots())?;
@@ -715,6 +769,11 @@ impl PyBlockStore {
         d.set_item("chunks", self.inner.len())?;
         d.set_item("filler_chunks", self.inner.filler_count())?;
         d.set_item("used_bytes", self.inner.used_bytes())?;
+        let (other_chunks, other_bytes) = self.inner.other_namespace_usage();
+        d.set_item("other_namespace_chunks", other_chunks)?;
+        d.set_item("other_namespace_bytes", other_bytes)?;
+        d.set_item("other_writers", self.inner.other_writers())?;
+        d.set_item("refresh_mode", refresh_name(self.inner.refresh_policy()))?;
         d.set_item("capacity_bytes", self.inner.capacity_bytes())?;
         d.set_item("configured_capacity_bytes", self.inner.configured_capacity_bytes())?;
         d.set_item("min_free_bytes", self.inner.min_free_bytes())?;
@@ -760,6 +819,7 @@ fn engine_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("file_mode", defaults::FILE_MODE)?;
     // None: derived from the slot size (`store::health::default_deadline`).
     d.set_item("io_deadline", py.None())?;
+    d.set_item("refresh_interval_s", refresh_name(defaults::REFRESH_INTERVAL_S))?;
     Ok(d)
 }
 
@@ -787,14 +847,21 @@ fn probe_storage_dir<'py>(py: Python<'py>, path: PathBuf, file_mode: u32) -> PyR
     support_dict(py, &s)
 }
 
-/// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
-/// holds `payload_bytes`: what a chunk costs on disk and in a staging slot.
 /// The 128-bit hash a chunk's file is named by (``take_removed`` reports these).
 #[pyfunction]
 fn key_hash(key: &[u8]) -> u128 {
     crate::disk::format::key_hash(key)
 }
 
+/// xxh3-128 of the `length` bytes of the open file `fd` from `offset`, read
+/// without the GIL (threads digest pieces of one file in parallel).
+#[pyfunction]
+fn digest_range(py: Python<'_>, fd: i32, offset: u64, length: u64) -> PyResult<u128> {
+    py.detach(|| crate::digest::xxh3_128_range(fd, offset, length)).map_err(PyErr::from)
+}
+
+/// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
+/// holds `payload_bytes`: what a chunk costs on disk and in a staging slot.
 #[pyfunction]
 fn chunk_file_bytes(#[pyo3(from_py_with = payload_bytes_arg)] payload_bytes: usize) -> PyResult<usize> {
     if payload_bytes > usize::MAX - 2 * IO_ALIGN - HEADER_BYTES {
@@ -843,6 +910,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_DEFAULTS", engine_defaults(py)?)?;
     m.add_function(wrap_pyfunction!(key_hash, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(digest_range, m)?)?;
     m.add_function(wrap_pyfunction!(check_storage_dir, m)?)?;
     m.add_function(wrap_pyfunction!(probe_storage_dir, m)?)?;
     m.add("FORMAT_VERSION", FORMAT_VERSION)?;

@@ -4,6 +4,7 @@
 //! prefetch and their verification), `write` (put: seal, publish),
 //! `capacity` (reservation, eviction, ENOSPC, the free-space reserve),
 //! `completion` (segment hand-off, chunk workers, the single exit `finish`),
+//! `refresh` (walks for what other writers did, the writer lease),
 //! `config` (options, defaults, choices).
 //!
 //! # Threads
@@ -73,6 +74,7 @@ use crate::disk::format::{self, Fingerprint, HEADER_BYTES, IO_ALIGN, MAX_KEY_BYT
 use crate::disk::index::ChunkIndex;
 use crate::disk::layout::Layout;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
+use crate::disk::writers::WriterLease;
 use crate::error::{EngineError, Result};
 use crate::ops::{MissKind, OpId, OpTable, Outcome, Status};
 use crate::staging::StagingPool;
@@ -84,9 +86,10 @@ mod jobs;
 mod completion;
 pub mod config;
 mod read;
+mod refresh;
 mod write;
 
-pub use config::{BackendChoice, FreeSpaceReserve, StoreConfig, VerifyPolicy, MAX_INFLIGHT, MAX_THREADS};
+pub use config::{BackendChoice, FreeSpaceReserve, RefreshPolicy, StoreConfig, VerifyPolicy, MAX_INFLIGHT, MAX_THREADS};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpKind {
@@ -131,8 +134,18 @@ struct Core {
     /// What eviction keeps the index within: the configured capacity, lowered
     /// when the filesystem fills up first (ENOSPC). Never raised again.
     capacity: AtomicU64,
-    /// Set when `capacity` was first lowered; taken once by whoever logs it.
-    capacity_notice: Mutex<Option<String>>,
+    /// Messages about space for the caller to log (the engine has no
+    /// logger): the capacity lowered by ENOSPC, the first eviction of another
+    /// namespace's chunk, the first refused put, another writer found.
+    notices: Mutex<Vec<String>>,
+    other_ns_noticed: AtomicBool,
+    /// This store's writer lease in each root (`disk::writers`); taken at
+    /// close. Shared so that no lock is held across its file operations,
+    /// which can block on a stalled directory.
+    lease: Mutex<Option<Arc<WriterLease>>>,
+    /// Other writers' live leases, as last checked by the refresh thread.
+    other_writers: AtomicU64,
+    refresh_policy: RefreshPolicy,
     /// Bytes kept free on each root's filesystem (`FreeSpaceReserve`); 0 = none.
     min_free: Vec<u64>,
     /// Bytes of puts between eviction and publication: they count against the
@@ -177,6 +190,8 @@ pub struct OpenReport {
     /// Configuration that works but is probably not what was meant (the
     /// capacity exceeds the filesystems): for the caller to log.
     pub warnings: Vec<String>,
+    /// What the caller may log at info level (other namespaces found).
+    pub notes: Vec<String>,
     pub scanned_chunks: usize,
     pub scan_time: Duration,
 }
@@ -255,7 +270,9 @@ impl BlockStore {
             direct_active.push(direct);
         }
 
-        let (min_free, warnings) = capacity::free_space_plan(&layout, &config)?;
+        let (min_free, mut warnings) = capacity::free_space_plan(&layout, &config)?;
+        let (lease, lease_notes) = WriterLease::take(layout.roots(), config.permissions.dir_mode, config.permissions.file_mode);
+        warnings.extend(lease_notes);
 
         let (index, scan_progress) = if config.background_scan {
             let mut index = ChunkIndex::default();
@@ -283,7 +300,11 @@ impl BlockStore {
             namespace,
             configured_capacity: config.capacity_bytes,
             capacity: AtomicU64::new(config.capacity_bytes),
-            capacity_notice: Mutex::new(None),
+            notices: Mutex::new(Vec::new()),
+            other_ns_noticed: AtomicBool::new(false),
+            lease: Mutex::new(Some(Arc::new(lease))),
+            other_writers: AtomicU64::new(0),
+            refresh_policy: config.refresh,
             min_free,
             reserved: AtomicU64::new(0),
             recycle_files: config.recycle_files,
@@ -336,12 +357,21 @@ impl BlockStore {
             }
         }
         let done = core.scan.report();
-        let report = OpenReport { fallbacks: core.stats.fallbacks(), warnings, scanned_chunks: done.chunks, scan_time: done.time };
-        let mut refresher = None;
-        if let Some(every) = config.refresh_interval {
-            let c = core.clone();
-            match std::thread::Builder::new().name("pykvcache-refresh".into()).spawn(move || c.refresh_loop(every)) {
-                Ok(h) => refresher = Some(h),
+        let mut notes = Vec::new();
+        if core.scan.report().done && !core.index.lock().unwrap().other_namespaces().is_empty() {
+            notes.push(format!(
+                "other namespaces' chunks under the storage directories count against capacity_bytes and are evicted \
+                 when stalest (decision 0053): {}",
+                core.space_holders()
+            ));
+        }
+        let report = OpenReport { fallbacks: core.stats.fallbacks(), warnings, notes, scanned_chunks: done.chunks, scan_time: done.time };
+        // Always started: it renews this store's writer lease, which other
+        // stores look for, whatever this one's policy.
+        let refresher = {
+            let (c, policy) = (core.clone(), config.refresh);
+            match std::thread::Builder::new().name("pykvcache-refresh".into()).spawn(move || c.refresh_loop(policy)) {
+                Ok(h) => Some(h),
                 Err(e) => {
                     core.scan.stop.store(true, Ordering::Relaxed);
                     core.jobs.stop();
@@ -352,7 +382,7 @@ impl BlockStore {
                     return Err(EngineError::io("starting the refresh thread", e));
                 }
             }
-        }
+        };
         let store = BlockStore {
             core,
             backend,
@@ -501,17 +531,6 @@ impl BlockStore {
         Ok(n)
     }
 
-    /// Walks the directories and brings the index in line with them while
-    /// the store serves: chunks other processes or nodes published since
-    /// are indexed (least recently used here) and count against the
-    /// capacity, chunks they removed leave the index; then least recently
-    /// used chunks are evicted down to the capacity. Unlike `rescan`, keeps
-    /// this store's LRU order and what it wrote during the walk.
-    /// Returns (added, dropped).
-    pub fn refresh(&self) -> Result<(usize, usize)> {
-        self.core.refresh()
-    }
-
     /// Chunks that left the index since the last call (evicted here, found
     /// removed by another process, corrupt), as key hashes (`format::key_hash`),
     /// and how many were not kept because the log was full.
@@ -564,12 +583,12 @@ impl BlockStore {
         self.core.index.lock().unwrap().used_bytes()
     }
 
-    /// `used_bytes` plus the bytes puts in flight reserved: what eviction
-    /// weighs against the capacity. Exact: a put's bytes move from reserved
-    /// to used under the index lock.
+    /// Bytes of every namespace's chunks under the roots plus the bytes
+    /// puts in flight reserved: what eviction weighs against the capacity.
+    /// Exact: a put's bytes move from reserved to used under the index lock.
     pub fn committed_bytes(&self) -> u64 {
         let index = self.core.index.lock().unwrap();
-        index.used_bytes() + self.core.reserved.load(Ordering::Relaxed)
+        index.total_bytes() + self.core.reserved.load(Ordering::Relaxed)
     }
 
     /// The capacity eviction enforces now: `capacity_bytes` as configured,
@@ -587,10 +606,12 @@ impl BlockStore {
         self.core.min_free.clone()
     }
 
-    /// A message the first time ENOSPC lowered the capacity, once: for the
-    /// caller to log (the engine has no logger).
-    pub fn take_capacity_notice(&self) -> Option<String> {
-        self.core.capacity_notice.lock().unwrap().take()
+    /// Messages about space since the last call (ENOSPC lowered the
+    /// capacity, another namespace's chunks evicted, a put refused for the
+    /// reserve, another writer found), each once: for the caller to log (the
+    /// engine has no logger).
+    pub fn take_notices(&self) -> Vec<String> {
+        std::mem::take(&mut *self.core.notices.lock().unwrap())
     }
 
     pub fn backend_name(&self) -> &'static str {
@@ -669,6 +690,19 @@ impl BlockStore {
             }
             if h.is_finished() {
                 let _ = h.join();
+            }
+        }
+        // Others stop counting this store as a writer. The lease files are
+        // closed and unlinked by a helper thread, waited for as the refresher
+        // is: at once on a working directory (so none of its files stays open
+        // after close: an unmount right after succeeds), never longer than the
+        // grace on a stalled one (an unlink there can block).
+        if let Some(lease) = self.core.lease.lock().unwrap().take() {
+            if let Ok(h) = std::thread::Builder::new().name("pykvcache-lease".into()).spawn(move || drop(lease)) {
+                let until = std::time::Instant::now() + CLOSE_GRACE.min(self.core.health.deadline);
+                while !h.is_finished() && std::time::Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
             }
         }
         let grace = crate::wait::deadline_after(Some(CLOSE_GRACE.min(self.core.health.deadline)));
@@ -812,57 +846,6 @@ impl Core {
 impl Drop for BlockStore {
     fn drop(&mut self) {
         self.close();
-    }
-}
-
-impl Core {
-    fn refresh(&self) -> Result<(usize, usize)> {
-        // A background scan still running owns the index's scan mode.
-        self.scan.wait(None);
-        let since = {
-            let mut index = self.index.lock().unwrap();
-            index.begin_scan();
-            index.last_tick()
-        };
-        let found = match scan::collect(&self.layout, &self.scan.stop) {
-            Ok(found) => found,
-            Err(e) => {
-                self.index.lock().unwrap().merge_scanned(&[]);
-                Stats::add(&self.stats.refresh_errors, 1);
-                return Err(e);
-            }
-        };
-        if self.scan.stop.load(Ordering::Relaxed) {
-            // Closing: the walk ended early and saw only part of the tree.
-            self.index.lock().unwrap().merge_scanned(&[]);
-            return Ok((0, 0));
-        }
-        let (added, dropped) = self.index.lock().unwrap().refresh(&found, since);
-        Stats::add(&self.stats.refreshes, 1);
-        Stats::add(&self.stats.refresh_added, added as u64);
-        Stats::add(&self.stats.refresh_dropped, dropped as u64);
-        // What the others wrote counts here now: back within the capacity.
-        self.make_room(0, 0, None, None);
-        Ok((added, dropped))
-    }
-
-    /// The refresh thread: one `refresh` every `every` until the store closes.
-    fn refresh_loop(&self, every: Duration) {
-        let tick = Duration::from_millis(20).min(every);
-        let mut next = Instant::now() + every;
-        while !self.scan.stop.load(Ordering::Relaxed) {
-            if Instant::now() < next {
-                std::thread::sleep(tick);
-                continue;
-            }
-            if let Err(e) = self.refresh() {
-                // The engine has no logger; once is enough (counted in refresh_errors).
-                if self.stats.refresh_errors.load(Ordering::Relaxed) == 1 {
-                    eprintln!("pykvcache: refreshing the index failed: {e}");
-                }
-            }
-            next = Instant::now() + every;
-        }
     }
 }
 
