@@ -235,9 +235,9 @@ fn full_filesystem_case(preallocate: bool) {
     assert!(store.capacity_bytes() < 2 << 20, "capacity lowered to what fits: {}", store.capacity_bytes());
     assert_eq!(store.configured_capacity_bytes(), 1 << 30);
     assert!(store.used_bytes() <= store.capacity_bytes());
-    let notice = store.take_capacity_notice().expect("lowering is reported");
-    assert!(notice.contains("ENOSPC"), "{notice}");
-    assert!(store.take_capacity_notice().is_none(), "reported once");
+    let notices = store.take_notices();
+    assert!(matches!(&notices[..], [n] if n.level == pykvcache::Level::Warning && n.text.contains("ENOSPC")), "lowering is reported: {notices:?}");
+    assert!(store.take_notices().is_empty(), "reported once");
     // LRU kept the newest chunks, and they hold the right bytes.
     let kept: Vec<usize> = (0..keys.len()).filter(|&i| store.contains(&keys[i])).collect();
     assert!(!kept.is_empty() && kept == ((keys.len() - kept.len())..keys.len()).collect::<Vec<_>>(), "{kept:?}");

@@ -9,6 +9,7 @@ use std::sync::atomic::Ordering;
 use crate::disk::files;
 use crate::disk::layout::Layout;
 use crate::error::{EngineError, Result};
+use crate::notice::Notice;
 use crate::stats::Stats;
 
 use super::{Core, OpContext, StoreConfig};
@@ -112,11 +113,11 @@ impl Core {
             if fits < before {
                 let mut notice = self.capacity_notice.lock().unwrap();
                 if Stats::add_first(&self.stats.capacity_lowered, 1) {
-                    *notice = Some(format!(
+                    *notice = Some(Notice::warning(format!(
                         "filesystem full before capacity_bytes ({} bytes): evicting on ENOSPC; capacity lowered to {fits} bytes \
                          (stats capacity_bytes shows the current value)",
                         self.configured_capacity
-                    ));
+                    )));
                 }
             }
             index.victims(incoming.saturating_mul(2), fits, keep)
