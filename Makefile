@@ -30,11 +30,12 @@ lmcache-env:
 	bash tools/setup_lmcache.sh .lmcache
 
 # The lint gate (stage `lint` of `make test`, after `build`): clippy with warnings as errors
-# (check artifacts, kept in target/ between runs), rustfmt (rustfmt.toml), ruff (pyproject.toml)
+# (--release: reuses the release build's dependency build scripts, 27 s instead of 52 s cold on
+# 2 cores; ~1 s when only lint config changed), rustfmt (rustfmt.toml), ruff (pyproject.toml)
 # and mypy's stubtest of the hand-written _core.pyi against the extension `develop` built
 # (tools/stubtest-allowlist.txt: only what stubtest cannot judge). ruff and mypy: requirements-dev.
 lint:
-	cargo clippy --all-targets --features python --quiet -- -D warnings
+	cargo clippy --release --all-targets --features python --quiet -- -D warnings
 	cargo fmt --check
 	$(PY) -m ruff check --quiet .
 	$(PY) -m mypy.stubtest pykvcache._core --allowlist tools/stubtest-allowlist.txt
