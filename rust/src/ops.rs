@@ -287,7 +287,11 @@ impl<C> OpTable<C> {
     /// last segment. A completion for an entry with no segments left (which
     /// no backend sends) is an `Err` for the caller to log: it runs on the
     /// ring thread, which must not panic.
-    pub fn segment_done(&self, index: u32, result: std::result::Result<(), SegmentError>) -> std::result::Result<Option<Finished<C>>, String> {
+    pub fn segment_done(
+        &self,
+        index: u32,
+        result: std::result::Result<(), SegmentError>,
+    ) -> std::result::Result<Option<Finished<C>>, String> {
         let mut t = self.lock();
         let Some(e) = t.entries.get_mut(index as usize) else {
             return Err(format!("segment completion for operation {index}, beyond the table"));

@@ -102,10 +102,8 @@ impl PyBlockStore {
         config.preallocate = preallocate;
         config.permissions = Permissions { dir_mode, file_mode, allow_insecure_root };
         if min_free_bytes.is_some() || min_free_fraction.is_some() {
-            config.min_free = store::FreeSpaceReserve::AtLeast {
-                bytes: min_free_bytes.unwrap_or(0),
-                fraction: min_free_fraction.unwrap_or(0.0),
-            };
+            config.min_free =
+                store::FreeSpaceReserve::AtLeast { bytes: min_free_bytes.unwrap_or(0), fraction: min_free_fraction.unwrap_or(0.0) };
         }
         if let Some(s) = refresh_interval_s {
             if !(s.is_finite() && s > 0.0) {
@@ -139,7 +137,13 @@ impl PyBlockStore {
         report::log_notices(py, self.inner.take_notices())
     }
 
-    fn put(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize, #[pyo3(from_py_with = length_arg)] length: usize) -> PyResult<PyIoHandle> {
+    fn put(
+        &self,
+        py: Python<'_>,
+        key: Vec<u8>,
+        #[pyo3(from_py_with = slot_arg)] slot: usize,
+        #[pyo3(from_py_with = length_arg)] length: usize,
+    ) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
@@ -213,28 +217,44 @@ impl PyBlockStore {
     }
 
     #[getter]
-    fn used_bytes(&self) -> u64 { self.inner.used_bytes() }
+    fn used_bytes(&self) -> u64 {
+        self.inner.used_bytes()
+    }
 
     #[getter]
-    fn committed_bytes(&self) -> u64 { self.inner.committed_bytes() }
+    fn committed_bytes(&self) -> u64 {
+        self.inner.committed_bytes()
+    }
     #[getter]
-    fn capacity_bytes(&self) -> u64 { self.inner.capacity_bytes() }
+    fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity_bytes()
+    }
     #[getter]
-    fn backend(&self) -> &'static str { self.inner.backend_name() }
+    fn backend(&self) -> &'static str {
+        self.inner.backend_name()
+    }
     /// Why the backend moves no more bytes (a fatal io_uring error), or None
     /// while it works; new operations then raise `BackendUnavailable`.
     #[getter]
-    fn backend_error(&self) -> Option<String> { self.inner.backend_failure() }
+    fn backend_error(&self) -> Option<String> {
+        self.inner.backend_failure()
+    }
     #[getter]
-    fn fixed_buffers(&self) -> bool { self.inner.fixed_buffers() }
+    fn fixed_buffers(&self) -> bool {
+        self.inner.fixed_buffers()
+    }
     #[getter]
-    fn direct_io(&self) -> bool { self.inner.direct_io() }
+    fn direct_io(&self) -> bool {
+        self.inner.direct_io()
+    }
     #[getter]
     fn namespace_dir(&self) -> Vec<String> {
         self.inner.namespace_dirs().iter().map(|p| p.display().to_string()).collect()
     }
     #[getter]
-    fn completion_fd(&self) -> i32 { self.inner.completion_fd() }
+    fn completion_fd(&self) -> i32 {
+        self.inner.completion_fd()
+    }
 
     fn inflight(&self) -> usize {
         self.inner.in_flight()

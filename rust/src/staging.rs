@@ -14,8 +14,8 @@ use std::os::unix::fs::MetadataExt;
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
-use crate::error::{EngineError, Result};
 use crate::disk::format::{round_up, HEADER_BYTES, IO_ALIGN};
+use crate::error::{EngineError, Result};
 use crate::wait::{deadline_after, wait_until, TimedOut};
 
 const MAP_ALIGN: usize = 2 << 20;
@@ -42,10 +42,7 @@ fn layout(slot_bytes: usize, num_slots: usize) -> Result<(usize, usize)> {
             "slot_bytes={slot_bytes} with num_slots={num_slots} is too large: the pool would not fit the address space"
         ))
     };
-    let stride = slot_bytes
-        .checked_next_multiple_of(IO_ALIGN)
-        .and_then(|p| p.checked_add(HEADER_BYTES))
-        .ok_or_else(too_big)?;
+    let stride = slot_bytes.checked_next_multiple_of(IO_ALIGN).and_then(|p| p.checked_add(HEADER_BYTES)).ok_or_else(too_big)?;
     let data_len = stride.checked_mul(num_slots).ok_or_else(too_big)?;
     match data_len.checked_add(TRAILER_BYTES + MAP_ALIGN) {
         Some(total) if total <= isize::MAX as usize => Ok((stride, data_len)),
@@ -144,8 +141,8 @@ impl StagingPool {
     /// Slot accounting stays with the creator.
     pub fn attach(shm_name: &str) -> Result<Self> {
         let path = shm_path(shm_name)?;
-        let file = File::options().read(true).write(true).open(&path)
-            .map_err(|e| EngineError::io(format!("opening shared staging {path}"), e))?;
+        let file =
+            File::options().read(true).write(true).open(&path).map_err(|e| EngineError::io(format!("opening shared staging {path}"), e))?;
         Self::attach_file(&file, shm_name, &path)
     }
 
@@ -156,7 +153,10 @@ impl StagingPool {
     pub fn attach_memfd(name: &str) -> Result<Self> {
         check_shm_name(name)?;
         let path = find_memfd(name)?;
-        let file = File::options().read(true).write(true).open(&path)
+        let file = File::options()
+            .read(true)
+            .write(true)
+            .open(&path)
             .map_err(|e| EngineError::io(format!("opening shared staging memfd {name} at {path}"), e))?;
         Self::attach_file(&file, name, &format!("memfd {name} ({path})"))
     }
@@ -224,15 +224,31 @@ impl StagingPool {
         }
     }
 
-    pub fn slot_bytes(&self) -> usize { self.slot_bytes }
-    pub fn stride(&self) -> usize { self.stride }
-    pub fn num_slots(&self) -> usize { self.num_slots }
-    pub fn total_bytes(&self) -> usize { self.mapped_len }
-    pub fn base_address(&self) -> usize { self.base as usize }
-    pub fn shm_name(&self) -> Option<&str> { self.shm_name.as_deref() }
-    pub fn is_owner(&self) -> bool { self.owner }
+    pub fn slot_bytes(&self) -> usize {
+        self.slot_bytes
+    }
+    pub fn stride(&self) -> usize {
+        self.stride
+    }
+    pub fn num_slots(&self) -> usize {
+        self.num_slots
+    }
+    pub fn total_bytes(&self) -> usize {
+        self.mapped_len
+    }
+    pub fn base_address(&self) -> usize {
+        self.base as usize
+    }
+    pub fn shm_name(&self) -> Option<&str> {
+        self.shm_name.as_deref()
+    }
+    pub fn is_owner(&self) -> bool {
+        self.owner
+    }
     /// Created as `Backing::Memfd` (by this process).
-    pub fn is_memfd(&self) -> bool { self.memfd.is_some() }
+    pub fn is_memfd(&self) -> bool {
+        self.memfd.is_some()
+    }
 
     pub fn free_slots(&self) -> usize {
         self.state.lock().unwrap().free.len()
@@ -253,8 +269,12 @@ impl StagingPool {
         unsafe { self.slot_ptr(slot).add(HEADER_BYTES) }
     }
 
-    pub fn region_ptr(&self) -> *mut u8 { self.base }
-    pub fn region_len(&self) -> usize { self.stride * self.num_slots }
+    pub fn region_ptr(&self) -> *mut u8 {
+        self.base
+    }
+    pub fn region_len(&self) -> usize {
+        self.stride * self.num_slots
+    }
 
     fn check_slot(&self, slot: usize) -> Result<()> {
         if slot >= self.num_slots {
@@ -299,10 +319,7 @@ impl StagingPool {
             return Err(EngineError::State(format!("slot {slot} is not acquired")));
         }
         if st.exports[slot] > 0 {
-            return Err(EngineError::State(format!(
-                "slot {slot} still has {} exported view(s); release them first",
-                st.exports[slot]
-            )));
+            return Err(EngineError::State(format!("slot {slot} still has {} exported view(s); release them first", st.exports[slot])));
         }
         if st.io_pins[slot] > 0 && st.quarantined[slot] {
             // Its I/O was abandoned: the owner is done with it, the kernel may
@@ -340,7 +357,11 @@ impl StagingPool {
     }
 
     pub fn exports(&self, slot: usize) -> u32 {
-        if slot >= self.num_slots { 0 } else { self.state.lock().unwrap().exports[slot] }
+        if slot >= self.num_slots {
+            0
+        } else {
+            self.state.lock().unwrap().exports[slot]
+        }
     }
 
     /// Pins a slot for I/O: it cannot be released until the I/O completes.
@@ -446,7 +467,14 @@ fn reserve_aligned(len: usize) -> Result<(*mut u8, usize, *mut u8)> {
     // `len` may come from a file's size (attach): checked, never wrapped.
     let reserved_len = len.checked_add(MAP_ALIGN).ok_or_else(|| EngineError::invalid("staging pool too large for the address space"))?;
     let p = unsafe {
-        libc::mmap(std::ptr::null_mut(), reserved_len, libc::PROT_NONE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE, -1, 0)
+        libc::mmap(
+            std::ptr::null_mut(),
+            reserved_len,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
     };
     if p == libc::MAP_FAILED {
         return Err(EngineError::last_os("reserving staging address space"));
@@ -457,7 +485,14 @@ fn reserve_aligned(len: usize) -> Result<(*mut u8, usize, *mut u8)> {
 
 fn map_anonymous(base: *mut u8, len: usize) -> Result<()> {
     let p = unsafe {
-        libc::mmap(base as *mut _, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED, -1, 0)
+        libc::mmap(
+            base as *mut _,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED,
+            -1,
+            0,
+        )
     };
     if p == libc::MAP_FAILED {
         return Err(EngineError::last_os("mapping staging memory"));
@@ -569,9 +604,8 @@ fn available_memory() -> Option<usize> {
             // Page cache (e.g. of the model weights just read) is reclaimed on
             // demand; tmpfs/shared memory in "file" is not.
             let stat = read("memory.stat").unwrap_or_default();
-            let field = |k: &str| {
-                stat.lines().find_map(|l| l.strip_prefix(k)?.strip_prefix(' ')?.trim().parse::<usize>().ok()).unwrap_or(0)
-            };
+            let field =
+                |k: &str| stat.lines().find_map(|l| l.strip_prefix(k)?.strip_prefix(' ')?.trim().parse::<usize>().ok()).unwrap_or(0);
             let reclaimable = field("file").saturating_sub(field("shmem"));
             avail = avail.min(max.saturating_sub(current.saturating_sub(reclaimable)));
         }
@@ -584,9 +618,7 @@ fn fmt_bytes(n: usize) -> String {
 }
 
 fn map_fd(base: *mut u8, len: usize, fd: libc::c_int, what: &str) -> Result<()> {
-    let p = unsafe {
-        libc::mmap(base as *mut _, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd, 0)
-    };
+    let p = unsafe { libc::mmap(base as *mut _, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd, 0) };
     if p == libc::MAP_FAILED {
         return Err(EngineError::last_os(format!("mapping shared staging {what}")));
     }
@@ -628,9 +660,7 @@ fn find_memfd(name: &str) -> Result<String> {
             format!("no process holds a staging memfd named {name} (its owner exited, or runs in another PID namespace)"),
             std::io::Error::from_raw_os_error(libc::ENOENT),
         )),
-        n => Err(EngineError::State(format!(
-            "{n} processes hold a staging memfd named {name}: give each engine its own name"
-        ))),
+        n => Err(EngineError::State(format!("{n} processes hold a staging memfd named {name}: give each engine its own name"))),
     }
 }
 
@@ -668,7 +698,8 @@ mod tests {
     #[test]
     fn sizes_that_would_wrap_or_overflow_are_refused() {
         // issue 14 item 5: 2**64-1 wrapped the stride to 4096, 2**64-4097 to 0.
-        let cases = [(usize::MAX, 2), (usize::MAX - 4096, 2), (isize::MAX as usize, 1), (1 << 62, 4), (0, 1), (4096, 0), (4096, MAX_SLOTS + 1)];
+        let cases =
+            [(usize::MAX, 2), (usize::MAX - 4096, 2), (isize::MAX as usize, 1), (1 << 62, 4), (0, 1), (4096, 0), (4096, MAX_SLOTS + 1)];
         for (slot_bytes, num_slots) in cases {
             let err = StagingPool::create(slot_bytes, num_slots, None).err();
             assert!(matches!(err, Some(EngineError::InvalidArgument(_))), "{slot_bytes} x {num_slots}: {err:?}");

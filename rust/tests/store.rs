@@ -193,9 +193,15 @@ fn temp_files(store: &BlockStore) -> Vec<PathBuf> {
     for ns in store.namespace_dirs() {
         for shard in std::fs::read_dir(ns).unwrap().flatten() {
             if shard.path().is_dir() {
-                out.extend(shard.path().read_dir().unwrap().flatten().map(|e| e.path()).filter(|p| {
-                    p.file_name().unwrap().to_str().unwrap().starts_with(".tmp-")
-                }));
+                out.extend(
+                    shard
+                        .path()
+                        .read_dir()
+                        .unwrap()
+                        .flatten()
+                        .map(|e| e.path())
+                        .filter(|p| p.file_name().unwrap().to_str().unwrap().starts_with(".tmp-")),
+                );
             }
         }
     }
@@ -236,7 +242,10 @@ fn full_filesystem_case(preallocate: bool) {
     assert_eq!(store.configured_capacity_bytes(), 1 << 30);
     assert!(store.used_bytes() <= store.capacity_bytes());
     let notices = store.take_notices();
-    assert!(matches!(&notices[..], [n] if n.level == pykvcache::Level::Warning && n.text.contains("ENOSPC")), "lowering is reported: {notices:?}");
+    assert!(
+        matches!(&notices[..], [n] if n.level == pykvcache::Level::Warning && n.text.contains("ENOSPC")),
+        "lowering is reported: {notices:?}"
+    );
     assert!(store.take_notices().is_empty(), "reported once");
     // LRU kept the newest chunks, and they hold the right bytes.
     let kept: Vec<usize> = (0..keys.len()).filter(|&i| store.contains(&keys[i])).collect();

@@ -182,12 +182,7 @@ impl ChunkIndex {
     /// began. Returns (added, dropped).
     pub fn refresh(&mut self, found: &[Found], since: u64) -> (usize, usize) {
         let present: HashSet<u128> = found.iter().map(|f| f.hash).collect();
-        let gone: Vec<u128> = self
-            .entries
-            .iter()
-            .filter(|(h, e)| e.tick <= since && !present.contains(h))
-            .map(|(h, _)| *h)
-            .collect();
+        let gone: Vec<u128> = self.entries.iter().filter(|(h, e)| e.tick <= since && !present.contains(h)).map(|(h, _)| *h).collect();
         let added = self.merge_scanned(found);
         for h in &gone {
             self.remove(*h);
@@ -309,7 +304,7 @@ mod tests {
         ix.begin_scan();
         let since = ix.last_tick();
         ix.insert(4, 100); // published here while the walk ran (the walk missed it)
-        // The walk: 1 and 3 still there, 2 gone (another node evicted it), 9 new (another node wrote it).
+                           // The walk: 1 and 3 still there, 2 gone (another node evicted it), 9 new (another node wrote it).
         let found: Vec<Found> = [1, 3, 9].map(|hash| Found { hash, file_len: 100, filler: false }).to_vec();
         assert_eq!(ix.refresh(&found, since), (1, 1));
         assert!(ix.contains(1) && !ix.contains(2) && ix.contains(3) && ix.contains(4) && ix.contains(9));

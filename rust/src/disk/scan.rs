@@ -13,12 +13,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::faults::SharedFaults;
-use crate::wait::{deadline_after, wait_until};
-use crate::error::{EngineError, Result};
 use crate::disk::files;
 use crate::disk::index::{ChunkIndex, Found};
 use crate::disk::layout::{parse_chunk_name, Layout, TEMP_PREFIX};
+use crate::error::{EngineError, Result};
+use crate::faults::SharedFaults;
+use crate::wait::{deadline_after, wait_until};
 
 /// Temporary files whose inode changed longer ago than this belong to a dead
 /// writer (also when their writer's lock cannot tell, e.g. without flock).
@@ -50,8 +50,8 @@ pub fn collect(layout: &Layout, stop: &AtomicBool) -> Result<Vec<Found>> {
                 if name.starts_with(TEMP_PREFIX) {
                     // ctime, not mtime: claiming an evicted file for reuse renames it
                     // (fresh ctime) but keeps the old mtime until it is written.
-                    let changed = SystemTime::UNIX_EPOCH
-                        + Duration::new(meta.ctime().max(0) as u64, meta.ctime_nsec().clamp(0, 999_999_999) as u32);
+                    let changed =
+                        SystemTime::UNIX_EPOCH + Duration::new(meta.ctime().max(0) as u64, meta.ctime_nsec().clamp(0, 999_999_999) as u32);
                     let age = now.duration_since(changed).unwrap_or_default();
                     if age > STALE_TEMP_AGE || files::temp_writer_gone(&entry.path(), name) {
                         let _ = std::fs::remove_file(entry.path());

@@ -6,7 +6,6 @@ use std::time::Duration;
 use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
 
-
 /// Timeouts longer than this (about 31.7 years, `inf` included) mean "wait
 /// forever", like None: `Duration::from_secs_f64` panics past its range and
 /// `Instant + Duration` past the clock's, so huge values never reach them.

@@ -61,10 +61,21 @@ pub(super) fn add_exceptions(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let exception = builtins.getattr("Exception")?;
     let base = make_type(py, "PykvcacheError", vec![exception], "Base class of every error raised by the engine.")?;
     let b = base.bind(py).clone().into_any();
-    let pool_exhausted = make_type(py, "PoolExhausted", vec![b.clone(), builtins.getattr("TimeoutError")?], "No staging slot or operation slot became free within the timeout (backpressure).")?;
+    let pool_exhausted = make_type(
+        py,
+        "PoolExhausted",
+        vec![b.clone(), builtins.getattr("TimeoutError")?],
+        "No staging slot or operation slot became free within the timeout (backpressure).",
+    )?;
     let corrupt = make_type(py, "CorruptChunk", vec![b.clone()], "A chunk failed verification.")?;
-    let store_error = make_type(py, "StoreError", vec![b.clone(), builtins.getattr("OSError")?], "An OS-level failure; errno is set where one applies.")?;
-    let unavailable = make_type(py, "BackendUnavailable", vec![store_error.bind(py).clone().into_any()], "A requested backend or direct-I/O mode cannot be used here.")?;
+    let store_error =
+        make_type(py, "StoreError", vec![b.clone(), builtins.getattr("OSError")?], "An OS-level failure; errno is set where one applies.")?;
+    let unavailable = make_type(
+        py,
+        "BackendUnavailable",
+        vec![store_error.bind(py).clone().into_any()],
+        "A requested backend or direct-I/O mode cannot be used here.",
+    )?;
     for (name, t, cell) in [
         ("PykvcacheError", base, &BASE_ERROR),
         ("PoolExhausted", pool_exhausted, &POOL_EXHAUSTED),

@@ -22,21 +22,35 @@ pub(super) struct PyIoResult {
 #[pymethods]
 impl PyIoResult {
     #[getter]
-    fn status(&self) -> &'static str { self.outcome.status.name() }
+    fn status(&self) -> &'static str {
+        self.outcome.status.name()
+    }
     #[getter]
-    fn length(&self) -> u64 { self.outcome.length }
+    fn length(&self) -> u64 {
+        self.outcome.length
+    }
     #[getter]
-    fn errno(&self) -> Option<i32> { self.outcome.errno }
+    fn errno(&self) -> Option<i32> {
+        self.outcome.errno
+    }
     #[getter]
-    fn message(&self) -> &str { &self.outcome.message }
+    fn message(&self) -> &str {
+        &self.outcome.message
+    }
     #[getter]
-    fn latency_s(&self) -> f64 { self.outcome.latency.as_secs_f64() }
+    fn latency_s(&self) -> f64 {
+        self.outcome.latency.as_secs_f64()
+    }
     #[getter]
-    fn ok(&self) -> bool { self.outcome.status == Status::Ok }
+    fn ok(&self) -> bool {
+        self.outcome.status == Status::Ok
+    }
     /// A get that served nothing: what became of its chunk file, as the
     /// engine judged it ("absent", "kept", "unavailable", "corrupt").
     #[getter]
-    fn miss_kind(&self) -> Option<&'static str> { self.outcome.miss_kind.map(|k| k.name()) }
+    fn miss_kind(&self) -> Option<&'static str> {
+        self.outcome.miss_kind.map(|k| k.name())
+    }
 
     fn raise_for_status(&self) -> PyResult<()> {
         let o = &self.outcome;
@@ -44,10 +58,9 @@ impl PyIoResult {
             Status::Ok => Ok(()),
             Status::Miss => Err(pyo3::exceptions::PyKeyError::new_err(o.message.clone())),
             Status::Corrupt => Err(to_py(EngineError::Corrupt { path: String::new(), reason: o.message.clone() })),
-            Status::Error => Err(to_py(EngineError::io(
-                o.message.clone(),
-                std::io::Error::from_raw_os_error(o.errno.unwrap_or(libc::EIO)),
-            ))),
+            Status::Error => {
+                Err(to_py(EngineError::io(o.message.clone(), std::io::Error::from_raw_os_error(o.errno.unwrap_or(libc::EIO)))))
+            }
         }
     }
 
@@ -90,7 +103,9 @@ impl PyIoHandle {
         pyo3::types::PyBytes::new(py, &self.key)
     }
     #[getter]
-    fn slot(&self) -> usize { self.slot }
+    fn slot(&self) -> usize {
+        self.slot
+    }
 
     fn done(&self) -> PyResult<bool> {
         if self.result.get().is_some() {

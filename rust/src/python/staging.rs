@@ -88,27 +88,47 @@ impl PyStagingPool {
     }
 
     #[getter]
-    fn slot_bytes(&self) -> usize { self.inner.slot_bytes() }
+    fn slot_bytes(&self) -> usize {
+        self.inner.slot_bytes()
+    }
     #[getter]
-    fn slot_stride(&self) -> usize { self.inner.stride() }
+    fn slot_stride(&self) -> usize {
+        self.inner.stride()
+    }
     #[getter]
-    fn num_slots(&self) -> usize { self.inner.num_slots() }
+    fn num_slots(&self) -> usize {
+        self.inner.num_slots()
+    }
     #[getter]
-    fn total_bytes(&self) -> usize { self.inner.total_bytes() }
+    fn total_bytes(&self) -> usize {
+        self.inner.total_bytes()
+    }
     #[getter]
-    fn base_address(&self) -> usize { self.inner.base_address() }
+    fn base_address(&self) -> usize {
+        self.inner.base_address()
+    }
     #[getter]
-    fn shm_name(&self) -> Option<String> { self.inner.shm_name().map(str::to_owned) }
+    fn shm_name(&self) -> Option<String> {
+        self.inner.shm_name().map(str::to_owned)
+    }
     #[getter]
-    fn is_owner(&self) -> bool { self.inner.is_owner() }
+    fn is_owner(&self) -> bool {
+        self.inner.is_owner()
+    }
     #[getter]
-    fn is_memfd(&self) -> bool { self.inner.is_memfd() }
+    fn is_memfd(&self) -> bool {
+        self.inner.is_memfd()
+    }
     #[getter]
-    fn free_slots(&self) -> usize { self.inner.free_slots() }
+    fn free_slots(&self) -> usize {
+        self.inner.free_slots()
+    }
     /// Slots released while quarantined (abandoned I/O may still touch them):
     /// free once that I/O ends.
     #[getter]
-    fn deferred_releases(&self) -> usize { self.inner.deferred_releases() }
+    fn deferred_releases(&self) -> usize {
+        self.inner.deferred_releases()
+    }
 
     fn payload_offset(&self, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<usize> {
         self.inner.payload_offset(slot).map_err(to_py)

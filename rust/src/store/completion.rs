@@ -4,9 +4,9 @@
 //! the single exit of every operation. Also the submission helpers both
 //! paths share.
 
-use crate::backend::{clock_ns, thread_cpu_clock, Backend, Segment, SegmentError, SegmentSink};
-use super::jobs::{DirJob, Job};
 use super::health;
+use super::jobs::{DirJob, Job};
+use crate::backend::{clock_ns, thread_cpu_clock, Backend, Segment, SegmentError, SegmentSink};
 use crate::disk::files;
 use crate::disk::format::HEADER_BYTES;
 use crate::ops::{Finished, MissKind, OpId, Outcome, Status, Watch};

@@ -263,7 +263,10 @@ impl Health {
                 b.probes += 1;
                 b.probe = Some((b.probes, now));
                 self.counters.probes.fetch_add(1, Ordering::Relaxed);
-                self.notice(Notice::info(format!("storage directory {}: circuit breaker open -> half-open (probing)", self.dirs[root].path.display())));
+                self.notice(Notice::info(format!(
+                    "storage directory {}: circuit breaker open -> half-open (probing)",
+                    self.dirs[root].path.display()
+                )));
                 Due::Probe(b.probes)
             }
             BreakerState::HalfOpen => {
@@ -359,7 +362,15 @@ mod tests {
         h.probe_result(0, k, Ok(()), t0 + 9 * d);
         assert_eq!(h.state(0), BreakerState::Closed);
         let notices = h.take_notices();
-        let expected = ["closed -> open", "open -> half-open", "half-open -> open", "open -> half-open", "half-open -> open", "open -> half-open", "half-open -> closed"];
+        let expected = [
+            "closed -> open",
+            "open -> half-open",
+            "half-open -> open",
+            "open -> half-open",
+            "half-open -> open",
+            "open -> half-open",
+            "half-open -> closed",
+        ];
         assert_eq!(notices.len(), expected.len(), "{notices:#?}");
         for (n, e) in notices.iter().zip(expected) {
             assert!(n.text.contains(&format!("circuit breaker {e} ")), "{n:?} is not {e}");

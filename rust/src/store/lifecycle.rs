@@ -95,7 +95,6 @@ impl BlockStore {
     }
 }
 
-
 /// How long `close` waits for operations stuck in the kernel once they were
 /// abandoned (at most the deadline).
 const CLOSE_GRACE: Duration = Duration::from_secs(2);

@@ -65,8 +65,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
-use jobs::{DirJob, DirQueue, JobQueue, LstatReply};
-use health::Health;
 use crate::disk::files::{self, FsSupport, PendingFile};
 use crate::disk::format::{self, Fingerprint, HEADER_BYTES, MAX_KEY_BYTES};
 use crate::disk::index::ChunkIndex;
@@ -77,6 +75,8 @@ use crate::notice::Notice;
 use crate::ops::{OpId, OpTable, Outcome};
 use crate::staging::StagingPool;
 use crate::stats::Stats;
+use health::Health;
+use jobs::{DirJob, DirQueue, JobQueue, LstatReply};
 
 mod capacity;
 mod completion;

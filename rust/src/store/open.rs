@@ -82,10 +82,7 @@ impl BlockStore {
                 (DirectIoPolicy::Disabled, _) => false,
                 (_, true) => true,
                 (DirectIoPolicy::Required, false) => {
-                    return Err(EngineError::BackendUnavailable(format!(
-                        "{} refuses O_DIRECT and direct_io=required",
-                        dir.display()
-                    )))
+                    return Err(EngineError::BackendUnavailable(format!("{} refuses O_DIRECT and direct_io=required", dir.display())))
                 }
                 (DirectIoPolicy::Optional, false) => {
                     stats.record_fallback(format!("O_DIRECT refused in {}: buffered I/O with page-cache drop", dir.display()));
@@ -146,9 +143,7 @@ impl BlockStore {
         let mut workers = Vec::new();
         for i in 0..config.chunk_workers.max(1) {
             let (c, b) = (core.clone(), backend.clone());
-            let spawned = std::thread::Builder::new()
-                .name(format!("pykvcache-chunk-{i}"))
-                .spawn(move || completion::chunk_worker(&c, &*b));
+            let spawned = std::thread::Builder::new().name(format!("pykvcache-chunk-{i}")).spawn(move || completion::chunk_worker(&c, &*b));
             match spawned {
                 Ok(h) => workers.push(h),
                 Err(e) => {
@@ -161,9 +156,7 @@ impl BlockStore {
         let mut scanner = None;
         if config.background_scan {
             let (c, faults) = (core.clone(), config.faults.clone());
-            let spawned = std::thread::Builder::new()
-                .name("pykvcache-scan".into())
-                .spawn(move || c.scan.run(&c.layout, &c.index, &faults));
+            let spawned = std::thread::Builder::new().name("pykvcache-scan".into()).spawn(move || c.scan.run(&c.layout, &c.index, &faults));
             match spawned {
                 Ok(h) => scanner = Some(h),
                 Err(e) => {
@@ -224,9 +217,8 @@ fn make_backend(config: &StoreConfig, core: &Arc<Core>) -> Result<Box<dyn Backen
         return make_threads(sink);
     }
     let pool = &core.pool;
-    let iovecs: Vec<libc::iovec> = (0..pool.num_slots())
-        .map(|s| libc::iovec { iov_base: pool.slot_ptr(s) as *mut _, iov_len: pool.stride() })
-        .collect();
+    let iovecs: Vec<libc::iovec> =
+        (0..pool.num_slots()).map(|s| libc::iovec { iov_base: pool.slot_ptr(s) as *mut _, iov_len: pool.stride() }).collect();
     let buffers = (config.register_buffers).then_some(&iovecs[..]);
     match UringBackend::new(config.queue_depth, buffers, sink.clone(), config.faults.clone()) {
         Ok(setup) => {

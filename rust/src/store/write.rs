@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
+use super::jobs::{DirJob, Job};
 use crate::backend::{Backend, SegmentError};
 use crate::checksum::crc32c;
-use super::jobs::{DirJob, Job};
 use crate::disk::files;
 use crate::disk::format::{self, HEADER_BYTES};
 use crate::error::{EngineError, Result};
@@ -85,10 +85,17 @@ impl Core {
         }
         let from = if sealed_now { 0 } else { HEADER_BYTES };
         let header_write = u32::from(!sealed_now);
-        if let Err(ctx) = self.ops.start(id, ctx, completion::segment_count(from, file_len, self.write_segment_bytes) as u32 + header_write) {
+        if let Err(ctx) = self.ops.start(id, ctx, completion::segment_count(from, file_len, self.write_segment_bytes) as u32 + header_write)
+        {
             return self.fail_early(id, ctx, None, completion::CLOSED_WHILE_SUBMITTING.into());
         }
-        completion::submit_range(backend, Transfer::of_slot(pool, id, slot, fd, true, false, root), from, file_len, self.write_segment_bytes);
+        completion::submit_range(
+            backend,
+            Transfer::of_slot(pool, id, slot, fd, true, false, root),
+            from,
+            file_len,
+            self.write_segment_bytes,
+        );
         if !sealed_now {
             self.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length, root });
         }
@@ -101,7 +108,9 @@ impl Core {
         let payload = unsafe { std::slice::from_raw_parts(pool.payload_ptr(slot), payload_len) };
         let crc = crc32c(payload);
         let header = unsafe { std::slice::from_raw_parts_mut(pool.slot_ptr(slot), HEADER_BYTES) };
-        let sealed = self.ops.with_context(id.index, |ctx| format::encode_header_for(header, &self.namespace, &ctx.key, payload_len as u64, Some(crc)));
+        let sealed = self
+            .ops
+            .with_context(id.index, |ctx| format::encode_header_for(header, &self.namespace, &ctx.key, payload_len as u64, Some(crc)));
         if sealed.is_none() {
             // Cannot happen (the put is in flight until its header is written);
             // its header write then fails the chunk's checks, nothing is served.
