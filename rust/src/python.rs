@@ -306,7 +306,8 @@ fn engine_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
 /// O_DIRECT (an aligned write and read), O_TMPFILE, fallocate, whether
 /// unaligned O_DIRECT is accepted and whether O_DIRECT set after open shows.
 #[pyfunction]
-#[pyo3(signature = (path, *, file_mode=defaults::FILE_MODE))]
+// text_signature: PyO3 renders a default it cannot evaluate as `...` (stubtest checks the stub against it).
+#[pyo3(signature = (path, *, file_mode=defaults::FILE_MODE), text_signature = "(path, *, file_mode=0o600)")]
 fn probe_storage_dir<'py>(py: Python<'py>, path: PathBuf, file_mode: u32) -> PyResult<Bound<'py, PyDict>> {
     if !path.is_dir() {
         return Err(PyValueError::new_err(format!("{} is not a directory", path.display())));

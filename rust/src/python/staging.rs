@@ -134,7 +134,8 @@ impl PyStagingPool {
         self.inner.payload_offset(slot).map_err(to_py)
     }
 
-    #[pyo3(signature = (timeout=Some(0.0)))]
+    // text_signature: PyO3 renders `Some(0.0)` as `...` (stubtest checks the stub against it).
+    #[pyo3(signature = (timeout=Some(0.0)), text_signature = "($self, timeout=0.0)")]
     fn acquire(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<usize> {
         let t = timeout_of("timeout", timeout)?;
         let pool = self.inner.clone();
