@@ -1,72 +1,98 @@
-"""What the weights digest in the namespace costs at start-up, for a checkpoint
-shaped like Llama-3.1-70B (80 layers, 723 tensors, bf16, 30 safetensors shards).
+"""What the weights identity in the namespace costs at start-up: every byte of
+the weights is digested on a node's first start, a digest cache spares the
+reading on later starts (decision 0052).
 
-The shards are sparse files (real headers, holes for the tensor data), so the
-run needs ~1 MB of disk and measures the digest's own work: reads issued,
-bytes read, seconds (warm). For the cold cost, multiply the read count by the
-device's 4 KiB random-read latency. Usage::
+Writes a checkpoint of random bytes (``--gib``, in ``--shards`` safetensors-
+named files) under ``--dir`` and measures three starts:
 
-    python scripts/weights_identity_cost.py [--layers 80] [--shards 30]
+* cold:   the files evicted from the page cache first (``posix_fadvise``
+          DONTNEED on these files only): the disk's speed;
+* warm:   the files in the page cache, as right after vLLM loaded them (the
+          digest runs in the scheduler after the model load), no digest cache;
+* cached: a second start on the same files: a stat per file.
+
+and extrapolates to a 16 GB checkpoint. Usage::
+
+    python scripts/weights_identity_cost.py [--gib 2] [--shards 4] [--dir /tmp]
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import struct
+import os
 import tempfile
+import time
 from pathlib import Path
 
-from pykvcache.vllm.model_identity import weights_identity
+from pykvcache.vllm.digest_cache import RACY_WINDOW_NS, DigestCache
+from pykvcache.vllm.model_identity import WeightsIdentity, weights_identity
+from pykvcache.vllm.weights_digest import DIGEST_THREADS
 
-HIDDEN, INTERMEDIATE, VOCAB, KV = 8192, 28672, 128256, 1024  # Llama-3.1-70B
-
-
-def llama_tensors(layers: int) -> list[tuple[str, list[int]]]:
-    tensors = [("model.embed_tokens.weight", [VOCAB, HIDDEN])]
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        tensors += [(p + "self_attn.q_proj.weight", [HIDDEN, HIDDEN]), (p + "self_attn.k_proj.weight", [KV, HIDDEN]),
-                    (p + "self_attn.v_proj.weight", [KV, HIDDEN]), (p + "self_attn.o_proj.weight", [HIDDEN, HIDDEN]),
-                    (p + "mlp.gate_proj.weight", [INTERMEDIATE, HIDDEN]), (p + "mlp.up_proj.weight", [INTERMEDIATE, HIDDEN]),
-                    (p + "mlp.down_proj.weight", [HIDDEN, INTERMEDIATE]), (p + "input_layernorm.weight", [HIDDEN]),
-                    (p + "post_attention_layernorm.weight", [HIDDEN])]
-    return tensors + [("model.norm.weight", [HIDDEN]), ("lm_head.weight", [VOCAB, HIDDEN])]
+EXTRAPOLATE_BYTES = 16e9
 
 
-def build_sparse_checkpoint(directory: Path, layers: int, shards: int) -> tuple[int, int]:
-    """Writes the shards; returns (tensor count, checkpoint bytes)."""
-    tensors = llama_tensors(layers)
-    per = -(-len(tensors) // shards)
-    total = 0
+def build_checkpoint(directory: Path, total_bytes: int, shards: int) -> int:
+    """Random-content shards (plus a config.json); returns the bytes written."""
+    per = total_bytes // shards
+    block = os.urandom(1 << 20)
     for s in range(shards):
-        header, offset = {}, 0
-        for name, shape in tensors[s * per:(s + 1) * per]:
-            size = 2  # bf16
-            for dim in shape:
-                size *= dim
-            header[name] = {"dtype": "BF16", "shape": shape, "data_offsets": [offset, offset + size]}
-            offset += size
-        blob = json.dumps(header).encode()
         with open(directory / f"model-{s + 1:05d}-of-{shards:05d}.safetensors", "wb") as f:
-            f.write(struct.pack("<Q", len(blob)) + blob)
-            f.truncate(8 + len(blob) + offset)  # a hole where the tensor data would be
-        total += offset
+            left = per
+            while left:
+                n = min(left, len(block))
+                # A fresh first byte per MiB: no two MiB alike, cheaply.
+                f.write(os.urandom(1) + block[1:n])
+                left -= n
+            f.flush()
+            os.fsync(f.fileno())
     (directory / "config.json").write_text("{}")
-    return len(tensors), total
+    return per * shards
+
+
+def evict(directory: Path) -> None:
+    """Drops these files' clean pages from the page cache (no root needed)."""
+    for path in directory.iterdir():
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def describe(name: str, ident: WeightsIdentity) -> str:
+    rate = ident.bytes_hashed / max(ident.seconds, 1e-9)
+    line = (f"{name:>6}: {ident.bytes_hashed / 1e9:.2f} GB hashed, {ident.files_cached}/{ident.files} "
+            f"files from the digest cache, {ident.seconds:.3f} s")
+    if ident.bytes_hashed:
+        line += f" = {rate / 1e6:.0f} MB/s -> 16 GB in {EXTRAPOLATE_BYTES / rate:.1f} s"
+    return line
+
+
+def measure(directory: Path, cache_path: Path) -> dict[str, WeightsIdentity]:
+    # Only files older than the racy window are cached: wait it out once.
+    newest = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in directory.iterdir())
+    time.sleep(max(0.0, (newest + RACY_WINDOW_NS - time.time_ns()) / 1e9) + 0.1)
+    evict(directory)
+    out = {"cold": weights_identity(directory, cache=None)}
+    out["warm"] = weights_identity(directory, cache=DigestCache(cache_path))
+    out["cached"] = weights_identity(directory, cache=DigestCache(cache_path))
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=80)
-    parser.add_argument("--shards", type=int, default=30)
+    parser.add_argument("--gib", type=float, default=2.0)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--dir", default=None, help="where the checkpoint is written (default: the temp dir)")
     args = parser.parse_args(argv)
-    with tempfile.TemporaryDirectory(prefix="pykvcache-weights-") as tmp:
-        count, size = build_sparse_checkpoint(Path(tmp), args.layers, args.shards)
-        ident = weights_identity(Path(tmp))
-    print(f"checkpoint: {size / 1e9:.1f} GB, {count} tensors, {args.shards} shards")
-    print(f"digest: {ident.tensors} tensors sampled, {ident.reads} reads, "
-          f"{ident.bytes_read / (1 << 20):.1f} MiB, {ident.seconds:.3f} s (warm)")
+    with tempfile.TemporaryDirectory(prefix="pykvcache-weights-", dir=args.dir) as tmp:
+        ckpt = Path(tmp) / "ckpt"
+        ckpt.mkdir()
+        size = build_checkpoint(ckpt, int(args.gib * (1 << 30)), args.shards)
+        print(f"checkpoint: {size / 1e9:.2f} GB in {args.shards} shards; {DIGEST_THREADS} digest threads")
+        results = measure(ckpt, Path(tmp) / "digests.json")
+    for name, ident in results.items():
+        print(describe(name, ident))
     return 0
 
 

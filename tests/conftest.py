@@ -11,6 +11,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "children"))
 sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 
+def pytest_configure(config):
+    # Per-node caches pykvcache keeps under XDG_CACHE_HOME (the weights digest cache,
+    # vllm/digest_cache.py) start empty in every session and never touch the user's
+    # home: the tests and every engine child they start inherit this.
+    if "PYKVCACHE_TEST_XDG_CACHE" not in os.environ:
+        import tempfile
+
+        os.environ["PYKVCACHE_TEST_XDG_CACHE"] = tempfile.mkdtemp(prefix="pykvcache-test-cache-")
+    os.environ["XDG_CACHE_HOME"] = os.environ["PYKVCACHE_TEST_XDG_CACHE"]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_cache(request) -> Path:
     """Where the tiny offline models are built (pytest's cache: reused across runs)."""
@@ -61,3 +72,10 @@ def mounted(tmp_path):
 
 def pytest_report_header(config):
     return f"pykvcache tests, uid={os.getuid()}"
+
+
+def pytest_sessionfinish(session, exitstatus):
+    # Engine hosts (tests/helpers/engine_driver.py) end with the session.
+    helpers = sys.modules.get("engine_driver")
+    if helpers is not None:
+        helpers.close_hosts()

@@ -42,6 +42,12 @@ ENGINE_DEFAULTS: dict[str, int | float | str]
 def key_hash(key: bytes) -> int:
     """The 128-bit hash a chunk's file is named by (``BlockStore.take_removed``)."""
 
+def digest_range(fd: int, offset: int, length: int) -> int:
+    """xxh3-128 of the ``length`` bytes of the open file ``fd`` from ``offset``
+    (``pread``, without the GIL: threads may digest pieces of one file at once).
+    ``OSError`` when the file ends before the range does. The vLLM
+    integration's weights identity (``pykvcache.vllm.weights_digest``)."""
+
 def chunk_file_bytes(payload_bytes: int) -> int:
     """Bytes of the chunk file that holds ``payload_bytes`` (``HEADER_BYTES``
     plus the payload rounded up to ``IO_ALIGN``): its cost on disk and the
@@ -100,7 +106,13 @@ class StoreStats(TypedDict):
     inflight: int
     chunks: int
     filler_chunks: int
+    # This namespace's chunk bytes; other namespaces' chunks under the same
+    # roots, which count against capacity_bytes too (decision 0053), and
+    # the evictions among them (also in evictions).
     used_bytes: int
+    other_namespace_chunks: int
+    other_namespace_bytes: int
+    other_namespace_evictions: int
     capacity_bytes: int
     configured_capacity_bytes: int
     min_free_bytes: list[int]
@@ -123,12 +135,18 @@ class StoreStats(TypedDict):
     breaker_skipped_puts: int
     breaker_probes: int
     breaker_probe_failures: int
+    breaker_closes: int
     # Walks of the directories (refresh(), refresh_interval_s) for chunks
     # other nodes wrote (added, now counted) or removed (dropped).
     refreshes: int
     refresh_added: int
     refresh_dropped: int
     refresh_errors: int
+    # "auto", "off" or "every <s> s" (refresh_interval_s); other writers'
+    # live leases in the roots as last checked; times auto started walking.
+    refresh_mode: str
+    other_writers: int
+    auto_refresh_starts: int
     late_completions: int
     stuck_ops: int
     quarantined_slots: int
@@ -317,7 +335,7 @@ class BlockStore:
         min_free_bytes: int | None = None,
         min_free_fraction: float | None = None,
         io_deadline: float | None = None,
-        refresh_interval_s: float | None = None,
+        refresh_interval_s: float | Literal["auto"] | None = "auto",
     ) -> BlockStore:
         """``chunk_workers`` threads checksum, verify and publish chunks, off the
         caller's and the ring's threads. Reads move in ``segment_bytes`` pieces
@@ -361,9 +379,17 @@ class BlockStore:
         are misses and puts skipped (errno ``EAGAIN``) at once until a probe
         after a back-off succeeds. Each change is logged once (``log_notices``).
 
-        ``refresh_interval_s`` (seconds, positive, or None): a thread runs
-        :meth:`refresh` that often, for directories other nodes write too;
-        ``capacity_bytes`` then bounds the shared directory."""
+        ``capacity_bytes`` bounds each storage directory in total: the chunks
+        of every namespace under it count (another model, dtype or override,
+        an older configuration) and the stalest go first, whatever their
+        namespace; lookups never see another namespace's chunk.
+        ``refresh_interval_s``: ``"auto"`` (default) walks the directories
+        (:meth:`refresh`) while another store, in any process, holds a writer
+        lease in them (``<dir>/.writers``, checked every second), so that every
+        writer's chunks count here: at once when one appears, then every 20x
+        the walk's duration (1-10 s); alone, never. A number of seconds: that
+        often, whoever writes (a filesystem shared with nodes that may not
+        hold leases); ``None`` or 0: only at open and on :meth:`refresh`."""
     def put(self, key: bytes, slot: int, length: int) -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
         visible atomically once complete; an existing chunk is success.
@@ -403,8 +429,8 @@ class BlockStore:
         """Rebuild the index from the directories; returns chunks found."""
     def refresh(self) -> tuple[int, int]:
         """Walk the directories and bring the index in line while serving:
-        chunks others published are indexed (least recently used here) and
-        count against the capacity, chunks they removed leave the index, then
+        chunks others published (any namespace) are indexed, ranked by their
+        modification time, and count against the capacity, chunks they removed leave the index, then
         eviction restores the capacity. Returns (added, dropped)."""
     def take_removed(self) -> tuple[list[int], int]:
         """Key hashes (``key_hash``) of chunks that left the index since the
@@ -415,8 +441,9 @@ class BlockStore:
     def used_bytes(self) -> int: ...
     @property
     def committed_bytes(self) -> int:
-        """``used_bytes`` plus what puts in flight reserved (eviction weighs
-        this against the capacity)."""
+        """Bytes of every namespace's chunks under the storage directories
+        (``used_bytes`` plus ``stats()["other_namespace_bytes"]``) plus what
+        puts in flight reserved: eviction weighs this against the capacity."""
     @property
     def capacity_bytes(self) -> int:
         """Capacity eviction enforces now: as configured, or lower once the
@@ -440,15 +467,21 @@ class BlockStore:
     def completion_fd(self) -> int:
         """eventfd that becomes readable when any operation completes (for asyncio)."""
     def inflight(self) -> int: ...
+    def breaker_health(self) -> tuple[int, int, int]:
+        """``(breaker_opens, breaker_closes, open_dirs)`` of :meth:`stats`, alone
+        (cheap enough to ask once per request)."""
     def stats(self) -> StoreStats:
         """Every counter and state at once; logs the engine's notices first
         (``log_notices``)."""
     def log_notices(self) -> None:
         """Logs, on the ``pykvcache`` logger, what the engine noticed since
         the last call, each once at its level: a storage directory's circuit
-        breaker changing state (opening: WARNING; probing, closing: INFO) and
-        ENOSPC lowering the capacity (WARNING). ``stats()`` and ``close()``
-        call it too; ``put``, ``get``, ``prefetch`` and ``wait`` never log."""
+        breaker changing state (opening: WARNING; probing, closing: INFO),
+        ENOSPC lowering the capacity, another namespace's chunks evicted for
+        the first time, a put refused for the free-space reserve (WARNING),
+        and another writer found in the directories (INFO). ``stats()`` and
+        ``close()`` call it too; ``put``, ``get``, ``prefetch`` and ``wait``
+        never log."""
     def close(self) -> None:
         """Drain in-flight I/O, stop the backend, log the last notices
         (``log_notices``). Idempotent. Callers waiting for an operation entry

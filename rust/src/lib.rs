@@ -4,6 +4,8 @@
 //!
 //! Layers, bottom up (each uses only those above it in this list):
 //! - `error`, `checksum`, `wait`, `stats`, `notice`, `faults`: shared pieces;
+//! - `digest`: content digest of a file's bytes (the vLLM integration's
+//!   weights identity; no other layer uses it);
 //! - `disk`: the on-disk layer (chunk format, directory layout, file
 //!   operations, the index of what is on disk and the scan that rebuilds it);
 //! - `staging`: the shared staging pool the bytes move through;
@@ -18,6 +20,7 @@
 
 pub(crate) mod backend;
 pub(crate) mod checksum;
+pub(crate) mod digest;
 pub(crate) mod disk;
 pub(crate) mod error;
 pub(crate) mod faults;

@@ -53,7 +53,7 @@ impl PyBlockStore {
                         submit_timeout=Some(defaults::SUBMIT_TIMEOUT_S), io_threads=defaults::IO_THREADS,
                         chunk_workers=defaults::CHUNK_WORKERS, verify=defaults::VERIFY, recycle_files=true, background_scan=false,
                         preallocate=true, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
-                        min_free_bytes=None, min_free_fraction=None, io_deadline=None, refresh_interval_s=None,
+                        min_free_bytes=None, min_free_fraction=None, io_deadline=None, refresh_interval_s=defaults::REFRESH_INTERVAL_S,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -82,7 +82,7 @@ impl PyBlockStore {
         min_free_bytes: Option<u64>,
         min_free_fraction: Option<f64>,
         io_deadline: Option<f64>,
-        refresh_interval_s: Option<f64>,
+        #[pyo3(from_py_with = refresh_arg)] refresh_interval_s: store::RefreshPolicy,
         _fault_max_transfer: Option<usize>,
         _fault_fail_nth: Option<(u64, i32)>,
     ) -> PyResult<Self> {
@@ -105,12 +105,7 @@ impl PyBlockStore {
             config.min_free =
                 store::FreeSpaceReserve::AtLeast { bytes: min_free_bytes.unwrap_or(0), fraction: min_free_fraction.unwrap_or(0.0) };
         }
-        if let Some(s) = refresh_interval_s {
-            if !(s.is_finite() && s > 0.0) {
-                return Err(PyValueError::new_err(format!("refresh_interval_s must be a positive number of seconds or None, not {s}")));
-            }
-            config.refresh_interval = Some(Duration::from_secs_f64(s.min(1e9)));
-        }
+        config.refresh = refresh_interval_s;
         if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
             config.faults = Some(Arc::new(crate::faults::FaultPlan {
                 max_transfer: _fault_max_transfer,
@@ -130,9 +125,10 @@ impl PyBlockStore {
     }
 
     /// Logs the engine's notices since the last call, each once at the level
-    /// the engine gave it (a circuit breaker's state change; ENOSPC lowered
-    /// the capacity). `stats()` and `close()` call it too; put, get and wait
-    /// never log.
+    /// the engine gave it (a circuit breaker's state change; about space:
+    /// ENOSPC lowered the capacity, another namespace's chunks evicted, a put
+    /// refused for the reserve, another writer found). `stats()` and
+    /// `close()` call it too; put, get and wait never log.
     fn log_notices(&self, py: Python<'_>) -> PyResult<()> {
         report::log_notices(py, self.inner.take_notices())
     }
@@ -256,6 +252,13 @@ impl PyBlockStore {
         self.inner.completion_fd()
     }
 
+    /// `(breaker_opens, breaker_closes, open_dirs)`: what `stats()` says of
+    /// the circuit breakers, without the rest of it (a few atomic loads and one
+    /// lock per directory; the gate asks once per request).
+    fn breaker_health(&self) -> (u64, u64, usize) {
+        self.inner.breaker_health()
+    }
+
     fn inflight(&self) -> usize {
         self.inner.in_flight()
     }
@@ -298,6 +301,7 @@ fn engine_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("file_mode", defaults::FILE_MODE)?;
     // None: derived from the slot size (`store::health::default_deadline`).
     d.set_item("io_deadline", py.None())?;
+    d.set_item("refresh_interval_s", refresh_name(defaults::REFRESH_INTERVAL_S))?;
     Ok(d)
 }
 
@@ -316,14 +320,21 @@ fn probe_storage_dir<'py>(py: Python<'py>, path: PathBuf, file_mode: u32) -> PyR
     report::support_dict(py, &s)
 }
 
-/// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
-/// holds `payload_bytes`: what a chunk costs on disk and in a staging slot.
 /// The 128-bit hash a chunk's file is named by (``take_removed`` reports these).
 #[pyfunction]
 fn key_hash(key: &[u8]) -> u128 {
     crate::disk::format::key_hash(key)
 }
 
+/// xxh3-128 of the `length` bytes of the open file `fd` from `offset`, read
+/// without the GIL (threads digest pieces of one file in parallel).
+#[pyfunction]
+fn digest_range(py: Python<'_>, fd: i32, offset: u64, length: u64) -> PyResult<u128> {
+    py.detach(|| crate::digest::xxh3_128_range(fd, offset, length)).map_err(PyErr::from)
+}
+
+/// Bytes of the chunk file (header + payload padded to `IO_ALIGN`) that
+/// holds `payload_bytes`: what a chunk costs on disk and in a staging slot.
 #[pyfunction]
 fn chunk_file_bytes(#[pyo3(from_py_with = payload_bytes_arg)] payload_bytes: usize) -> PyResult<usize> {
     if payload_bytes > usize::MAX - 2 * IO_ALIGN - HEADER_BYTES {
@@ -355,6 +366,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_DEFAULTS", engine_defaults(py)?)?;
     m.add_function(wrap_pyfunction!(key_hash, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
+    m.add_function(wrap_pyfunction!(digest_range, m)?)?;
     m.add_function(wrap_pyfunction!(check_storage_dir, m)?)?;
     m.add_function(wrap_pyfunction!(probe_storage_dir, m)?)?;
     m.add("FORMAT_VERSION", FORMAT_VERSION)?;

@@ -46,6 +46,12 @@ pub struct Stats {
     /// Indexed chunks a refresh found gone (another process or node evicted them).
     pub refresh_dropped: AtomicU64,
     pub refresh_errors: AtomicU64,
+    /// Times `refresh_interval_s=auto` started walking because another
+    /// writer's lease appeared in a root (decision 0053).
+    pub auto_refresh_starts: AtomicU64,
+    /// Evicted chunks of other namespaces under the roots (the capacity
+    /// spans them: decision 0053); also counted in `evictions`.
+    pub other_namespace_evictions: AtomicU64,
     /// Anomalies the engine survived instead of panicking (a completion for
     /// an operation not in flight, ...): each is also written to stderr.
     pub internal_errors: AtomicU64,
@@ -124,6 +130,8 @@ impl Stats {
             ("refresh_added", g(&self.refresh_added)),
             ("refresh_dropped", g(&self.refresh_dropped)),
             ("refresh_errors", g(&self.refresh_errors)),
+            ("auto_refresh_starts", g(&self.auto_refresh_starts)),
+            ("other_namespace_evictions", g(&self.other_namespace_evictions)),
             ("internal_errors", g(&self.internal_errors)),
             ("read_latency_sum_us", g(&self.read_latency_sum_us)),
             ("write_latency_sum_us", g(&self.write_latency_sum_us)),

@@ -242,11 +242,12 @@ fn full_filesystem_case(preallocate: bool) {
     assert_eq!(store.configured_capacity_bytes(), 1 << 30);
     assert!(store.used_bytes() <= store.capacity_bytes());
     let notices = store.take_notices();
-    assert!(
-        matches!(&notices[..], [n] if n.level == pykvcache::Level::Warning && n.text.contains("ENOSPC")),
-        "lowering is reported: {notices:?}"
+    assert_eq!(
+        notices.iter().filter(|n| n.level == pykvcache::Level::Warning && n.text.contains("ENOSPC")).count(),
+        1,
+        "lowering is reported as a warning: {notices:?}"
     );
-    assert!(store.take_notices().is_empty(), "reported once");
+    assert!(store.take_notices().iter().all(|n| !n.text.contains("ENOSPC")), "reported once");
     // LRU kept the newest chunks, and they hold the right bytes.
     let kept: Vec<usize> = (0..keys.len()).filter(|&i| store.contains(&keys[i])).collect();
     assert!(!kept.is_empty() && kept == ((keys.len() - kept.len())..keys.len()).collect::<Vec<_>>(), "{kept:?}");

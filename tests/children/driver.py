@@ -176,8 +176,9 @@ class _EventSubscriber:
             deadline = time.monotonic() + 0.5  # drain what follows closely
 
 
-def main() -> int:
-    scenario = json.load(open(sys.argv[1]))
+def run_scenario(scenario: dict, report) -> None:
+    """One engine through the scenario's phases; ``report(result)`` gets the
+    result before the engine shuts down (a hang in shutdown keeps the result)."""
     from vllm import LLM, SamplingParams
 
     extra_llm = dict(scenario.get("llm", {}))
@@ -275,12 +276,69 @@ def main() -> int:
         from pykvcache.vllm.layout import staging_shm_prefix
 
         prefix = staging_shm_prefix(kv_config.engine_id)
-    print("RESULT " + json.dumps({"startup_s": round(startup_s, 2), "phases": results,
-                                  "staging_prefix": prefix}),
-          flush=True)
+    if staging is not None:
+        staging.close()  # this driver's own mapping of the engine's staging (scribble_staging)
+    report({"startup_s": round(startup_s, 2), "phases": results, "staging_prefix": prefix})
     # Shut the engine down explicitly so pykvcache's shutdown path (flush
-    # pending writes) runs before exit.
+    # pending writes) runs before exit (or before the host's next engine).
     llm.llm_engine.engine_core.shutdown()
+
+
+def _host() -> int:
+    """``driver.py --host``: engines one after another in this process, so a test
+    module pays vLLM's import (most of an in-process engine start here) once.
+    Each stdin line is a JSON request {"scenario", "log", "env"}: the engine's
+    stdout and stderr go to ``log`` (fd-level, so vLLM's and the Rust engine's
+    lines land there as in a child of its own), os.environ is the caller's for
+    the scenario, and one ``RESULT <json>`` or ``FAILED <json>`` line answers on
+    the original stdout. After a failure the host exits: a fresh one starts."""
+    import gc
+    import traceback
+
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    saved_out, saved_err = os.dup(1), os.dup(2)
+    base_env = dict(os.environ)
+    for line in sys.stdin:
+        request = json.loads(line)
+        scenario = json.load(open(request["scenario"]))
+        answered = []
+        log_fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        sys.stdout.flush(), sys.stderr.flush()
+        os.dup2(log_fd, 1), os.dup2(log_fd, 2)
+        os.close(log_fd)
+        os.environ.clear()
+        os.environ.update(request.get("env") or base_env)
+        failed = None
+        try:
+            run_scenario(scenario, answered.append)
+        except BaseException:  # noqa: BLE001 - every failure goes back to the test
+            failed = traceback.format_exc()
+            print(failed, file=sys.stderr)
+        finally:
+            sys.stdout.flush(), sys.stderr.flush()
+            os.dup2(saved_out, 1), os.dup2(saved_err, 2)
+            os.environ.clear()
+            os.environ.update(base_env)
+        if failed is None:
+            # The next engine starts on a clean slate: vLLM's process-wide state
+            # (process groups, the device cache) and the finished engine's objects.
+            from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+            cleanup_dist_env_and_memory()
+            gc.collect()
+        if answered and failed is None:
+            protocol.write("RESULT " + json.dumps(answered[-1]) + "\n")
+        else:
+            protocol.write("FAILED " + json.dumps(failed or "no result") + "\n")
+            return 1
+    return 0
+
+
+def main() -> int:
+    if sys.argv[1] == "--host":
+        return _host()
+    scenario = json.load(open(sys.argv[1]))
+    run_scenario(scenario, lambda result: print("RESULT " + json.dumps(result), flush=True))
     return 0
 
 

@@ -441,11 +441,17 @@ def test_every_repository_path_named_exists(doc):
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
 
 
-def test_the_readme_key_list_is_the_vllm_key_table():
-    """README's short list (key, default) is docs/vllm.md's checked table, row for row."""
-    full = [(r["Key"], r["Default"]) for r in tables(VLLM_DOC, ["Key", "Default", "Meaning"])]
-    short = [(r["Key"], r["Default"]) for r in tables(README, ["Key", "Default"])]
-    assert short == full, "README's key list differs from docs/vllm.md's key table"
+def test_the_readme_sends_users_to_the_one_key_table_and_stays_a_front_page():
+    """Keys live in one table, docs/vllm.md's (checked against the code above); the README
+    (a front page of at most 150 lines, issue 21) links to it instead of keeping a copy
+    that could drift, and names the two required keys."""
+    assert tables(VLLM_DOC, ["Key", "Default", "Meaning"]), "docs/vllm.md lost its key table"
+    assert not re.search(r"^\| *Key *\| *Default *\|", README.read_text(), flags=re.M), "a second key table in the README"
+    assert "docs/vllm.md#configuration-keys" in relative_links(README)
+    assert "configuration-keys" in anchors(VLLM_DOC)
+    results = section(README, "Performance")
+    assert len([line for line in results.splitlines() if line.startswith("| ")]) - 1 <= 5, "headline table > 5 rows"
+    assert len(README.read_text().splitlines()) <= 150
 
 
 def test_every_decision_record_is_in_the_index():

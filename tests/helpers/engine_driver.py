@@ -53,3 +53,76 @@ def run_driver(driver: str, scenario: dict, workdir: Path, name: str,
         tail = "\n".join(output.splitlines()[-60:])
         pytest.fail(f"driver {name} failed (rc={proc.returncode}):\n{tail}")
     return json.loads(lines[-1][len("RESULT "):]), output
+
+
+class EngineHost:
+    """One ``driver.py --host`` process running in-process engines one after
+    another (see driver.py's ``_host``): a module's engines pay vLLM's import
+    once (~8-10 s of each in-process driver run here, most of it). Every
+    engine still starts from scratch on its own store, staging and config;
+    only the Python process is shared, so a restart scenario is a new engine,
+    and the per-scenario log and result are as with a child of its own. A
+    failed or timed-out scenario ends the host; the next one starts a new."""
+
+    def __init__(self, driver: str):
+        self.driver = driver
+        self.proc: subprocess.Popen | None = None
+        self.log: Path | None = None
+
+    def _start(self, workdir: Path) -> subprocess.Popen:
+        if self.proc is None or self.proc.poll() is not None:
+            self.log = workdir / "engine-host.log"
+            self.proc = subprocess.Popen([sys.executable, self.driver, "--host"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True,
+                                         env=driver_env(multiprocess=False))
+        return self.proc
+
+    def run(self, scenario: dict, workdir: Path, name: str, timeout: float) -> tuple[dict, str]:
+        import selectors
+
+        path, log = workdir / f"{name}.json", workdir / f"{name}.log"
+        path.write_text(json.dumps(scenario))
+        proc = self._start(workdir)
+        env = driver_env(multiprocess=False)  # the caller's environment now, as a child would get
+        proc.stdin.write(json.dumps({"scenario": str(path), "log": str(log), "env": env}) + "\n")
+        proc.stdin.flush()
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            ready = sel.select(timeout)
+        line = proc.stdout.readline() if ready else ""
+        output = log.read_text(errors="replace") if log.exists() else ""
+        if not line.startswith("RESULT "):
+            self.close()
+            why = "timed out" if not ready else (line.strip() or f"host exited ({proc.poll()})")
+            tail = "\n".join(output.splitlines()[-60:])
+            pytest.fail(f"driver {name} failed in the engine host ({why[:4000]}):\n{tail}")
+        return json.loads(line[len("RESULT "):]), output
+
+    def close(self) -> None:
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.stdin.close()
+                try:
+                    self.proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            self.proc = None
+
+
+_HOSTS: dict[str, EngineHost] = {}
+
+
+def hosted_run(driver: str, scenario: dict, workdir: Path, name: str, timeout: float = 900) -> tuple[dict, str]:
+    """``run_driver`` through this session's engine host for ``driver`` (in-process
+    engines only: a scenario that needs several processes gets a child of its own)."""
+    if needs_multiprocess(scenario):
+        return run_driver(driver, scenario, workdir, name, timeout)
+    host = _HOSTS.setdefault(driver, EngineHost(driver))
+    return host.run(scenario, workdir, name, timeout)
+
+
+def close_hosts() -> None:
+    for host in _HOSTS.values():
+        host.close()
+    _HOSTS.clear()

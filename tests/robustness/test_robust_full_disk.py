@@ -123,6 +123,41 @@ def test_free_space_reserve_leaves_room_for_another_writer(mounted, tmp_path):
     store.close()
 
 
+def test_a_new_namespace_evicts_old_namespaces_at_the_reserve_and_the_log_names_them(mounted, caplog):
+    """Issue 24 finding 2: every configuration change starts a namespace; the
+    old ones filled the filesystem to its reserve and the new namespace then
+    stored nothing (each put refused, naming only min_free_bytes). Capacity
+    and the reserve span every namespace in the directory: the new one evicts
+    the old ones' stalest chunks, and the log says which namespaces held it."""
+    fs = mounted("tmpfs", "size=8m,mode=0700")
+    reserve = 1 * MiB
+    pool = kv.StagingPool(PAYLOAD, 1)
+    slot = pool.acquire()
+    for old in ("model-v1", "model-v2"):  # two configuration changes, each filling the disk
+        with kv.BlockStore([str(fs)], pool, namespace=old, capacity_bytes=1 << 40, min_free_bytes=reserve) as store:
+            assert all(r.ok for r in _fill(store, pool, slot, old, 8 * MiB // (PAYLOAD + 4096)))
+    with caplog.at_level("INFO", logger="pykvcache"):
+        store = kv.BlockStore([str(fs)], pool, namespace="model-v3", capacity_bytes=1 << 40, min_free_bytes=reserve)
+        assert store.stats()["other_namespace_bytes"] > 0, "the old namespaces are counted"
+        results = _fill(store, pool, slot, "new", 12)
+        s = store.stats()
+    assert all(r.ok for r in results), [(r.status, r.message) for r in results if not r.ok][:3]
+    assert s["reserve_refused"] == 0 and s["write_errors"] == 0
+    assert s["other_namespace_evictions"] >= 12 - 1 and len(store) == 12
+    assert free_bytes(fs) >= reserve
+    lines = [r.getMessage() for r in caplog.records]
+    spans = [m for m in lines if "bounds every namespace under" in m]
+    # Each store said once which namespaces held the space it evicted from:
+    # model-v2 found model-v1's chunks (and evicted them all, stalest first),
+    # model-v3 then found only model-v2's.
+    assert len(spans) == 2, lines
+    assert "model-v1 (" in spans[0] and "model-v2 (" in spans[1] and "model-v1 (" not in spans[1], spans
+    assert all(get_bytes(store, pool, slot, b"new-%03d" % i)[0].ok for i in range(12))
+    print("namespaces report:", {k: s[k] for k in ("chunks", "other_namespace_chunks", "other_namespace_bytes",
+                                                   "other_namespace_evictions", "reserve_evictions")}, spans[1])
+    store.close()
+
+
 def test_default_reserve_is_five_percent_and_capacity_above_the_filesystem_warns(mounted, caplog):
     fs = mounted("tmpfs", "size=8m,mode=0700")
     total = os.statvfs(fs).f_blocks * os.statvfs(fs).f_frsize

@@ -147,14 +147,14 @@ def test_two_nodes_writing_at_once_serve_no_wrong_byte_and_share_one_capacity(gl
           f"capacity {capacity / (1 << 20):.0f} MiB")
 
 
-def test_refresh_interval_auto_is_on_for_the_shared_mount_and_off_on_local_disk(shared_dirs, tmp_path):
+def test_refresh_interval_auto_is_on_for_the_shared_mount_and_lease_driven_on_local_disk(shared_dirs, tmp_path):
     from pykvcache.vllm.config import ConfigError, SHARED_REFRESH_S, parse_extra_config, refresh_interval
 
     def cfg(d, **kw):
         return parse_extra_config({"storage_dirs": [str(d)], "capacity_bytes": "1GiB", **kw})
 
     assert refresh_interval(cfg(shared_dirs[0])) == SHARED_REFRESH_S
-    assert refresh_interval(cfg(tmp_path)) is None
+    assert refresh_interval(cfg(tmp_path)) == "auto", "the engine walks while another writer's lease is live"
     assert refresh_interval(cfg(shared_dirs[0], refresh_interval_s=0)) is None
     assert refresh_interval(cfg(tmp_path, refresh_interval_s=2.5)) == 2.5
     for bad in (-1, "often", True, float("inf")):

@@ -117,7 +117,7 @@ def test_demo_does_not_import_harness_internals_or_the_command():
     allowed = {"pykvcache.tools.bench", "pykvcache.tools.vllm_run", "pykvcache.tools.progress"}
     got = {m for _, m, _ in _imports(TOOLS / "demo.py") if m.startswith("pykvcache.tools")}
     # ``from .bench import BenchConfig, ...`` is the harness's public entry point.
-    got -= {f"pykvcache.tools.bench.{n}" for n in ("BenchConfig", "quick", "run_bench")}
+    got -= {f"pykvcache.tools.bench.{n}" for n in ("BenchConfig", "quick", "run_bench", "smoke")}
     got -= {f"pykvcache.tools.vllm_run.{n}" for n in ("start_child", "wait_child")}
     got -= {"pykvcache.tools.progress.RichProgress"}
     assert got <= allowed, got - allowed

@@ -237,8 +237,10 @@ def test_persistence_reset_and_declared_stats(tmp_path):
 
 def test_chunks_published_by_another_engine_become_hits(tmp_path):
     """Two engines share one directory: a chunk the other one stored after
-    this one opened is found (one lstat, rate-limited per key) and served."""
-    ours = Harness(tmp_path)
+    this one opened is found (one lstat, rate-limited per key) and served.
+    Walks off here: with the default, the walk that starts when the other
+    writer appears may index the chunk before the lookup probes it."""
+    ours = Harness(tmp_path, refresh_interval_s=None)
     theirs = Harness(tmp_path)
     assert ours.lookup_until_final(_key(7))[0] == LookupResult.MISS
     theirs.store([7])

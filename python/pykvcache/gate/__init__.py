@@ -5,6 +5,8 @@ faster than recomputing it.
 * :mod:`~pykvcache.gate.profile`     the profile ``pykvcache calibrate`` writes
 * :mod:`~pykvcache.gate.decision`    per-request decision (a prefix, in chunks)
 * :mod:`~pykvcache.gate.online`      refinement from observed load and prefill times
+* :mod:`~pykvcache.gate.exploration` sampling a load now and then while recomputing
+* :mod:`~pykvcache.gate.outages`     what not to learn around a storage outage (circuit breakers)
 * :mod:`~pykvcache.gate.store_admission`  skipping stores that cannot pay off
 * :mod:`~pykvcache.gate.request_keys`  a request's key list from vLLM's ReqContext
 
@@ -17,7 +19,9 @@ import os
 
 from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
 from pykvcache.gate.decision import GATE_COUNTERS, GATE_GAUGES, AdmissionGate, ChunkState, GateDecision
+from pykvcache.gate.exploration import Exploration
 from pykvcache.gate.online import OnlineLoadModel, OnlinePrefillModel
+from pykvcache.gate.outages import OutageFilter
 from pykvcache.gate.profile import (
     DEFAULT_BREAK_EVEN_TOKENS,
     GateProfile,
@@ -38,11 +42,13 @@ __all__ = [
     "AdmissionGate",
     "ChunkState",
     "CostModel",
+    "Exploration",
     "GateDecision",
     "GateProfile",
     "LoadCost",
     "OnlineLoadModel",
     "OnlinePrefillModel",
+    "OutageFilter",
     "PrefillCurve",
     "ProfileError",
     "ProfileExpectation",
@@ -81,6 +87,9 @@ def build_gate(
     prefill = OnlinePrefillModel(model.prefill, calibrated=False) if online and source != "profile" else None
     if prefill is not None:
         prefill.fed = steps
+    # Online learning alone never unlearns a slow disk once the gate stops
+    # loading: it samples a load now and then (decision 0054).
     gate = AdmissionGate(model, chunk_tokens=expected.chunk_tokens, online=refine,
-                         margin=margin, enabled=enabled, prefill_online=prefill)
+                         margin=margin, enabled=enabled, prefill_online=prefill,
+                         exploration=Exploration() if online else None)
     return gate, source

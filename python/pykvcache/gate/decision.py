@@ -23,6 +23,11 @@ compute. Measured: with the server's reads capped at 25 MB/s a 1.5k-token
 prefix reads in ~2 s against ~1.8 s of prefill, and loading it gave 2.51x
 recompute's p50 TTFT and 2.07x its throughput at 6 users (decision 0048,
 docs/perf/serve-read25).
+
+A gate with an :class:`~pykvcache.gate.exploration.Exploration` policy loads
+now and then a prefix it would recompute (reason ``explore``), within that
+policy's bounds: without loads it could never learn that a disk it learnt as
+slow got fast again (decision 0054).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pykvcache.gate.cost_model import CostModel
+from pykvcache.gate.exploration import Exploration
 from pykvcache.gate.online import OnlineLoadModel, OnlinePrefillModel
 
 
@@ -56,7 +62,8 @@ class GateDecision:
     est_load_s: float  # of the chosen prefix (0 when recomputing)
     est_recompute_s: float  # of the same tokens, or of the whole available prefix when recomputing
     #: "load" | "below_break_even" | "nothing_available" | "gate_disabled" |
-    #: "uncalibrated" (loaded because the prefill side is not known yet)
+    #: "uncalibrated" (loaded because the prefill side is not known yet) |
+    #: "explore" (loaded to sample the disk although recompute looked faster)
     reason: str
 
     @property
@@ -75,7 +82,10 @@ GATE_COUNTERS = {
     "gate_tokens_loaded": "Prefix tokens the gate chose to load.",
     "gate_tokens_recomputed": "Loadable prefix tokens the gate chose to recompute instead.",
     "gate_est_saved_ms": "Estimated prefill milliseconds saved by the gate's load decisions.",
-    "gate_est_lost_ms": "Estimated milliseconds lost by loads slower than recompute (gate disabled).",
+    "gate_est_lost_ms": "Estimated milliseconds lost by loads slower than recompute (gate disabled, or exploring).",
+    "gate_decisions_explore": "Requests whose prefix the gate loaded to sample the disk although it estimated recompute faster.",
+    "gate_loads_forgotten": "Loads the gate had learnt from and forgot: a storage directory's circuit breaker opened soon after, or two explored loads in a row showed the device had changed.",
+    "gate_loads_ignored": "Finished loads not learnt from: they overlapped a circuit-breaker outage or were the first after one.",
 }
 GATE_GAUGES = {
     "gate_break_even_tokens": "Current break-even prefix length (tokens, with no I/O queued).",
@@ -101,7 +111,8 @@ class AdmissionGate:
 
     def __init__(self, model: CostModel, *, chunk_tokens: int, online: OnlineLoadModel | None = None,
                  margin: float = 1.0, enabled: bool = True,
-                 prefill_online: OnlinePrefillModel | None = None) -> None:
+                 prefill_online: OnlinePrefillModel | None = None,
+                 exploration: Exploration | None = None) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be > 0 (got {chunk_tokens})")
         if not margin > 0:
@@ -113,6 +124,8 @@ class AdmissionGate:
         self.prefill_online = prefill_online
         self.margin = margin  # load only when recompute > margin * load
         self.enabled = enabled
+        # Samples loads while recomputing; useless without an online model to learn from them.
+        self.exploration = exploration if online is not None else None
         self.totals: dict[str, float] = dict.fromkeys(GATE_COUNTERS, 0)
         self._pending: dict[str, float] = {}
         self._refined: CostModel | None = None
@@ -139,9 +152,10 @@ class AdmissionGate:
         return self.current_model().break_even_tokens(queued_bytes=queued_bytes)
 
     def decide(self, states: Sequence[ChunkState], *, start_tokens: int = 0,
-               queued_bytes: int = 0, waiting_requests: int = 0) -> GateDecision:
+               queued_bytes: int = 0, waiting_requests: int = 0, now: float | None = None) -> GateDecision:
         """``waiting_requests``: other requests waiting to be scheduled (each
-        would wait for a recompute's compute; see the module docstring)."""
+        would wait for a recompute's compute; see the module docstring).
+        ``now``: monotonic seconds, for the exploration's interval."""
         model = self.current_model()
         load, prefill = model.load, model.prefill
         chunk_bytes = self.chunk_bytes
@@ -162,6 +176,7 @@ class AdmissionGate:
         best_k = best_staged = staged = k = 0
         best_net = best_load = load_s = 0.0
         any_disk = False
+        first_disk = 0  # chunks up to and including the first one on disk
         for state in states:
             if state == missing:
                 break
@@ -170,6 +185,7 @@ class AdmissionGate:
             if state == disk:
                 if not any_disk:
                     any_disk = True
+                    first_disk = k
                     load_s += first_read
                 load_s += read_per_chunk
             else:
@@ -180,8 +196,22 @@ class AdmissionGate:
             if net > best_net or load_always:
                 best_k, best_net, best_load, best_staged = k, net, load_s, staged
         available = k
+        reason = None
+        ex = self.exploration
+        if ex is not None and not load_always and first_disk > best_k and load is not self.model.load:
+            # Nothing chosen comes from disk, so no load would teach the model
+            # anything, and the device as learnt is why: as calibrated it
+            # would have been loaded. Now and then, sample it (Exploration).
+            if now is None:
+                now = ex.now()
+            if ex.due(now) and self._best_prefix(states, available, self.model.load, prefill, start_tokens,
+                                                 queued_bytes, margin) >= first_disk:
+                ex.started(now)
+                best_k, best_load, best_staged = self._explored_prefix(states, first_disk, available, model,
+                                                                       start_tokens, queued_bytes)
+                reason = "explore"
         if best_k:
-            reason = "gate_disabled" if not self.enabled else "uncalibrated" if uncalibrated else "load"
+            reason = reason or ("gate_disabled" if not self.enabled else "uncalibrated" if uncalibrated else "load")
             recompute_s = prefill.compute_cost(start_tokens, start_tokens + best_k * self.chunk_tokens)
         else:
             reason = "nothing_available" if available == 0 else "below_break_even"
@@ -201,6 +231,51 @@ class AdmissionGate:
         self._count(decision)
         return decision
 
+    def _best_prefix(self, states: Sequence[ChunkState], available: int, load, prefill, start_tokens: int,
+                     queued_bytes: int, margin: float) -> int:
+        """The prefix (chunks) the decision loop would choose with load cost
+        ``load``: for exploring only (rare), so not the inlined hot loop."""
+        copy_per_chunk = self.chunk_bytes / load.h2d_bytes_per_s
+        read_per_chunk = self.chunk_bytes / load.disk_bytes_per_s
+        first_read = load.fixed_s + load.disk_step_s + queued_bytes / load.disk_bytes_per_s
+        best_k, best_net, load_s, any_disk = 0, 0.0, 0.0, False
+        for k, state in enumerate(states[:available], start=1):
+            load_s += copy_per_chunk if k > 1 else copy_per_chunk + load.step_s
+            if state == ChunkState.DISK:
+                load_s += read_per_chunk + (0.0 if any_disk else first_read)
+                any_disk = True
+            net = prefill.compute_cost(start_tokens, start_tokens + k * self.chunk_tokens) - margin * load_s
+            if net > best_net:
+                best_k, best_net = k, net
+        return best_k
+
+    def _explored_prefix(self, states: Sequence[ChunkState], first_disk: int, available: int, model: CostModel,
+                         start_tokens: int, queued_bytes: int) -> tuple[int, float, int]:
+        """``(chunks, est_load_s, staged)`` of the longest prefix (at least
+        ``first_disk`` chunks) whose estimated load is within the exploration's
+        ``max_load_ratio`` of its recompute. Only when exploring: a second pass
+        keeps the hot loop above as it was."""
+        load, prefill = model.load, model.prefill
+        ratio = self.exploration.max_load_ratio
+        copy_per_chunk = self.chunk_bytes / load.h2d_bytes_per_s
+        read_per_chunk = self.chunk_bytes / load.disk_bytes_per_s
+        first_read = load.fixed_s + load.disk_step_s + queued_bytes / load.disk_bytes_per_s
+        chosen = (0, 0.0, 0)
+        load_s = 0.0
+        staged = 0
+        for k, state in enumerate(states[:available], start=1):
+            load_s += copy_per_chunk if k > 1 else copy_per_chunk + load.step_s
+            if state == ChunkState.DISK:
+                load_s += read_per_chunk + (first_read if k == first_disk else 0.0)
+            else:
+                staged += 1
+            if k < first_disk:
+                continue
+            recompute_s = prefill.compute_cost(start_tokens, start_tokens + k * self.chunk_tokens)
+            if k == first_disk or load_s <= ratio * recompute_s:
+                chosen = (k, load_s, staged)
+        return chosen
+
     def _inc(self, name: str, value: float) -> None:
         self.totals[name] += value
         self._pending[name] = self._pending.get(name, 0) + value
@@ -208,7 +283,11 @@ class AdmissionGate:
     def _count(self, d: GateDecision) -> None:
         if d.available_chunks == 0:
             return
-        if d.load_chunks:
+        if d.reason == "explore":
+            self._inc("gate_decisions_explore", 1)
+            self._inc("gate_tokens_loaded", d.load_tokens)
+            self._inc("gate_est_lost_ms", max(0.0, -d.est_saving_s) * 1e3)
+        elif d.load_chunks:
             self._inc("gate_decisions_load", 1)
             self._inc("gate_tokens_loaded", d.load_tokens)
             # Prometheus counters only go up: a load the (disabled) gate would
@@ -226,10 +305,41 @@ class AdmissionGate:
         pending, self._pending = self._pending, {}
         return pending
 
-    def observe_load(self, disk_bytes: float, seconds: float, *, queued_bytes: float = 0.0) -> None:
-        """Feed a finished load back (see :class:`OnlineLoadModel`)."""
-        if self.online is not None:
-            self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes)
+    def observe_load(self, disk_bytes: float, seconds: float, *, queued_bytes: float = 0.0,
+                     now: float | None = None, explored: bool = False) -> None:
+        """Feed a finished load back (see :class:`OnlineLoadModel`);
+        ``explored``: it was loaded to sample the disk (reason ``explore``)."""
+        if self.online is None:
+            return
+        if explored and self.exploration is not None:
+            if now is None:
+                now = self.exploration.now()
+            predicted = self.online.predict_s(disk_bytes, queued_bytes)
+            if self.exploration.sampled(predicted, seconds, now):
+                # Two explored loads in a row beat the model: the device
+                # changed; what was learnt before them is stale.
+                self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes, now=now)
+                forgotten = self.online.forget_before(self.exploration.streak_since)
+                if forgotten:
+                    self._inc("gate_loads_forgotten", forgotten)
+                return
+        self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes, now=now)
+
+    def ignore_load(self) -> None:
+        """A finished load that timed a storage outage, not the device (see
+        :class:`~pykvcache.gate.outages.OutageFilter`): counted, not learnt."""
+        self._inc("gate_loads_ignored", 1)
+
+    def storage_outage(self, began: bool, ended: bool, now: float, lookback_s: float) -> None:
+        """A storage directory's breaker opened (``began``: the loads learnt
+        within ``lookback_s`` before ``now`` are forgotten) or closed again
+        (``ended``: the exploration starts over)."""
+        if began and self.online is not None:
+            forgotten = self.online.forget_since(now - lookback_s)
+            if forgotten:
+                self._inc("gate_loads_forgotten", forgotten)
+        if ended and self.exploration is not None:
+            self.exploration.reset(now)
 
     def observe_prefill(self, work: Sequence[tuple[int, int]], seconds: float) -> bool:
         """Feed a timed engine step back (see :class:`OnlinePrefillModel`)."""

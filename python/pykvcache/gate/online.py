@@ -20,12 +20,18 @@ agree do. Both estimates
 stay within ``[1/max_factor, max_factor]`` of the calibrated value. A slower
 SSD lowers the bandwidth estimate, which raises the break-even: longer
 prefixes are then needed before loading pays.
+
+Each point remembers when it was observed, so that what was learnt while the
+storage was failing can be forgotten (:meth:`OnlineLoadModel.forget_since`,
+decision 0054): loads that ended just before a circuit breaker opened timed a
+dying link, not the device.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+import time
 from collections import deque
 from collections.abc import Iterable, Sequence
 
@@ -51,9 +57,11 @@ class OnlineLoadModel:
         self._fixed_floor = max(base.fixed_s, min_fixed_s)
         self._fixed = base.fixed_s
         self._bw = base.disk_bytes_per_s
-        self._points: deque[tuple[float, float]] = deque(maxlen=window)  # (bytes incl. queued, seconds)
+        # (bytes incl. queued, seconds, observed at (monotonic s))
+        self._points: deque[tuple[float, float, float]] = deque(maxlen=window)
         self.samples = 0
         self.rejected = 0
+        self.forgotten = 0
         self._current = base
 
     @property
@@ -68,15 +76,51 @@ class OnlineLoadModel:
         """The refined load cost (the same object until the next observation)."""
         return self._current
 
-    def observe(self, disk_bytes: float, seconds: float, *, queued_bytes: float = 0.0) -> None:
+    def predict_s(self, disk_bytes: float, queued_bytes: float = 0.0) -> float:
+        """What the current estimate says reading ``disk_bytes`` behind
+        ``queued_bytes`` takes (the read alone, as :meth:`observe` times it)."""
+        return self._fixed + (disk_bytes + queued_bytes) / self._bw
+
+    def observe(self, disk_bytes: float, seconds: float, *, queued_bytes: float = 0.0,
+                now: float | None = None) -> None:
         """One finished load: ``disk_bytes`` read in ``seconds`` (first submit to
-        last completion) with ``queued_bytes`` of I/O already ahead of it."""
+        last completion) with ``queued_bytes`` of I/O already ahead of it,
+        finished at ``now`` (monotonic seconds; default: the current time)."""
         if not (disk_bytes > 0 and seconds > 0 and math.isfinite(seconds)
                 and queued_bytes >= 0 and math.isfinite(queued_bytes)):
             self.rejected += 1
             return
-        self._points.append((disk_bytes + queued_bytes, seconds))
+        self._points.append((disk_bytes + queued_bytes, seconds, time.monotonic() if now is None else now))
         self.samples += 1
+        self._refit()
+
+    def forget_since(self, since: float) -> int:
+        """Drops the loads observed at or after ``since`` (monotonic seconds) and
+        fits the device from the others (the calibrated value once none is
+        left); returns how many were dropped."""
+        return self._keep(lambda t: t < since)
+
+    def forget_before(self, since: float) -> int:
+        """Drops the loads observed before ``since``: the device changed then."""
+        return self._keep(lambda t: t >= since)
+
+    def _keep(self, keep) -> int:
+        kept = [p for p in self._points if keep(p[2])]
+        dropped = len(self._points) - len(kept)
+        if dropped:
+            self._points.clear()
+            self._points.extend(kept)
+            self.forgotten += dropped
+            if kept:
+                # A fixed cost fitted with the dropped loads goes with them
+                # (with one size left it is not refitted, only used).
+                self._fixed = self.base.fixed_s
+                self._refit()
+            else:
+                self._fixed, self._bw, self._current = self.base.fixed_s, self.base.disk_bytes_per_s, self.base
+        return dropped
+
+    def _refit(self) -> None:
         fixed, bw = self._fit()
         b = self.base
         self._bw = min(b.disk_bytes_per_s * self.max_factor, max(b.disk_bytes_per_s / self.max_factor, bw))
@@ -85,7 +129,7 @@ class OnlineLoadModel:
 
     def _fit(self) -> tuple[float, float]:
         """``(fixed_s, bytes_per_s)`` from the window (and the prior while it is short)."""
-        pts = list(self._points)
+        pts = [(x, y) for x, y, _ in self._points]
         xs = [x for x, _ in pts]
         if len(pts) >= 3 and max(xs) >= 1.5 * min(xs):
             slopes = [(y2 - y1) / (x2 - x1)
@@ -108,6 +152,7 @@ class OnlineLoadModel:
             "disk_bytes_per_s": self._bw,
             "bandwidth_ratio": self._bw / self.base.disk_bytes_per_s,
             "samples": self.samples,
+            "forgotten": self.forgotten,
         }
 
 

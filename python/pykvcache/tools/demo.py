@@ -239,8 +239,7 @@ def run_demo(out: Path, bench: bool = True, vllm: bool = True, argv: list[str] |
             record["prefix"] = summary
             status_ok &= summary["ok"]
     if bench:
-        from .bench import BenchConfig, quick, run_bench
-        from .bench.config import smoke
+        from .bench import BenchConfig, quick, run_bench, smoke
         from .progress import RichProgress
 
         config = quick(BenchConfig(out=out, directory=out, argv=argv or ["pykvcache", "demo"]))

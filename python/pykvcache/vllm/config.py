@@ -122,8 +122,10 @@ class PykvcacheConfig:
     # Accept a storage root owned by another user or world-writable.
     allow_insecure_root: bool = False
     # Walk the storage directories this often so that chunks other nodes
-    # wrote count against capacity_bytes (decision 0036): seconds, 0 = off,
-    # "auto" = SHARED_REFRESH_S on network/FUSE filesystems, off elsewhere.
+    # wrote count against capacity_bytes (decisions 0036, 0053): seconds,
+    # 0 = off, "auto" = SHARED_REFRESH_S on network/FUSE filesystems,
+    # elsewhere the engine's "auto" (walks while another writer's lease is
+    # live in the directory).
     refresh_interval_s: float | str = "auto"
 
     @classmethod
@@ -450,12 +452,16 @@ def is_shared_filesystem(path: str) -> bool:
     return kind in SHARED_FS_TYPES or kind.startswith("fuse")
 
 
-def refresh_interval(config: PykvcacheConfig) -> float | None:
-    """Seconds between walks of the storage directories, None for none."""
+def refresh_interval(config: PykvcacheConfig) -> float | str | None:
+    """The engine's ``refresh_interval_s``: seconds between walks of the
+    storage directories, ``"auto"`` (walk while another writer's lease is live
+    there: cheap to watch on a local disk) or None for none. On a network or
+    FUSE filesystem "auto" is a timer: nodes that hold no lease (older
+    versions) write there too, and a lease check is a round trip anyway."""
     value = config.refresh_interval_s
     if value == "auto":
         shared = any(is_shared_filesystem(d) for d in config.storage_dirs)
-        return SHARED_REFRESH_S if shared else None
+        return SHARED_REFRESH_S if shared else "auto"
     return float(value) or None
 
 

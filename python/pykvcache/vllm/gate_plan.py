@@ -15,6 +15,11 @@ request may wait before it sees its reads complete is not learned: it depends
 on the step time, not on the device (lookahead preloading hides it). The
 store side asks :meth:`GateWiring.admit_store` how many chunks to write.
 
+Around a storage outage the plan's loads are filtered before they are learnt
+(:class:`~pykvcache.gate.outages.OutageFilter`, fed from the store's circuit
+breakers by :meth:`GateWiring.watch_breakers`): what a dying or reconnecting
+link took to read is not the device's speed (decision 0054).
+
 The prefill side is learnt from the engine's own steps (:class:`StepTimer`):
 the connector reports each step's scheduled work when it builds the step's
 metadata and the step's end when its output comes back (or the next step is
@@ -28,7 +33,7 @@ import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, StoreAdmission
+from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter, StoreAdmission
 from pykvcache.gate.request_keys import request_keys_from
 
 
@@ -136,6 +141,12 @@ class NoGating:
     def read_finished(self, key: bytes, ok: bool, latency_s: float = 0.0) -> int:
         return 0
 
+    def watch_breakers(self, health: Callable[[], tuple[int, int, int]], *, io_deadline_s: float) -> None:
+        pass
+
+    def poll_breakers(self) -> None:
+        pass
+
     def admit_store(self, keys: Sequence[bytes], req_context) -> int:
         return len(keys)
 
@@ -170,6 +181,10 @@ class GateWiring:
         self._plans: dict[Hashable, dict[bytes, Plan]] = {}  # req -> group -> plan
         self._awaited_by: dict[bytes, set[Hashable]] = {}  # disk key -> requests timing it
         self.observations = 0
+        self.clock: Callable[[], float] = time.monotonic
+        # ``() -> (breaker_opens, breaker_closes, open_dirs)``; None: nothing to watch.
+        self._breaker_health: Callable[[], tuple[int, int, int]] | None = None
+        self.outages = OutageFilter()
         # A step worth timing prefilled at least one chunk: shorter ones are
         # dominated by per-step overhead, and a chunk is what the gate decides on.
         self.steps = StepTimer(gate.observe_prefill, min_prefill_tokens=chunk_tokens)
@@ -181,6 +196,26 @@ class GateWiring:
         ``queued_bytes`` and ``waiting_requests`` are asked only when a plan is made
         (once per request, not per key: counting queued I/O walks the I/O tables)."""
         return key in self.plan_for(key, req_context, state_of, queued_bytes, waiting_requests).allowed
+
+    def watch_breakers(self, health: Callable[[], tuple[int, int, int]], *, io_deadline_s: float) -> None:
+        """Follow the store's circuit breakers (``BlockStore.breaker_health``).
+        What was learnt within 5 I/O deadlines before a breaker opened is
+        forgotten: it opens after three operations timed out or failed, and the
+        loads that ended meanwhile timed the failing link (plus a step of
+        lag before the gate looks)."""
+        self._breaker_health = health
+        self.outages.lookback_s = 5 * io_deadline_s
+        self.poll_breakers()
+
+    def poll_breakers(self, now: float | None = None) -> None:
+        """Look at the breakers (once per plan, per observed load and per
+        engine step: a few atomic loads)."""
+        if self._breaker_health is None:
+            return
+        now = self.clock() if now is None else now
+        began, ended = self.outages.update(*self._breaker_health(), now)
+        if began or ended:
+            self.gate.storage_outage(began, ended, now, self.outages.lookback_s)
 
     def preload_gate(self) -> AdmissionGate:
         """Same cost model and online refinement, separate counters: a
@@ -204,11 +239,15 @@ class GateWiring:
         keys, start = request_keys_from(req_context, key, self.chunk_tokens)
         states = [state_of(k) for k in keys]
         queued = queued_bytes()
+        now = self.clock()
+        # A breaker that closed since the last look restarts the exploration
+        # before this decision.
+        self.poll_breakers(now)
         decision = self.gate.decide(states, start_tokens=start, queued_bytes=queued,
-                                    waiting_requests=waiting_requests())
+                                    waiting_requests=waiting_requests(), now=now)
         allowed = keys[: decision.load_chunks]
         plan = Plan(considered=frozenset(keys), allowed=frozenset(allowed), decision=decision,
-                    started=time.monotonic(), queued_bytes=queued)
+                    started=now, queued_bytes=queued)
         for k, state in zip(allowed, states):
             if state is ChunkState.DISK:
                 plan.awaiting.add(k)
@@ -244,10 +283,16 @@ class GateWiring:
                 plan.awaiting.discard(key)
                 plan.longest_read_s = max(plan.longest_read_s, latency_s)
                 if not plan.awaiting and plan.disk_bytes:
-                    self.gate.observe_load(plan.disk_bytes, plan.longest_read_s,
-                                           queued_bytes=plan.queued_bytes)
+                    now = self.clock()
+                    self.poll_breakers(now)
+                    if self.outages.learnable(plan.started):
+                        self.gate.observe_load(plan.disk_bytes, plan.longest_read_s,
+                                               queued_bytes=plan.queued_bytes, now=now,
+                                               explored=plan.decision.reason == "explore")
+                        observed += 1
+                    else:
+                        self.gate.ignore_load()
                     plan.disk_bytes = 0
-                    observed += 1
         self.observations += observed
         return observed
 

@@ -132,6 +132,11 @@ class NvmeOffloadingManager(OffloadingManager):
         self._presence = DiskPresence(self.metrics)
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
+        # The gate must not learn the device from loads timed during a storage
+        # outage, and restarts its exploration after one (decision 0054). A
+        # lambda: reset_cache replaces the store.
+        self.gating.watch_breakers(lambda: self.store.breaker_health(),
+                                   io_deadline_s=self.store.stats()["io_deadline_s"])
 
     @property
     def lock(self):
@@ -444,6 +449,9 @@ class NvmeOffloadingManager(OffloadingManager):
     def get_stats(self):
         self.poll_io()
         self.preloader.sweep()
+        # Once per engine step: an outage is seen within a step even when no
+        # request is planned or loaded meanwhile.
+        self.gating.poll_breakers()
         for name, value in self.gating.take_counters().items():
             self.metrics.inc(name, value)
         for name, value in self.gating.gauges().items():
@@ -461,6 +469,8 @@ class NvmeOffloadingManager(OffloadingManager):
         self.metrics.set_gauge("disk_recycled_files", stats["recycled_files"])
         self.metrics.set_gauge("disk_recycle_skipped", stats["recycle_skipped"])
         self.metrics.set_gauge("disk_capacity_bytes", self.store.capacity_bytes)
+        self.metrics.set_gauge("disk_other_namespace_bytes", stats["other_namespace_bytes"])
+        self.metrics.set_gauge("disk_other_writers", stats["other_writers"])
         for gauge, key in (("disk_io_timeouts", "io_timeouts"), ("disk_breaker_opens", "breaker_opens"),
                            ("disk_breaker_skipped_gets", "breaker_skipped_gets"),
                            ("disk_breaker_skipped_puts", "breaker_skipped_puts"),

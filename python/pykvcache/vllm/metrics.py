@@ -73,6 +73,8 @@ GAUGES = {
     "disk_recycled_files": "Puts since start that overwrote an evicted chunk's or a filler's file instead of allocating one.",
     "disk_recycle_skipped": "Puts since start whose evicted or filler file was locked or taken when claimed (a reader, a scan, another node): they wrote a fresh file.",
     "disk_capacity_bytes": "Capacity eviction enforces: capacity_bytes, or lower once the filesystem filled up first (ENOSPC).",
+    "disk_other_namespace_bytes": "Bytes of other namespaces' chunks in the storage directories (other models or configurations): they count against capacity_bytes and are evicted when stalest.",
+    "disk_other_writers": "Other processes (or stores) writing the storage directories now, by their writer leases: while any, the index is refreshed (refresh_interval_s: auto).",
     "lookahead_queue_requests": "Waiting requests known to the lookahead queue.",
     "lookahead_slots_held": "Staging slots held by preloads for waiting requests.",
     "lookup_hold_slots": "Staging slots held by lookups of waiting (not yet scheduled) requests.",

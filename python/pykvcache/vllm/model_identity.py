@@ -6,39 +6,42 @@ the compute dtype, KV-cache dtype and scales, remote modelling code) or when
 the weights behind the same path change. Both go into the namespace, so a
 store written under one never serves another (a miss, never stale KV).
 
-Weights are identified by content, cheaply: every file's name and size, the
-whole safetensors header (tensor names, dtypes, shapes, offsets), and three
-4 KiB samples of every tensor (its start, middle and end). A fine-tune or a
-merged LoRA rewrites whole tensors, so a sample of each tensor sees it; the
-cost is three small reads per tensor (a 70B Llama checkpoint has ~720 tensors:
-~2,200 reads, ~9 MiB). Files in other formats (``.bin``, ``.pt``, ``.gguf``)
-get 64 evenly spaced 64 KiB samples each. Modification times are left out on
-purpose: nodes sharing a store each have their own copy of the weights, with
-their own mtimes, and must agree on the namespace. The path itself is left
-out of the digest for the same reason (the namespace label still shows the
-model's directory name).
+Weights are identified by content, all of it: every KV-relevant file's name,
+size and a digest of every byte (:mod:`pykvcache.vllm.weights_digest`), so any
+changed byte, however few and wherever, is a new namespace. Samples are not
+enough: editing rows of an embedding in place kept a sampled identity (issue
+24). The cost is reading the weights once (3–11 GB/s a core from the page
+cache, where vLLM's own load has just put them; the disk's speed otherwise),
+and only on the first start: a node's digest cache
+(:mod:`pykvcache.vllm.digest_cache`), keyed on each file's path, size, mtime,
+ctime, inode and device, makes a restart on unchanged files a ``stat`` each.
+Modification times and paths are not in the digest: nodes sharing a store
+each have their own copy of the weights, with their own mtimes and inodes, and
+must agree on the namespace (the namespace label still shows the model's
+directory name). Decision 0052.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import struct
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pykvcache.vllm.digest_cache import DigestCache, same_file_state
+from pykvcache.vllm.weights_digest import DIGEST_THREADS, PIECE_BYTES, file_digest
+
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
 #: Bump when what the digests cover changes (old stores then become misses).
-IDENTITY_VERSION = 1
+#: 2: every byte of the weights (1 sampled 4 KiB of each tensor).
+IDENTITY_VERSION = 2
 
-SAMPLE_BYTES = 4096
-BLOB_SAMPLES = 64
-BLOB_SAMPLE_BYTES = 64 << 10
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".npz")
 # Files that never change KV for given token ids (the tokenizer maps text to
 # ids before any key exists; generation settings act after the logits).
@@ -50,14 +53,16 @@ _VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "name_or_path", "transformer
                                    "_attn_implementation_autoset", "_attn_implementation_internal"})
 
 
+_DEFAULT_CACHE = object()
+
+
 @dataclass(frozen=True)
 class WeightsIdentity:
-    digest: str       # sha256 hex of everything sampled, "" when the weights were not found
-    source: str       # the directory or file read, or why nothing was
+    digest: str        # sha256 hex over every file's name, size and content digest; "" = not found
+    source: str        # the directory or file read, or why nothing was
     files: int
-    tensors: int
-    reads: int
-    bytes_read: int
+    files_cached: int  # files whose digest came from the node's digest cache (not read)
+    bytes_hashed: int  # bytes read and digested this time
     seconds: float
 
 
@@ -138,87 +143,75 @@ def _is_kv_relevant_file(name: str) -> bool:
     return False
 
 
-class _Sampler:
+def _digest_file(path: Path, cache: DigestCache | None, pool: _LazyPool) -> tuple[int, str, bool]:
+    """(size, content digest, whether it came from the cache) of one file."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        st = os.fstat(fd)
+        real = os.path.realpath(path)  # a hub snapshot links to its blobs
+        if cache is not None:
+            cached = cache.lookup(real, st)
+            if cached is not None:
+                return st.st_size, cached, True
+        started_ns = time.time_ns()
+        digest = file_digest(fd, st.st_size, pool.get() if st.st_size > PIECE_BYTES else None)
+        if not same_file_state(st, os.fstat(fd)):
+            # Written while being read: the digest is of no version of the
+            # file (a namespace nobody shares, never stale KV); not cached.
+            logger.warning("pykvcache: %s changed while its digest was computed", path)
+        elif cache is not None:
+            cache.record(real, st, digest, started_ns)
+        return st.st_size, digest, False
+    finally:
+        os.close(fd)
+
+
+class _LazyPool:
+    """The digest threads, started only when a large file misses the cache."""
+
     def __init__(self) -> None:
-        self.hash = hashlib.sha256()
-        self.reads = 0
-        self.bytes = 0
+        self._pool: ThreadPoolExecutor | None = None
 
-    def read(self, fd: int, offset: int, length: int) -> bytes:
-        data = os.pread(fd, length, offset)
-        self.reads += 1
-        self.bytes += len(data)
-        return data
+    def get(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(DIGEST_THREADS, thread_name_prefix="pykvcache-digest")
+        return self._pool
 
-    def add(self, *parts: bytes) -> None:
-        for part in parts:
-            self.hash.update(struct.pack("<Q", len(part)))
-            self.hash.update(part)
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()
 
 
-def _sample_safetensors(fd: int, size: int, sampler: _Sampler) -> int:
-    head = sampler.read(fd, 0, 8)
-    if len(head) < 8:
-        raise ValueError("shorter than a safetensors header")
-    header_len = struct.unpack("<Q", head)[0]
-    if header_len > min(size - 8, 100 << 20):
-        raise ValueError("implausible safetensors header length")
-    header = sampler.read(fd, 8, header_len)
-    sampler.add(header)
-    tensors = json.loads(header)
-    data_start = 8 + header_len
-    count = 0
-    for name in sorted(k for k in tensors if k != "__metadata__"):
-        begin, end = tensors[name]["data_offsets"]
-        length = end - begin
-        if length <= 0:
-            continue
-        count += 1
-        offsets = sorted({0, max(0, length // 2 - SAMPLE_BYTES // 2), max(0, length - SAMPLE_BYTES)})
-        for off in offsets:
-            sampler.add(sampler.read(fd, data_start + begin + off, min(SAMPLE_BYTES, length - off)))
-    return count
-
-
-def _sample_blob(fd: int, size: int, sampler: _Sampler) -> None:
-    if size <= BLOB_SAMPLES * BLOB_SAMPLE_BYTES:
-        sampler.add(sampler.read(fd, 0, size))
-        return
-    step = (size - BLOB_SAMPLE_BYTES) // (BLOB_SAMPLES - 1)
-    for i in range(BLOB_SAMPLES):
-        sampler.add(sampler.read(fd, i * step, BLOB_SAMPLE_BYTES))
-
-
-def weights_identity(source: Path | None) -> WeightsIdentity:
-    """Content digest of the weights at ``source`` (see the module docstring)."""
+def weights_identity(source: Path | None, cache: Any = _DEFAULT_CACHE) -> WeightsIdentity:
+    """Content digest of the weights at ``source`` (see the module docstring).
+    ``cache``: the node's :class:`DigestCache` by default; ``None`` reads every
+    byte every time."""
     started = time.perf_counter()
     if source is None:
-        return WeightsIdentity("", "not found locally", 0, 0, 0, 0, 0.0)
+        return WeightsIdentity("", "not found locally", 0, 0, 0, 0.0)
+    if cache is _DEFAULT_CACHE:
+        cache = DigestCache.default()
     if source.is_dir():
         files = sorted(p for p in source.iterdir() if p.is_file() and _is_kv_relevant_file(p.name))
     else:
         files = [source]
-    sampler = _Sampler()
-    tensors = 0
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            sampler.add(path.name.encode(), struct.pack("<Q", size))
-            if path.suffix == ".safetensors":
-                try:
-                    tensors += _sample_safetensors(fd, size, sampler)
-                    continue
-                except (ValueError, KeyError, TypeError):
-                    pass  # not parseable as safetensors: sample it as bytes
-            if path.suffix in (".json", ".py"):
-                sampler.add(sampler.read(fd, 0, size))
-            else:
-                _sample_blob(fd, size, sampler)
-        finally:
-            os.close(fd)
-    return WeightsIdentity(sampler.hash.hexdigest(), str(source), len(files), tensors,
-                           sampler.reads, sampler.bytes, time.perf_counter() - started)
+    combined = hashlib.sha256()
+    cached = hashed = 0
+    pool = _LazyPool()
+    try:
+        for path in files:
+            size, digest, from_cache = _digest_file(path, cache, pool)
+            name = path.name.encode()
+            combined.update(struct.pack("<Q", len(name)) + name + struct.pack("<Q", size))
+            combined.update(bytes.fromhex(digest))
+            cached += from_cache
+            hashed += 0 if from_cache else size
+    finally:
+        pool.close()
+    if cache is not None:
+        cache.save()
+    return WeightsIdentity(combined.hexdigest(), str(source), len(files), cached, hashed,
+                           time.perf_counter() - started)
 
 
 def model_identity(vllm_config: Any | None, model: str, *, fingerprint_weights: bool = True) -> dict[str, Any]:
@@ -239,9 +232,10 @@ def model_identity(vllm_config: Any | None, model: str, *, fingerprint_weights: 
     weights = weights_identity(resolve_weights(model, revision))
     if weights.digest:
         ident["weights"] = weights.digest
-        logger.info("pykvcache: weights identity of %s: %d file(s), %d tensor(s), %d reads, "
-                    "%.1f MiB in %.2f s", weights.source, weights.files, weights.tensors,
-                    weights.reads, weights.bytes_read / (1 << 20), weights.seconds)
+        logger.info("pykvcache: weights identity of %s: %d file(s), %d from the digest cache, "
+                    "%d bytes hashed in %.2f s (%.0f MB/s)", weights.source, weights.files,
+                    weights.files_cached, weights.bytes_hashed, weights.seconds,
+                    weights.bytes_hashed / max(weights.seconds, 1e-9) / 1e6)
     else:
         # Nothing local to read (weights streamed from object storage, say):
         # the name and revision are all there is; a change under the same

@@ -221,7 +221,9 @@ class NvmeOffloadingSpec(OffloadingSpec):
     def namespace(self) -> str:
         """Where this engine's chunks live: layout + the model's identity
         (resolved config and weights digest). Computed once, in the scheduler
-        process (reading the weights' samples costs milliseconds to a second)."""
+        process, before the store opens: no chunk is looked up before it is
+        known (a node's first start reads every byte of the weights, seconds
+        for a 16 GB model; later starts a stat per file; decision 0052)."""
         if self._namespace is None:
             identity = model_identity(self._vllm_config, self.config.model.name,
                                       fingerprint_weights=self.settings.fingerprint_weights)

@@ -175,6 +175,8 @@ class PykvcacheTier(SecondaryTierManager):
         self.gating: GateWiring | NoGating = build_gating(
             self.settings, model=config.model.name, dtype=str(config.model.dtype),
             chunk_bytes=self.chunk_bytes, chunk_tokens=self.chunk_tokens)
+        # Loads timed during a storage outage do not teach the gate (decision 0054).
+        self.gating.watch_breakers(self._store.breaker_health, io_deadline_s=self._store.stats()["io_deadline_s"])
         self.metrics = ManagerMetrics()
         self._unusable = ChunkTroubleLog(logger, "unusable chunks in the tier (each a miss)")
         self._jobs: deque[_Job] = deque()  # jobs with chunks not started, in order
@@ -327,6 +329,7 @@ class PykvcacheTier(SecondaryTierManager):
 
     def get_stats(self):
         self._pump()
+        self.gating.poll_breakers()
         for name, value in self.gating.take_counters().items():
             self.metrics.inc(name, value)
         for name, value in self.gating.gauges().items():
@@ -336,6 +339,9 @@ class PykvcacheTier(SecondaryTierManager):
         self.metrics.set_gauge("disk_used_bytes", self._store.used_bytes)
         self.metrics.set_gauge("disk_chunks", len(self._store))
         self.metrics.set_gauge("disk_capacity_bytes", self._store.capacity_bytes)
+        stats = self._store.stats()
+        self.metrics.set_gauge("disk_other_namespace_bytes", stats["other_namespace_bytes"])
+        self.metrics.set_gauge("disk_other_writers", stats["other_writers"])
         return self.metrics.take_stats()
 
     def shutdown(self) -> None:

@@ -5,21 +5,46 @@
 //! of every header), so stores of different models never see each other's
 //! chunks. A key always maps to the same root, so every process sharing the
 //! directories finds a chunk without an index exchange.
+//!
+//! Other namespaces' directories under the same roots (another model, dtype,
+//! override, or an older configuration of this one) are known by id
+//! (`other_namespace`): their chunks count against this store's capacity and
+//! may be evicted, never read (decision 0053).
 
 use std::ffi::CString;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::disk::format::Fingerprint;
+use crate::disk::index::{ChunkRef, NsId, OWN};
 use crate::error::{EngineError, Result};
 
 pub const CHUNK_SUFFIX: &str = ".kvc";
 pub const TEMP_PREFIX: &str = ".tmp-";
 
 pub struct Layout {
+    roots: Vec<PathBuf>,
     ns_dirs: Vec<PathBuf>,
+    ns_hex: String,
+    /// Other namespace directories found under the roots: (root, directory);
+    /// the id of one is its position + 1 (`OWN` is 0). Only grows.
+    others: Mutex<Vec<(usize, PathBuf)>>,
+}
+
+/// Characters of a namespace directory's name (the fingerprint in hex).
+const NS_HEX_LEN: usize = 32;
+
+/// Whether `name` is a namespace directory's name (32 lowercase hex digits).
+pub fn is_namespace_name(name: &str) -> bool {
+    name.len() == NS_HEX_LEN && name.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// Whether `name` is a shard directory's name (2 lowercase hex digits).
+pub fn is_shard_name(name: &str) -> bool {
+    name.len() == 2 && name.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
 /// Modes of the directories and chunk files a store creates, unless configured.
@@ -48,8 +73,10 @@ impl Layout {
         }
         let ns_hex = hex(namespace);
         let mut ns_dirs = Vec::with_capacity(roots.len());
+        let mut resolved = Vec::with_capacity(roots.len());
         for configured in roots {
             let root = resolve_root(configured, perms)?;
+            resolved.push(root.clone());
             let ns_dir = root.join(&ns_hex);
             for sub in 0..=255u8 {
                 let d = ns_dir.join(format!("{sub:02x}"));
@@ -67,11 +94,75 @@ impl Layout {
             }
             ns_dirs.push(ns_dir);
         }
-        Ok(Layout { ns_dirs })
+        Ok(Layout { roots: resolved, ns_dirs, ns_hex, others: Mutex::new(Vec::new()) })
     }
 
     pub fn ns_dirs(&self) -> &[PathBuf] {
         &self.ns_dirs
+    }
+
+    /// The storage roots (resolved), in configuration order.
+    pub fn roots(&self) -> &[PathBuf] {
+        &self.roots
+    }
+
+    /// This namespace's directory name.
+    pub fn ns_name(&self) -> &str {
+        &self.ns_hex
+    }
+
+    /// The id of the namespace directory `name` under root `root`: `OWN` for
+    /// this store's, else an id for another namespace (the same on every call).
+    pub fn namespace_id(&self, root: usize, name: &str) -> NsId {
+        if name == self.ns_hex {
+            return OWN;
+        }
+        let dir = self.roots[root].join(name);
+        let mut others = self.others.lock().unwrap();
+        let at = others.iter().position(|(r, d)| *r == root && *d == dir).unwrap_or_else(|| {
+            others.push((root, dir));
+            others.len() - 1
+        });
+        at as NsId + 1
+    }
+
+    /// The namespace directory of `ns` on `root` (for `OWN`, on the root of its chunks).
+    pub fn ns_dir_of(&self, ns: NsId, root: usize) -> PathBuf {
+        if ns == OWN {
+            return self.ns_dirs[root].clone();
+        }
+        self.others.lock().unwrap()[ns as usize - 1].1.clone()
+    }
+
+    /// The root a chunk of any namespace lives on.
+    pub fn root_of_ref(&self, c: ChunkRef) -> usize {
+        if c.ns == OWN {
+            return self.root_of(c.hash);
+        }
+        self.others.lock().unwrap()[c.ns as usize - 1].0
+    }
+
+    /// The file of a chunk of any namespace.
+    pub fn chunk_path_of(&self, c: ChunkRef) -> PathBuf {
+        if c.ns == OWN {
+            return self.chunk_path(c.hash);
+        }
+        let dir = self.ns_dir_of(c.ns, 0);
+        dir.join(format!("{:02x}", (c.hash & 0xff) as u8)).join(format!("{:032x}{CHUNK_SUFFIX}", c.hash))
+    }
+
+    /// What a namespace holds, for people: the first line of its `NAMESPACE`
+    /// label (cut to 120 characters), else its directory.
+    pub fn describe(&self, ns: NsId) -> String {
+        let dir = self.ns_dir_of(ns, 0);
+        let label = std::fs::read_to_string(dir.join("NAMESPACE")).ok().and_then(|t| t.lines().next().map(str::to_owned));
+        match label {
+            Some(l) if !l.trim().is_empty() => {
+                let l: String = l.chars().take(120).collect();
+                format!("{l} ({})", dir.display())
+            }
+            _ => dir.display().to_string(),
+        }
     }
 
     pub fn root_of(&self, hash: u128) -> usize {
@@ -132,7 +223,7 @@ const DIR_CREATE_WAIT: Duration = Duration::from_secs(2);
 /// nodes opening one fresh store fail so. Here an EEXIST for a path that is not
 /// there is retried until `DIR_CREATE_WAIT`; a non-directory in the way is still
 /// an error at once.
-fn create_dir_shared(dir: &Path, mode: u32) -> std::io::Result<()> {
+pub(crate) fn create_dir_shared(dir: &Path, mode: u32) -> std::io::Result<()> {
     create_dir_shared_with(dir, DIR_CREATE_WAIT, &|p| std::fs::DirBuilder::new().mode(mode).create(p))
 }
 

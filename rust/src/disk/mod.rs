@@ -1,10 +1,11 @@
 //! The on-disk layer: what a chunk file holds (`format`), where it lives
 //! (`layout`), how it is opened, written and published (`files`), and how the
 //! in-memory index of what is on disk (`index`) is rebuilt from the tree
-//! (`scan`). Knows nothing of operations, backends or staging.
+//! (`scan`), and which other processes write the roots (`writers`). Knows nothing of operations, backends or staging.
 
 pub mod files;
 pub mod format;
 pub mod index;
 pub mod layout;
 pub mod scan;
+pub mod writers;

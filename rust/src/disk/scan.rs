@@ -5,17 +5,19 @@
 //! During a background scan `get` and `probe` work as always (they look at
 //! the file, not the index); only index answers (`contains`, `len`,
 //! `used_bytes`, eviction) are incomplete: an unknown key reads as absent.
-//! What the scan finds is merged as least recently used, without reviving a
-//! chunk removed while it ran (`ChunkIndex::merge_scanned`).
+//! What the scan finds is merged by its modification time, without reviving
+//! a chunk removed while it ran (`ChunkIndex::merge_scanned`). The walk covers
+//! every namespace directory under the roots (decision 0053).
 
 use std::os::unix::fs::MetadataExt;
+use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
 use crate::disk::files;
-use crate::disk::index::{ChunkIndex, Found};
-use crate::disk::layout::{parse_chunk_name, Layout, TEMP_PREFIX};
+use crate::disk::index::{epoch_ns, ChunkIndex, Found, NsId, OWN};
+use crate::disk::layout::{is_namespace_name, is_shard_name, parse_chunk_name, Layout, TEMP_PREFIX};
 use crate::error::{EngineError, Result};
 use crate::faults::SharedFaults;
 use crate::wait::{deadline_after, wait_until};
@@ -24,53 +26,105 @@ use crate::wait::{deadline_after, wait_until};
 /// writer (also when their writer's lock cannot tell, e.g. without flock).
 const STALE_TEMP_AGE: Duration = Duration::from_secs(600);
 
-/// Chunks on disk, oldest modification first. Fillers carry the Unix epoch
-/// as their modification time (`files::mark_filler`): they sort first, i.e.
-/// least recently used. Temporary files of dead writers (lock released, or
-/// too old) are removed on the way. `stop` ends the walk early (the store is
-/// closing).
+/// Chunks on disk, oldest modification first: this store's namespace and
+/// every other namespace directory under its roots (their bytes count against
+/// the capacity, decision 0053). Fillers carry the Unix epoch as their
+/// modification time (`files::mark_filler`): they sort first, i.e. least
+/// recently used. Temporary files of dead writers (lock released, or too old)
+/// are removed on the way. `stop` ends the walk early (the store is closing).
+///
+/// Only real directories are entered (the entry's type, not followed) and
+/// only `<32 hex>.kvc` regular files in the shard their name maps to are
+/// chunks: nothing else under a root is ever counted or evicted.
 pub fn collect(layout: &Layout, stop: &AtomicBool) -> Result<Vec<Found>> {
     let now = SystemTime::now();
-    let mut found: Vec<(SystemTime, u128, u64)> = Vec::new();
-    for ns_dir in layout.ns_dirs() {
-        for sub in 0..=255u8 {
+    let mut found: Vec<Found> = Vec::new();
+    for (root, root_dir) in layout.roots().iter().enumerate() {
+        let mut namespaces = vec![(OWN, layout.ns_dirs()[root].clone())];
+        match std::fs::read_dir(root_dir) {
+            Ok(entries) => {
+                for entry in entries.flatten() {
+                    let name = entry.file_name();
+                    let Some(name) = name.to_str() else { continue };
+                    let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+                    if is_dir && is_namespace_name(name) && name != layout.ns_name() {
+                        namespaces.push((layout.namespace_id(root, name), entry.path()));
+                    }
+                }
+            }
+            Err(e) => return Err(EngineError::io(format!("scanning {}", root_dir.display()), e)),
+        }
+        for (ns, ns_dir) in namespaces {
             if stop.load(Ordering::Relaxed) {
                 return Ok(Vec::new());
             }
-            let dir = ns_dir.join(format!("{sub:02x}"));
-            let entries = match std::fs::read_dir(&dir) {
-                Ok(e) => e,
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(EngineError::io(format!("scanning {}", dir.display()), e)),
-            };
-            for entry in entries.flatten() {
-                let name = entry.file_name();
-                let Some(name) = name.to_str() else { continue };
-                let Ok(meta) = entry.metadata() else { continue };
-                if name.starts_with(TEMP_PREFIX) {
-                    // ctime, not mtime: claiming an evicted file for reuse renames it
-                    // (fresh ctime) but keeps the old mtime until it is written.
-                    let changed =
-                        SystemTime::UNIX_EPOCH + Duration::new(meta.ctime().max(0) as u64, meta.ctime_nsec().clamp(0, 999_999_999) as u32);
-                    let age = now.duration_since(changed).unwrap_or_default();
-                    if age > STALE_TEMP_AGE || files::temp_writer_gone(&entry.path(), name) {
-                        let _ = std::fs::remove_file(entry.path());
-                    }
-                    continue;
-                }
-                // Only regular files with a chunk name; symlinks and strays are ignored.
-                if !meta.file_type().is_file() {
-                    continue;
-                }
-                if let Some(hash) = parse_chunk_name(name) {
-                    found.push((meta.modified().unwrap_or(now), hash, meta.len()));
-                }
+            match collect_namespace(ns, &ns_dir, now, stop, &mut found) {
+                Ok(()) => {}
+                // Another namespace's directory that cannot be read holds
+                // nothing this store could evict: skipped.
+                Err(_) if ns != OWN => {}
+                Err(e) => return Err(e),
             }
         }
     }
-    found.sort_unstable_by_key(|(t, h, _)| (*t, *h));
-    let filler = |t: SystemTime| t == SystemTime::UNIX_EPOCH;
-    Ok(found.into_iter().map(|(t, hash, file_len)| Found { hash, file_len, filler: filler(t) }).collect())
+    if stop.load(Ordering::Relaxed) {
+        return Ok(Vec::new());
+    }
+    found.sort_unstable_by_key(|f| (f.modified, f.ns, f.hash));
+    Ok(found)
+}
+
+fn collect_namespace(ns: NsId, ns_dir: &Path, now: SystemTime, stop: &AtomicBool, found: &mut Vec<Found>) -> Result<()> {
+    let shards = match std::fs::read_dir(ns_dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(EngineError::io(format!("scanning {}", ns_dir.display()), e)),
+    };
+    for shard in shards.flatten() {
+        if stop.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        let shard_name = shard.file_name();
+        let Some(shard_name) = shard_name.to_str() else { continue };
+        if !is_shard_name(shard_name) || !shard.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+            continue;
+        }
+        let dir = shard.path();
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(EngineError::io(format!("scanning {}", dir.display()), e)),
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let Ok(meta) = entry.metadata() else { continue };
+            if name.starts_with(TEMP_PREFIX) {
+                // ctime, not mtime: claiming an evicted file for reuse renames it
+                // (fresh ctime) but keeps the old mtime until it is written.
+                let changed =
+                    SystemTime::UNIX_EPOCH + Duration::new(meta.ctime().max(0) as u64, meta.ctime_nsec().clamp(0, 999_999_999) as u32);
+                let age = now.duration_since(changed).unwrap_or_default();
+                if age > STALE_TEMP_AGE || files::temp_writer_gone(&entry.path(), name) {
+                    let _ = std::fs::remove_file(entry.path());
+                }
+                continue;
+            }
+            // Only regular files with a chunk name; symlinks and strays are ignored.
+            if !meta.file_type().is_file() {
+                continue;
+            }
+            if let Some(hash) = parse_chunk_name(name) {
+                if format!("{:02x}", (hash & 0xff) as u8) != shard_name {
+                    continue; // not where its name puts it: no store would read it
+                }
+                let modified = meta.modified().unwrap_or(now);
+                let filler = modified == SystemTime::UNIX_EPOCH;
+                found.push(Found { ns, hash, file_len: meta.len(), modified: epoch_ns(modified), filler });
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The index of what `collect` found, oldest least recent.
@@ -119,7 +173,13 @@ impl ScanProgress {
         let found = collect(layout, &self.stop);
         let _held = faults.as_ref().and_then(|f| f.scan_hold());
         let (chunks, error) = match found {
-            Ok(found) => (index.lock().unwrap().merge_scanned(&found), None),
+            Ok(found) => {
+                // This namespace's chunks: the others are counted, not served.
+                let mut index = index.lock().unwrap();
+                let before = index.len();
+                index.merge_scanned(&found);
+                (index.len().saturating_sub(before), None)
+            }
             Err(e) => {
                 // Nothing merged: the store goes on with what it indexes from now on.
                 index.lock().unwrap().merge_scanned(&[]);

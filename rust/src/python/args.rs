@@ -6,6 +6,8 @@ use std::time::Duration;
 use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::store::RefreshPolicy;
+
 /// Timeouts longer than this (about 31.7 years, `inf` included) mean "wait
 /// forever", like None: `Duration::from_secs_f64` panics past its range and
 /// `Instant + Duration` past the clock's, so huge values never reach them.
@@ -54,4 +56,34 @@ int_args! {
     length_arg: usize = "length";
     payload_bytes_arg: usize = "payload_bytes";
     slot_arg: usize = "slot";
+}
+
+/// `refresh_interval_s`: "auto" (walk while another writer's lease is live,
+/// decision 0053), a positive number of seconds, or None / 0 (never).
+pub(super) fn refresh_arg(ob: &Bound<'_, PyAny>) -> PyResult<RefreshPolicy> {
+    if ob.is_none() {
+        return Ok(RefreshPolicy::Off);
+    }
+    if let Ok(text) = ob.extract::<String>() {
+        if text == "auto" {
+            return Ok(RefreshPolicy::Auto);
+        }
+    } else if let Ok(s) = ob.extract::<f64>() {
+        if s == 0.0 {
+            return Ok(RefreshPolicy::Off);
+        }
+        if s.is_finite() && s > 0.0 {
+            return Ok(RefreshPolicy::Every(Duration::from_secs_f64(s.min(1e9))));
+        }
+    }
+    Err(PyValueError::new_err(format!("refresh_interval_s must be \"auto\", a positive number of seconds, or None/0 (never), not {ob}")))
+}
+
+/// A refresh policy as Python names it: "auto", "off", "every <s> s".
+pub(super) fn refresh_name(p: RefreshPolicy) -> String {
+    match p {
+        RefreshPolicy::Off => "off".to_string(),
+        RefreshPolicy::Auto => "auto".to_string(),
+        RefreshPolicy::Every(d) => format!("every {:.3} s", d.as_secs_f64()),
+    }
 }

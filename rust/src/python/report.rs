@@ -26,8 +26,8 @@ pub(super) fn log_notices(py: Python<'_>, notices: Vec<Notice>) -> PyResult<()> 
     Ok(())
 }
 
-/// What opening the store found: fallbacks and warnings, then each
-/// directory's probe at info.
+/// What opening the store found: fallbacks and warnings, notes (other
+/// namespaces found) and each directory's probe at info.
 pub(super) fn log_open(py: Python<'_>, report: &OpenReport, snapshot: &StoreSnapshot) -> PyResult<()> {
     let logger = logger(py)?;
     for f in &report.fallbacks {
@@ -35,6 +35,9 @@ pub(super) fn log_open(py: Python<'_>, report: &OpenReport, snapshot: &StoreSnap
     }
     for w in &report.warnings {
         logger.call_method1("warning", ("pykvcache: %s", w))?;
+    }
+    for n in &report.notes {
+        logger.call_method1("info", ("pykvcache: %s", n))?;
     }
     for (dir, s) in &snapshot.storage_support {
         logger.call_method1(
@@ -97,6 +100,10 @@ pub(super) fn stats_dict(py: Python<'_>, s: StoreSnapshot) -> PyResult<Bound<'_,
     d.set_item("chunks", s.chunks)?;
     d.set_item("filler_chunks", s.filler_chunks)?;
     d.set_item("used_bytes", s.used_bytes)?;
+    d.set_item("other_namespace_chunks", s.other_namespace_chunks)?;
+    d.set_item("other_namespace_bytes", s.other_namespace_bytes)?;
+    d.set_item("other_writers", s.other_writers)?;
+    d.set_item("refresh_mode", super::args::refresh_name(s.refresh_policy))?;
     d.set_item("capacity_bytes", s.capacity_bytes)?;
     d.set_item("configured_capacity_bytes", s.configured_capacity_bytes)?;
     d.set_item("min_free_bytes", s.min_free_bytes)?;

@@ -1,38 +1,84 @@
 //! How much the store may hold: reservations of puts in flight, eviction of
-//! least recently used chunks (within the capacity and the free-space
-//! reserve), lowering the capacity when the filesystem fills up first
-//! (ENOSPC). Runs on the caller's thread (a put making room) and on chunk
-//! workers (publication, adoption, ENOSPC): never on the backend thread.
+//! the stalest chunks (within the capacity and the free-space reserve),
+//! lowering the capacity when the filesystem fills up first (ENOSPC). The
+//! capacity spans every namespace under the roots: other namespaces' chunks
+//! count and are evicted too, stalest first (decision 0053). Runs on the
+//! caller's thread (a put making room), on chunk workers (publication,
+//! adoption, ENOSPC) and the refresh thread: never on the backend thread.
 
 use std::sync::atomic::Ordering;
 
 use crate::disk::files;
+use crate::disk::index::{ChunkRef, OWN};
 use crate::disk::layout::Layout;
 use crate::error::{EngineError, Result};
 use crate::notice::Notice;
 use crate::stats::Stats;
 
-use super::{Core, OpContext, StoreConfig};
+use super::{BlockStore, Core, OpContext, StoreConfig};
+
+impl BlockStore {
+    /// Chunks and bytes of the other namespaces under the roots, which count
+    /// against the capacity (decision 0053).
+    pub fn other_namespace_usage(&self) -> (u64, u64) {
+        let others = self.core.index.lock().unwrap().other_namespaces();
+        (others.iter().map(|(_, c, _)| c).sum(), others.iter().map(|(_, _, b)| b).sum())
+    }
+
+    /// What holds the indexed space: this namespace and the largest others.
+    pub fn space_holders(&self) -> String {
+        self.core.space_holders()
+    }
+}
 
 impl Core {
     /// Makes room for a put and reserves its bytes until it is published or
     /// fails: within the capacity, and keeping the free-space reserve on the
     /// put's filesystem. Refused (a message) when even evicting every chunk on
     /// that root could not keep the reserve: other writers' space comes first.
-    pub(super) fn reserve_room(&self, ctx: &mut OpContext, reuse: Option<usize>) -> std::result::Result<Option<u128>, String> {
+    pub(super) fn reserve_room(&self, ctx: &mut OpContext, reuse: Option<usize>) -> std::result::Result<Option<ChunkRef>, String> {
         ctx.reserved = ctx.file_len as u64;
         let shortfall = self.free_space_shortfall(ctx.root, ctx.reserved);
         let (victim, unmet) = self.make_room(ctx.reserved, ctx.hash, reuse, shortfall.map(|s| (ctx.root, s)));
         if unmet > 0 {
-            Stats::add(&self.stats.reserve_refused, 1);
-            let dir = self.layout.ns_dirs()[ctx.root].display();
-            return Err(format!(
-                "not stored: keeping {} bytes free on the filesystem of {dir} (min_free_bytes) needs {unmet} bytes more \
-                 than evicting every chunk there frees",
+            let dir = self.layout.roots()[ctx.root].display();
+            let holders = self.space_holders();
+            let space = files::fs_space(&self.layout.roots()[ctx.root])
+                .map(|s| format!("{} of {} bytes free", s.available, s.total))
+                .unwrap_or_else(|e| format!("statvfs: {e}"));
+            let msg = format!(
+                "not stored: keeping {} bytes free on the filesystem of {dir} (min_free_bytes; {space}) needs {unmet} \
+                 bytes more than evicting every chunk there frees: files other than pykvcache's chunks hold it; \
+                 the chunks under {dir}: {holders}",
                 self.min_free[ctx.root]
-            ));
+            );
+            if Stats::add_first(&self.stats.reserve_refused, 1) {
+                self.notices.lock().unwrap().push(Notice::warning(msg.clone()));
+            }
+            return Err(msg);
         }
         Ok(victim)
+    }
+
+    /// What holds the indexed bytes: this namespace, then the other
+    /// namespaces with the most bytes (the top few), for log lines.
+    pub(super) fn space_holders(&self) -> String {
+        const TOP: usize = 3;
+        let mib = |b: u64| b as f64 / (1 << 20) as f64;
+        // A snapshot: the labels are read from disk without the index lock.
+        let (len, used, others) = {
+            let index = self.index.lock().unwrap();
+            (index.len(), index.used_bytes(), index.other_namespaces())
+        };
+        let mut parts = vec![format!("this namespace {:.1} MiB in {len} chunks", mib(used))];
+        for (ns, chunks, bytes) in others.iter().take(TOP) {
+            parts.push(format!("{} {:.1} MiB in {chunks} chunks", self.layout.describe(*ns), mib(*bytes)));
+        }
+        if others.len() > TOP {
+            let rest: u64 = others[TOP..].iter().map(|(_, _, b)| b).sum();
+            parts.push(format!("{} more namespaces {:.1} MiB", others.len() - TOP, mib(rest)));
+        }
+        parts.join("; ")
     }
 
     /// Bytes to free on `root`'s filesystem so that `incoming` more leaves
@@ -56,14 +102,20 @@ impl Core {
         self.reserved.fetch_sub(std::mem::take(&mut ctx.reserved), Ordering::Relaxed);
     }
 
-    /// Evicts least recently used chunks until `incoming` more bytes (beyond
-    /// the indexed and the reserved ones) fit, and reserves them.
+    /// Evicts the stalest chunks (any namespace) until `incoming` more bytes
+    /// (beyond the indexed and the reserved ones) fit, and reserves them.
     /// With `reuse` = a root, the first victim on that root is not unlinked:
     /// it leaves the index and is returned for the caller to overwrite.
     /// With `fs_short` = (root, bytes), also evicts chunks on that root until
     /// `bytes` are freed there (the free-space reserve); returns what of it no
     /// chunk could cover.
-    pub(super) fn make_room(&self, incoming: u64, keep: u128, reuse: Option<usize>, fs_short: Option<(usize, u64)>) -> (Option<u128>, u64) {
+    pub(super) fn make_room(
+        &self,
+        incoming: u64,
+        keep: u128,
+        reuse: Option<usize>,
+        fs_short: Option<(usize, u64)>,
+    ) -> (Option<ChunkRef>, u64) {
         let capacity = self.capacity.load(Ordering::Relaxed);
         let mut unmet = 0;
         let victims = {
@@ -71,11 +123,11 @@ impl Core {
             let reserved = self.reserved.fetch_add(incoming, Ordering::Relaxed);
             let mut victims = index.victims(incoming + reserved, capacity, keep);
             if let Some((root, short)) = fs_short {
-                let on_root = |h: u128| self.layout.root_of(h) == root;
-                let freed: u64 = victims.iter().filter(|(h, _)| on_root(*h)).map(|(_, l)| l).sum();
+                let on_root = |c: ChunkRef| self.layout.root_of_ref(c) == root;
+                let freed: u64 = victims.iter().filter(|(c, _)| on_root(*c)).map(|(_, l)| l).sum();
                 if short > freed {
-                    let chosen: std::collections::HashSet<u128> = victims.iter().map(|(h, _)| *h).collect();
-                    let more = index.victims_where(short - freed, keep, |h| on_root(h) && !chosen.contains(&h));
+                    let chosen: std::collections::HashSet<ChunkRef> = victims.iter().map(|(c, _)| *c).collect();
+                    let more = index.victims_where(short - freed, keep, |c| on_root(c) && !chosen.contains(&c));
                     let got: u64 = more.iter().map(|(_, l)| l).sum();
                     unmet = (short - freed).saturating_sub(got);
                     Stats::add(&self.stats.reserve_evictions, more.len() as u64);
@@ -84,21 +136,51 @@ impl Core {
             }
             victims
         };
+        self.notice_other_namespaces(&victims);
         let mut kept = None;
-        for (hash, _) in victims {
-            if kept.is_none() && reuse == Some(self.layout.root_of(hash)) {
-                if let Some(len) = self.index.lock().unwrap().remove(hash) {
-                    Stats::add(&self.stats.evicted_bytes, len);
-                    Stats::add(&self.stats.evictions, 1);
-                    kept = Some(hash);
+        for (chunk, _) in victims {
+            if kept.is_none() && reuse == Some(self.layout.root_of_ref(chunk)) {
+                if let Some(len) = self.index.lock().unwrap().remove_ref(chunk) {
+                    self.count_eviction(chunk, len);
+                    kept = Some(chunk);
                 }
                 continue;
             }
-            if self.remove_chunk(hash) {
-                Stats::add(&self.stats.evictions, 1);
-            }
+            self.remove_chunk_ref(chunk);
         }
         (kept, unmet)
+    }
+
+    /// Once per store, the first time another namespace's chunk is to go:
+    /// a log line saying what holds the space.
+    fn notice_other_namespaces(&self, victims: &[(ChunkRef, u64)]) {
+        if victims.iter().any(|(c, _)| c.ns != OWN) && !self.other_ns_noticed.swap(true, Ordering::Relaxed) {
+            let holders = self.space_holders();
+            self.notices.lock().unwrap().push(Notice::warning(format!(
+                "capacity_bytes ({} bytes) bounds every namespace under {} together: evicting the stalest \
+                 chunks, other namespaces' included (decision 0053); held before: {holders}",
+                self.capacity.load(Ordering::Relaxed),
+                self.layout.roots().iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
+            )));
+        }
+    }
+
+    /// Unlinks and counts chunks already removed from the index (by whoever
+    /// chose them under its lock).
+    pub(super) fn unlink_evicted(&self, victims: Vec<(ChunkRef, u64)>) {
+        self.notice_other_namespaces(&victims);
+        for (chunk, len) in victims {
+            let _ = std::fs::remove_file(self.layout.chunk_path_of(chunk));
+            self.count_eviction(chunk, len);
+        }
+    }
+
+    fn count_eviction(&self, chunk: ChunkRef, len: u64) {
+        Stats::add(&self.stats.evicted_bytes, len);
+        Stats::add(&self.stats.evictions, 1);
+        if chunk.ns != OWN {
+            Stats::add(&self.stats.other_namespace_evictions, 1);
+        }
     }
 
     /// The filesystem is full before the capacity is: lower the capacity to
@@ -108,35 +190,43 @@ impl Core {
     pub(super) fn on_enospc(&self, incoming: u64, keep: u128) {
         let victims = {
             let index = self.index.lock().unwrap();
-            let fits = index.used_bytes().max(incoming);
+            let fits = index.total_bytes().max(incoming);
             let before = self.capacity.fetch_min(fits, Ordering::Relaxed);
-            if fits < before {
-                let mut notice = self.capacity_notice.lock().unwrap();
-                if Stats::add_first(&self.stats.capacity_lowered, 1) {
-                    *notice = Some(Notice::warning(format!(
-                        "filesystem full before capacity_bytes ({} bytes): evicting on ENOSPC; capacity lowered to {fits} bytes \
-                         (stats capacity_bytes shows the current value)",
-                        self.configured_capacity
-                    )));
-                }
+            if fits < before && Stats::add_first(&self.stats.capacity_lowered, 1) {
+                self.notices.lock().unwrap().push(Notice::warning(format!(
+                    "filesystem full before capacity_bytes ({} bytes): evicting on ENOSPC; capacity lowered to {fits} bytes \
+                     (stats capacity_bytes shows the current value)",
+                    self.configured_capacity
+                )));
             }
             index.victims(incoming.saturating_mul(2), fits, keep)
         };
         Stats::add(&self.stats.enospc_retries, 1);
-        for (hash, _) in victims {
-            if self.remove_chunk(hash) {
-                Stats::add(&self.stats.evictions, 1);
+        for (chunk, _) in victims {
+            if self.remove_chunk_ref(chunk) {
                 Stats::add(&self.stats.enospc_evictions, 1);
             }
         }
     }
 
+    /// Drops a chunk of this namespace (corrupt, vanished): index and file.
     pub(super) fn remove_chunk(&self, hash: u128) -> bool {
         let removed = self.index.lock().unwrap().remove(hash);
-        let path = self.layout.chunk_path(hash);
-        let unlinked = std::fs::remove_file(&path).is_ok();
+        let unlinked = std::fs::remove_file(self.layout.chunk_path(hash)).is_ok();
         if let Some(len) = removed {
             Stats::add(&self.stats.evicted_bytes, len);
+        }
+        removed.is_some() || unlinked
+    }
+
+    /// Evicts a chunk of any namespace: index and file, counted.
+    fn remove_chunk_ref(&self, chunk: ChunkRef) -> bool {
+        let removed = self.index.lock().unwrap().remove_ref(chunk);
+        let unlinked = std::fs::remove_file(self.layout.chunk_path_of(chunk)).is_ok();
+        match removed {
+            Some(len) => self.count_eviction(chunk, len),
+            None if unlinked => Stats::add(&self.stats.evictions, 1),
+            None => {}
         }
         removed.is_some() || unlinked
     }

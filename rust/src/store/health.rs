@@ -126,6 +126,10 @@ pub struct HealthCounters {
     pub skipped_puts: AtomicU64,
     pub probes: AtomicU64,
     pub probe_failures: AtomicU64,
+    /// Probes that closed a breaker: with `breaker_opens`, tells a caller that
+    /// polls now and then (the vLLM gate) that an outage began or ended since
+    /// it last looked, even when it never saw the breaker open.
+    pub breaker_closes: AtomicU64,
     pub late_completions: AtomicU64,
 }
 
@@ -295,6 +299,7 @@ impl Health {
                 b.backoff = self.deadline;
                 b.probe = None;
                 drop(b);
+                self.counters.breaker_closes.fetch_add(1, Ordering::Relaxed);
                 self.progress(root);
                 self.notice(Notice::info(format!(
                     "storage directory {}: circuit breaker half-open -> closed (probe succeeded)",
@@ -380,6 +385,7 @@ mod tests {
         }
         assert_eq!(h.counters.breaker_opens.load(Ordering::Relaxed), 1);
         assert_eq!(h.counters.probe_failures.load(Ordering::Relaxed), 2);
+        assert_eq!(h.counters.breaker_closes.load(Ordering::Relaxed), 1);
     }
 
     #[test]

@@ -43,6 +43,19 @@ impl BlockStore {
                 let _ = h.join();
             }
         }
+        // Others stop counting this store as a writer. The lease files are
+        // closed and unlinked by a helper thread, waited for as the refresher
+        // is: at once on a working directory (so none of its files stays open
+        // after close: an unmount right after succeeds), never longer than the
+        // grace on a stalled one (an unlink there can block).
+        if let Some(lease) = self.core.lease.lock().unwrap().take() {
+            if let Ok(h) = std::thread::Builder::new().name("pykvcache-lease".into()).spawn(move || drop(lease)) {
+                let until = std::time::Instant::now() + CLOSE_GRACE.min(self.core.health.deadline);
+                while !h.is_finished() && std::time::Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
         let grace = crate::wait::deadline_after(Some(CLOSE_GRACE.min(self.core.health.deadline)));
         let all_ended = self.core.ops.drain(grace);
         self.core.watchdog_stop.store(true, Ordering::Release);

@@ -4,6 +4,7 @@
 //! prefetch and their verification), `write` (put: seal, publish),
 //! `capacity` (reservation, eviction, ENOSPC, the free-space reserve),
 //! `completion` (segment hand-off, chunk workers, the single exit `finish`),
+//! `refresh` (walks for what other writers did, the writer lease),
 //! `config` (options, defaults, choices), `open` (checks, probes, threads),
 //! `lifecycle` (close, the deadline watchdog), `snapshot` (what `stats()`
 //! shows, read once; the notices for the caller's log).
@@ -70,6 +71,7 @@ use crate::disk::format::{self, Fingerprint, HEADER_BYTES, MAX_KEY_BYTES};
 use crate::disk::index::ChunkIndex;
 use crate::disk::layout::Layout;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
+use crate::disk::writers::WriterLease;
 use crate::error::{EngineError, Result};
 use crate::notice::Notice;
 use crate::ops::{OpId, OpTable, Outcome};
@@ -86,10 +88,11 @@ mod jobs;
 mod lifecycle;
 mod open;
 mod read;
+mod refresh;
 mod snapshot;
 mod write;
 
-pub use config::{BackendChoice, FreeSpaceReserve, StoreConfig, VerifyPolicy};
+pub use config::{BackendChoice, FreeSpaceReserve, RefreshPolicy, StoreConfig, VerifyPolicy};
 pub use snapshot::StoreSnapshot;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -132,8 +135,19 @@ struct Core {
     /// What eviction keeps the index within: the configured capacity, lowered
     /// when the filesystem fills up first (ENOSPC). Never raised again.
     capacity: AtomicU64,
-    /// Set when `capacity` was first lowered; taken once by `take_notices`.
-    capacity_notice: Mutex<Option<Notice>>,
+    /// Messages about space for the caller to log (the engine has no
+    /// logger), each with its level, taken by `take_notices`: the capacity
+    /// lowered by ENOSPC, the first eviction of another namespace's chunk,
+    /// the first refused put, another writer found.
+    notices: Mutex<Vec<Notice>>,
+    other_ns_noticed: AtomicBool,
+    /// This store's writer lease in each root (`disk::writers`); taken at
+    /// close. Shared so that no lock is held across its file operations,
+    /// which can block on a stalled directory.
+    lease: Mutex<Option<Arc<WriterLease>>>,
+    /// Other writers' live leases, as last checked by the refresh thread.
+    other_writers: AtomicU64,
+    refresh_policy: RefreshPolicy,
     /// Bytes kept free on each root's filesystem (`FreeSpaceReserve`); 0 = none.
     min_free: Vec<u64>,
     /// Bytes of puts between eviction and publication: they count against the
@@ -178,6 +192,8 @@ pub struct OpenReport {
     /// Configuration that works but is probably not what was meant (the
     /// capacity exceeds the filesystems): for the caller to log.
     pub warnings: Vec<String>,
+    /// What the caller may log at info level (other namespaces found).
+    pub notes: Vec<String>,
     pub scanned_chunks: usize,
     pub scan_time: Duration,
 }
@@ -313,17 +329,6 @@ impl BlockStore {
         Ok(n)
     }
 
-    /// Walks the directories and brings the index in line with them while
-    /// the store serves: chunks other processes or nodes published since
-    /// are indexed (least recently used here) and count against the
-    /// capacity, chunks they removed leave the index; then least recently
-    /// used chunks are evicted down to the capacity. Unlike `rescan`, keeps
-    /// this store's LRU order and what it wrote during the walk.
-    /// Returns (added, dropped).
-    pub fn refresh(&self) -> Result<(usize, usize)> {
-        self.core.refresh()
-    }
-
     /// Chunks that left the index since the last call (evicted here, found
     /// removed by another process, corrupt), as key hashes (`format::key_hash`),
     /// and how many were not kept because the log was full.
@@ -368,57 +373,6 @@ impl Core {
                 true
             }
             _ => false,
-        }
-    }
-}
-
-impl Core {
-    fn refresh(&self) -> Result<(usize, usize)> {
-        // A background scan still running owns the index's scan mode.
-        self.scan.wait(None);
-        let since = {
-            let mut index = self.index.lock().unwrap();
-            index.begin_scan();
-            index.last_tick()
-        };
-        let found = match scan::collect(&self.layout, &self.scan.stop) {
-            Ok(found) => found,
-            Err(e) => {
-                self.index.lock().unwrap().merge_scanned(&[]);
-                Stats::add(&self.stats.refresh_errors, 1);
-                return Err(e);
-            }
-        };
-        if self.scan.stop.load(Ordering::Relaxed) {
-            // Closing: the walk ended early and saw only part of the tree.
-            self.index.lock().unwrap().merge_scanned(&[]);
-            return Ok((0, 0));
-        }
-        let (added, dropped) = self.index.lock().unwrap().refresh(&found, since);
-        Stats::add(&self.stats.refreshes, 1);
-        Stats::add(&self.stats.refresh_added, added as u64);
-        Stats::add(&self.stats.refresh_dropped, dropped as u64);
-        // What the others wrote counts here now: back within the capacity.
-        self.make_room(0, 0, None, None);
-        Ok((added, dropped))
-    }
-
-    /// The refresh thread: one `refresh` every `every` until the store closes.
-    fn refresh_loop(&self, every: Duration) {
-        let tick = Duration::from_millis(20).min(every);
-        let mut next = Instant::now() + every;
-        while !self.scan.stop.load(Ordering::Relaxed) {
-            if Instant::now() < next {
-                std::thread::sleep(tick);
-                continue;
-            }
-            if let Err(e) = self.refresh() {
-                // The engine has no logger; once is enough (counted in refresh_errors).
-                if self.stats.refresh_errors.load(Ordering::Relaxed) == 1 {
-                    eprintln!("pykvcache: refreshing the index failed: {e}");
-                }
-            }
-            next = Instant::now() + every;
         }
     }
 }

@@ -17,6 +17,7 @@ use crate::disk::format::{self, IO_ALIGN};
 use crate::disk::index::ChunkIndex;
 use crate::disk::layout::Layout;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
+use crate::disk::writers::WriterLease;
 use crate::error::{EngineError, Result};
 use crate::ops::OpTable;
 use crate::staging::StagingPool;
@@ -93,7 +94,9 @@ impl BlockStore {
             direct_active.push(direct);
         }
 
-        let (min_free, warnings) = capacity::free_space_plan(&layout, &config)?;
+        let (min_free, mut warnings) = capacity::free_space_plan(&layout, &config)?;
+        let (lease, lease_notes) = WriterLease::take(layout.roots(), config.permissions.dir_mode, config.permissions.file_mode);
+        warnings.extend(lease_notes);
 
         let (index, scan_progress) = if config.background_scan {
             let mut index = ChunkIndex::default();
@@ -121,7 +124,11 @@ impl BlockStore {
             namespace,
             configured_capacity: config.capacity_bytes,
             capacity: AtomicU64::new(config.capacity_bytes),
-            capacity_notice: Mutex::new(None),
+            notices: Mutex::new(Vec::new()),
+            other_ns_noticed: AtomicBool::new(false),
+            lease: Mutex::new(Some(Arc::new(lease))),
+            other_writers: AtomicU64::new(0),
+            refresh_policy: config.refresh,
             min_free,
             reserved: AtomicU64::new(0),
             recycle_files: config.recycle_files,
@@ -170,12 +177,21 @@ impl BlockStore {
             }
         }
         let done = core.scan.report();
-        let report = OpenReport { fallbacks: core.stats.fallbacks(), warnings, scanned_chunks: done.chunks, scan_time: done.time };
-        let mut refresher = None;
-        if let Some(every) = config.refresh_interval {
-            let c = core.clone();
-            match std::thread::Builder::new().name("pykvcache-refresh".into()).spawn(move || c.refresh_loop(every)) {
-                Ok(h) => refresher = Some(h),
+        let mut notes = Vec::new();
+        if core.scan.report().done && !core.index.lock().unwrap().other_namespaces().is_empty() {
+            notes.push(format!(
+                "other namespaces' chunks under the storage directories count against capacity_bytes and are evicted \
+                 when stalest (decision 0053): {}",
+                core.space_holders()
+            ));
+        }
+        let report = OpenReport { fallbacks: core.stats.fallbacks(), warnings, notes, scanned_chunks: done.chunks, scan_time: done.time };
+        // Always started: it renews this store's writer lease, which other
+        // stores look for, whatever this one's policy.
+        let refresher = {
+            let (c, policy) = (core.clone(), config.refresh);
+            match std::thread::Builder::new().name("pykvcache-refresh".into()).spawn(move || c.refresh_loop(policy)) {
+                Ok(h) => Some(h),
                 Err(e) => {
                     core.scan.stop.store(true, Ordering::Relaxed);
                     core.jobs.stop();
@@ -186,7 +202,7 @@ impl BlockStore {
                     return Err(EngineError::io("starting the refresh thread", e));
                 }
             }
-        }
+        };
         let store = BlockStore {
             core,
             backend,

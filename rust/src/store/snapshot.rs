@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use super::BlockStore;
+use super::{BlockStore, RefreshPolicy};
 use crate::disk::files::FsSupport;
 use crate::disk::scan::ScanReport;
 use crate::notice::Notice;
@@ -42,6 +42,13 @@ pub struct StoreSnapshot {
     pub chunks: usize,
     pub filler_chunks: usize,
     pub used_bytes: u64,
+    /// Chunks and bytes of the other namespaces under the roots, which count
+    /// against the capacity (decision 0053).
+    pub other_namespace_chunks: u64,
+    pub other_namespace_bytes: u64,
+    /// Other writers' live leases in the roots, as last checked.
+    pub other_writers: u64,
+    pub refresh_policy: RefreshPolicy,
     pub capacity_bytes: u64,
     pub configured_capacity_bytes: u64,
     /// Bytes kept free on each root's filesystem (`StoreConfig::min_free`).
@@ -68,12 +75,14 @@ impl BlockStore {
             ("breaker_skipped_puts", g(&c.skipped_puts)),
             ("breaker_probes", g(&c.probes)),
             ("breaker_probe_failures", g(&c.probe_failures)),
+            ("breaker_closes", g(&c.breaker_closes)),
             ("late_completions", g(&c.late_completions)),
         ];
         let (chunks, filler_chunks, used_bytes) = {
             let index = core.index.lock().unwrap();
             (index.len() - index.filler_count(), index.filler_count(), index.used_bytes())
         };
+        let (other_namespace_chunks, other_namespace_bytes) = self.other_namespace_usage();
         let s = &core.stats;
         StoreSnapshot {
             health,
@@ -95,6 +104,10 @@ impl BlockStore {
             chunks,
             filler_chunks,
             used_bytes,
+            other_namespace_chunks,
+            other_namespace_bytes,
+            other_writers: self.other_writers(),
+            refresh_policy: self.refresh_policy(),
             capacity_bytes: self.capacity_bytes(),
             configured_capacity_bytes: core.configured_capacity,
             min_free_bytes: core.min_free.clone(),
@@ -107,12 +120,22 @@ impl BlockStore {
 
     /// Messages for the caller's log since the last call, each once, in the
     /// order they arose per source: the circuit breakers' state changes, then
-    /// the capacity lowered by ENOSPC. Taken outside the I/O path (the engine
-    /// has no logger; see `notice`).
+    /// those about space (ENOSPC lowered the capacity, another namespace's
+    /// chunks evicted, a put refused for the reserve, another writer found).
+    /// Taken outside the I/O path (the engine has no logger; see `notice`).
     pub fn take_notices(&self) -> Vec<Notice> {
         let mut notices = self.core.health.take_notices();
-        notices.extend(self.core.capacity_notice.lock().unwrap().take());
+        notices.append(&mut self.core.notices.lock().unwrap());
         notices
+    }
+
+    /// `(breaker_opens, breaker_closes, open_dirs)`: what the snapshot says of
+    /// the circuit breakers, without the rest of it (a few atomic loads and
+    /// one lock per directory; the vLLM gate asks once per request).
+    pub fn breaker_health(&self) -> (u64, u64, usize) {
+        let h = &self.core.health;
+        let open = (0..h.dirs.len()).filter(|&i| h.state(i).name() != "closed").count();
+        (h.counters.breaker_opens.load(Ordering::Relaxed), h.counters.breaker_closes.load(Ordering::Relaxed), open)
     }
 
     /// Chunks indexed, fillers not counted (they hold space, not data).
@@ -129,12 +152,12 @@ impl BlockStore {
         self.core.index.lock().unwrap().used_bytes()
     }
 
-    /// `used_bytes` plus the bytes puts in flight reserved: what eviction
-    /// weighs against the capacity. Exact: a put's bytes move from reserved
-    /// to used under the index lock.
+    /// Bytes of every namespace's chunks under the roots plus the bytes
+    /// puts in flight reserved: what eviction weighs against the capacity.
+    /// Exact: a put's bytes move from reserved to used under the index lock.
     pub fn committed_bytes(&self) -> u64 {
         let index = self.core.index.lock().unwrap();
-        index.used_bytes() + self.core.reserved.load(Ordering::Relaxed)
+        index.total_bytes() + self.core.reserved.load(Ordering::Relaxed)
     }
 
     /// The capacity eviction enforces now: `capacity_bytes` as configured,

@@ -9,6 +9,7 @@ use crate::backend::{Backend, SegmentError};
 use crate::checksum::crc32c;
 use crate::disk::files;
 use crate::disk::format::{self, HEADER_BYTES};
+use crate::disk::index::ChunkRef;
 use crate::error::{EngineError, Result};
 use crate::ops::{OpId, Outcome, Status};
 use crate::stats::Stats;
@@ -118,23 +119,24 @@ impl Core {
         }
     }
 
-    /// The file a put writes: the evicted `victim` when it can be claimed,
-    /// else a fresh one. A fresh file that hits ENOSPC makes room and is
+    /// The file a put writes: the evicted `victim` (of any namespace on this
+    /// root: a rename within the root) when it can be claimed, else a fresh one. A fresh file that hits ENOSPC makes room and is
     /// tried once more.
-    fn open_chunk_file(&self, ctx: &mut OpContext, victim: Option<u128>) -> std::io::Result<files::PendingFile> {
+    fn open_chunk_file(&self, ctx: &mut OpContext, victim: Option<ChunkRef>) -> std::io::Result<files::PendingFile> {
         let shard = self.layout.shard_dir(ctx.hash);
         let support = self.support[ctx.root];
-        let mut claimed = victim.and_then(|v| match files::claim_for_reuse(&self.layout.chunk_path(v), &shard, ctx.file_len, ctx.direct) {
-            Ok(f) => {
-                Stats::add(&self.stats.recycled_files, 1);
-                Some(f)
-            }
-            // Read by someone right now, taken by another process, or no flock here.
-            Err(_) => {
-                Stats::add(&self.stats.recycle_skipped, 1);
-                None
-            }
-        });
+        let mut claimed =
+            victim.and_then(|v| match files::claim_for_reuse(&self.layout.chunk_path_of(v), &shard, ctx.file_len, ctx.direct) {
+                Ok(f) => {
+                    Stats::add(&self.stats.recycled_files, 1);
+                    Some(f)
+                }
+                // Read by someone right now, taken by another process, or no flock here.
+                Err(_) => {
+                    Stats::add(&self.stats.recycle_skipped, 1);
+                    None
+                }
+            });
         loop {
             let opened = match claimed.take() {
                 Some(f) => Ok(f),

@@ -5,8 +5,8 @@ filesystem tier, with CPU cost, written up as Markdown + PNG + JSON.
 Entry point: :func:`run_bench` (used by ``pykvcache bench``).
 """
 
-from .config import BenchConfig, quick
+from .config import BenchConfig, quick, smoke
 from .parts import PARTS, Part, PartOutput, register_part
 from .runner import BenchRun, run_bench
 
-__all__ = ["PARTS", "BenchConfig", "BenchRun", "Part", "PartOutput", "quick", "register_part", "run_bench"]
+__all__ = ["PARTS", "BenchConfig", "BenchRun", "Part", "PartOutput", "quick", "register_part", "run_bench", "smoke"]

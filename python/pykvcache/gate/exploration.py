@@ -1,0 +1,100 @@
+"""Exploration: a gate that recomputes still samples a load now and then.
+
+The online load model learns only from loads, and a gate that chose to
+recompute makes none: once it has learnt a slow disk (a busy device, a network
+filesystem reconnecting after a partition) nothing can teach it that the disk
+got fast again. Measured on the two-node GlusterFS fixture (issue 24): the
+first loads after a reconnect taught the gate 20.7 MB/s, and it recomputed
+every lookup for the next 92 s and more (84 decisions, 0 disk reads).
+
+:class:`Exploration` decides when such a gate loads anyway. The gate asks
+only for a request whose decision reads nothing from disk although a chunk is
+there, and whose prefix the calibrated (or default) device would have loaded:
+the learnt device is why it recomputes (``AdmissionGate.decide``). Its cost
+is bounded twice:
+
+* **how often**: one explored request per interval, which starts at
+  ``min_interval_s`` and doubles (up to ``max_interval_s``) each time a sample
+  confirms what the model predicted. A sample well faster than predicted (by
+  ``surprise``) says the model is stale: the next eligible request explores
+  again at once. Two surprising samples in a row (:attr:`streak_since`) say
+  the device changed: the gate then forgets what it learnt before the first
+  of them (two loads that agree move the model, as after calibration; one
+  lucky page-cache hit does not), so a disk that got fast is loaded from
+  again after two explored requests, not after a window of them;
+* **how much**: the explored prefix is the longest whose estimated load is at
+  most ``max_load_ratio`` times its estimated recompute (at least the first
+  chunk that must come from disk: one read is the smallest sample). Where the
+  model is right, an exploration costs at most ``max_load_ratio - 1`` times
+  the recompute of what it loads; where it is stale (the disk is faster than
+  believed) it costs less, or saves time.
+
+A circuit breaker that closes again (:meth:`reset`) says the device may now
+be anything: the interval starts over and the next eligible request explores.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class Exploration:
+    def __init__(self, *, min_interval_s: float = 5.0, max_interval_s: float = 30.0, surprise: float = 2.0,
+                 max_load_ratio: float = 2.0) -> None:
+        if not 0 < min_interval_s <= max_interval_s:
+            raise ValueError(f"need 0 < min_interval_s <= max_interval_s (got {min_interval_s}, {max_interval_s})")
+        if not (surprise > 1 and max_load_ratio >= 1):
+            raise ValueError(f"need surprise > 1 and max_load_ratio >= 1 (got {surprise}, {max_load_ratio})")
+        self.min_interval_s = min_interval_s
+        self.max_interval_s = max_interval_s
+        self.surprise = surprise
+        self.max_load_ratio = max_load_ratio
+        self.interval_s = min_interval_s
+        # The first recompute of a loadable prefix may explore at once: nothing
+        # was sampled before it.
+        self._next_at = float("-inf")
+        self.explored = 0
+        self.surprises = 0
+        self.streak = 0  # surprising samples in a row
+        self.streak_since = 0.0  # when the first of them finished
+
+    @staticmethod
+    def now() -> float:
+        return time.monotonic()
+
+    def due(self, now: float) -> bool:
+        """Whether a request the gate would recompute (with a chunk on disk) explores."""
+        return now >= self._next_at
+
+    def started(self, now: float) -> None:
+        """A request explores: the next one waits at least the current interval."""
+        self.explored += 1
+        self._next_at = now + self.interval_s
+
+    def sampled(self, predicted_s: float, observed_s: float, now: float) -> bool:
+        """An explored load finished at ``now`` in ``observed_s`` where the
+        model (before learning from it) predicted ``predicted_s``; returns
+        whether this sample and the one before both were surprising (the
+        device changed at :attr:`streak_since`)."""
+        if observed_s * self.surprise <= predicted_s:
+            # Stale model: sample again with the next eligible request.
+            self.surprises += 1
+            if self.streak == 0:
+                self.streak_since = now
+            self.streak += 1
+            self.interval_s = self.min_interval_s
+            self._next_at = now
+            return self.streak >= 2
+        self.streak = 0
+        self.interval_s = min(self.max_interval_s, self.interval_s * 2)
+        self._next_at = max(self._next_at, now + self.interval_s)
+        return False
+
+    def reset(self, now: float) -> None:
+        """The storage came back from an outage: explore with the next eligible request."""
+        self.interval_s = self.min_interval_s
+        self.streak = 0
+        self._next_at = now
+
+    def state(self) -> dict[str, float]:
+        return {"interval_s": self.interval_s, "explored": self.explored, "surprises": self.surprises}

@@ -1,0 +1,76 @@
+"""Which finished loads the gate may learn the device from, given the storage's
+circuit breakers (decision 0031).
+
+A load timed while a directory was failing measures the failure, not the
+device, and the gate must not carry it into the healthy time after: measured
+on the two-node GlusterFS fixture (issue 24), the first loads after a
+partition healed took long enough to teach the gate 20.7 MB/s (the link's
+steady state moved 0.3 GB/s), and the gate recomputed from then on.
+:class:`OutageFilter` follows the breakers through
+``(breaker_opens, breaker_closes, open_dirs)`` (``BlockStore.breaker_health``:
+counters, so an outage that opened and closed between two looks is still
+seen) and tells the gate:
+
+* when an outage begins: forget the loads observed within ``lookback_s``
+  before it was seen (they ended while the link was dying: the breaker opens
+  only after three operations failed or ran past the I/O deadline);
+* while a breaker is open or half-open: learn nothing (reads there are
+  misses or time out anyway; one that completes timed the outage);
+* when the breakers close again: learn nothing from a load that started
+  before (it straddled the outage), nor from the first ``settle_loads``
+  loads after (a reconnecting network filesystem re-opens files, re-resolves
+  paths and refills caches: those loads time the reconnect). The gate keeps
+  what it knew before the outage meanwhile, and its exploration starts over
+  (:meth:`~pykvcache.gate.exploration.Exploration.reset`), so that a device
+  that is really slower after the outage is relearnt from the loads after
+  those.
+"""
+
+from __future__ import annotations
+
+
+class OutageFilter:
+    def __init__(self, *, settle_loads: int = 2, lookback_s: float = 10.0) -> None:
+        if settle_loads < 0 or lookback_s < 0:
+            raise ValueError(f"need settle_loads >= 0 and lookback_s >= 0 (got {settle_loads}, {lookback_s})")
+        self.settle_loads = settle_loads
+        self.lookback_s = lookback_s
+        self._seen: tuple[int, int] | None = None  # (opens, closes) at the last look
+        self.down = False
+        self.recovered_at = float("-inf")
+        self._settle_left = 0
+        self.outages = 0
+
+    def update(self, opens: int, closes: int, open_dirs: int, now: float) -> tuple[bool, bool]:
+        """The breakers' state at ``now``; returns ``(began, ended)``: an outage
+        began since the last look (and possibly ended too), one ended."""
+        seen = self._seen
+        self._seen = (opens, closes)
+        if seen is None or opens < seen[0] or closes < seen[1]:
+            # First look, or a new store (the counters start over after a
+            # wipe): what is open now is an outage whose start was not seen.
+            began = open_dirs > 0 and not self.down
+            self.down = open_dirs > 0
+            if began:
+                self.outages += 1
+            return began, False
+        began = not self.down and (opens > seen[0] or open_dirs > 0)
+        down = open_dirs > 0
+        ended = (self.down or began) and not down
+        self.down = down
+        if began:
+            self.outages += 1
+        if ended:
+            self._settle_left = self.settle_loads
+            self.recovered_at = now
+        return began, ended
+
+    def learnable(self, started: float) -> bool:
+        """Whether a load that started at ``started`` and finished now may be
+        learnt from (consumes one of the loads ignored after a recovery)."""
+        if self.down or started < self.recovered_at:
+            return False
+        if self._settle_left:
+            self._settle_left -= 1
+            return False
+        return True

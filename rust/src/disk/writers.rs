@@ -1,0 +1,187 @@
+//! Writer leases: which processes write a storage root now, so that a store
+//! on a local disk walks its directories (and counts what the others write
+//! against its capacity) only while it is not alone (decision 0053).
+//!
+//! Each open store holds one lease file per root, `<root>/.writers/<pid>-<nonce>`,
+//! under `flock(LOCK_EX)` for its life, its modification time renewed every
+//! `LEASE_BEAT`. Another writer is live when its lease is locked (a shared
+//! lock probe fails), or, where locks cannot tell (a filesystem without
+//! `flock`, or a lease created a moment ago and not locked yet), when it was
+//! renewed within `LEASE_FRESH`. A lease neither locked nor renewed for
+//! `LEASE_STALE` belongs to a writer that died without removing it: removed.
+//! Checking costs one `readdir` of a few entries and an open + `flock` probe
+//! per other lease: cheap enough every second, unlike a walk of the tree.
+
+use std::fs::File;
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
+
+use crate::disk::layout::create_dir_shared;
+
+/// The directory of the leases in each root (not a namespace's name: never scanned as one).
+pub const LEASE_DIR: &str = ".writers";
+pub const LEASE_BEAT: Duration = Duration::from_secs(5);
+pub const LEASE_FRESH: Duration = Duration::from_secs(30);
+const LEASE_STALE: Duration = Duration::from_secs(600);
+
+pub struct WriterLease {
+    /// (lease directory, this store's lease file, its open file holding the lock).
+    held: Vec<(PathBuf, PathBuf, File)>,
+}
+
+impl WriterLease {
+    /// Takes a lease in each root. A root where none can be taken (read-only,
+    /// full) is skipped and named in the returned notes: other stores do not
+    /// see this one there.
+    pub fn take(roots: &[PathBuf], dir_mode: u32, file_mode: u32) -> (Self, Vec<String>) {
+        let name = format!("{}-{:016x}", std::process::id(), nonce());
+        let mut held = Vec::new();
+        let mut notes = Vec::new();
+        for root in roots {
+            let dir = root.join(LEASE_DIR);
+            let path = dir.join(&name);
+            let made = create_dir_shared(&dir, dir_mode).and_then(|()| {
+                std::fs::OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create_new(true)
+                    .mode(file_mode)
+                    .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                    .open(&path)
+            });
+            match made {
+                Ok(file) => {
+                    // Without flock here, others judge this lease by its renewals.
+                    unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+                    held.push((dir, path, file));
+                }
+                Err(e) => notes.push(format!(
+                    "no writer lease in {} ({e}): other processes writing there do not see this one, and may exceed \
+                     capacity_bytes in total unless they refresh on a timer",
+                    dir.display()
+                )),
+            }
+        }
+        (WriterLease { held }, notes)
+    }
+
+    /// Renews this store's leases (their modification time).
+    pub fn beat(&self) {
+        for (_, _, file) in &self.held {
+            let _ = file.set_modified(SystemTime::now());
+        }
+    }
+
+    /// Live leases of other stores (processes or stores in this one), over
+    /// every root this store holds a lease in; removes dead writers' leases.
+    pub fn others(&self) -> usize {
+        let now = SystemTime::now();
+        let mut live = 0;
+        for (dir, mine, _) in &self.held {
+            let Ok(entries) = std::fs::read_dir(dir) else { continue };
+            for entry in entries.flatten() {
+                let path = entry.path();
+                if path == *mine || !entry.file_type().map(|t| t.is_file()).unwrap_or(false) {
+                    continue;
+                }
+                match lease_state(&path, now) {
+                    LeaseState::Live => live += 1,
+                    LeaseState::Dead => {
+                        let _ = std::fs::remove_file(&path);
+                    }
+                    LeaseState::Unknown => {}
+                }
+            }
+        }
+        live
+    }
+}
+
+impl Drop for WriterLease {
+    fn drop(&mut self) {
+        for (_, path, _) in &self.held {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+enum LeaseState {
+    Live,
+    /// Neither locked nor renewed for `LEASE_STALE`.
+    Dead,
+    /// Gone meanwhile, or between fresh and stale.
+    Unknown,
+}
+
+fn lease_state(path: &Path, now: SystemTime) -> LeaseState {
+    let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(path) else {
+        return LeaseState::Unknown;
+    };
+    let fd = file.as_raw_fd();
+    if unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) } != 0 {
+        if std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK) {
+            return LeaseState::Live;
+        }
+        // No flock on this filesystem: the renewals tell.
+    } else {
+        unsafe { libc::flock(fd, libc::LOCK_UN) };
+    }
+    let age = file.metadata().and_then(|m| m.modified()).map(|t| now.duration_since(t).unwrap_or_default());
+    match age {
+        Ok(age) if age <= LEASE_FRESH => LeaseState::Live,
+        Ok(age) if age > LEASE_STALE => LeaseState::Dead,
+        _ => LeaseState::Unknown,
+    }
+}
+
+/// Distinguishes stores of one process, and processes of one pid on several nodes.
+fn nonce() -> u64 {
+    static COUNTER: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let t = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let mut host = [0u8; 256];
+    unsafe { libc::gethostname(host.as_mut_ptr().cast(), host.len()) };
+    let mut seed = Vec::with_capacity(300);
+    seed.extend_from_slice(&t.to_le_bytes());
+    seed.extend_from_slice(&n.to_le_bytes());
+    seed.extend_from_slice(&std::process::id().to_le_bytes());
+    seed.extend_from_slice(&host);
+    xxhash_rust::xxh3::xxh3_64(&seed)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_store_sees_another_live_lease_and_not_its_own() {
+        let tmp = tempfile::tempdir().unwrap();
+        let roots = vec![tmp.path().to_path_buf()];
+        let (a, notes) = WriterLease::take(&roots, 0o700, 0o600);
+        assert!(notes.is_empty());
+        assert_eq!(a.others(), 0, "alone");
+        let (b, _) = WriterLease::take(&roots, 0o700, 0o600);
+        assert_eq!((a.others(), b.others()), (1, 1));
+        drop(b);
+        assert_eq!(a.others(), 0, "a closed store's lease is gone");
+    }
+
+    #[test]
+    fn an_unlocked_lease_counts_while_renewed_and_is_removed_when_stale() {
+        let tmp = tempfile::tempdir().unwrap();
+        let roots = vec![tmp.path().to_path_buf()];
+        let (a, _) = WriterLease::take(&roots, 0o700, 0o600);
+        // A dead writer's lease: no lock, renewed just now, then long ago.
+        let dead = tmp.path().join(LEASE_DIR).join("1-dead");
+        let f = std::fs::File::create(&dead).unwrap();
+        assert_eq!(a.others(), 1, "renewed within LEASE_FRESH: live (a filesystem without flock)");
+        f.set_modified(SystemTime::now() - LEASE_FRESH * 2).unwrap();
+        assert_eq!(a.others(), 0);
+        assert!(dead.exists(), "not stale yet: kept");
+        f.set_modified(SystemTime::now() - LEASE_STALE * 2).unwrap();
+        assert_eq!(a.others(), 0);
+        assert!(!dead.exists(), "a stale, unlocked lease is removed");
+    }
+}

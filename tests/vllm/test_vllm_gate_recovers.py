@@ -1,0 +1,163 @@
+"""A gate that learnt a slow disk comes back to it (issue 24, finding 4; issue 22).
+
+On the two-node GlusterFS fixture the first loads after a partition healed
+taught the gate 20.7 MB/s, and it recomputed every request from then on: a
+gate that recomputes sees no loads, so it never learnt that the disk was fast
+again. These tests drive the manager's gate wiring (``GateWiring``: plans,
+finished reads, the store's breaker counters) as the manager does, with a
+scripted clock, disk and circuit breaker, and no engine.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm.v1.kv_offload.base import ReqContext
+
+from pykvcache.gate import ChunkState, ProfileExpectation, build_gate
+from pykvcache.vllm.gate_plan import GateWiring
+
+CT = 64
+BPT = 12 * 1024
+CHUNK = CT * BPT  # 768 KiB
+CHUNKS = 14  # a ~900-token prompt, as in the Gluster e2e test
+FAST = 1e9  # bytes/s
+SLOW = 20e6  # bytes/s (what the gate learnt in issue 24): 14 chunks in ~0.5 s, against ~0.2 s of prefill
+
+
+class Serving:
+    """One request per second against the wiring; every chunk on disk."""
+
+    def __init__(self) -> None:
+        gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
+                                                       chunk_tokens=CT), steps=True)
+        # ~0.2 ms per prefilled token (what the step timer learns of the tiny e2e model).
+        for n in (256, 512, 768, 1024, 1536, 2048):
+            assert gate.observe_prefill([(0, n)], 0.01 + 2e-4 * n)
+        self.gate = gate
+        self.wiring = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK)
+        self.now = 1000.0
+        self.wiring.clock = lambda: self.now
+        self.breakers = (0, 0, 0)  # (opens, closes, open dirs), as BlockStore.breaker_health
+        self.n = 0
+        self.totals: dict[str, float] = {}
+
+    def watch_breakers(self) -> None:
+        self.wiring.watch_breakers(lambda: self.breakers, io_deadline_s=2.0)
+
+    def request(self, bytes_per_s: float):
+        """Plans one request, completes its disk reads at ``bytes_per_s`` (all
+        submitted together: the longest read ends when the last byte is in),
+        then a second passes."""
+        self.n += 1
+        ctx = ReqContext(req_id=f"r{self.n}")
+        keys = [f"r{self.n}c{i}".encode().ljust(12, b".") + b"\0\0\0\0" for i in range(CHUNKS)]
+        for i, key in enumerate(keys):
+            ctx._offload_key_positions[key] = (i + 1) * CT
+        plan = self.wiring.plan_for(keys[0], ctx, lambda k: ChunkState.DISK, lambda: 0)
+        loaded = [k for k in keys if k in plan.allowed]
+        for key in loaded:
+            self.wiring.read_finished(key, True, 0.001 + len(loaded) * CHUNK / bytes_per_s)
+        self.wiring.drop(ctx.req_id)
+        for name, value in self.wiring.take_counters().items():
+            self.totals[name] = self.totals.get(name, 0) + value
+        self.now += 1.0
+        return plan.decision
+
+
+def test_a_gate_that_learnt_a_slow_disk_keeps_sampling_and_loads_again_once_samples_are_fast():
+    s = Serving()
+    assert all(s.request(FAST).reason == "load" for _ in range(3))
+    # The window's median turns with the fourth slow load: from then on a disk
+    # at 20 MB/s is slower than this CPU's prefill.
+    first = [s.request(SLOW) for _ in range(5)]
+    assert [d.load_chunks == CHUNKS for d in first] == [True] * 4 + [False]
+    # The disk stays slow for a minute: the gate keeps sampling, at a bounded cost.
+    slow = [s.request(SLOW) for _ in range(60)]
+    explored = [d for d in first + slow if d.reason == "explore"]
+    assert 3 <= len(explored) <= 8, [round(d.est_load_s, 2) for d in explored]
+    assert all(d.recompute for d in slow if d.reason != "explore")
+    # Each sample is the smallest useful one here: one chunk read (its
+    # estimated load is more than twice its recompute beyond that).
+    assert all(d.load_chunks == 1 and d.disk_chunks == 1 for d in explored)
+    assert s.totals["gate_decisions_explore"] == len(explored)
+    # The disk is fast again: whole prefixes are loaded within the longest
+    # exploration interval plus two sampled requests.
+    back = []
+    for _ in range(60):
+        back.append(s.request(FAST))
+        if back[-1].reason == "load" and back[-1].load_chunks == CHUNKS:
+            break
+    assert back[-1].reason == "load" and back[-1].load_chunks == CHUNKS, [d.reason for d in back]
+    assert len(back) <= 30 + 3, f"{len(back)} requests (one per second) before the gate loaded again"
+    assert sum(d.reason == "explore" for d in back) == 2
+    assert s.gate.online.disk_bytes_per_s > 100e6
+
+
+def test_what_was_learnt_while_the_breaker_was_open_or_half_open_is_forgotten():
+    s = Serving()
+    s.watch_breakers()
+    for _ in range(2):
+        assert s.request(FAST).load_chunks == CHUNKS
+    learnt = s.gate.online.disk_bytes_per_s
+    s.now += 30.0
+    # The link dies: three loads complete slowly while the breaker is still
+    # closed (the breaker opens only after three operations in a row time out
+    # or fail), then it opens, and loads straddling that complete slowly while
+    # it is open and while it is half-open.
+    for _ in range(3):
+        s.request(SLOW)
+    assert s.gate.online.disk_bytes_per_s < learnt / 10, "learnt as it happened: the breaker was closed"
+    s.breakers = (1, 0, 1)  # open
+    s.request(FAST)  # a lookup before the reads complete: the plan loads again
+    s.wiring.poll_breakers()
+    assert s.gate.online.disk_bytes_per_s == pytest.approx(learnt)
+    assert s.totals["gate_loads_forgotten"] == 3
+    for _ in range(2):  # open, then half-open (not closed either)
+        assert s.request(SLOW).load_chunks == CHUNKS
+    assert s.gate.online.disk_bytes_per_s == pytest.approx(learnt)
+    assert s.totals["gate_loads_ignored"] == 3
+    s.now += 20.0
+    s.breakers = (1, 1, 0)  # the probe succeeded
+    d = s.request(FAST)
+    assert d.reason == "load" and d.load_chunks == CHUNKS
+    assert s.gate.online.disk_bytes_per_s == pytest.approx(learnt)
+
+
+def test_the_first_loads_after_a_breaker_closes_do_not_drag_the_learnt_bandwidth_down():
+    s = Serving()
+    s.watch_breakers()
+    for _ in range(2):
+        assert s.request(FAST).load_chunks == CHUNKS
+    learnt = s.gate.online.disk_bytes_per_s
+    s.now += 30.0
+    # An outage that opened and closed between two looks (an idle engine):
+    # the counters still say so.
+    s.breakers = (1, 1, 0)
+    # The mount reconnects: its first loads are slow.
+    for _ in range(2):
+        d = s.request(SLOW)
+        assert d.reason == "load" and d.load_chunks == CHUNKS
+    assert s.gate.online.disk_bytes_per_s == pytest.approx(learnt)
+    assert s.totals["gate_loads_ignored"] == 2
+    # A device that stays slow after the outage is learnt from the loads after those.
+    later = [s.request(SLOW) for _ in range(4)]
+    assert later[-1].load_chunks < CHUNKS
+    assert s.gate.online.disk_bytes_per_s < learnt / 10
+
+
+def test_a_gate_that_recomputed_through_an_outage_samples_the_disk_as_soon_as_the_breaker_closes():
+    s = Serving()
+    s.watch_breakers()
+    for _ in range(3):
+        s.request(FAST)
+    for _ in range(6):
+        s.request(SLOW)  # learnt slow, long before any outage
+    assert s.request(SLOW).load_chunks < CHUNKS
+    for _ in range(40):  # the exploration interval grows to its longest
+        s.request(SLOW)
+    s.breakers = (1, 0, 1)
+    s.request(SLOW)
+    s.now += 5.0
+    s.breakers = (1, 1, 0)
+    d = s.request(FAST)
+    assert d.reason == "explore", "the breaker closed: the device may be anything now"
