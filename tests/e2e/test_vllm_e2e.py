@@ -19,6 +19,7 @@ Four engine processes, each running several phases (see driver.py):
 from __future__ import annotations
 
 import glob
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -167,6 +168,39 @@ def other_model(models, workdir, store_dir, restart):
     return result
 
 
+#: Two writers of one local directory (issue 24 finding 3): each has this capacity, in chunk files.
+SHARED_CAPACITY_CHUNKS = 20
+
+
+@pytest.fixture(scope="session")
+def two_writers(models, workdir):
+    """A vLLM engine stores a prefix (~14 chunks) in a fresh local directory; then a
+    second process (the direct API, its own namespace, the same capacity, the engine's
+    defaults) writes 20 chunks there while the engine lives. Before the fix the directory
+    ended at ~34 chunks for a capacity of 20, and the engine's metrics did not see its
+    chunks go."""
+    xs, _, _ = _texts()
+    store = workdir / "store-two-writers"
+    capacity = SHARED_CAPACITY_CHUNKS * SLOT_FOOTPRINT
+    writer = [sys.executable, str(child("second_writer.py")), str(store), "second-writer",
+              str(SHARED_CAPACITY_CHUNKS), str(CHUNK_BYTES), str(capacity)]
+    scenario = {
+        "model": models["main"],
+        "llm": {"kv_transfer_config": _kv_config(store, 24, capacity_bytes=capacity)},
+        "phases": [
+            {"op": "generate", "name": "stored", "prompts": [xs[0]]},
+            {"op": "shell", "name": "second_writer", "argv": writer},
+            # The engine checks for other writers' leases every second and walks the
+            # directory once more after they leave.
+            {"op": "sleep", "seconds": 3},
+            {"op": "settle", "name": "after"},
+        ],
+    }
+    result = _run(scenario, workdir, "two-writers")
+    result["disk"] = _chunk_bytes_by_namespace(store)
+    return result
+
+
 def _metric(phase: dict, name: str) -> float:
     return phase["metrics"].get("vllm:pykvcache_" + name, 0)
 
@@ -246,6 +280,27 @@ def test_a_new_model_makes_room_in_the_old_namespace_within_one_capacity(other_m
     assert after[new_ns] >= 13 * SLOT_FOOTPRINT
     assert _metric(last, "disk_used_bytes") == after[new_ns]
     assert _metric(last, "disk_chunks") * SLOT_FOOTPRINT == after[new_ns]
+
+
+def test_two_writers_of_one_local_directory_share_one_capacity_and_the_metrics_stay_true(two_writers):
+    """Issue 24 finding 3 through vLLM: capacity_bytes bounds the directory in total
+    with the default refresh ("auto"), and the engine's gauges say what is on disk."""
+    stored, after = two_writers["by_name"]["stored"], two_writers["by_name"]["after"]
+    writer = two_writers["by_name"]["second_writer"]
+    assert writer["rc"] == 0, writer["output"]
+    [line] = [line for line in writer["output"].splitlines() if line.startswith('{"written"')]
+    report = json.loads(line)
+    assert report["written"] == SHARED_CAPACITY_CHUNKS, writer["output"]
+    disk = two_writers["disk"]
+    assert _metric(stored, "disk_chunks") >= 13
+    # One capacity in total, over both writers and both namespaces.
+    assert sum(disk.values()) <= SHARED_CAPACITY_CHUNKS * SLOT_FOOTPRINT, disk
+    # The engine's gauges are what is on disk in its namespace, whatever the other evicted.
+    engine_bytes = sum(b for ns, b in disk.items() if ns != report["ns_dir"])
+    assert _metric(after, "disk_used_bytes") == engine_bytes, (disk, report["ns_dir"])
+    assert _metric(after, "disk_chunks") * SLOT_FOOTPRINT == engine_bytes
+    # The second writer's chunks took the room of the engine's stalest ones.
+    assert _metric(after, "disk_chunks") < _metric(stored, "disk_chunks")
 
 
 def test_loaded_kv_is_really_used(other_model):

@@ -74,6 +74,14 @@ impl WriterLease {
         }
     }
 
+    /// When a lease was last created or removed in any root: the lease
+    /// directories' modification times. A writer that came and went between two
+    /// checks of [`others`](Self::others) (a short job, a second) is never seen
+    /// live, but it moves this stamp, so its chunks are still walked into the index.
+    pub fn stamp(&self) -> Vec<Option<SystemTime>> {
+        self.held.iter().map(|(dir, _, _)| std::fs::metadata(dir).and_then(|m| m.modified()).ok()).collect()
+    }
+
     /// Live leases of other stores (processes or stores in this one), over
     /// every root this store holds a lease in; removes dead writers' leases.
     pub fn others(&self) -> usize {

@@ -78,12 +78,13 @@ impl Core {
         Ok((added, dropped))
     }
 
-    /// Other writers' live leases in this store's roots, as last checked.
-    pub(super) fn check_writers(&self) -> usize {
+    /// Other writers' live leases in this store's roots, as last checked, and
+    /// the lease directories' stamp (see `WriterLease::stamp`).
+    pub(super) fn check_writers(&self) -> (usize, Vec<Option<std::time::SystemTime>>) {
         let lease = self.lease.lock().unwrap().clone();
-        let n = lease.map_or(0, |l| l.others());
+        let n = lease.as_ref().map_or(0, |l| l.others());
         self.other_writers.store(n as u64, Ordering::Relaxed);
-        n
+        (n, lease.map_or_else(Vec::new, |l| l.stamp()))
     }
 
     /// The refresh thread, until the store closes: renews the lease, looks
@@ -99,6 +100,7 @@ impl Core {
         let mut next_check = start;
         let mut next_walk = start + if let RefreshPolicy::Every(every) = policy { every } else { far };
         let mut others = 0;
+        let mut stamp = None;
         while !self.scan.stop.load(Ordering::Relaxed) {
             let now = Instant::now();
             if now >= next_beat {
@@ -109,7 +111,15 @@ impl Core {
                 next_beat = now + LEASE_BEAT;
             }
             if now >= next_check {
-                let n = self.check_writers();
+                let (n, now_stamp) = self.check_writers();
+                // A lease created or removed since the last check (the stamp moved;
+                // removing a dead one of ours moves it too: one walk more) while none
+                // is live now: a writer came and went between two checks.
+                let came_and_went = stamp.as_ref().is_some_and(|s| *s != now_stamp) && n == 0 && others == 0;
+                stamp = Some(now_stamp);
+                if policy == RefreshPolicy::Auto && came_and_went {
+                    next_walk = now;
+                }
                 if policy == RefreshPolicy::Auto && (n > 0) != (others > 0) {
                     // A writer came (count what it writes from now on) or all
                     // left (one last walk finds what they wrote since the last).
