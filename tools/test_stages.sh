@@ -4,6 +4,7 @@
 #
 #   venv      .venv (tools/setup_venv.sh: reused when its stamp matches)
 #   build     the Rust extension into .venv (maturin develop --release)
+#   lint      clippy -D warnings, cargo fmt --check, ruff check, stubtest of _core.pyi (make lint)
 #   lmcache   LMCache into .lmcache (the storage-level comparison's private install)
 #   cargo     cargo test (the engine alone)
 #   pytest    tests/ (real files, real io_uring, a real vLLM CPU build), slowest 30 printed
@@ -53,6 +54,7 @@ if [ "$skip033" != 1 ]; then
   env033_start=$(date +%s)
 fi
 stage build make --no-print-directory develop || exit $first_rc
+stage lint make --no-print-directory lint
 stage lmcache make --no-print-directory lmcache-env
 stage cargo cargo test --release --locked
 if [ "$skip033" != 1 ]; then

@@ -193,14 +193,14 @@ class StagingPool:
     the address space (checked: a size that would wrap raises ``ValueError``).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         slot_bytes: int,
         num_slots: int,
         *,
         shm_name: str | None = None,
         memfd: bool = False,
-    ) -> None: ...
+    ) -> StagingPool: ...
     @staticmethod
     def attach(shm_name: str) -> StagingPool:
         """Map a pool created by another process. The attached pool has no slot
@@ -266,6 +266,12 @@ class StagingPool:
         """Unmap (refused while views are exported); the owner unlinks the shm file."""
 
 @final
+class SlotBuffer:
+    """The buffer exporter behind ``StagingPool.view`` and ``StagingPool.region``
+    (a slot stays exported while a memoryview of it lives); not constructed
+    directly."""
+
+@final
 class IoResult:
     @property
     def status(self) -> Literal["ok", "miss", "corrupt", "error"]: ...
@@ -312,8 +318,8 @@ class IoHandle:
 class BlockStore:
     """Checksummed chunk store on one or more directories, driven by one I/O backend."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         dirs: Sequence[str | PathLike[str]],
         pool: StagingPool,
         *,
@@ -340,7 +346,7 @@ class BlockStore:
         min_free_fraction: float | None = None,
         io_deadline: float | None = None,
         refresh_interval_s: float | Literal["auto"] | None = "auto",
-    ) -> None:
+    ) -> BlockStore:
         """``chunk_workers`` threads checksum, verify and publish chunks, off the
         caller's and the ring's threads. Reads move in ``segment_bytes`` pieces
         in flight together; writes in ``write_segment_bytes`` pieces, 0 = the
@@ -381,7 +387,7 @@ class BlockStore:
         accepted meanwhile). Three timeouts or storage errors (EIO, ENOTCONN,
         ESTALE...) in a row open that directory's circuit breaker: gets there
         are misses and puts skipped (errno ``EAGAIN``) at once until a probe
-        after a back-off succeeds. Each change is logged once.
+        after a back-off succeeds. Each change is logged once (``log_notices``).
 
         ``capacity_bytes`` bounds each storage directory in total: the chunks
         of every namespace under it count (another model, dtype or override,
@@ -474,10 +480,22 @@ class BlockStore:
     def breaker_health(self) -> tuple[int, int, int]:
         """``(breaker_opens, breaker_closes, open_dirs)`` of :meth:`stats`, alone
         (cheap enough to ask once per request)."""
-    def stats(self) -> StoreStats: ...
+    def stats(self) -> StoreStats:
+        """Every counter and state at once; logs the engine's notices first
+        (``log_notices``)."""
+    def log_notices(self) -> None:
+        """Logs, on the ``pykvcache`` logger, what the engine noticed since
+        the last call, each once at its level: a storage directory's circuit
+        breaker changing state (opening: WARNING; probing, closing: INFO),
+        ENOSPC lowering the capacity, another namespace's chunks evicted for
+        the first time, a put refused for the free-space reserve (WARNING),
+        and another writer found in the directories (INFO). ``stats()`` and
+        ``close()`` call it too; ``put``, ``get``, ``prefetch`` and ``wait``
+        never log."""
     def close(self) -> None:
-        """Drain in-flight I/O, stop the backend. Idempotent. Callers waiting
-        for an operation entry fail at once ("store is closed"); only I/O
-        already handed to the backend is waited for."""
+        """Drain in-flight I/O, stop the backend, log the last notices
+        (``log_notices``). Idempotent. Callers waiting for an operation entry
+        fail at once ("store is closed"); only I/O already handed to the
+        backend is waited for."""
     def __enter__(self) -> BlockStore: ...
-    def __exit__(self, *exc: object) -> None: ...
+    def __exit__(self, exc_type: object, exc: object, tb: object, /) -> None: ...

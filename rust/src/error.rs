@@ -15,7 +15,11 @@ pub enum EngineError {
     Corrupt { path: String, reason: String },
 
     #[error("{context}: {source}")]
-    Io { context: String, #[source] source: io::Error },
+    Io {
+        context: String,
+        #[source]
+        source: io::Error,
+    },
 
     #[error("{0}")]
     BackendUnavailable(String),

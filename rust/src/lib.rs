@@ -3,7 +3,7 @@
 //! the `python` module, compiled only with the `python` feature.
 //!
 //! Layers, bottom up (each uses only those above it in this list):
-//! - `error`, `checksum`, `wait`, `stats`, `faults`: shared pieces;
+//! - `error`, `checksum`, `wait`, `stats`, `notice`, `faults`: shared pieces;
 //! - `digest`: content digest of a file's bytes (the vLLM integration's
 //!   weights identity; no other layer uses it);
 //! - `disk`: the on-disk layer (chunk format, directory layout, file
@@ -24,6 +24,7 @@ pub(crate) mod digest;
 pub(crate) mod disk;
 pub(crate) mod error;
 pub(crate) mod faults;
+pub(crate) mod notice;
 pub(crate) mod ops;
 pub(crate) mod ready;
 pub(crate) mod staging;
@@ -38,9 +39,10 @@ pub use disk::files::DirectIoPolicy;
 pub use disk::format::{file_len as chunk_file_bytes, key_hash, FORMAT_VERSION, HEADER_BYTES, IO_ALIGN};
 pub use error::{EngineError, Result};
 pub use faults::{FaultPlan, SharedFaults};
+pub use notice::{Level, Notice};
 pub use ops::{MissKind, OpId, Outcome, Status};
 pub use ready::Readiness;
 pub use staging::StagingPool;
 pub use stats::Stats;
 pub use store::config::defaults;
-pub use store::{BackendChoice, BlockStore, FreeSpaceReserve, OpenReport, StoreConfig, VerifyPolicy};
+pub use store::{BackendChoice, BlockStore, FreeSpaceReserve, OpenReport, StoreConfig, StoreSnapshot, VerifyPolicy};

@@ -114,7 +114,8 @@ fn a_new_namespace_evicts_the_stalest_chunks_of_an_old_one_within_one_capacity()
     let total: u64 = on_disk.iter().map(|(_, _, l)| l).sum();
     assert!(total <= 8 * file_len(), "{total} bytes on disk for a capacity of {}: {on_disk:?}", 8 * file_len());
     // Every chunk of the new namespace is kept; the old one keeps its 2 most recent.
-    let mut old_left: Vec<String> = on_disk.iter().filter(|(ns, _, _)| *ns == old_ns).map(|(_, p, _)| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
+    let mut old_left: Vec<String> =
+        on_disk.iter().filter(|(ns, _, _)| *ns == old_ns).map(|(_, p, _)| p.file_name().unwrap().to_string_lossy().into_owned()).collect();
     assert_eq!(on_disk.iter().filter(|(ns, _, _)| *ns == new_ns).count(), 6);
     old_left.sort();
     let mut expect: Vec<String> = (4..6).map(|i| format!("{:032x}.kvc", pykvcache::key_hash(&key("k", i)))).collect();

@@ -28,7 +28,7 @@ def main():
     print("ready tmpfile=%d" % (not any("O_TMPFILE" in f for f in fallbacks)), flush=True)
     rng = random.Random(seed)
     inflight = []
-    for slot in range(SLOTS):
+    for _slot in range(SLOTS):
         pool.acquire()
     free = list(range(SLOTS))
     while True:

@@ -33,7 +33,7 @@ def test_store_stats_typeddict_lists_every_stats_key(store_dir):
 
 def test_stub_defaults_repeat_the_engine_defaults():
     cls = next(n for n in _pyi_tree().body if isinstance(n, ast.ClassDef) and n.name == "BlockStore")
-    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    init = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__new__")  # PyO3: #[new]
     # Constant expressions such as ``4 << 20``: evaluated without builtins.
     value = lambda d: eval(compile(ast.Expression(d), str(PYI), "eval"), {"__builtins__": {}})  # noqa: E731,S307
     stub = {a.arg: value(d) for a, d in zip(init.args.kwonlyargs, init.args.kw_defaults) if d is not None}

@@ -95,7 +95,7 @@ def test_one_handle_waited_from_many_threads_gives_every_waiter_the_result(store
         def waiter():
             start.wait(10)
             try:
-                results.append(handle.wait(timeout=30))
+                results.append(handle.wait(timeout=30))  # noqa: F821 - bound until the `del` after the threads end
             except BaseException as exc:  # noqa: BLE001 - the test reports it
                 errors.append(exc)
 
@@ -130,7 +130,7 @@ def test_a_handle_dropped_while_other_threads_wait_frees_its_entry(store_dir):
     slot = pool.acquire()
     handle = store.put(b"k", slot, 4 * MiB)
     got = []
-    threads = [threading.Thread(target=lambda: got.append(handle.wait(30))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: got.append(handle.wait(30))) for _ in range(4)]  # noqa: F821 - `del` comes after
     for t in threads:
         t.start()
     for t in threads:

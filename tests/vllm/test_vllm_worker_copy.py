@@ -27,7 +27,7 @@ BPC = 2
 
 def _kv_caches(num_tensors=2, groups=((0, 1),), pad=0):
     tensors = []
-    for t in range(num_tensors):
+    for _ in range(num_tensors):
         storage = torch.zeros(NUM_BLOCKS, PAGE + pad, dtype=torch.int8)
         tensors.append(base.CanonicalKVCacheTensor(tensor=storage, page_size_bytes=PAGE + pad))
     refs = [[base.CanonicalKVCacheRef(tensor_idx=t, page_size_bytes=PAGE) for t in g]

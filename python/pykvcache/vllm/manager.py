@@ -260,7 +260,7 @@ class NvmeOffloadingManager(OffloadingManager):
         deadline = None if timeout is None else time.monotonic() + timeout
         while self._write_queue or self._writes or self._reads:
             self._submit_writes()
-            for key, handle in list(self._writes.items()) + list(self._reads.items()):
+            for _key, handle in list(self._writes.items()) + list(self._reads.items()):
                 remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
                 handle.wait(remaining)
             self.poll_io()

@@ -84,7 +84,6 @@ pub trait Backend: Send + Sync {
     }
 }
 
-
 /// CPU time of one thread, from its own clock.
 pub fn thread_cpu_clock() -> libc::clockid_t {
     let mut clock: libc::clockid_t = 0;

@@ -41,11 +41,7 @@ impl ThreadBackend {
         let mut workers = Vec::with_capacity(threads);
         for i in 0..threads {
             let shared = shared.clone();
-            workers.push(
-                std::thread::Builder::new()
-                    .name(format!("pykvcache-io-{i}"))
-                    .spawn(move || worker_loop(&shared, i))?,
-            );
+            workers.push(std::thread::Builder::new().name(format!("pykvcache-io-{i}")).spawn(move || worker_loop(&shared, i))?);
         }
         Ok(ThreadBackend { shared, workers: Mutex::new(workers) })
     }

@@ -102,10 +102,7 @@ impl UringBackend {
         let thread = std::thread::Builder::new()
             .name("pykvcache-uring".into())
             .spawn(move || ring_loop(ring, queue_depth, fixed, &thread_shared, &faults))?;
-        Ok(UringSetup {
-            backend: UringBackend { shared, thread: Mutex::new(Some(thread)), fixed },
-            fixed_buffer_error,
-        })
+        Ok(UringSetup { backend: UringBackend { shared, thread: Mutex::new(Some(thread)), fixed }, fixed_buffer_error })
     }
 
     fn wake(&self) {
@@ -144,9 +141,7 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
             }
         }
         if !wake_armed {
-            let sqe = opcode::Read::new(types::Fd(shared.wake_fd), shared.wake_buf.as_ptr() as *mut u8, 8)
-                .build()
-                .user_data(WAKE_TOKEN);
+            let sqe = opcode::Read::new(types::Fd(shared.wake_fd), shared.wake_buf.as_ptr() as *mut u8, 8).build().user_data(WAKE_TOKEN);
             if unsafe { ring.submission().push(&sqe) }.is_ok() {
                 wake_armed = true;
             }

@@ -7,9 +7,9 @@ use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::error::Result;
 use crate::disk::format::IO_ALIGN;
 use crate::disk::layout::{cstring, TEMP_PREFIX};
+use crate::error::Result;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DirectIoPolicy {
@@ -70,7 +70,11 @@ fn open_raw(path: &Path, flags: i32, mode: u32) -> std::io::Result<RawFd> {
 }
 
 fn direct_flag(direct: bool) -> i32 {
-    if direct { libc::O_DIRECT } else { 0 }
+    if direct {
+        libc::O_DIRECT
+    } else {
+        0
+    }
 }
 
 /// Opens a chunk for reading: the fd and, for a regular file, its size.
@@ -296,7 +300,12 @@ pub fn regular_file_size(fd: RawFd) -> std::io::Result<Option<u64>> {
 pub fn drop_cached_pages(fd: RawFd, written: bool) {
     unsafe {
         if written {
-            libc::sync_file_range(fd, 0, 0, libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER);
+            libc::sync_file_range(
+                fd,
+                0,
+                0,
+                libc::SYNC_FILE_RANGE_WAIT_BEFORE | libc::SYNC_FILE_RANGE_WRITE | libc::SYNC_FILE_RANGE_WAIT_AFTER,
+            );
         }
         libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_DONTNEED);
     }

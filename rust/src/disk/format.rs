@@ -117,12 +117,7 @@ pub fn encode_header_for(block: &mut [u8], namespace: &Fingerprint, key: &[u8], 
 
 /// Parses and checks a header against the expected namespace and key.
 /// `file_len` is the size of the file it came from.
-pub fn decode_header(
-    block: &[u8],
-    namespace: &Fingerprint,
-    key: &[u8],
-    file_len: u64,
-) -> Result<ChunkHeader, FormatError> {
+pub fn decode_header(block: &[u8], namespace: &Fingerprint, key: &[u8], file_len: u64) -> Result<ChunkHeader, FormatError> {
     if block.len() < HEADER_BYTES {
         return Err(FormatError::Short);
     }
@@ -167,11 +162,7 @@ pub fn decode_header(
         return Err(FormatError::Flags(flags));
     }
     let unchecked = flags & FLAG_PAYLOAD_UNCHECKED != 0;
-    Ok(ChunkHeader {
-        namespace: *namespace,
-        payload_len,
-        payload_crc: (!unchecked).then(|| get_u32(block, OFF_PAYLOAD_CRC)),
-    })
+    Ok(ChunkHeader { namespace: *namespace, payload_len, payload_crc: (!unchecked).then(|| get_u32(block, OFF_PAYLOAD_CRC)) })
 }
 
 #[cfg(test)] // the engine seals in place (`encode_header_for`) and verifies piecewise

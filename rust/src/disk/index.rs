@@ -265,8 +265,7 @@ impl ChunkIndex {
     /// Returns (added, dropped) of this namespace.
     pub fn refresh(&mut self, found: &[Found], since: u64) -> (usize, usize) {
         let present: HashSet<ChunkRef> = found.iter().map(|f| ChunkRef { ns: f.ns, hash: f.hash }).collect();
-        let gone: Vec<ChunkRef> =
-            self.entries.iter().filter(|(c, e)| e.tick <= since && !present.contains(c)).map(|(c, _)| *c).collect();
+        let gone: Vec<ChunkRef> = self.entries.iter().filter(|(c, e)| e.tick <= since && !present.contains(c)).map(|(c, _)| *c).collect();
         let own_before = self.len();
         self.merge_scanned(found);
         let own_added = self.len() - own_before;
@@ -390,7 +389,7 @@ mod tests {
         ix.begin_scan();
         let since = ix.last_tick();
         ix.insert(4, 100); // published here while the walk ran (the walk missed it)
-        // The walk: 1 and 3 still there, 2 gone (another node evicted it), 9 new (another node wrote it, long ago).
+                           // The walk: 1 and 3 still there, 2 gone (another node evicted it), 9 new (another node wrote it, long ago).
         let walk: Vec<Found> = [1, 3, 9].map(|h| found(h, 100)).to_vec();
         assert_eq!(ix.refresh(&walk, since), (1, 1));
         assert!(ix.contains(1) && !ix.contains(2) && ix.contains(3) && ix.contains(4) && ix.contains(9));

@@ -18,9 +18,9 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::error::{EngineError, Result};
 use crate::disk::format::Fingerprint;
 use crate::disk::index::{ChunkRef, NsId, OWN};
+use crate::error::{EngineError, Result};
 
 pub const CHUNK_SUFFIX: &str = ".kvc";
 pub const TEMP_PREFIX: &str = ".tmp-";
@@ -270,9 +270,9 @@ fn create_dir_shared_with(dir: &Path, wait: Duration, mkdir: &dyn Fn(&Path) -> s
 /// path, where every directory below is checked to be real
 /// (`require_real_dir`) and chunk opens never follow symlinks.
 pub fn resolve_root(root: &Path, perms: &Permissions) -> Result<PathBuf> {
-    create_dir_shared(root, perms.dir_mode)
-        .map_err(|e| EngineError::io(format!("creating storage directory {}", root.display()), e))?;
-    let resolved = std::fs::canonicalize(root).map_err(|e| EngineError::io(format!("resolving storage directory {}", root.display()), e))?;
+    create_dir_shared(root, perms.dir_mode).map_err(|e| EngineError::io(format!("creating storage directory {}", root.display()), e))?;
+    let resolved =
+        std::fs::canonicalize(root).map_err(|e| EngineError::io(format!("resolving storage directory {}", root.display()), e))?;
     check_root(&resolved, perms)?;
     Ok(resolved)
 }

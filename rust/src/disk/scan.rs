@@ -15,12 +15,12 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
 use std::time::{Duration, Instant, SystemTime};
 
-use crate::faults::SharedFaults;
-use crate::wait::{deadline_after, wait_until};
-use crate::error::{EngineError, Result};
 use crate::disk::files;
 use crate::disk::index::{epoch_ns, ChunkIndex, Found, NsId, OWN};
 use crate::disk::layout::{is_namespace_name, is_shard_name, parse_chunk_name, Layout, TEMP_PREFIX};
+use crate::error::{EngineError, Result};
+use crate::faults::SharedFaults;
+use crate::wait::{deadline_after, wait_until};
 
 /// Temporary files whose inode changed longer ago than this belong to a dead
 /// writer (also when their writer's lock cannot tell, e.g. without flock).
@@ -102,8 +102,8 @@ fn collect_namespace(ns: NsId, ns_dir: &Path, now: SystemTime, stop: &AtomicBool
             if name.starts_with(TEMP_PREFIX) {
                 // ctime, not mtime: claiming an evicted file for reuse renames it
                 // (fresh ctime) but keeps the old mtime until it is written.
-                let changed = SystemTime::UNIX_EPOCH
-                    + Duration::new(meta.ctime().max(0) as u64, meta.ctime_nsec().clamp(0, 999_999_999) as u32);
+                let changed =
+                    SystemTime::UNIX_EPOCH + Duration::new(meta.ctime().max(0) as u64, meta.ctime_nsec().clamp(0, 999_999_999) as u32);
                 let age = now.duration_since(changed).unwrap_or_default();
                 if age > STALE_TEMP_AGE || files::temp_writer_gone(&entry.path(), name) {
                     let _ = std::fs::remove_file(entry.path());

@@ -12,6 +12,7 @@ use crate::disk::files;
 use crate::disk::index::{ChunkRef, OWN};
 use crate::disk::layout::Layout;
 use crate::error::{EngineError, Result};
+use crate::notice::Notice;
 use crate::stats::Stats;
 
 use super::{BlockStore, Core, OpContext, StoreConfig};
@@ -52,7 +53,7 @@ impl Core {
                 self.min_free[ctx.root]
             );
             if Stats::add_first(&self.stats.reserve_refused, 1) {
-                self.notices.lock().unwrap().push(msg.clone());
+                self.notices.lock().unwrap().push(Notice::warning(msg.clone()));
             }
             return Err(msg);
         }
@@ -108,7 +109,13 @@ impl Core {
     /// With `fs_short` = (root, bytes), also evicts chunks on that root until
     /// `bytes` are freed there (the free-space reserve); returns what of it no
     /// chunk could cover.
-    pub(super) fn make_room(&self, incoming: u64, keep: u128, reuse: Option<usize>, fs_short: Option<(usize, u64)>) -> (Option<ChunkRef>, u64) {
+    pub(super) fn make_room(
+        &self,
+        incoming: u64,
+        keep: u128,
+        reuse: Option<usize>,
+        fs_short: Option<(usize, u64)>,
+    ) -> (Option<ChunkRef>, u64) {
         let capacity = self.capacity.load(Ordering::Relaxed);
         let mut unmet = 0;
         let victims = {
@@ -149,12 +156,12 @@ impl Core {
     fn notice_other_namespaces(&self, victims: &[(ChunkRef, u64)]) {
         if victims.iter().any(|(c, _)| c.ns != OWN) && !self.other_ns_noticed.swap(true, Ordering::Relaxed) {
             let holders = self.space_holders();
-            self.notices.lock().unwrap().push(format!(
+            self.notices.lock().unwrap().push(Notice::warning(format!(
                 "capacity_bytes ({} bytes) bounds every namespace under {} together: evicting the stalest \
                  chunks, other namespaces' included (decision 0053); held before: {holders}",
                 self.capacity.load(Ordering::Relaxed),
                 self.layout.roots().iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
-            ));
+            )));
         }
     }
 
@@ -186,11 +193,11 @@ impl Core {
             let fits = index.total_bytes().max(incoming);
             let before = self.capacity.fetch_min(fits, Ordering::Relaxed);
             if fits < before && Stats::add_first(&self.stats.capacity_lowered, 1) {
-                self.notices.lock().unwrap().push(format!(
+                self.notices.lock().unwrap().push(Notice::warning(format!(
                     "filesystem full before capacity_bytes ({} bytes): evicting on ENOSPC; capacity lowered to {fits} bytes \
                      (stats capacity_bytes shows the current value)",
                     self.configured_capacity
-                ));
+                )));
             }
             index.victims(incoming.saturating_mul(2), fits, keep)
         };

@@ -4,9 +4,9 @@
 //! the single exit of every operation. Also the submission helpers both
 //! paths share.
 
-use crate::backend::{clock_ns, thread_cpu_clock, Backend, Segment, SegmentError, SegmentSink};
-use super::jobs::{DirJob, Job};
 use super::health;
+use super::jobs::{DirJob, Job};
+use crate::backend::{clock_ns, thread_cpu_clock, Backend, Segment, SegmentError, SegmentSink};
 use crate::disk::files;
 use crate::disk::format::HEADER_BYTES;
 use crate::ops::{Finished, MissKind, OpId, Outcome, Status, Watch};
@@ -60,7 +60,13 @@ impl Core {
 
     /// Starts the deadline clock of an operation about to be queued.
     pub(super) fn watch(&self, id: OpId, ctx: &OpContext) {
-        let w = Watch { root: ctx.root as u32, slot: ctx.slot as u32, put: ctx.kind == OpKind::Put, since: ctx.started, ready_gen: ctx.ready_gen };
+        let w = Watch {
+            root: ctx.root as u32,
+            slot: ctx.slot as u32,
+            put: ctx.kind == OpKind::Put,
+            since: ctx.started,
+            ready_gen: ctx.ready_gen,
+        };
         self.ops.watch(id, w);
     }
 

@@ -73,7 +73,6 @@ impl BackendChoice {
     }
 }
 
-
 pub struct StoreConfig {
     pub dirs: Vec<PathBuf>,
     pub namespace: String,

@@ -32,6 +32,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use crate::notice::Notice;
+
 pub const DIR_WORKERS: usize = 2;
 pub const BREAKER_THRESHOLD: u32 = 3;
 pub const STUCK_CAP: usize = 64;
@@ -137,7 +139,7 @@ pub struct Health {
     epoch: Instant,
     pub counters: HealthCounters,
     /// State changes, for the caller to log (the engine has no logger).
-    notices: Mutex<VecDeque<String>>,
+    notices: Mutex<VecDeque<Notice>>,
 }
 
 /// What the watchdog should do for a directory now.
@@ -177,14 +179,14 @@ impl Health {
         self.dirs[root].breaker.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn notice(&self, msg: String) {
+    fn notice(&self, notice: Notice) {
         let mut n = self.notices.lock().unwrap_or_else(|e| e.into_inner());
         if n.len() < MAX_NOTICES {
-            n.push_back(msg);
+            n.push_back(notice);
         }
     }
 
-    pub fn take_notices(&self) -> Vec<String> {
+    pub fn take_notices(&self) -> Vec<Notice> {
         self.notices.lock().unwrap_or_else(|e| e.into_inner()).drain(..).collect()
     }
 
@@ -246,12 +248,12 @@ impl Health {
             b.reopen_at = now + b.backoff;
             self.counters.breaker_opens.fetch_add(1, Ordering::Relaxed);
             let what = if timed_out { "timed out" } else { "failed" };
-            self.notice(format!(
+            self.notice(Notice::warning(format!(
                 "storage directory {}: circuit breaker closed -> open ({} operations {what} in a row); gets are misses and puts are skipped there, probe in {:.1} s",
                 self.dirs[root].path.display(),
                 b.failures,
                 b.backoff.as_secs_f64()
-            ));
+            )));
         }
     }
 
@@ -265,7 +267,10 @@ impl Health {
                 b.probes += 1;
                 b.probe = Some((b.probes, now));
                 self.counters.probes.fetch_add(1, Ordering::Relaxed);
-                self.notice(format!("storage directory {}: circuit breaker open -> half-open (probing)", self.dirs[root].path.display()));
+                self.notice(Notice::info(format!(
+                    "storage directory {}: circuit breaker open -> half-open (probing)",
+                    self.dirs[root].path.display()
+                )));
                 Due::Probe(b.probes)
             }
             BreakerState::HalfOpen => {
@@ -296,7 +301,10 @@ impl Health {
                 drop(b);
                 self.counters.breaker_closes.fetch_add(1, Ordering::Relaxed);
                 self.progress(root);
-                self.notice(format!("storage directory {}: circuit breaker half-open -> closed (probe succeeded)", self.dirs[root].path.display()));
+                self.notice(Notice::info(format!(
+                    "storage directory {}: circuit breaker half-open -> closed (probe succeeded)",
+                    self.dirs[root].path.display()
+                )));
             }
             Err(e) => self.reopen(&mut b, root, now, &e.to_string()),
         }
@@ -308,17 +316,18 @@ impl Health {
         b.probe = None;
         b.backoff = (b.backoff * 2).min(BACKOFF_CAP.max(self.deadline));
         b.reopen_at = now + b.backoff;
-        self.notice(format!(
+        self.notice(Notice::warning(format!(
             "storage directory {}: circuit breaker half-open -> open (probe: {why}); next probe in {:.1} s",
             self.dirs[root].path.display(),
             b.backoff.as_secs_f64()
-        ));
+        )));
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::notice::Level;
 
     #[test]
     fn the_default_deadline_follows_the_chunk_size_above_a_floor() {
@@ -358,10 +367,21 @@ mod tests {
         h.probe_result(0, k, Ok(()), t0 + 9 * d);
         assert_eq!(h.state(0), BreakerState::Closed);
         let notices = h.take_notices();
-        let expected = ["closed -> open", "open -> half-open", "half-open -> open", "open -> half-open", "half-open -> open", "open -> half-open", "half-open -> closed"];
+        let expected = [
+            "closed -> open",
+            "open -> half-open",
+            "half-open -> open",
+            "open -> half-open",
+            "half-open -> open",
+            "open -> half-open",
+            "half-open -> closed",
+        ];
         assert_eq!(notices.len(), expected.len(), "{notices:#?}");
         for (n, e) in notices.iter().zip(expected) {
-            assert!(n.contains(&format!("circuit breaker {e} ")), "{n} is not {e}");
+            assert!(n.text.contains(&format!("circuit breaker {e} ")), "{n:?} is not {e}");
+            // A directory failing is a warning; probing and recovering are news.
+            let level = if e.ends_with("-> open") { Level::Warning } else { Level::Info };
+            assert_eq!(n.level, level, "{n:?}");
         }
         assert_eq!(h.counters.breaker_opens.load(Ordering::Relaxed), 1);
         assert_eq!(h.counters.probe_failures.load(Ordering::Relaxed), 2);

@@ -6,12 +6,12 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
+use super::jobs::{DirJob, Job};
 use crate::backend::{Backend, Segment, SegmentError};
 use crate::checksum::{crc32c, crc32c_combine};
 use crate::disk::files;
 use crate::disk::format::{self, FormatError, HEADER_BYTES, IO_ALIGN};
 use crate::error::Result;
-use super::jobs::{DirJob, Job};
 use crate::ops::{Finished, MissKind, OpId, Outcome, Status};
 use crate::stats::Stats;
 
@@ -169,10 +169,11 @@ impl Pieces {
         if l.stray {
             return None;
         }
-        Some(l.crcs.iter().fold(PrefixCrc::default(), |acc, &(crc, len)| PrefixCrc {
-            crc: crc32c_combine(acc.crc, crc, len),
-            len: acc.len + len,
-        }))
+        Some(
+            l.crcs
+                .iter()
+                .fold(PrefixCrc::default(), |acc, &(crc, len)| PrefixCrc { crc: crc32c_combine(acc.crc, crc, len), len: acc.len + len }),
+        )
     }
 }
 

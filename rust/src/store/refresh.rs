@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 use crate::disk::scan;
 use crate::disk::writers::LEASE_BEAT;
 use crate::error::Result;
+use crate::notice::Notice;
 use crate::stats::Stats;
 
 use super::config::{RefreshPolicy, AUTO_REFRESH_COST, AUTO_REFRESH_MAX, AUTO_REFRESH_MIN, WRITER_CHECK};
@@ -124,11 +125,12 @@ impl Core {
                     // left (one last walk finds what they wrote since the last).
                     next_walk = now;
                     if n > 0 && Stats::add_first(&self.stats.auto_refresh_starts, 1) {
-                        self.notices.lock().unwrap().push(format!(
+                        // Another writer found is news, not trouble.
+                        self.notices.lock().unwrap().push(Notice::info(format!(
                             "another process writes {} too: walking it while it does (refresh_interval_s=auto), so that \
                              capacity_bytes bounds what all writers store there together",
                             self.layout.roots().iter().map(|r| r.display().to_string()).collect::<Vec<_>>().join(", ")
-                        ));
+                        )));
                     }
                 }
                 others = n;

@@ -4,12 +4,12 @@
 
 use std::time::Duration;
 
+use super::jobs::{DirJob, Job};
 use crate::backend::{Backend, SegmentError};
 use crate::checksum::crc32c;
-use super::jobs::{DirJob, Job};
 use crate::disk::files;
-use crate::disk::index::ChunkRef;
 use crate::disk::format::{self, HEADER_BYTES};
+use crate::disk::index::ChunkRef;
 use crate::error::{EngineError, Result};
 use crate::ops::{OpId, Outcome, Status};
 use crate::stats::Stats;
@@ -86,10 +86,17 @@ impl Core {
         }
         let from = if sealed_now { 0 } else { HEADER_BYTES };
         let header_write = u32::from(!sealed_now);
-        if let Err(ctx) = self.ops.start(id, ctx, completion::segment_count(from, file_len, self.write_segment_bytes) as u32 + header_write) {
+        if let Err(ctx) = self.ops.start(id, ctx, completion::segment_count(from, file_len, self.write_segment_bytes) as u32 + header_write)
+        {
             return self.fail_early(id, ctx, None, completion::CLOSED_WHILE_SUBMITTING.into());
         }
-        completion::submit_range(backend, Transfer::of_slot(pool, id, slot, fd, true, false, root), from, file_len, self.write_segment_bytes);
+        completion::submit_range(
+            backend,
+            Transfer::of_slot(pool, id, slot, fd, true, false, root),
+            from,
+            file_len,
+            self.write_segment_bytes,
+        );
         if !sealed_now {
             self.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length, root });
         }
@@ -102,7 +109,9 @@ impl Core {
         let payload = unsafe { std::slice::from_raw_parts(pool.payload_ptr(slot), payload_len) };
         let crc = crc32c(payload);
         let header = unsafe { std::slice::from_raw_parts_mut(pool.slot_ptr(slot), HEADER_BYTES) };
-        let sealed = self.ops.with_context(id.index, |ctx| format::encode_header_for(header, &self.namespace, &ctx.key, payload_len as u64, Some(crc)));
+        let sealed = self
+            .ops
+            .with_context(id.index, |ctx| format::encode_header_for(header, &self.namespace, &ctx.key, payload_len as u64, Some(crc)));
         if sealed.is_none() {
             // Cannot happen (the put is in flight until its header is written);
             // its header write then fails the chunk's checks, nothing is served.
@@ -116,17 +125,18 @@ impl Core {
     fn open_chunk_file(&self, ctx: &mut OpContext, victim: Option<ChunkRef>) -> std::io::Result<files::PendingFile> {
         let shard = self.layout.shard_dir(ctx.hash);
         let support = self.support[ctx.root];
-        let mut claimed = victim.and_then(|v| match files::claim_for_reuse(&self.layout.chunk_path_of(v), &shard, ctx.file_len, ctx.direct) {
-            Ok(f) => {
-                Stats::add(&self.stats.recycled_files, 1);
-                Some(f)
-            }
-            // Read by someone right now, taken by another process, or no flock here.
-            Err(_) => {
-                Stats::add(&self.stats.recycle_skipped, 1);
-                None
-            }
-        });
+        let mut claimed =
+            victim.and_then(|v| match files::claim_for_reuse(&self.layout.chunk_path_of(v), &shard, ctx.file_len, ctx.direct) {
+                Ok(f) => {
+                    Stats::add(&self.stats.recycled_files, 1);
+                    Some(f)
+                }
+                // Read by someone right now, taken by another process, or no flock here.
+                Err(_) => {
+                    Stats::add(&self.stats.recycle_skipped, 1);
+                    None
+                }
+            });
         loop {
             let opened = match claimed.take() {
                 Some(f) => Ok(f),

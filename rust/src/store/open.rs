@@ -1,0 +1,254 @@
+//! Opening a store: the configuration checked, the directories probed, the
+//! index built or its scan started, then the backend and the store's threads.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use super::config::{BackendChoice, FreeSpaceReserve, StoreConfig, MAX_INFLIGHT, MAX_THREADS};
+use super::health::{self, Health};
+use super::jobs::{DirQueue, JobQueue};
+use super::{capacity, completion, read, BlockStore, Core, OpenReport};
+use crate::backend::threads::ThreadBackend;
+use crate::backend::uring::UringBackend;
+use crate::backend::{Backend, SegmentSink};
+use crate::disk::files::{self, DirectIoPolicy};
+use crate::disk::format::{self, IO_ALIGN};
+use crate::disk::index::ChunkIndex;
+use crate::disk::layout::Layout;
+use crate::disk::scan::{self, ScanProgress, ScanReport};
+use crate::disk::writers::WriterLease;
+use crate::error::{EngineError, Result};
+use crate::ops::OpTable;
+use crate::staging::StagingPool;
+use crate::stats::Stats;
+
+impl BlockStore {
+    pub fn open(config: StoreConfig, pool: Arc<StagingPool>) -> Result<(Self, OpenReport)> {
+        if !pool.is_owner() {
+            return Err(EngineError::invalid("a store needs the staging pool's owner (not an attached mapping)"));
+        }
+        if config.segment_bytes < IO_ALIGN || !config.segment_bytes.is_multiple_of(IO_ALIGN) {
+            return Err(EngineError::invalid(format!("segment_bytes must be a positive multiple of {IO_ALIGN}")));
+        }
+        if !config.write_segment_bytes.is_multiple_of(IO_ALIGN) {
+            return Err(EngineError::invalid(format!("write_segment_bytes must be 0 (whole chunk) or a multiple of {IO_ALIGN}")));
+        }
+        if config.queue_depth == 0 || config.queue_depth > 4096 {
+            return Err(EngineError::invalid("queue_depth must be in 1..=4096"));
+        }
+        // Counts become table sizes and thread counts: bounded, so a typo is
+        // an error and not an allocation failure (abort) or a thread storm.
+        if config.max_inflight == 0 || config.max_inflight > MAX_INFLIGHT {
+            return Err(EngineError::invalid(format!("max_inflight must be in 1..={MAX_INFLIGHT}, got {}", config.max_inflight)));
+        }
+        if config.io_threads > MAX_THREADS {
+            return Err(EngineError::invalid(format!("io_threads must be in 0..={MAX_THREADS} (0 = auto), got {}", config.io_threads)));
+        }
+        if config.chunk_workers > MAX_THREADS {
+            return Err(EngineError::invalid(format!("chunk_workers must be at most {MAX_THREADS}, got {}", config.chunk_workers)));
+        }
+        // Segments of one operation are counted in a u32.
+        let smallest = config.segment_bytes.min(if config.write_segment_bytes == 0 { usize::MAX } else { config.write_segment_bytes });
+        if pool.stride() / smallest >= u32::MAX as usize {
+            return Err(EngineError::invalid(format!(
+                "segment_bytes/write_segment_bytes of {smallest} cut a {}-byte slot (a chunk file of up to {} bytes) into too many segments",
+                pool.slot_bytes(),
+                pool.stride()
+            )));
+        }
+        if config.capacity_bytes < format::file_len(1) as u64 {
+            return Err(EngineError::invalid("capacity_bytes is too small to hold one chunk"));
+        }
+        if let FreeSpaceReserve::AtLeast { fraction, .. } = config.min_free {
+            if !(0.0..1.0).contains(&fraction) {
+                return Err(EngineError::invalid(format!("min_free_fraction must be in [0, 1), not {fraction}")));
+            }
+        }
+        let namespace = format::namespace_fingerprint(&config.namespace);
+        let layout = Layout::open(&config.dirs, &namespace, &config.namespace, &config.permissions)?;
+        let stats = Stats::default();
+
+        let mut support = Vec::new();
+        let mut direct_active = Vec::new();
+        for dir in layout.ns_dirs() {
+            let s = files::probe(dir, config.permissions.file_mode);
+            if !s.tmpfile {
+                stats.record_fallback(format!("O_TMPFILE unsupported in {}: using temp file + rename", dir.display()));
+            }
+            if config.preallocate && !s.fallocate {
+                stats.record_fallback(format!("fallocate unsupported in {}: blocks are allocated by the writes", dir.display()));
+            }
+            let direct = match (config.direct_io, s.direct) {
+                (DirectIoPolicy::Disabled, _) => false,
+                (_, true) => true,
+                (DirectIoPolicy::Required, false) => {
+                    return Err(EngineError::BackendUnavailable(format!("{} refuses O_DIRECT and direct_io=required", dir.display())))
+                }
+                (DirectIoPolicy::Optional, false) => {
+                    stats.record_fallback(format!("O_DIRECT refused in {}: buffered I/O with page-cache drop", dir.display()));
+                    false
+                }
+            };
+            support.push(s);
+            direct_active.push(direct);
+        }
+
+        let (min_free, mut warnings) = capacity::free_space_plan(&layout, &config)?;
+        let (lease, lease_notes) = WriterLease::take(layout.roots(), config.permissions.dir_mode, config.permissions.file_mode);
+        warnings.extend(lease_notes);
+
+        let (index, scan_progress) = if config.background_scan {
+            let mut index = ChunkIndex::default();
+            index.begin_scan();
+            (index, ScanProgress::default())
+        } else {
+            let start = Instant::now();
+            let index = scan::build_index(&scan::collect(&layout, &AtomicBool::new(false))?);
+            let report = ScanReport { chunks: index.len(), time: start.elapsed(), ..Default::default() };
+            (index, ScanProgress::completed(report))
+        };
+
+        let deadline = config.io_deadline.unwrap_or_else(|| health::default_deadline(pool.stride()));
+        if deadline.is_zero() {
+            return Err(EngineError::invalid("io_deadline must be positive (None: derived from the chunk size)"));
+        }
+        let health = Health::new(layout.ns_dirs(), deadline);
+        let dirs = layout.ns_dirs().iter().map(|_| DirQueue::default()).collect();
+        let core = Arc::new(Core {
+            health,
+            dirs,
+            watchdog_stop: AtomicBool::new(false),
+            pool: pool.clone(),
+            layout,
+            namespace,
+            configured_capacity: config.capacity_bytes,
+            capacity: AtomicU64::new(config.capacity_bytes),
+            notices: Mutex::new(Vec::new()),
+            other_ns_noticed: AtomicBool::new(false),
+            lease: Mutex::new(Some(Arc::new(lease))),
+            other_writers: AtomicU64::new(0),
+            refresh_policy: config.refresh,
+            min_free,
+            reserved: AtomicU64::new(0),
+            recycle_files: config.recycle_files,
+            preallocate: config.preallocate,
+            scan: scan_progress,
+            segment_bytes: config.segment_bytes,
+            write_segment_bytes: config.write_segment_bytes,
+            file_mode: config.permissions.file_mode,
+            support,
+            direct_active,
+            index: Mutex::new(index),
+            ops: OpTable::new(config.max_inflight)?,
+            pieces: read::Pieces::new(config.max_inflight),
+            stats,
+            verify: config.verify,
+            jobs: JobQueue::default(),
+        });
+        let backend: Arc<dyn Backend> = Arc::from(make_backend(&config, &core)?);
+        let mut workers = Vec::new();
+        for i in 0..config.chunk_workers.max(1) {
+            let (c, b) = (core.clone(), backend.clone());
+            let spawned = std::thread::Builder::new().name(format!("pykvcache-chunk-{i}")).spawn(move || completion::chunk_worker(&c, &*b));
+            match spawned {
+                Ok(h) => workers.push(h),
+                Err(e) => {
+                    core.jobs.stop();
+                    backend.shutdown();
+                    return Err(EngineError::io("starting chunk workers", e));
+                }
+            }
+        }
+        let mut scanner = None;
+        if config.background_scan {
+            let (c, faults) = (core.clone(), config.faults.clone());
+            let spawned = std::thread::Builder::new().name("pykvcache-scan".into()).spawn(move || c.scan.run(&c.layout, &c.index, &faults));
+            match spawned {
+                Ok(h) => scanner = Some(h),
+                Err(e) => {
+                    core.jobs.stop();
+                    for w in workers {
+                        let _ = w.join();
+                    }
+                    backend.shutdown();
+                    return Err(EngineError::io("starting the index scan", e));
+                }
+            }
+        }
+        let done = core.scan.report();
+        let mut notes = Vec::new();
+        if core.scan.report().done && !core.index.lock().unwrap().other_namespaces().is_empty() {
+            notes.push(format!(
+                "other namespaces' chunks under the storage directories count against capacity_bytes and are evicted \
+                 when stalest (decision 0053): {}",
+                core.space_holders()
+            ));
+        }
+        let report = OpenReport { fallbacks: core.stats.fallbacks(), warnings, notes, scanned_chunks: done.chunks, scan_time: done.time };
+        // Always started: it renews this store's writer lease, which other
+        // stores look for, whatever this one's policy.
+        let refresher = {
+            let (c, policy) = (core.clone(), config.refresh);
+            match std::thread::Builder::new().name("pykvcache-refresh".into()).spawn(move || c.refresh_loop(policy)) {
+                Ok(h) => Some(h),
+                Err(e) => {
+                    core.scan.stop.store(true, Ordering::Relaxed);
+                    core.jobs.stop();
+                    for w in workers {
+                        let _ = w.join();
+                    }
+                    backend.shutdown();
+                    return Err(EngineError::io("starting the refresh thread", e));
+                }
+            }
+        };
+        let store = BlockStore {
+            core,
+            backend,
+            workers: Mutex::new(workers),
+            dir_workers: Mutex::new(Vec::new()),
+            watchdog: Mutex::new(None),
+            scanner: Mutex::new(scanner),
+            refresher: Mutex::new(refresher),
+            closed: AtomicBool::new(false),
+        };
+        if let Err(e) = store.start_guards() {
+            store.close();
+            return Err(e);
+        }
+        Ok((store, report))
+    }
+}
+
+fn make_backend(config: &StoreConfig, core: &Arc<Core>) -> Result<Box<dyn Backend>> {
+    let sink: Arc<dyn SegmentSink> = core.clone();
+    let threads = if config.io_threads > 0 { config.io_threads } else { config.queue_depth.clamp(1, 16) };
+    let make_threads = |sink: Arc<dyn SegmentSink>| -> Result<Box<dyn Backend>> {
+        ThreadBackend::new(threads, config.max_inflight * 4, sink, config.faults.clone())
+            .map(|b| Box::new(b) as Box<dyn Backend>)
+            .map_err(|e| EngineError::io("starting I/O threads", e))
+    };
+    if config.backend == BackendChoice::Threads {
+        return make_threads(sink);
+    }
+    let pool = &core.pool;
+    let iovecs: Vec<libc::iovec> =
+        (0..pool.num_slots()).map(|s| libc::iovec { iov_base: pool.slot_ptr(s) as *mut _, iov_len: pool.stride() }).collect();
+    let buffers = (config.register_buffers).then_some(&iovecs[..]);
+    match UringBackend::new(config.queue_depth, buffers, sink.clone(), config.faults.clone()) {
+        Ok(setup) => {
+            if let Some(e) = setup.fixed_buffer_error {
+                core.stats.record_fallback(format!("io_uring buffer registration failed ({e}): using non-fixed reads/writes"));
+            } else if !config.register_buffers {
+                core.stats.record_fallback("fixed buffers disabled by configuration".to_string());
+            }
+            Ok(Box::new(setup.backend))
+        }
+        Err(e) if config.backend == BackendChoice::Auto => {
+            core.stats.record_fallback(format!("io_uring unavailable ({e}): using the pread/pwrite thread pool"));
+            make_threads(sink)
+        }
+        Err(e) => Err(EngineError::BackendUnavailable(format!("io_uring unavailable: {e}"))),
+    }
+}
