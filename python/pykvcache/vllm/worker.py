@@ -120,7 +120,7 @@ class StagingWorker(OffloadingWorker):
         return failed
 
     def _attached_pool(self):
-        self.copier  # attaches the region on first use
+        _ = self.copier  # the property attaches the region on first use
         return self._pool
 
     def _submit(self, job_id: int, *, gpu_spec, slots, to_gpu: bool) -> bool:
