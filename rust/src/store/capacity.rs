@@ -9,7 +9,7 @@
 use std::sync::atomic::Ordering;
 
 use crate::disk::files;
-use crate::disk::index::{ChunkRef, OWN};
+use crate::disk::index::{ChunkIndex, ChunkRef, OWN};
 use crate::disk::layout::Layout;
 use crate::error::{EngineError, Result};
 use crate::notice::Notice;
@@ -38,6 +38,7 @@ impl Core {
     /// that root could not keep the reserve: other writers' space comes first.
     pub(super) fn reserve_room(&self, ctx: &mut OpContext, reuse: Option<usize>) -> std::result::Result<Option<ChunkRef>, String> {
         ctx.reserved = ctx.file_len as u64;
+        self.index.lock().unwrap().begin_put(ctx.hash);
         let shortfall = self.free_space_shortfall(ctx.root, ctx.reserved);
         let (victim, unmet) = self.make_room(ctx.reserved, ctx.hash, reuse, shortfall.map(|s| (ctx.root, s)));
         if unmet > 0 {
@@ -96,10 +97,22 @@ impl Core {
         (short > 0).then_some(short)
     }
 
-    /// Drops a put's reservation (idempotent). A published chunk's bytes move
-    /// from reserved to used under the index lock, never counted twice.
+    /// Drops a put's reservation (idempotent).
     pub(super) fn release_reservation(&self, ctx: &mut OpContext) {
-        self.reserved.fetch_sub(std::mem::take(&mut ctx.reserved), Ordering::Relaxed);
+        if ctx.reserved > 0 {
+            let mut index = self.index.lock().unwrap();
+            self.release_reservation_locked(&mut index, ctx);
+        }
+    }
+
+    /// `release_reservation` under the index lock: a published chunk's bytes
+    /// move from reserved to used in one step, never counted twice (nor by a
+    /// walk that found the file between its publication and the insert).
+    pub(super) fn release_reservation_locked(&self, index: &mut ChunkIndex, ctx: &mut OpContext) {
+        if ctx.reserved > 0 {
+            index.end_put(ctx.hash);
+            self.reserved.fetch_sub(std::mem::take(&mut ctx.reserved), Ordering::Relaxed);
+        }
     }
 
     /// Evicts the stalest chunks (any namespace) until `incoming` more bytes

@@ -211,7 +211,7 @@ impl Core {
                 {
                     let mut index = self.index.lock().unwrap();
                     index.insert(ctx.hash, ctx.file_len as u64);
-                    self.release_reservation(&mut ctx);
+                    self.release_reservation_locked(&mut index, &mut ctx);
                 }
                 // Concurrent puts each made room for themselves only; trim the overshoot.
                 self.make_room(0, ctx.hash, None, None);
