@@ -62,12 +62,10 @@ from vllm.v1.kv_offload.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pykvcache.gate import ChunkState
-from pykvcache.vllm.disk_presence import DiskPresence
+from pykvcache.vllm.disk_tier import DiskTier, UsesDiskTier
 from pykvcache.vllm.gate_plan import GateWiring, NoGating
 from pykvcache.vllm.layout import ChunkLayout
-from pykvcache.vllm.logs import ChunkTroubleLog
 from pykvcache.vllm.lookahead import Preloader, WaitingRequest
-from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter
 from pykvcache.vllm.staging_cache import (
     LOAD,
     LOOKAHEAD,
@@ -85,7 +83,7 @@ logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
 
 
-class NvmeOffloadingManager(OffloadingManager):
+class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
     def __init__(
         self,
         *,
@@ -101,23 +99,19 @@ class NvmeOffloadingManager(OffloadingManager):
         lookup_hold_slots: int | None = None,
         by_priority: bool = False,
     ) -> None:
-        self.pool = pool
-        self.store = store
+        # The store, its staging pool, the gate that learns from its reads,
+        # the metrics: the disk side the tier of vLLM's tiering shares.
+        self.disk = DiskTier(store, pool, gating=gating if gating is not None else NoGating(), log=logger)
         self.layout = layout
         # Creates a fresh store on the same directories (after a wipe).
         self._reopen_store = reopen_store
         self.cache = StagingCache(pool)
-        self.metrics = ManagerMetrics()
-        self._unusable = ChunkTroubleLog(logger, "unusable chunks (each treated as a miss)")
         # What ``lock`` returns (vLLM >= 0.33 holds it around manager calls).
         self._lock = threading.RLock()
         self._max_inflight_writes = max(1, max_inflight_writes)
         self._reads: dict[bytes, object] = {}  # key -> IoHandle
         self._prefetching: set[bytes] = set()  # keys of _reads submitted at background priority
         self._writes: dict[bytes, object] = {}
-        # (status, errno) of write failures logged so far: each kind is logged
-        # once at WARNING (a full disk would otherwise log every chunk).
-        self._write_failures_logged: set[tuple[str, int | None]] = set()
         self._write_queue: list[bytes] = []  # stored in staging, not yet submitted
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         # With events: the chunks this node announced as stored, by the hash
@@ -125,8 +119,6 @@ class NvmeOffloadingManager(OffloadingManager):
         # every chunk leaving the disk - evicted here, by another node sharing
         # the directory, or found corrupt - is announced as removed, once.
         self._announced: dict[int, bytes] = {}
-        self._closed = False
-        self.gating: GateWiring | NoGating = gating if gating is not None else NoGating()
         self.preloader = Preloader(self, budget_slots=lookahead_slots, window=lookahead_requests,
                                    gate=self.gating.preload_gate(),
                                    chunk_tokens=self.gating.chunk_tokens, by_priority=by_priority)
@@ -137,7 +129,6 @@ class NvmeOffloadingManager(OffloadingManager):
         # Requests that arrived (or were preempted) and are not scheduled yet:
         # the gate weighs a recompute by how many wait behind it.
         self._waiting: set[str] = set()
-        self._presence = DiskPresence(self.metrics)
         # Lookups answer HIT for chunks whose reads are in flight (decision
         # 0055); only a connector that reports failed loads to vLLM, under
         # kv_load_failure_policy="recompute", may turn it on.
@@ -147,11 +138,6 @@ class NvmeOffloadingManager(OffloadingManager):
         self._step_waits_for_reads = False
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
-        # The gate must not learn the device from loads timed during a storage
-        # outage, and restarts its exploration after one (decision 0054). A
-        # lambda: reset_cache replaces the store.
-        self.gating.watch_breakers(lambda: self.store.breaker_health(),
-                                   io_deadline_s=self.store.stats()["io_deadline_s"])
 
     def enable_in_flight_hits(self) -> None:
         """Answer HIT for a chunk whose disk read is in flight. The caller
@@ -180,7 +166,7 @@ class NvmeOffloadingManager(OffloadingManager):
     def on_disk(self, key: bytes) -> bool:
         """In the index, or published since by another engine sharing the
         directories (:class:`~pykvcache.vllm.disk_presence.DiskPresence`)."""
-        return self._presence.on_disk(self.store, key)
+        return self.disk.on_disk(key)
 
     def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False) -> LookupResult:
         """Make ``key`` readable from staging: HIT if it already is, HIT_PENDING
@@ -513,35 +499,11 @@ class NvmeOffloadingManager(OffloadingManager):
     def get_stats(self):
         self.poll_io()
         self.preloader.sweep()
-        # Once per engine step: an outage is seen within a step even when no
-        # request is planned or loaded meanwhile.
-        self.gating.poll_breakers()
-        for name, value in self.gating.take_counters().items():
-            self.metrics.inc(name, value)
-        for name, value in self.gating.gauges().items():
-            self.metrics.set_gauge(name, value)
         self.metrics.set_gauge("lookahead_queue_requests", len(self.preloader.queue))
         self.metrics.set_gauge("lookahead_slots_held", self.cache.count_held(LOOKAHEAD))
         self.metrics.set_gauge("lookup_hold_slots", self.cache.count_held(LOOKUP))
-        self.metrics.set_gauge("staging_slots_used", len(self.cache))
         self.metrics.set_gauge("staging_slots_pinned", self.cache.pinned_slots())
-        self.metrics.set_gauge("staging_slots_total", self.cache.num_slots)
-        self.metrics.set_gauge("disk_used_bytes", self.store.used_bytes)
-        self.metrics.set_gauge("disk_chunks", len(self.store))
-        stats = self.store.stats()
-        self.metrics.set_gauge("disk_filler_chunks", stats["filler_chunks"])
-        self.metrics.set_gauge("disk_recycled_files", stats["recycled_files"])
-        self.metrics.set_gauge("disk_recycle_skipped", stats["recycle_skipped"])
-        self.metrics.set_gauge("disk_capacity_bytes", self.store.capacity_bytes)
-        self.metrics.set_gauge("disk_other_namespace_bytes", stats["other_namespace_bytes"])
-        self.metrics.set_gauge("disk_other_writers", stats["other_writers"])
-        for gauge, key in (("disk_io_timeouts", "io_timeouts"), ("disk_breaker_opens", "breaker_opens"),
-                           ("disk_breaker_skipped_gets", "breaker_skipped_gets"),
-                           ("disk_breaker_skipped_puts", "breaker_skipped_puts"),
-                           ("disk_breaker_open_dirs", "breaker_open_dirs"), ("disk_stuck_ops", "stuck_ops"),
-                           ("disk_quarantined_slots", "quarantined_slots")):
-            self.metrics.set_gauge(gauge, stats[key])
-        return self.metrics.take_stats()
+        return self.disk.take_stats(staging_used=len(self.cache), staging_total=self.cache.num_slots)
 
     def start_background_preformat(self) -> None:
         """Fill the free capacity with filler chunks while serving (``preformat:
@@ -571,21 +533,15 @@ class NvmeOffloadingManager(OffloadingManager):
 
     def shutdown(self) -> None:
         """Persist what was stored (pending writes complete), then unmap."""
-        if self._closed:
-            return
-        self._closed = True
+        self.disk.shutdown(self._drain)
+
+    def _drain(self) -> None:
         self._stop_preformat()
         try:
             self.flush(timeout=60.0)
         except Exception:  # noqa: BLE001 - shutting down anyway; say what was lost
             logger.exception("pykvcache: not every pending chunk write completed")
-        self._unusable.flush()
         self.cache.clear()
-        self.store.close()
-        try:
-            self.pool.close()
-        except Exception:  # noqa: BLE001
-            logger.exception("pykvcache: could not unmap the staging region")
 
     # ------------------------------------------------------------------
     # Internals
@@ -603,8 +559,7 @@ class NvmeOffloadingManager(OffloadingManager):
             if background:
                 self._prefetching.add(key)
         except Exception as exc:  # noqa: BLE001 - submission refused: a miss
-            logger.warning("pykvcache: read of chunk %s not submitted: %s", key.hex(), exc)
-            self.metrics.inc("read_errors")
+            self.disk.submit_refused("read", key, exc)
             self.cache.remove(key)
             return None
         return entry
@@ -618,27 +573,15 @@ class NvmeOffloadingManager(OffloadingManager):
         handle = self._reads.pop(key)
         self._prefetching.discard(key)
         result = handle.wait()
-        self.metrics.inc("gate_load_observations",
-                         self.gating.read_finished(key, result.status == "ok", result.latency_s or 0.0))
-        if result.status == "ok":
-            self.metrics.inc("disk_reads")
-            self.metrics.inc("disk_read_bytes", result.length)
-            self.metrics.observe("disk_read_latency_seconds", result.latency_s)
+        if self.disk.read_finished(key, result):
             self.cache.mark_ready(key, Origin.DISK)
             return
-        self.metrics.inc(failed_read_counter(result.status, result.miss_kind))
-        if result.status != "miss":
-            self._unusable.report(key, result.status, result.message)
         if self.cache.is_held(key, LOAD):
             # Answered HIT in flight and handed to a load: the engine settled
             # the ready word failed, the worker reports the load failed.
             self.metrics.inc("in_flight_read_failures")
         self.cache.fail(key)
-        # The engine alone decides the file's fate (decision 0050): it removed
-        # a corrupt one, and keeps the rest, also a chunk another writer made
-        # or one a stalled directory could not read. What is left here is not
-        # to read it again at once (it would end the same way every step).
-        self._presence.read_failed(key, result.miss_kind)
+        # The chunk left the disk only when absent or corrupt (decision 0050).
         if result.miss_kind in ("absent", "corrupt") and self._events is not None \
                 and self._announced.pop(self._key_hash(key), None) is not None:
             self._emit([key], removed=True)
@@ -652,29 +595,15 @@ class NvmeOffloadingManager(OffloadingManager):
             try:
                 self._writes[key] = self.store.put(key, entry.slot, self.layout.payload_bytes)
             except Exception as exc:  # noqa: BLE001 - the chunk stays in staging only
-                logger.warning("pykvcache: write of chunk %s not submitted: %s", key.hex(), exc)
-                self.metrics.inc("write_errors")
+                self.disk.submit_refused("write", key, exc)
                 self.cache.unpin(key)
 
     def _finish_write(self, key: bytes) -> None:
         handle = self._writes.pop(key)
-        result = handle.wait()
-        if result.status == "ok":
-            self.metrics.inc("disk_writes")
-            self.metrics.inc("disk_write_bytes", result.length)
-            self.metrics.observe("disk_write_latency_seconds", result.latency_s)
+        if self.disk.write_finished(key, handle.wait()):
             # Announced once on disk (not when only in staging): a router may
             # send a request for this prefix to any node sharing the directory.
             self._emit([key], removed=False)
-        else:
-            self.metrics.inc("write_errors")
-            kind = (result.status, result.errno)
-            first = kind not in self._write_failures_logged
-            self._write_failures_logged.add(kind)
-            logger.log(logging.WARNING if first else logging.DEBUG,
-                       "pykvcache: write of chunk %s failed (%s: %s)%s", key.hex(), result.status,
-                       result.message, "; further failures like it are counted in write_errors"
-                       if first else "")
         self.cache.unpin(key)
 
     @staticmethod

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 from typing import Any
 
 from vllm.v1.kv_offload.base import OffloadingSpec
@@ -20,15 +19,19 @@ from pykvcache.vllm.config import (
     PykvcacheConfig,
     lookahead_budget_bytes,
     lookup_hold_budget_bytes,
-    refresh_interval,
     validate_extra_config,
 )
+from pykvcache.vllm.disk_tier import (
+    build_gating,
+    chunk_namespace,
+    model_identity_digest,
+    open_store,
+    size_staging,
+)
+from pykvcache.vllm.host_config import find_vllm_config
 from pykvcache.vllm.layout import ChunkLayout, staging_shm_name
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions
-from pykvcache.vllm.host_config import find_vllm_config
-from pykvcache.vllm.model_identity import model_identity
-from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace_for
 from pykvcache.vllm.staging_sizing import staging_sizing
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
@@ -39,69 +42,6 @@ route_engine_logs()
 
 #: The fewest staging slots that let one chunk be written while another loads.
 MIN_STAGING_SLOTS = 4
-#: The most the engine's staging pool holds (slot numbers are 16-bit).
-MAX_STAGING_SLOTS = 65535
-
-
-def build_gating(settings: PykvcacheConfig, *, model: str, dtype: str, chunk_bytes: int,
-                 chunk_tokens: int):
-    """The break-even gate and store admission for chunks of ``chunk_bytes``
-    covering ``chunk_tokens`` tokens (``gate: false`` still builds it, loading
-    everything but counting). Shared by the spec and the tiering tier."""
-    from pykvcache.gate import ProfileExpectation, StoreAdmission, build_gate
-    from pykvcache.gate.profile import storage_info
-
-    from pykvcache.vllm.gate_plan import GateWiring
-
-    s = settings
-    expected = ProfileExpectation(
-        model=model,
-        dtype=dtype,
-        kv_bytes_per_token=chunk_bytes / chunk_tokens,
-        chunk_tokens=chunk_tokens,
-        storage_device=storage_info(s.storage_dirs[0])["device"],
-    )
-    gate, source = build_gate(s.gate_profile, expected, online=s.gate_online,
-                              margin=s.gate_margin, enabled=s.gate)
-    admission = None
-    if s.store_min_tokens or s.store_second_sighting:
-        admission = StoreAdmission(
-            chunk_tokens=chunk_tokens,
-            min_tokens=0 if s.store_min_tokens == "break_even" else s.store_min_tokens,
-            second_sighting=s.store_second_sighting,
-        )
-    be = gate.break_even_tokens()
-    # The reason for a default cost model was logged as a warning already.
-    logger.info("pykvcache gate: %s, cost model from %s, break-even %s tokens%s",
-                "on" if s.gate else "off (loads everything, counts)", source.split(":", 1)[0],
-                "never" if be == float("inf") else f"{be:.0f}",
-                f", store admission min_tokens={s.store_min_tokens} "
-                f"second_sighting={s.store_second_sighting}" if admission else "")
-    return GateWiring(gate, chunk_tokens=chunk_tokens, chunk_bytes=chunk_bytes,
-                      admission=admission, store_min_tokens=s.store_min_tokens)
-
-
-def open_block_store(settings: PykvcacheConfig, pool, namespace: str):
-    """The engine's store on the configured directories, with ``pool`` as its staging."""
-    from pykvcache._core import BlockStore
-
-    s = settings
-    return BlockStore(
-        list(s.storage_dirs),
-        pool,
-        namespace=namespace,
-        capacity_bytes=s.capacity_bytes,
-        queue_depth=s.queue_depth,
-        backend=s.backend,
-        direct_io=s.direct_io,
-        verify=s.verify,
-        register_buffers=s.register_buffers,
-        allow_insecure_root=s.allow_insecure_root,
-        min_free_bytes=s.min_free_bytes,
-        min_free_fraction=s.min_free_fraction,
-        io_deadline=s.io_deadline_s,
-        refresh_interval_s=refresh_interval(s),
-    )
 
 
 def parallelism_agnostic(config, vllm_config) -> bool:
@@ -167,55 +107,23 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 bytes_per_block=config.worker_kv_bytes_per_block,
                 world_size=config.parallel.world_size,
             )
-        from pykvcache._core import chunk_file_bytes
-
         self._namespace: str | None = None
         # The staging region belongs to this engine only: its name needs the
         # engine id, not the model's identity (which workers never compute).
         self.shm_name = staging_shm_name(config.engine_id, self._namespace_for(model_identity=""))
-        slot_footprint = chunk_file_bytes(self.layout.payload_bytes)
-        self.num_slots = self.settings.staging_bytes // slot_footprint
-        if self.num_slots < MIN_STAGING_SLOTS:
-            raise ConfigError(
-                f"staging_bytes={self.settings.staging_bytes} holds {self.num_slots} chunk(s) of "
-                f"{self.layout.payload_bytes} bytes; give at least "
-                f"{MIN_STAGING_SLOTS * slot_footprint} bytes or use a smaller block_size"
-            )
-        if self.num_slots > MAX_STAGING_SLOTS:
-            most = MAX_STAGING_SLOTS * slot_footprint
-            raise ConfigError(
-                f"staging_bytes={self.settings.staging_bytes} would hold {self.num_slots} staging "
-                f"slots of {slot_footprint} bytes, more than the {MAX_STAGING_SLOTS} the engine "
-                f"supports; give staging_bytes at most {most} ({most / (1 << 30):.1f} GiB) "
-                "or a larger block_size"
-            )
-        if self.settings.capacity_bytes < slot_footprint:
-            # The engine would start and then refuse every write.
-            raise ConfigError(
-                f"capacity_bytes={self.settings.capacity_bytes} is smaller than one chunk file "
-                f"({slot_footprint} bytes: {self.layout.payload_bytes} bytes of KV per chunk plus "
-                f"its header); give at least {slot_footprint} bytes (many chunks' worth to be "
-                "useful) or use a smaller block_size"
-            )
+        slots = size_staging(self.settings, self.layout.payload_bytes, min_slots=MIN_STAGING_SLOTS)
+        self.num_slots = slots.num_slots
+        self.slot_footprint = slots.slot_footprint
         self.chunk_tokens = self.blocks_per_chunk * (self.tokens_per_block[0]
                                                      if self.tokens_per_block else 1)
-        self.slot_footprint = slot_footprint
         self._manager = None
         self._worker = None
 
     def _namespace_for(self, model_identity: str) -> str:
-        from pykvcache._core import FORMAT_VERSION
-
-        inputs = NamespaceInputs.from_offloading_config(
-            self.config,
-            format_version=FORMAT_VERSION,
-            model_id=self.settings.model_id,
-            salt=self.settings.namespace_salt,
-            model_identity=model_identity,
-        )
-        if self.parallelism_agnostic:
-            inputs = inputs.parallelism_agnostic(self.layout.bytes_per_block)
-        return namespace_for(inputs)
+        bytes_per_block = self.layout.bytes_per_block
+        return chunk_namespace(self.config, self.settings, model_identity,
+                               (lambda inputs: inputs.parallelism_agnostic(bytes_per_block))
+                               if self.parallelism_agnostic else None)
 
     @property
     def namespace(self) -> str:
@@ -225,9 +133,8 @@ class NvmeOffloadingSpec(OffloadingSpec):
         known (a node's first start reads every byte of the weights, seconds
         for a 16 GB model; later starts a stat per file; decision 0052)."""
         if self._namespace is None:
-            identity = model_identity(self._vllm_config, self.config.model.name,
-                                      fingerprint_weights=self.settings.fingerprint_weights)
-            self._namespace = self._namespace_for(identity_digest(identity))
+            self._namespace = self._namespace_for(
+                model_identity_digest(self._vllm_config, self.config.model.name, self.settings))
         return self._namespace
 
     def _build_gating(self):
@@ -236,8 +143,8 @@ class NvmeOffloadingSpec(OffloadingSpec):
                             dtype=str(self.config.model.dtype),
                             chunk_bytes=self.layout.payload_bytes, chunk_tokens=self.chunk_tokens)
 
-    def _open_store(self, pool):
-        return open_block_store(self.settings, pool, self.namespace)
+    def _open_store(self, pool, *, close_pool_on_failure: bool = False):
+        return open_store(self.settings, pool, self.namespace, close_pool_on_failure=close_pool_on_failure)
 
     def get_manager(self):
         if self._manager is None:
@@ -245,17 +152,9 @@ class NvmeOffloadingSpec(OffloadingSpec):
 
             from pykvcache.vllm.manager import NvmeOffloadingManager
 
-            for directory in self.settings.storage_dirs:
-                try:
-                    os.makedirs(directory, exist_ok=True)
-                except OSError as exc:
-                    raise ConfigError(f"storage_dirs entry {directory} is unusable: {exc}") from exc
             pool = self._create_pool(StagingPool)
-            try:
-                store = self._open_store(pool)
-            except Exception:
-                pool.close()
-                raise
+            # The engine creates missing roots (0o700; see disk_tier.open_store).
+            store = self._open_store(pool, close_pool_on_failure=True)
             if self.settings.preformat is True:
                 self._preformat(store, pool)
             self._manager = NvmeOffloadingManager(

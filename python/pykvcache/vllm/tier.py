@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -52,14 +51,18 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 
 from pykvcache.gate import ChunkState
 from pykvcache.vllm.config import GIB, ConfigError, validate_extra_config
-from pykvcache.vllm.gate_plan import GateWiring, NoGating
+from pykvcache.vllm.disk_tier import (
+    DiskTier,
+    UsesDiskTier,
+    build_gating,
+    chunk_namespace,
+    model_identity_digest,
+    open_store,
+    size_staging,
+)
 from pykvcache.vllm.host_config import find_vllm_config
-from pykvcache.vllm.logs import ChunkTroubleLog, route_engine_logs
-from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter, metric_definitions
-from pykvcache.vllm.model_identity import model_identity
-from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace_for
-from pykvcache.vllm.disk_presence import DiskPresence
-from pykvcache.vllm.spec import MAX_STAGING_SLOTS, build_gating, open_block_store
+from pykvcache.vllm.logs import route_engine_logs
+from pykvcache.vllm.metrics import metric_definitions
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 route_engine_logs()
@@ -120,7 +123,7 @@ class _Job:
     queued: bool = True  # still in the tier's job queue (finished by the queue)
 
 
-class PykvcacheTier(SecondaryTierManager):
+class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
     medium: ClassVar[Medium] = Medium.STORAGE
 
     @classmethod
@@ -134,7 +137,7 @@ class PykvcacheTier(SecondaryTierManager):
                  backpressure_detector=None, locality=None, **options: Any) -> None:
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
                          tier_type=tier_type, backpressure_detector=backpressure_detector)
-        from pykvcache._core import FORMAT_VERSION, StagingPool, chunk_file_bytes
+        from pykvcache._core import StagingPool
 
         self.settings = tier_settings(options)
         config = offloading_spec.config
@@ -143,56 +146,36 @@ class PykvcacheTier(SecondaryTierManager):
         if self._primary.ndim != 2:
             self._primary = self._primary.reshape(self._primary.shape[0], -1)
         self.chunk_bytes = int(self._primary.shape[1])
-        slot_footprint = chunk_file_bytes(self.chunk_bytes)
-        num_slots = min(self.settings.staging_bytes // slot_footprint, MAX_STAGING_SLOTS)
-        if num_slots < MIN_TIER_SLOTS:
-            raise ConfigError(
-                f"staging_bytes={self.settings.staging_bytes} holds {num_slots} chunk(s) of "
-                f"{self.chunk_bytes} bytes; give at least {MIN_TIER_SLOTS * slot_footprint}")
-        if self.settings.capacity_bytes < slot_footprint:
-            raise ConfigError(
-                f"capacity_bytes={self.settings.capacity_bytes} is smaller than one chunk file "
-                f"({slot_footprint} bytes); give many chunks' worth")
-        identity = model_identity(find_vllm_config(), config.model.name,
-                                  fingerprint_weights=self.settings.fingerprint_weights)
-        inputs = NamespaceInputs.from_offloading_config(
-            config, format_version=FORMAT_VERSION, model_id=self.settings.model_id,
-            salt=self.settings.namespace_salt, model_identity=identity_digest(identity))
+        # Slots only bounce chunks: more than the engine's limit are not refused but unused.
+        num_slots = size_staging(self.settings, self.chunk_bytes, min_slots=MIN_TIER_SLOTS, clamp=True).num_slots
+        identity = model_identity_digest(find_vllm_config(), config.model.name, self.settings)
         # The chunk is the CPU tier's (one chunk of every rank): its size, not
         # one worker's block, is what the bytes of a file depend on.
-        self.namespace = namespace_for(dataclasses.replace(
+        self.namespace = chunk_namespace(config, self.settings, identity, lambda inputs: dataclasses.replace(
             inputs, bytes_per_block=self.chunk_bytes, row_layout_version=TIER_ROW_LAYOUT))
-        self._pool = StagingPool(self.chunk_bytes, num_slots)
-        try:
-            for directory in self.settings.storage_dirs:
-                os.makedirs(directory, exist_ok=True)
-            self._store = open_block_store(self.settings, self._pool, self.namespace)
-        except Exception:
-            self._pool.close()
-            raise
+        pool = StagingPool(self.chunk_bytes, num_slots)
+        # The engine creates missing roots (0o700; see disk_tier.open_store).
+        store = open_store(self.settings, pool, self.namespace, close_pool_on_failure=True)
         tokens_per_block = offloading_spec.tokens_per_block[0] if offloading_spec.tokens_per_block else 1
         self.chunk_tokens = offloading_spec.blocks_per_chunk * tokens_per_block
-        self.gating: GateWiring | NoGating = build_gating(
+        # The store, its pool, the gate (it learns from the reads; decision
+        # 0054: not from an outage's), metrics and presence: shared with the
+        # standalone spec's manager.
+        self.disk = DiskTier(store, pool, gating=build_gating(
             self.settings, model=config.model.name, dtype=str(config.model.dtype),
-            chunk_bytes=self.chunk_bytes, chunk_tokens=self.chunk_tokens)
-        # Loads timed during a storage outage do not teach the gate (decision 0054).
-        self.gating.watch_breakers(self._store.breaker_health, io_deadline_s=self._store.stats()["io_deadline_s"])
-        self.metrics = ManagerMetrics()
-        self._unusable = ChunkTroubleLog(logger, "unusable chunks in the tier (each a miss)")
+            chunk_bytes=self.chunk_bytes, chunk_tokens=self.chunk_tokens),
+            label="pykvcache tier", trouble="unusable chunks in the tier (each a miss)", log=logger)
         self._jobs: deque[_Job] = deque()  # jobs with chunks not started, in order
         self._ops: dict[int, tuple[Any, _Job, bytes, int]] = {}  # slot -> (handle, job, key, chunk)
         self._finished: list[JobResult] = []
-        self._presence = DiskPresence(self.metrics)
-        self._closed = False
         logger.info("pykvcache tier: namespace %s on %s: capacity_bytes %d, %d chunk(s) found; "
                     "%d staging slots of %d bytes; backend %s, direct I/O %s",
-                    self.namespace, ", ".join(self.settings.storage_dirs), self._store.capacity_bytes,
-                    len(self._store), num_slots, self.chunk_bytes, self._store.backend,
-                    self._store.direct_io)
+                    self.namespace, ", ".join(self.settings.storage_dirs), store.capacity_bytes,
+                    len(store), num_slots, self.chunk_bytes, store.backend, store.direct_io)
 
     # -- lookups ---------------------------------------------------------------
     def _on_disk(self, key: bytes) -> bool:
-        return self._presence.on_disk(self._store, key)
+        return self.disk.on_disk(key)
 
     def _chunk_state(self, key: bytes) -> ChunkState:
         # Chunks the CPU tier holds never reach this tier's lookup.
@@ -216,7 +199,7 @@ class PykvcacheTier(SecondaryTierManager):
     # -- jobs --------------------------------------------------------------------
     def submit_store(self, job_metadata: TransferJob) -> None:
         todo = deque((key, int(chunk)) for key, chunk in zip(job_metadata.keys, job_metadata.chunk_ids)
-                     if not self._store.contains(key))
+                     if not self.store.contains(key))
         self._jobs.append(_Job(job_metadata, load=False, todo=todo))
         self._pump()
 
@@ -231,7 +214,7 @@ class PykvcacheTier(SecondaryTierManager):
         while self._jobs:
             job = self._jobs[0]
             while job.todo:
-                slot = self._pool.try_acquire()
+                slot = self.pool.try_acquire()
                 if slot is None:
                     return
                 key, chunk = job.todo.popleft()
@@ -243,16 +226,14 @@ class PykvcacheTier(SecondaryTierManager):
     def _start(self, job: _Job, key: bytes, chunk: int, slot: int) -> None:
         try:
             if job.load:
-                handle = self._store.get(key, slot)
+                handle = self.store.get(key, slot)
             else:
-                with self._pool.view(slot) as view:
+                with self.pool.view(slot) as view:
                     np.frombuffer(view, dtype=np.uint8)[:] = self._primary[chunk]
-                handle = self._store.put(key, slot, self.chunk_bytes)
+                handle = self.store.put(key, slot, self.chunk_bytes)
         except Exception as exc:  # noqa: BLE001 - refused submission: this chunk fails
-            logger.warning("pykvcache tier: %s of chunk %s not submitted: %s",
-                           "read" if job.load else "write", key.hex(), exc)
-            self.metrics.inc("read_errors" if job.load else "write_errors")
-            self._pool.release(slot)
+            self.disk.submit_refused("read" if job.load else "write", key, exc)
+            self.pool.release(slot)
             job.failed += 1
             return
         job.running += 1
@@ -265,32 +246,15 @@ class PykvcacheTier(SecondaryTierManager):
             result = handle.wait()
             del self._ops[slot]
             job.running -= 1
-            ok = result.status == "ok"
             if job.load:
-                self.metrics.inc("gate_load_observations",
-                                 self.gating.read_finished(key, ok, result.latency_s or 0.0))
+                # A failed read leaves the file to the engine (decision 0050).
+                ok = self.disk.read_finished(key, result)
                 if ok:
-                    with self._pool.view(slot) as view:
+                    with self.pool.view(slot) as view:
                         self._primary[chunk] = np.frombuffer(view, dtype=np.uint8)[: self.chunk_bytes]
-                    self.metrics.inc("disk_reads")
-                    self.metrics.inc("disk_read_bytes", result.length)
-                    self.metrics.observe("disk_read_latency_seconds", result.latency_s)
-                else:
-                    self.metrics.inc(failed_read_counter(result.status, result.miss_kind))
-                    if result.status != "miss":
-                        self._unusable.report(key, result.status, result.message)
-                    # The engine alone decides the file's fate (decision 0050):
-                    # a stalled directory's chunk, or another writer's, stays.
-                    self._presence.read_failed(key, result.miss_kind)
-            elif ok:
-                self.metrics.inc("disk_writes")
-                self.metrics.inc("disk_write_bytes", result.length)
-                self.metrics.observe("disk_write_latency_seconds", result.latency_s)
             else:
-                self.metrics.inc("write_errors")
-                logger.warning("pykvcache tier: write of chunk %s failed (%s: %s)",
-                               key.hex(), result.status, result.message)
-            self._pool.release(slot)
+                ok = self.disk.write_finished(key, result)
+            self.pool.release(slot)
             if ok:
                 job.ok.append(key)
                 job.transfer_bytes += self.chunk_bytes
@@ -329,35 +293,11 @@ class PykvcacheTier(SecondaryTierManager):
 
     def get_stats(self):
         self._pump()
-        self.gating.poll_breakers()
-        for name, value in self.gating.take_counters().items():
-            self.metrics.inc(name, value)
-        for name, value in self.gating.gauges().items():
-            self.metrics.set_gauge(name, value)
-        self.metrics.set_gauge("staging_slots_used", len(self._ops))
-        self.metrics.set_gauge("staging_slots_total", self._pool.num_slots)
-        self.metrics.set_gauge("disk_used_bytes", self._store.used_bytes)
-        self.metrics.set_gauge("disk_chunks", len(self._store))
-        self.metrics.set_gauge("disk_capacity_bytes", self._store.capacity_bytes)
-        stats = self._store.stats()
-        self.metrics.set_gauge("disk_other_namespace_bytes", stats["other_namespace_bytes"])
-        self.metrics.set_gauge("disk_other_writers", stats["other_writers"])
-        return self.metrics.take_stats()
+        return self.disk.take_stats(staging_used=len(self._ops), staging_total=self.pool.num_slots)
 
     def shutdown(self) -> None:
         """Finish what was submitted (stores persist), then close the store."""
-        if self._closed:
-            return
-        self._closed = True
         try:
-            self.drain_jobs()
+            self.disk.shutdown(self.drain_jobs)
         finally:
-            self._unusable.flush()
-            self._store.close()
-            self._pool.close()
             self._primary = None  # lets the framework unmap its CPU tier
-
-    # For tests and tools: the engine's store behind this tier.
-    @property
-    def store(self):
-        return self._store
