@@ -44,3 +44,52 @@ def test_remove_and_readd():
     for rid in "bdea":
         q.remove(rid)
     assert len(q) == 0 and q.head(5) == []
+
+
+def test_the_preloader_asks_its_host_only_for_gate_inputs_and_staging():
+    """The preloader's interface to the manager is ``PreloadHost``: the gate's
+    inputs for a prefix (the same answer the gate plan gets) and ``stage``;
+    its holds are kept in the staging cache it shares. A host of two methods
+    is enough to plan over."""
+    from vllm.v1.kv_offload.base import LookupResult
+
+    from pykvcache import StagingPool
+    from pykvcache.gate import ChunkState
+    from pykvcache.vllm.gate_plan import GateInputs
+    from pykvcache.vllm.lookahead import Preloader
+    from pykvcache.vllm.metrics import ManagerMetrics
+    from pykvcache.vllm.staging_cache import EntryState, Origin, StagingCache
+
+    pool = StagingPool(4096, 4)
+    cache = StagingCache(pool)
+    on_disk = {b"a", b"b"}  # c is not: the preload stops before it
+
+    class Host:
+        asked: list = []
+
+        def gate_inputs(self, keys, req_id):
+            self.asked.append((list(keys), req_id))
+            return GateInputs([ChunkState.DISK if k in on_disk else ChunkState.MISSING for k in keys], 0, 0)
+
+        def stage(self, key, owner=None, background=False):
+            assert background, "a preload reads at background priority"
+            cache.insert(key, EntryState.READING, Origin.DISK)
+            cache.hold(owner, key)
+            return LookupResult.HIT_PENDING
+
+    host = Host()
+    metrics = ManagerMetrics()
+    preloader = Preloader(host, cache, metrics, chunk_bytes=4096, budget_slots=4, window=2, gate=None,
+                          chunk_tokens=64)
+    try:
+        preloader.add(WaitingRequest(req_id="r", key_lists=[[b"a", b"b", b"c"]]))
+        preloader.plan()
+        assert host.asked == [([b"a", b"b", b"c"], "r")]
+        assert preloader.held == {b"a", b"b"}
+        assert metrics.totals["lookahead_preload_reads"] == 2
+        assert metrics.totals["lookahead_preload_bytes"] == 2 * 4096
+        preloader.forget("r", cancelled=True)
+        assert not preloader.held
+    finally:
+        cache.clear()
+        pool.close()

@@ -14,7 +14,7 @@ import pytest
 from vllm.v1.kv_offload.base import ReqContext
 
 from pykvcache.gate import ChunkState, ProfileExpectation, build_gate
-from pykvcache.vllm.gate_plan import GateWiring
+from pykvcache.vllm.gate_plan import GateInputs, GateWiring
 
 CT = 64
 BPT = 12 * 1024
@@ -53,7 +53,7 @@ class Serving:
         keys = [f"r{self.n}c{i}".encode().ljust(12, b".") + b"\0\0\0\0" for i in range(CHUNKS)]
         for i, key in enumerate(keys):
             ctx._offload_key_positions[key] = (i + 1) * CT
-        plan = self.wiring.plan_for(keys[0], ctx, lambda k: ChunkState.DISK, lambda: 0)
+        plan = self.wiring.plan_for(keys[0], ctx, lambda ks, _req: GateInputs([ChunkState.DISK] * len(ks), 0))
         loaded = [k for k in keys if k in plan.allowed]
         for key in loaded:
             self.wiring.read_finished(key, True, 0.001 + len(loaded) * CHUNK / bytes_per_s)

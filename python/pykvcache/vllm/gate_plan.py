@@ -37,6 +37,23 @@ from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter
 from pykvcache.gate.request_keys import request_keys_from
 
 
+@dataclass(frozen=True, slots=True)
+class GateInputs:
+    """What the gate weighs a request's prefix by, as its scheduler sees it now."""
+
+    #: Where each chunk of the prefix is (staged, on disk, missing).
+    states: list[ChunkState]
+    #: Disk I/O a read submitted now waits behind.
+    queued_bytes: int
+    #: Requests waiting to be scheduled besides this one (a recompute delays them).
+    waiting_requests: int = 0
+
+
+#: ``(keys, req_id) -> GateInputs``: the scheduler's answer for a request's prefix,
+#: asked by the gate plan and by the lookahead preloader.
+GateInputsOf = Callable[[Sequence[bytes], Hashable], GateInputs]
+
+
 @dataclass(slots=True)
 class Plan:
     considered: frozenset[bytes]
@@ -128,8 +145,7 @@ class NoGating:
     admission = None
     chunk_tokens = 1
 
-    def allows(self, key: bytes, req_context, state_of, queued_bytes: Callable[[], int],
-               waiting_requests: Callable[[], int] = lambda: 0) -> bool:
+    def allows(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> bool:
         return True
 
     def preload_gate(self) -> AdmissionGate | None:
@@ -190,12 +206,11 @@ class GateWiring:
         self.steps = StepTimer(gate.observe_prefill, min_prefill_tokens=chunk_tokens)
 
     # -- lookups -------------------------------------------------------------
-    def allows(self, key: bytes, req_context, state_of: Callable[[bytes], ChunkState],
-               queued_bytes: Callable[[], int], waiting_requests: Callable[[], int] = lambda: 0) -> bool:
+    def allows(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> bool:
         """Whether this lookup's key is in the request's plan (decided at its first lookup).
-        ``queued_bytes`` and ``waiting_requests`` are asked only when a plan is made
-        (once per request, not per key: counting queued I/O walks the I/O tables)."""
-        return key in self.plan_for(key, req_context, state_of, queued_bytes, waiting_requests).allowed
+        ``gate_inputs`` is asked only when a plan is made (once per request, not
+        per key: counting queued I/O walks the I/O tables)."""
+        return key in self.plan_for(key, req_context, gate_inputs).allowed
 
     def watch_breakers(self, health: Callable[[], tuple[int, int, int]], *, io_deadline_s: float) -> None:
         """Follow the store's circuit breakers (``BlockStore.breaker_health``).
@@ -224,8 +239,7 @@ class GateWiring:
         return AdmissionGate(g.model, chunk_tokens=g.chunk_tokens, online=g.online,
                              margin=g.margin, enabled=g.enabled, prefill_online=g.prefill_online)
 
-    def plan_for(self, key: bytes, req_context, state_of: Callable[[bytes], ChunkState],
-                 queued_bytes: Callable[[], int], waiting_requests: Callable[[], int] = lambda: 0) -> Plan:
+    def plan_for(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> Plan:
         req_id = req_context.req_id
         group = key[-4:]
         plans = self._plans.get(req_id)
@@ -237,14 +251,14 @@ class GateWiring:
         if plan is not None:
             self._stop_timing(req_id, plan)
         keys, start = request_keys_from(req_context, key, self.chunk_tokens)
-        states = [state_of(k) for k in keys]
-        queued = queued_bytes()
+        inputs = gate_inputs(keys, req_id)
+        states, queued = inputs.states, inputs.queued_bytes
         now = self.clock()
         # A breaker that closed since the last look restarts the exploration
         # before this decision.
         self.poll_breakers(now)
         decision = self.gate.decide(states, start_tokens=start, queued_bytes=queued,
-                                    waiting_requests=waiting_requests(), now=now)
+                                    waiting_requests=inputs.waiting_requests, now=now)
         allowed = keys[: decision.load_chunks]
         plan = Plan(considered=frozenset(keys), allowed=frozenset(allowed), decision=decision,
                     started=now, queued_bytes=queued)

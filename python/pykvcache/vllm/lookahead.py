@@ -31,11 +31,29 @@ import bisect
 import itertools
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from vllm.v1.kv_offload.base import LookupResult
 
 from pykvcache.gate import AdmissionGate, ChunkState
-from pykvcache.vllm.staging_cache import LOOKAHEAD, LOOKUP, EntryState, owner
+from pykvcache.vllm.gate_plan import GateInputs
+from pykvcache.vllm.staging_cache import LOOKAHEAD, LOOKUP, EntryState, StagingCache, owner
+
+
+class PreloadHost(Protocol):
+    """What the preloader needs of the scheduler it preloads for (the manager)."""
+
+    def gate_inputs(self, keys: Sequence[bytes], req_id: Hashable) -> GateInputs:
+        """The gate's view of a request's prefix, as the gate plan gets it."""
+        ...
+
+    def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False) -> LookupResult:
+        """Start reading ``key`` into staging, held for ``owner``; MISS when it cannot."""
+        ...
+
+
+class Counters(Protocol):
+    def inc(self, name: str, value: float = 1) -> None: ...
 
 
 @dataclass(eq=False)
@@ -92,11 +110,17 @@ class LookaheadQueue:
 
 
 class Preloader:
-    """Plans and tracks preloads on top of the manager's building blocks."""
+    """Plans and tracks preloads for ``host`` (the manager): it asks the host
+    for the gate's inputs and to stage chunks, and keeps its holds in the
+    staging ``cache`` it shares with the host (the one book of who holds what)."""
 
-    def __init__(self, manager, *, budget_slots: int, window: int,
-                 gate: AdmissionGate | None, chunk_tokens: int, by_priority: bool = False) -> None:
-        self.manager = manager
+    def __init__(self, host: PreloadHost, cache: StagingCache, metrics: Counters, *, chunk_bytes: int,
+                 budget_slots: int, window: int, gate: AdmissionGate | None, chunk_tokens: int,
+                 by_priority: bool = False) -> None:
+        self.host = host
+        self.cache = cache
+        self.metrics = metrics
+        self.chunk_bytes = chunk_bytes
         self.budget_slots = max(0, budget_slots)
         self.window = max(0, window)
         self.gate = gate
@@ -119,14 +143,14 @@ class Preloader:
     @property
     def held(self) -> frozenset[bytes]:
         """Chunks preloads hold (a shared prefix once); the staging cache keeps the books."""
-        return self.manager.cache.keys_held(LOOKAHEAD)
+        return self.cache.keys_held(LOOKAHEAD)
 
     # -- queue membership ---------------------------------------------------------
     def add(self, req: WaitingRequest) -> None:
         if not self.enabled:
             return
         self.queue.add(req)
-        self.manager.metrics.inc("lookahead_requests_queued")
+        self.metrics.inc("lookahead_requests_queued")
 
     def forget(self, req_id: Hashable, *, cancelled: bool) -> None:
         """The request left the queue: scheduled (its lookups now hold what it
@@ -139,10 +163,10 @@ class Preloader:
         if req is None:
             return
         holder = self.owner(req_id)
-        held_any = bool(self.manager.cache.held_by(holder))
-        self.manager.cache.release_owner(holder)
+        held_any = bool(self.cache.held_by(holder))
+        self.cache.release_owner(holder)
         if cancelled and held_any:
-            self.manager.metrics.inc("lookahead_cancelled_requests")
+            self.metrics.inc("lookahead_cancelled_requests")
 
     def preempted(self, req_id: Hashable) -> None:
         """vLLM preempted a running request: its KV blocks are freed and it
@@ -151,27 +175,27 @@ class Preloader:
         req = self.running.pop(req_id, None)
         if req is not None and self.enabled:
             self.queue.add(req)
-            self.manager.metrics.inc("lookahead_requeued_preempted")
+            self.metrics.inc("lookahead_requeued_preempted")
 
     # -- accounting ---------------------------------------------------------------
     def loaded(self, keys) -> None:
-        chunk = self.manager.layout.payload_bytes
+        chunk = self.chunk_bytes
         for key in keys:
             if key in self.unused:
                 del self.unused[key]
-                self.manager.metrics.inc("lookahead_used_bytes", chunk)
+                self.metrics.inc("lookahead_used_bytes", chunk)
 
     def sweep(self) -> None:
         """Count preloads that left staging unused (evicted, failed read, reset)."""
         if not self.unused:
             return
-        cache = self.manager.cache
+        cache = self.cache
         gone = [key for key in self.unused if key not in cache]
         for key in gone:
             del self.unused[key]
         if gone:
-            self.manager.metrics.inc("lookahead_wasted_bytes",
-                                     len(gone) * self.manager.layout.payload_bytes)
+            self.metrics.inc("lookahead_wasted_bytes",
+                                     len(gone) * self.chunk_bytes)
 
     def reclaim(self, for_req: Hashable) -> bool:
         """Staging is full and a lookup of ``for_req`` needs a slot: give up
@@ -180,7 +204,7 @@ class Preloader:
         every request still preloaded; the youngest request yields first, the
         end of its prefix first (never ``for_req``'s own preloads: its next
         lookups want them). False when no preload hold can be given up."""
-        cache = self.manager.cache
+        cache = self.cache
         for req in reversed(self.queue.head(len(self.queue))):
             if req.req_id == for_req:
                 continue
@@ -195,7 +219,7 @@ class Preloader:
                             or entry.owners != {holder}):
                         continue  # in flight, pinned, or shared: freeing it frees nothing
                     cache.release(holder, key)
-                    self.manager.metrics.inc("lookahead_reclaimed_chunks")
+                    self.metrics.inc("lookahead_reclaimed_chunks")
                     return True
         return False
 
@@ -211,7 +235,7 @@ class Preloader:
         self.sweep()
         if not self.enabled or not len(self.queue):
             return
-        cache = self.manager.cache
+        cache = self.cache
         planned = 0
         for req in self.queue:
             if planned >= self.window:
@@ -222,7 +246,7 @@ class Preloader:
                 # and spend the budget the requests behind it need.
                 if cache.held_by(self.owner(req.req_id)):
                     cache.release_owner(self.owner(req.req_id))
-                    self.manager.metrics.inc("lookahead_handed_to_lookups")
+                    self.metrics.inc("lookahead_handed_to_lookups")
                 continue
             planned += 1
             skip = 0
@@ -231,23 +255,23 @@ class Preloader:
             for keys in req.key_lists:
                 end = len(keys) if req.max_chunks is None else min(len(keys), skip + req.max_chunks)
                 if not self._preload(req.req_id, keys[skip:end], skip * self.chunk_tokens):
-                    self.peak_held = max(self.peak_held, self.manager.cache.count_held(LOOKAHEAD))
+                    self.peak_held = max(self.peak_held, self.cache.count_held(LOOKAHEAD))
                     return
-        self.peak_held = max(self.peak_held, self.manager.cache.count_held(LOOKAHEAD))
+        self.peak_held = max(self.peak_held, self.cache.count_held(LOOKAHEAD))
 
     def _preload(self, req_id: Hashable, keys: Sequence[bytes], start_tokens: int) -> bool:
         """Hold or read this request's gated prefix; False when the budget or
         staging stops the pass (later requests must not jump ahead)."""
-        m = self.manager
-        cache = m.cache
-        states = [m.chunk_state(k) for k in keys]
+        cache = self.cache
+        inputs = self.host.gate_inputs(keys, req_id)
+        states = inputs.states
         if self.gate is not None:
             decision = self.gate.decide(states, start_tokens=start_tokens,
-                                        queued_bytes=m.queued_bytes(),
-                                        waiting_requests=m.waiting_besides(req_id))
+                                        queued_bytes=inputs.queued_bytes,
+                                        waiting_requests=inputs.waiting_requests)
             self.gate.take_counters()  # a gate of its own: lookups count decisions, preloads not
             wanted = decision.load_chunks
-            m.metrics.inc("lookahead_gate_skipped_chunks", decision.available_chunks - wanted)
+            self.metrics.inc("lookahead_gate_skipped_chunks", decision.available_chunks - wanted)
         else:
             wanted = next((i for i, s in enumerate(states) if s is ChunkState.MISSING), len(keys))
         holder = self.owner(req_id)
@@ -259,24 +283,24 @@ class Preloader:
                     # cached chunk): holding it costs no read, but it counts
                     # against the budget once.
                     if not cache.is_held(key, LOOKAHEAD) and cache.count_held(LOOKAHEAD) >= self.budget_slots:
-                        m.metrics.inc("lookahead_budget_stops")
+                        self.metrics.inc("lookahead_budget_stops")
                         return False
                     cache.hold(holder, key)
                 continue
             if cache.count_held(LOOKAHEAD) >= self.budget_slots:
-                m.metrics.inc("lookahead_budget_stops")
+                self.metrics.inc("lookahead_budget_stops")
                 return False
             if cache.allocatable() == 0:
                 return False
             victim = cache.next_victim()
             if victim is not None and victim in self.unused:
                 # Taking this slot would throw away another preload before use.
-                m.metrics.inc("lookahead_budget_stops")
+                self.metrics.inc("lookahead_budget_stops")
                 return False
             # At background priority: a load the scheduler waits for now goes first.
-            if m.stage(key, owner=holder, background=True) is LookupResult.MISS:
+            if self.host.stage(key, owner=holder, background=True) is LookupResult.MISS:
                 return False  # no slot, or the read was refused
             self.unused[key] = None
-            m.metrics.inc("lookahead_preload_reads")
-            m.metrics.inc("lookahead_preload_bytes", m.layout.payload_bytes)
+            self.metrics.inc("lookahead_preload_reads")
+            self.metrics.inc("lookahead_preload_bytes", self.chunk_bytes)
         return True

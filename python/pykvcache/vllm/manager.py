@@ -63,7 +63,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pykvcache.gate import ChunkState
 from pykvcache.vllm.disk_tier import DiskTier, UsesDiskTier
-from pykvcache.vllm.gate_plan import GateWiring, NoGating
+from pykvcache.vllm.gate_plan import GateInputs, GateWiring, NoGating
 from pykvcache.vllm.layout import ChunkLayout
 from pykvcache.vllm.lookahead import Preloader, WaitingRequest
 from pykvcache.vllm.staging_cache import (
@@ -119,7 +119,8 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         # every chunk leaving the disk - evicted here, by another node sharing
         # the directory, or found corrupt - is announced as removed, once.
         self._announced: dict[int, bytes] = {}
-        self.preloader = Preloader(self, budget_slots=lookahead_slots, window=lookahead_requests,
+        self.preloader = Preloader(self, self.cache, self.metrics, chunk_bytes=layout.payload_bytes,
+                                   budget_slots=lookahead_slots, window=lookahead_requests,
                                    gate=self.gating.preload_gate(),
                                    chunk_tokens=self.gating.chunk_tokens, by_priority=by_priority)
         # Staging that lookups of requests not scheduled yet may hold (the
@@ -174,20 +175,22 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         the chunk is on disk; a prefetch with ``background``), MISS if it is
         nowhere or no slot is available. With ``owner`` the staged chunk is held
         for that owner until :meth:`release`."""
+        result = self._stage(key, owner, background)
+        if result is None:
+            self.metrics.inc("staging_full_misses")
+            return LookupResult.MISS
+        return result
+
+    def _stage(self, key: bytes, owner: Hashable | None, background: bool) -> LookupResult | None:
+        """:meth:`stage`, with None where a read was due and did not start (no slot)."""
         self._poll_read(key)
         entry = self.cache.get(key)
         if entry is None:
             if not self.on_disk(key):
                 return LookupResult.MISS
             entry = self._start_read(key, background)
-            # A lookup (its owner names the request) may take a slot from a
-            # later request's preload; a preload never takes one.
-            if entry is None and not background and owner is not None \
-                    and self.preloader.reclaim(for_req=owner[1]):
-                entry = self._start_read(key, background)  # a preload gave way
             if entry is None:
-                self.metrics.inc("staging_full_misses")
-                return LookupResult.MISS
+                return None
         if entry.state is EntryState.FAILED:
             return LookupResult.MISS  # its read failed; a load still holds the slot
         if owner is not None:
@@ -221,6 +224,12 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
     def waiting_besides(self, req_id) -> int:
         """Requests waiting to be scheduled, other than ``req_id``."""
         return len(self._waiting) - (req_id in self._waiting)
+
+    def gate_inputs(self, keys, req_id) -> GateInputs:
+        """What the gate weighs ``req_id``'s prefix ``keys`` by: asked by the
+        gate plan at a request's first lookup and by the preloader."""
+        return GateInputs([self.chunk_state(k) for k in keys], self.queued_bytes(),
+                          self.waiting_besides(req_id))
 
     def lookahead_add(self, request: WaitingRequest) -> None:
         """A request arrived (lookahead connector): queue it and plan at once,
@@ -256,8 +265,8 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
     # ------------------------------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         req_id = req_context.req_id
-        if not self.gating.allows(key, req_context, self.chunk_state, self.queued_bytes,
-                                  lambda: self.waiting_besides(req_id)):
+        mine = owner(LOOKUP, req_id)
+        if not self.gating.allows(key, req_context, self.gate_inputs):
             self.metrics.inc("gate_limited_lookups")
             return LookupResult.MISS
         entry_before = self.cache.get(key)
@@ -268,13 +277,19 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             # it at once and recompute a prefix that is on disk. The holders
             # are requests whose reads are in flight; they get scheduled and
             # release their holds, so the retry resolves.
-            mine = owner(LOOKUP, req_id)
             others = self.cache.count_held(LOOKUP) - len(self.cache.held_by(mine))
             if others >= self._lookup_hold_slots and self.store.contains(key):
                 self.metrics.inc("lookup_hold_cap_retries")
                 self.metrics.inc("lookups_deferred")
                 return LookupResult.RETRY
-        result = self.stage(key, owner=owner(LOOKUP, req_id))
+        result = self._stage(key, mine, background=False)
+        # Staging is full: a lookup may take a slot from a later request's
+        # preload (a preload never takes one).
+        if result is None and self.preloader.reclaim(for_req=req_id):
+            result = self._stage(key, mine, background=False)  # a preload gave way
+        if result is None:
+            self.metrics.inc("staging_full_misses")
+            return LookupResult.MISS
         if result is LookupResult.MISS:
             return result
         in_flight = result is LookupResult.HIT_PENDING and self.in_flight_hits \

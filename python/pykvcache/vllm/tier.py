@@ -60,6 +60,7 @@ from pykvcache.vllm.disk_tier import (
     open_store,
     size_staging,
 )
+from pykvcache.vllm.gate_plan import GateInputs
 from pykvcache.vllm.host_config import find_vllm_config
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions
@@ -177,15 +178,14 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
     def _on_disk(self, key: bytes) -> bool:
         return self.disk.on_disk(key)
 
-    def _chunk_state(self, key: bytes) -> ChunkState:
-        # Chunks the CPU tier holds never reach this tier's lookup.
-        return ChunkState.DISK if self._on_disk(key) else ChunkState.MISSING
-
-    def _queued_bytes(self) -> int:
-        return (len(self._ops) + sum(len(j.todo) for j in self._jobs)) * self.chunk_bytes
+    def _gate_inputs(self, keys, req_id) -> GateInputs:
+        # Chunks the CPU tier holds never reach this tier's lookup; the
+        # framework owns the waiting queue, so no request counts as waiting.
+        queued = (len(self._ops) + sum(len(j.todo) for j in self._jobs)) * self.chunk_bytes
+        return GateInputs([ChunkState.DISK if self._on_disk(k) else ChunkState.MISSING for k in keys], queued)
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        if not self.gating.allows(key, req_context, self._chunk_state, self._queued_bytes):
+        if not self.gating.allows(key, req_context, self._gate_inputs):
             self.metrics.inc("gate_limited_lookups")
             return LookupResult.MISS
         return LookupResult.HIT if self._on_disk(key) else LookupResult.MISS
