@@ -237,9 +237,7 @@ class DiskTier:
         ok = result.status == "ok"
         self.metrics.inc("gate_load_observations", self.gating.read_finished(key, ok, result.latency_s or 0.0))
         if ok:
-            self.metrics.inc("disk_reads")
-            self.metrics.inc("disk_read_bytes", result.length)
-            self.metrics.observe("disk_read_latency_seconds", result.latency_s)
+            self._count_io("read", result)
             return True
         self.metrics.inc(failed_read_counter(result.status, result.miss_kind))
         if result.status != "miss":
@@ -251,9 +249,7 @@ class DiskTier:
         """Counts a finished write; True when the chunk is on disk. Each kind
         of failure is logged once as a warning, then at debug level."""
         if result.status == "ok":
-            self.metrics.inc("disk_writes")
-            self.metrics.inc("disk_write_bytes", result.length)
-            self.metrics.observe("disk_write_latency_seconds", result.latency_s)
+            self._count_io("write", result)
             return True
         self.metrics.inc("write_errors")
         kind = (result.status, result.errno)
@@ -264,6 +260,11 @@ class DiskTier:
                       result.message, "; further failures like it are counted in write_errors"
                       if first else "")
         return False
+
+    def _count_io(self, op: str, result) -> None:
+        self.metrics.inc(f"disk_{op}s")
+        self.metrics.inc(f"disk_{op}_bytes", result.length)
+        self.metrics.observe(f"disk_{op}_latency_seconds", result.latency_s)
 
     def take_stats(self, *, staging_used: int, staging_total: int):
         """The step's report: the gate's counters and gauges, staging use and

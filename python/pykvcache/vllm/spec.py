@@ -21,13 +21,7 @@ from pykvcache.vllm.config import (
     lookup_hold_budget_bytes,
     validate_extra_config,
 )
-from pykvcache.vllm.disk_tier import (
-    build_gating,
-    chunk_namespace,
-    model_identity_digest,
-    open_store,
-    size_staging,
-)
+from pykvcache.vllm import disk_tier
 from pykvcache.vllm.host_config import find_vllm_config
 from pykvcache.vllm.layout import ChunkLayout, staging_shm_name
 from pykvcache.vllm.logs import route_engine_logs
@@ -111,7 +105,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
         # The staging region belongs to this engine only: its name needs the
         # engine id, not the model's identity (which workers never compute).
         self.shm_name = staging_shm_name(config.engine_id, self._namespace_for(model_identity=""))
-        slots = size_staging(self.settings, self.layout.payload_bytes, min_slots=MIN_STAGING_SLOTS)
+        slots = disk_tier.size_staging(self.settings, self.layout.payload_bytes, min_slots=MIN_STAGING_SLOTS)
         self.num_slots = slots.num_slots
         self.slot_footprint = slots.slot_footprint
         self.chunk_tokens = self.blocks_per_chunk * (self.tokens_per_block[0]
@@ -121,7 +115,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
 
     def _namespace_for(self, model_identity: str) -> str:
         bytes_per_block = self.layout.bytes_per_block
-        return chunk_namespace(self.config, self.settings, model_identity,
+        return disk_tier.chunk_namespace(self.config, self.settings, model_identity,
                                (lambda inputs: inputs.parallelism_agnostic(bytes_per_block))
                                if self.parallelism_agnostic else None)
 
@@ -134,17 +128,17 @@ class NvmeOffloadingSpec(OffloadingSpec):
         for a 16 GB model; later starts a stat per file; decision 0052)."""
         if self._namespace is None:
             self._namespace = self._namespace_for(
-                model_identity_digest(self._vllm_config, self.config.model.name, self.settings))
+                disk_tier.model_identity_digest(self._vllm_config, self.config.model.name, self.settings))
         return self._namespace
 
     def _build_gating(self):
-        """The break-even gate and store admission (see :func:`build_gating`)."""
-        return build_gating(self.settings, model=self.config.model.name,
+        """The break-even gate and store admission (:func:`~pykvcache.vllm.disk_tier.build_gating`)."""
+        return disk_tier.build_gating(self.settings, model=self.config.model.name,
                             dtype=str(self.config.model.dtype),
                             chunk_bytes=self.layout.payload_bytes, chunk_tokens=self.chunk_tokens)
 
     def _open_store(self, pool, *, close_pool_on_failure: bool = False):
-        return open_store(self.settings, pool, self.namespace, close_pool_on_failure=close_pool_on_failure)
+        return disk_tier.open_store(self.settings, pool, self.namespace, close_pool_on_failure=close_pool_on_failure)
 
     def get_manager(self):
         if self._manager is None:
