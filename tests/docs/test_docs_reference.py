@@ -172,10 +172,10 @@ def _vllm_doc_default(key: str, cell: str):
         return json.loads(literal)
     except ValueError:
         pass
-    problems: list[str] = []
-    size = _config()._parse_size(key, literal, problems)
-    assert not problems, f"docs/vllm.md: the default of {key}, {literal!r}, is not a value the config accepts"
-    return size
+    try:
+        return _config().parse_size(literal)
+    except ValueError:
+        raise AssertionError(f"docs/vllm.md: the default of {key}, {literal!r}, is not a value the config accepts") from None
 
 
 def test_the_vllm_key_table_lists_every_key_of_the_config():

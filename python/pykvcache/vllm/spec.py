@@ -16,11 +16,12 @@ from typing import Any
 from vllm.v1.kv_offload.base import OffloadingSpec
 
 from pykvcache.vllm.config import (
+    MAX_STAGING_SLOTS,
     ConfigError,
     PykvcacheConfig,
     lookahead_budget_bytes,
     lookup_hold_budget_bytes,
-    refresh_interval,
+    store_keywords,
     validate_extra_config,
 )
 from pykvcache.vllm.layout import ChunkLayout, staging_shm_name
@@ -39,8 +40,6 @@ route_engine_logs()
 
 #: The fewest staging slots that let one chunk be written while another loads.
 MIN_STAGING_SLOTS = 4
-#: The most the engine's staging pool holds (slot numbers are 16-bit).
-MAX_STAGING_SLOTS = 65535
 
 
 def build_gating(settings: PykvcacheConfig, *, model: str, dtype: str, chunk_bytes: int,
@@ -85,23 +84,7 @@ def open_block_store(settings: PykvcacheConfig, pool, namespace: str):
     """The engine's store on the configured directories, with ``pool`` as its staging."""
     from pykvcache._core import BlockStore
 
-    s = settings
-    return BlockStore(
-        list(s.storage_dirs),
-        pool,
-        namespace=namespace,
-        capacity_bytes=s.capacity_bytes,
-        queue_depth=s.queue_depth,
-        backend=s.backend,
-        direct_io=s.direct_io,
-        verify=s.verify,
-        register_buffers=s.register_buffers,
-        allow_insecure_root=s.allow_insecure_root,
-        min_free_bytes=s.min_free_bytes,
-        min_free_fraction=s.min_free_fraction,
-        io_deadline=s.io_deadline_s,
-        refresh_interval_s=refresh_interval(s),
-    )
+    return BlockStore(list(settings.storage_dirs), pool, namespace=namespace, **store_keywords(settings))
 
 
 def parallelism_agnostic(config, vllm_config) -> bool:
