@@ -11,15 +11,15 @@ export VLLM_CPU_OMP_THREADS_BIND := nobind
 venv:
 	bash tools/setup_venv.sh
 
-# Builds the Rust extension (release) into the venv.
+# Builds the Rust extension (release) into the venv; a no-op when nothing it is built
+# from changed (tools/develop.sh; its own target directory, target/maturin).
 develop: venv
-	rm -f python/pykvcache/_core.cpython-*.so  # pre-abi3 builds would shadow the new one
-	$(VENV)/bin/maturin develop --release --quiet
+	bash tools/develop.sh
 
 # One abi3 wheel (CPython >= 3.11, manylinux) in dist/.
 wheel: venv
 	rm -f dist/pykvcache-*.whl
-	$(VENV)/bin/maturin build --release --quiet --out dist
+	CARGO_TARGET_DIR=target/maturin $(VENV)/bin/maturin build --release --quiet --out dist
 
 venv-vllm033:
 	bash tools/setup_venv_vllm033.sh
@@ -30,12 +30,12 @@ lmcache-env:
 	bash tools/setup_lmcache.sh .lmcache
 
 # The lint gate (stage `lint` of `make test`, after `build`): clippy with warnings as errors
-# (--release: reuses the release build's dependency build scripts, 27 s instead of 52 s cold on
-# 2 cores; ~1 s when only lint config changed), rustfmt (rustfmt.toml), ruff (pyproject.toml)
+# (--release in target/maturin: reuses the extension build's dependency build scripts, 27 s
+# instead of 52 s cold on 2 cores; ~1 s when only lint config changed), rustfmt (rustfmt.toml), ruff (pyproject.toml)
 # and mypy's stubtest of the hand-written _core.pyi against the extension `develop` built
 # (tools/stubtest-allowlist.txt: only what stubtest cannot judge). ruff and mypy: requirements-dev.
 lint:
-	cargo clippy --release --all-targets --features python --quiet -- -D warnings
+	CARGO_TARGET_DIR=target/maturin cargo clippy --release --all-targets --features python --quiet -- -D warnings
 	cargo fmt --check
 	$(PY) -m ruff check --quiet .
 	$(PY) -m mypy.stubtest pykvcache._core --allowlist tools/stubtest-allowlist.txt

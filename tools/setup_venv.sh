@@ -12,7 +12,14 @@ VLLM_VERSION=0.32.0
 
 # Once per machine (tools/env_cache.sh): keyed on this script, the dev pins and whether vLLM is in.
 . tools/env_cache.sh
-env_cache_link "$VENV" "$(cat "$0" tools/requirements-dev.txt | sha256sum | cut -c1-12)-vllm${PYKVCACHE_SKIP_VLLM:-0}"
+key="$(cat "$0" tools/requirements-dev.txt | sha256sum | cut -c1-12)-vllm${PYKVCACHE_SKIP_VLLM:-0}"
+env_cache_link "$VENV" "$key"
+# Set up before with these pins and switches: nothing to check (importing vLLM and torch to
+# find out took ~5 s of every `make test-quick`). Written only after a whole install succeeded.
+if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.pykvcache-setup-key" 2>/dev/null)" = "$key" ]; then
+  echo "setup_venv: ok, reused ($(readlink -f "$VENV"), key $key)"
+  exit 0
+fi
 [ -x "$VENV/bin/python" ] || "$PY" -m venv "$ENV_CACHE_TARGET"
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
@@ -41,4 +48,5 @@ PYEOF
   pip uninstall -y torchvision torchaudio torchcodec triton >/dev/null 2>&1 || true
 fi
 env_cache_done
+echo "$key" > "$VENV/.pykvcache-setup-key"
 "$VENV/bin/python" -c "import sys; print('setup_venv: ok', sys.version.split()[0], '(' + sys.prefix + ')')"

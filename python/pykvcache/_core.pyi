@@ -4,7 +4,9 @@ Hand-written (as pydantic-core does) so that the public surface is reviewed,
 not generated. Every blocking call releases the GIL.
 
 Every ``timeout`` / ``submit_timeout`` is in seconds: ``None`` waits forever,
-and so does any value above 1e9 s (about 31.7 years; ``math.inf`` included).
+and so does any value above ``FOREVER_S`` = 1e9 s (about 31.7 years;
+``math.inf`` included). ``io_deadline`` too, except that its ``None`` is the
+engine's default deadline.
 NaN or a negative value raises ``ValueError`` naming the argument. Every size
 and count (``slot_bytes``, ``num_slots``, ``capacity_bytes``, ``queue_depth``,
 ``segment_bytes``, ``write_segment_bytes``, ``max_inflight``, ``io_threads``,
@@ -38,6 +40,13 @@ VERIFY_MODES: tuple[str, ...]
 #: (``rust/src/store/config.rs``); the defaults below repeat them, checked by
 #: ``tests/test_core_constants.py``.
 ENGINE_DEFAULTS: dict[str, int | float | str]
+#: The engine's inclusive bounds ``(low, high)`` of the counts ``queue_depth``,
+#: ``max_inflight``, ``io_threads``, ``chunk_workers`` (``BlockStore``) and
+#: ``num_slots`` (``StagingPool``): the one place they are defined
+#: (``rust/src/store/config.rs``, ``limits``); the vLLM layer reads them.
+ENGINE_LIMITS: dict[str, tuple[int, int]]
+#: Timeouts above this many seconds (about 31.7 years) mean "forever".
+FOREVER_S: float
 
 def key_hash(key: bytes) -> int:
     """The 128-bit hash a chunk's file is named by (``BlockStore.take_removed``)."""
@@ -364,10 +373,10 @@ class BlockStore:
         ``preallocate`` allocates each chunk file (fallocate) before writing it:
         on ext4 a direct write into allocated space is not an extending write.
 
-        Bounds (``ValueError`` naming the argument otherwise): ``queue_depth``
-        1..=4096, ``max_inflight`` 1..=65536 (the operation table is allocated
-        up front), ``io_threads`` 0..=1024 (0 = from ``queue_depth``),
-        ``chunk_workers`` at most 1024, ``segment_bytes`` a positive multiple
+        Bounds (``ValueError`` naming the argument otherwise, ``ENGINE_LIMITS``):
+        ``queue_depth`` 1..=4096, ``max_inflight`` 1..=65536 (the operation
+        table is allocated up front), ``io_threads`` 0..=1024 (0 = from
+        ``queue_depth``), ``chunk_workers`` 0..=1024, ``segment_bytes`` a positive multiple
         of 4096, ``write_segment_bytes`` 0 or a multiple of 4096,
         ``capacity_bytes`` at least one chunk and below 2**64.
 
@@ -379,7 +388,8 @@ class BlockStore:
         storage directory is resolved once, here (symlinks inside the store are
         refused); a ``capacity_bytes`` above the filesystems' size is logged.
 
-        ``io_deadline`` (seconds; None: ``max(2 s, 4 * slot stride / 100 MB/s)``)
+        ``io_deadline`` (seconds; None: ``max(2 s, 4 * slot stride / 100 MB/s)``;
+        above ``FOREVER_S``: none, ``stats()["io_deadline_s"]`` is ``inf``)
         bounds every get and put on a stalled directory: past it (and with the
         directory completing nothing for as long) a get is a ``miss`` and a put
         an ``error``, both with errno ``ETIMEDOUT``, while the slot stays

@@ -18,7 +18,7 @@ use pyo3::types::{PyDict, PyTuple};
 use crate::disk::files::DirectIoPolicy;
 use crate::disk::format::{self, FORMAT_VERSION, HEADER_BYTES, IO_ALIGN};
 use crate::disk::layout::{self, Permissions};
-use crate::store::config::defaults;
+use crate::store::config::{defaults, limits};
 use crate::store::{self, BackendChoice, StoreConfig, VerifyPolicy};
 
 mod args;
@@ -113,10 +113,7 @@ impl PyBlockStore {
                 ..Default::default()
             }));
         }
-        config.io_deadline = timeout_of("io_deadline", io_deadline)?;
-        if io_deadline == Some(0.0) {
-            return Err(PyValueError::new_err("io_deadline must be > 0 seconds (None: derived from the chunk size)"));
-        }
+        config.io_deadline = io_deadline_of(io_deadline)?;
         let submit_timeout = timeout_of("submit_timeout", submit_timeout)?;
         let pool = pool.inner.clone();
         let (store, report) = py.detach(move || store::BlockStore::open(config, pool)).map_err(to_py)?;
@@ -305,6 +302,18 @@ fn engine_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     Ok(d)
 }
 
+/// The engine's bounds of the `BlockStore`/`StagingPool` counts, inclusive
+/// (`store::config::limits`; `StoreConfig::validate` enforces them).
+fn engine_limits(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("queue_depth", limits::QUEUE_DEPTH)?;
+    d.set_item("max_inflight", limits::MAX_INFLIGHT)?;
+    d.set_item("io_threads", limits::IO_THREADS)?;
+    d.set_item("chunk_workers", limits::CHUNK_WORKERS)?;
+    d.set_item("num_slots", limits::NUM_SLOTS)?;
+    Ok(d)
+}
+
 /// What the existing directory `path`'s filesystem supports, found by
 /// trying it (the probe a store runs at open on each storage directory):
 /// O_DIRECT (an aligned write and read), O_TMPFILE, fallocate, whether
@@ -364,6 +373,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("DIRECT_IO_POLICIES", PyTuple::new(py, DirectIoPolicy::CHOICES)?)?;
     m.add("VERIFY_MODES", PyTuple::new(py, VerifyPolicy::CHOICES)?)?;
     m.add("ENGINE_DEFAULTS", engine_defaults(py)?)?;
+    m.add("ENGINE_LIMITS", engine_limits(py)?)?;
+    m.add("FOREVER_S", limits::FOREVER_S)?;
     m.add_function(wrap_pyfunction!(key_hash, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(digest_range, m)?)?;

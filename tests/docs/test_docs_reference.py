@@ -172,10 +172,10 @@ def _vllm_doc_default(key: str, cell: str):
         return json.loads(literal)
     except ValueError:
         pass
-    problems: list[str] = []
-    size = _config()._parse_size(key, literal, problems)
-    assert not problems, f"docs/vllm.md: the default of {key}, {literal!r}, is not a value the config accepts"
-    return size
+    try:
+        return _config().parse_size(literal)
+    except ValueError:
+        raise AssertionError(f"docs/vllm.md: the default of {key}, {literal!r}, is not a value the config accepts") from None
 
 
 def test_the_vllm_key_table_lists_every_key_of_the_config():
@@ -321,6 +321,32 @@ def test_the_pyi_declares_the_engine_signature():
     for name, default in engine.items():
         assert pyi[name] is default if default is REQUIRED else _same(pyi[name], default), \
             f"_core.pyi: {name} defaults to {pyi[name]!r}, the engine to {default!r}"
+
+
+def test_the_keyword_tables_give_the_engines_limits():
+    """A count the engine bounds (``_core.ENGINE_LIMITS``) states its bounds,
+    ``low–high``, in docs/python-api.md's keyword table and, for the keys of
+    the vLLM table that become such a keyword (``Key.store``), in docs/vllm.md's."""
+    from pykvcache._core import ENGINE_LIMITS
+
+    documented = _documented_keywords()
+    vllm_rows = _vllm_key_meanings()
+    wrong = []
+    for name, (low, high) in ENGINE_LIMITS.items():
+        bounds = f"{low}–{high}"
+        if name in documented and bounds not in documented[name]["Meaning"]:
+            wrong.append(f"docs/python-api.md: {name} does not say {bounds}")
+    for key, spec in _config().PykvcacheConfig.table().items():
+        if spec.store in ENGINE_LIMITS:
+            low, high = ENGINE_LIMITS[spec.store]
+            if f"{low}–{high}" not in vllm_rows.get(key, ""):
+                wrong.append(f"docs/vllm.md: {key} does not say {low}–{high}")
+    assert not wrong, "\n  ".join(["the docs' bounds are not the engine's:", *wrong])
+
+
+def _vllm_key_meanings() -> dict[str, str]:
+    return {key: row["Meaning"] for row in tables(VLLM_DOC, ["Key", "Default", "Meaning"])
+            for key in _code_spans(row["Key"])}
 
 
 def test_the_blockstore_keyword_table_names_every_accepted_choice():

@@ -158,9 +158,11 @@ def test_threads_hammering_put_and_get(store_dir):
                 key = b"t%d-%d" % (n, i % 7)
                 payload = bytes([n, i % 7]) * 1000
                 fill(pool, slot, payload)
-                assert store.put(key, slot, len(payload)).wait(10).ok
+                w = store.put(key, slot, len(payload)).wait(10)
+                assert w.ok, (key, w.status, w.message)
                 r = store.get(key, slot).wait(10)
-                assert r.ok and read(pool, slot, len(payload)) == payload
+                assert r.ok, (key, r.status, r.message)
+                assert read(pool, slot, len(payload)) == payload, key
             pool.release(slot)
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)

@@ -174,3 +174,88 @@ def test_the_helper_rejects_bad_settings_when_called(tmp_path):
         kv_transfer_config([str(open_dir)], "1GiB")
     with pytest.raises(ConfigError, match="capacity_bytes"):
         kv_transfer_config([str(tmp_path / "kv")], "infGiB")
+
+
+# ---- one table (issue 21, item 3)
+
+#: Keys whose ``null`` means "not given" (the default); every other key refuses it.
+NULL_IS_DEFAULT = {"block_size", "blocks_per_chunk", "queue_depth", "max_inflight_writes",
+                   "min_free_bytes", "min_free_fraction", "io_deadline_s", "model_id",
+                   "namespace_salt", "gate_profile", "lookahead_bytes", "lookup_hold_bytes"}
+
+
+def _blockstore_keywords() -> list[str]:
+    import ast
+    from pathlib import Path
+
+    from pykvcache import _core
+
+    tree = ast.parse(Path(_core.__file__).with_name("_core.pyi").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "BlockStore")
+    new = next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "__new__")
+    return [a.arg for a in new.args.kwonlyargs]
+
+
+def test_every_key_is_one_row_of_the_table():
+    import dataclasses
+
+    from pykvcache.vllm.config import Key, PykvcacheConfig
+
+    table = PykvcacheConfig.table()
+    assert list(table) == [f.name for f in dataclasses.fields(PykvcacheConfig)]
+    for field in dataclasses.fields(PykvcacheConfig):
+        spec = table[field.name]
+        assert isinstance(spec, Key), field.name
+        required = field.default is dataclasses.MISSING
+        assert bool(spec.required) == required, f"{field.name}: a required key says why, no other"
+        if not required and field.default is not None:
+            assert spec.check(field.name, field.default) == field.default, \
+                f"{field.name}: the default {field.default!r} is not a value the key accepts"
+    assert {n for n, s in table.items() if s.null_is_default} == NULL_IS_DEFAULT
+
+
+def test_null_means_the_default_only_where_the_table_says_so(tmp_path):
+    from pykvcache.vllm.config import PykvcacheConfig
+
+    default = parse_extra_config(_base(tmp_path))
+    for name in sorted(PykvcacheConfig.keys() - {"storage_dirs", "capacity_bytes"}):
+        if name in NULL_IS_DEFAULT:
+            assert getattr(parse_extra_config(_base(tmp_path, **{name: None})), name) == getattr(default, name)
+        else:
+            with pytest.raises(ConfigError, match=f"{name} must be"):
+                parse_extra_config(_base(tmp_path, **{name: None}))
+
+
+def test_the_store_keywords_come_from_the_table(tmp_path):
+    from pykvcache.vllm.config import store_keywords
+
+    cfg = parse_extra_config(_base(tmp_path, queue_depth=64, verify="header", min_free_bytes=0,
+                                   io_deadline_s=7, refresh_interval_s=0, backend="threads"))
+    kw = store_keywords(cfg)
+    assert set(kw) <= set(_blockstore_keywords()), "every keyword is one BlockStore takes"
+    assert kw == {"capacity_bytes": 10 * GIB, "queue_depth": 64, "backend": "threads",
+                  "direct_io": "optional", "verify": "header", "register_buffers": True,
+                  "min_free_bytes": 0, "min_free_fraction": None, "io_deadline": 7.0,
+                  "allow_insecure_root": False, "refresh_interval_s": None}
+    assert store_keywords(parse_extra_config(_base(tmp_path, refresh_interval_s=2)))["refresh_interval_s"] == 2.0
+
+
+def test_the_vllm_layer_reads_the_limits_from_the_engine(tmp_path):
+    import re
+    from pathlib import Path
+
+    from pykvcache import _core
+    from pykvcache.vllm import config
+
+    assert config.MAX_QUEUE_DEPTH == _core.ENGINE_LIMITS["queue_depth"][1]
+    assert config.MAX_STAGING_SLOTS == _core.ENGINE_LIMITS["num_slots"][1]
+    most = config.MAX_QUEUE_DEPTH
+    assert parse_extra_config(_base(tmp_path, queue_depth=most)).queue_depth == most
+    with pytest.raises(ConfigError, match=f"queue_depth must be a positive integer, at most {most}"):
+        parse_extra_config(_base(tmp_path, queue_depth=most + 1))
+    # No copy of an engine limit where the store and its staging are sized.
+    for name in ("config.py", "spec.py", "tier.py", "manager.py"):
+        source = (Path(config.__file__).parent / name).read_text()
+        for number in ("4096", "65535", "65536", "1 << 16"):
+            assert not re.search(rf"(?<![\w.]){re.escape(number)}(?![\w.])", source), \
+                f"{name} repeats the engine limit {number}"

@@ -1,5 +1,12 @@
 """Parsing and validation of ``kv_connector_extra_config`` for the pykvcache spec.
 
+Each key is declared once, as a field of :class:`PykvcacheConfig`: its type
+and default, and in its metadata (:func:`key`) how a value is checked (bounds
+included) and the ``BlockStore`` keyword it becomes. Validation
+(:func:`parse_extra_config`) and the store's keywords (:func:`store_keywords`)
+are generated from those fields; the engine's defaults and limits come from
+the engine (``_core.ENGINE_DEFAULTS``, ``_core.ENGINE_LIMITS``).
+
 Everything is checked at once and reported in one :class:`ConfigError`, so a
 user fixes the whole configuration in one go instead of meeting the problems
 one crash at a time deep inside a worker process.
@@ -9,8 +16,8 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from pykvcache import _core
@@ -29,10 +36,11 @@ VLLM_KEYS = frozenset(
     }
 )
 
-# Accepted choices and defaults belong to the engine (rust/src/store/config.rs).
+# Accepted choices, defaults and limits belong to the engine (rust/src/store/config.rs).
 BACKENDS = _core.BACKENDS
 DIRECT_IO_POLICIES = _core.DIRECT_IO_POLICIES
 VERIFY_MODES = _core.VERIFY_MODES
+ENGINE_DEFAULTS = _core.ENGINE_DEFAULTS
 
 GIB = 1 << 30
 
@@ -41,7 +49,11 @@ MAX_BYTES = (1 << 63) - 1
 #: Largest count accepted for integer keys (block_size, max_inflight_writes, ...).
 MAX_COUNT = 1 << 31
 #: The engine's io_uring queue depth limit.
-MAX_QUEUE_DEPTH = 4096
+MAX_QUEUE_DEPTH = _core.ENGINE_LIMITS["queue_depth"][1]
+#: The most staging slots the engine's pool holds (slot numbers are 16-bit).
+MAX_STAGING_SLOTS = _core.ENGINE_LIMITS["num_slots"][1]
+#: Longest ``io_deadline_s`` accepted.
+MAX_IO_DEADLINE_S = 3600.0
 
 #: Share of ``staging_bytes`` that preloads for waiting requests may hold, and
 #: that lookups of waiting (not yet scheduled) requests may hold, by default.
@@ -71,70 +83,28 @@ class ConfigError(ValueError):
         self.problems = list(problems) or [message]
 
 
-@dataclass(frozen=True)
-class PykvcacheConfig:
-    """Validated settings of the vLLM integration (each key: docs/vllm.md)."""
+class _Invalid(Exception):
+    """A value a check refuses; ``problems`` are the messages to report."""
 
-    storage_dirs: tuple[str, ...]
-    capacity_bytes: int
-    staging_bytes: int = 1 * GIB
-    block_size: int | None = None
-    blocks_per_chunk: int | None = None
-    queue_depth: int = _core.ENGINE_DEFAULTS["queue_depth"]
-    backend: str = "auto"
-    direct_io: str = "optional"
-    # What a read checks: "full" (header + payload CRC-32C) or "header" (for
-    # storage that checksums itself; docs/performance.md has the CPU it saves).
-    verify: str = _core.ENGINE_DEFAULTS["verify"]
-    register_buffers: bool = True
-    max_inflight_writes: int = 64
-    offload_prompt_only: bool = False
-    model_id: str | None = None
-    namespace_salt: str = ""
-    # Content digest of the weights in the namespace (pykvcache.vllm.model_identity).
-    fingerprint_weights: bool = True
-    wipe_on_reset: bool = True
-    # Fill the free capacity with filler chunks (pykvcache.preformat): true = before
-    # serving, "background" = while serving, yielding to serving I/O.
-    preformat: bool | str = False
-    # Start-up waits at most this long for it (vLLM gives an engine 600 s to
-    # become ready); the next start continues where it stopped.
-    preformat_max_s: float = 300.0
-    # Break-even admission gate (docs/gate.md).
-    gate_profile: str | None = None
-    gate: bool = True
-    gate_margin: float = 1.0
-    gate_online: bool = True
-    store_min_tokens: int | str = 0  # 0 = off, a token count, or "break_even"
-    store_second_sighting: bool = False
-    # Lookahead preloading (docs/lookahead.md); None = a share of staging_bytes.
-    lookahead_bytes: int | None = None
-    lookahead_requests: int = 8
-    lookup_hold_bytes: int | None = None
-    # Free space kept on each storage filesystem for other writers; None = the
-    # engine's default (5% of the filesystem, at most 16 GiB), 0 = none.
-    min_free_bytes: int | None = None
-    min_free_fraction: float | None = None
-    # Seconds a disk read or write may take on a stalled directory before it
-    # is a miss / a skipped put (decision 0031); None = the engine's default,
-    # max(2 s, 4 * chunk bytes / 100 MB/s).
-    io_deadline_s: float | None = None
-    # Accept a storage root owned by another user or world-writable.
-    allow_insecure_root: bool = False
-    # Walk the storage directories this often so that chunks other nodes
-    # wrote count against capacity_bytes (decisions 0036, 0053): seconds,
-    # 0 = off, "auto" = SHARED_REFRESH_S on network/FUSE filesystems,
-    # elsewhere the engine's "auto" (walks while another writer's lease is
-    # live in the directory).
-    refresh_interval_s: float | str = "auto"
+    def __init__(self, *problems: str) -> None:
+        super().__init__(*problems)
+        self.problems = list(problems)
 
-    @classmethod
-    def keys(cls) -> frozenset[str]:
-        return frozenset(f.name for f in fields(cls))
+
+#: A check: (key name, given value) -> the value to keep, or raises _Invalid.
+Check = Callable[[str, Any], Any]
+
+
+def _refuse(name: str, what: str, value: Any) -> Any:
+    raise _Invalid(f"{name} must be {what} (got {value!r})")
 
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _size_value(value: Any) -> int | None:
@@ -170,71 +140,232 @@ def parse_size(value: Any) -> int:
     return parsed
 
 
-def _parse_size(name: str, value: Any, problems: list[str], *, allow_zero: bool = False) -> int | None:
-    """Byte sizes: a positive int, or a string with a suffix ("64GiB", "2TB")."""
-    parsed = _size_value(value)
-    if parsed is not None and parsed > MAX_BYTES:
-        problems.append(f"{name} must be at most {MAX_BYTES} bytes (got {value!r})")
-        return None
-    if parsed is not None and (parsed > 0 or allow_zero):
-        return parsed
-    problems.append(
-        f"{name} must be a {'' if allow_zero else 'positive '}number of bytes or a string "
-        f"such as '64GiB' (got {value!r})"
-    )
-    return None
+# ---------------------------------------------------------------- checks
 
 
-def _parse_positive_int(name: str, value: Any, problems: list[str],
-                        limit: int = MAX_COUNT) -> int | None:
-    if not _is_int(value) or not 0 < value <= limit:
-        problems.append(f"{name} must be a positive integer, at most {limit} (got {value!r})")
-        return None
-    return value
+def size(*, zero: bool = False, zero_is_off: bool = False) -> Check:
+    """Bytes: an int or a string with a suffix ("64GiB", "2TB"), at most
+    MAX_BYTES; positive unless ``zero``. ``zero_is_off``: a value equal to 0
+    turns the feature off (kept as 0)."""
+    def check(name: str, value: Any) -> int:
+        if zero_is_off and value == 0:
+            return 0
+        parsed = _size_value(value)
+        if parsed is not None and parsed > MAX_BYTES:
+            raise _Invalid(f"{name} must be at most {MAX_BYTES} bytes (got {value!r})")
+        if parsed is not None and (parsed > 0 or zero):
+            return parsed
+        return _refuse(name, f"a {'' if zero else 'positive '}number of bytes or a string "
+                             "such as '64GiB'", value)
+    return check
 
 
-def _parse_bool(name: str, value: Any, problems: list[str]) -> bool | None:
-    if not isinstance(value, bool):
-        problems.append(f"{name} must be true or false (got {value!r})")
-        return None
-    return value
+def count(low: int, high: float) -> Check:
+    """An int in ``low..=high``."""
+    what = (f"a positive integer, at most {high}" if low == 1
+            else f"an integer in {low}..{high}")
+
+    def check(name: str, value: Any) -> int:
+        return value if _is_int(value) and low <= value <= high else _refuse(name, what, value)
+    return check
 
 
-def _parse_choice(name: str, value: Any, choices: tuple[str, ...], problems: list[str]):
-    if value not in choices:
-        problems.append(f"{name} must be one of {', '.join(choices)} (got {value!r})")
-        return None
-    return value
+def number(what: str, *, above: float | None = None, at_least: float | None = None,
+           below: float = math.inf, at_most: float | None = None) -> Check:
+    """A finite int or float (not a bool) within the bounds given, as a float."""
+    def check(name: str, value: Any) -> float:
+        ok = _is_number(value) and not math.isnan(value) \
+            and (above is None or value > above) and (at_least is None or value >= at_least) \
+            and (value <= at_most if at_most is not None else value < below)
+        return float(value) if ok else _refuse(name, what, value)
+    return check
 
 
-def _parse_dirs(value: Any, problems: list[str]) -> tuple[str, ...] | None:
+def flag(name: str, value: Any) -> bool:
+    return value if isinstance(value, bool) else _refuse(name, "true or false", value)
+
+
+def choice(choices: tuple[str, ...]) -> Check:
+    def check(name: str, value: Any) -> str:
+        return value if value in choices else _refuse(name, f"one of {', '.join(choices)}", value)
+    return check
+
+
+def literal(word: str) -> Check:
+    def check(name: str, value: Any) -> str:
+        return value if value == word else _refuse(name, repr(word), value)
+    return check
+
+
+def either(what: str, *checks: Check) -> Check:
+    """The first of ``checks`` that accepts the value; else one problem saying ``what``."""
+    def check(name: str, value: Any) -> Any:
+        for one in checks:
+            try:
+                return one(name, value)
+            except _Invalid:
+                pass
+        return _refuse(name, what, value)
+    return check
+
+
+def text(*, empty: bool) -> Check:
+    what = "a string" if empty else "a non-empty string"
+
+    def check(name: str, value: Any) -> str:
+        ok = isinstance(value, str) and (empty or value)
+        return value if ok else _refuse(name, what, value)
+    return check
+
+
+def file_path(name: str, value: Any) -> str:
+    # A missing or foreign profile is not an error: the gate warns and falls
+    # back to a conservative default when the engine starts.
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value).strip():
+        return _refuse(name, "a file path or null", value)
+    return os.path.abspath(os.path.expanduser(os.fspath(value)))
+
+
+def directories(name: str, value: Any) -> tuple[str, ...]:
+    """Absolute paths, no two the same, none an existing non-directory."""
     if isinstance(value, (str, os.PathLike)):
         value = [value]
     if not isinstance(value, (list, tuple)) or not value:
-        problems.append(
-            "storage_dirs must be a non-empty list of directory paths "
-            f"(got {value!r})"
-        )
-        return None
+        _refuse(name, "a non-empty list of directory paths", value)
     dirs: list[str] = []
+    problems: list[str] = []
     for item in value:
         if not isinstance(item, (str, os.PathLike)) or not os.fspath(item).strip() \
                 or "\0" in os.fspath(item):
-            problems.append(f"storage_dirs entries must be non-empty paths (got {item!r})")
+            problems.append(f"{name} entries must be non-empty paths (got {item!r})")
             continue
         path = os.path.abspath(os.path.expanduser(os.fspath(item)))
         if path in dirs:
-            problems.append(f"storage_dirs lists {path} twice")
+            problems.append(f"{name} lists {path} twice")
             continue
         if os.path.exists(path) and not os.path.isdir(path):
-            problems.append(f"storage_dirs entry {path} exists and is not a directory")
+            problems.append(f"{name} entry {path} exists and is not a directory")
         dirs.append(path)
+    if problems:
+        raise _Invalid(*problems)
     return tuple(dirs)
 
 
+# ---------------------------------------------------------------- the table
+
+
+@dataclass(frozen=True)
+class Key:
+    """How a key's value is checked, and what the engine gets of it."""
+
+    check: Check
+    #: Why the key is needed, for a key without a default.
+    required: str = ""
+    #: ``null`` means "not given" (the default); otherwise it is checked.
+    null_is_default: bool = False
+    #: The ``BlockStore`` keyword it becomes (:func:`store_keywords`).
+    store: str | None = None
+    #: The keyword's value, when it is not the key's own value.
+    to_store: Callable[[PykvcacheConfig], Any] | None = None
+
+
+def key(default: Any = MISSING, **spec: Any) -> Any:
+    """A field of :class:`PykvcacheConfig`: ``default`` (none: required) and
+    the :class:`Key` in its metadata."""
+    return field(default=default, metadata={"key": Key(**spec)})
+
+
+@dataclass(frozen=True)
+class PykvcacheConfig:
+    """Validated settings of the vLLM integration (each key: docs/vllm.md)."""
+
+    storage_dirs: tuple[str, ...] = key(
+        check=directories, required="a list of directories on fast local disks")
+    capacity_bytes: int = key(
+        check=size(), required="disk bytes pykvcache may use in total", store="capacity_bytes")
+    staging_bytes: int = key(1 * GIB, check=size())
+    block_size: int | None = key(None, check=count(1, MAX_COUNT), null_is_default=True)
+    blocks_per_chunk: int | None = key(None, check=count(1, MAX_COUNT), null_is_default=True)
+    queue_depth: int = key(ENGINE_DEFAULTS["queue_depth"], check=count(1, MAX_QUEUE_DEPTH),
+                           null_is_default=True, store="queue_depth")
+    backend: str = key(ENGINE_DEFAULTS["backend"], check=choice(BACKENDS), store="backend")
+    direct_io: str = key(ENGINE_DEFAULTS["direct_io"], check=choice(DIRECT_IO_POLICIES),
+                         store="direct_io")
+    # What a read checks: "full" (header + payload CRC-32C) or "header" (for
+    # storage that checksums itself; docs/performance.md has the CPU it saves).
+    verify: str = key(ENGINE_DEFAULTS["verify"], check=choice(VERIFY_MODES), store="verify")
+    register_buffers: bool = key(True, check=flag, store="register_buffers")
+    max_inflight_writes: int = key(64, check=count(1, MAX_COUNT), null_is_default=True)
+    offload_prompt_only: bool = key(False, check=flag)
+    model_id: str | None = key(None, check=text(empty=False), null_is_default=True)
+    namespace_salt: str = key("", check=text(empty=True), null_is_default=True)
+    # Content digest of the weights in the namespace (pykvcache.vllm.model_identity).
+    fingerprint_weights: bool = key(True, check=flag)
+    wipe_on_reset: bool = key(True, check=flag)
+    # Fill the free capacity with filler chunks (pykvcache.preformat): true = before
+    # serving, "background" = while serving, yielding to serving I/O.
+    preformat: bool | str = key(False, check=either('true, false or "background"',
+                                                    flag, literal("background")))
+    # Start-up waits at most this long for it (vLLM gives an engine 600 s to
+    # become ready); the next start continues where it stopped.
+    preformat_max_s: float = key(300.0, check=number("a number of seconds > 0", above=0))
+    # Break-even admission gate (docs/gate.md).
+    gate_profile: str | None = key(None, check=file_path, null_is_default=True)
+    gate: bool = key(True, check=flag)
+    gate_margin: float = key(1.0, check=number("a number > 0", above=0))
+    gate_online: bool = key(True, check=flag)
+    # 0 = off, a token count, or "break_even".
+    store_min_tokens: int | str = key(0, check=either('0 (off), a token count or "break_even"',
+                                                      count(0, math.inf), literal("break_even")))
+    store_second_sighting: bool = key(False, check=flag)
+    # Lookahead preloading (docs/lookahead.md); None = a share of staging_bytes.
+    lookahead_bytes: int | None = key(None, check=size(zero_is_off=True), null_is_default=True)
+    lookahead_requests: int = key(8, check=count(0, MAX_COUNT))
+    lookup_hold_bytes: int | None = key(None, check=size(zero_is_off=True), null_is_default=True)
+    # Free space kept on each storage filesystem for other writers; None = the
+    # engine's default (5% of the filesystem, at most 16 GiB), 0 = none.
+    min_free_bytes: int | None = key(None, check=size(zero=True), null_is_default=True,
+                                     store="min_free_bytes")
+    min_free_fraction: float | None = key(
+        None, check=number("a number in [0, 1)", at_least=0, below=1), null_is_default=True,
+        store="min_free_fraction")
+    # Seconds a disk read or write may take on a stalled directory before it
+    # is a miss / a skipped put (decision 0031); None = the engine's default,
+    # max(2 s, 4 * chunk bytes / 100 MB/s).
+    io_deadline_s: float | None = key(
+        None, check=number(f"a number of seconds in (0, {MAX_IO_DEADLINE_S:g}]", above=0,
+                           at_most=MAX_IO_DEADLINE_S),
+        null_is_default=True, store="io_deadline")
+    # Accept a storage root owned by another user or world-writable.
+    allow_insecure_root: bool = key(False, check=flag, store="allow_insecure_root")
+    # Walk the storage directories this often so that chunks other nodes
+    # wrote count against capacity_bytes (decisions 0036, 0053): seconds,
+    # 0 = off, "auto" = SHARED_REFRESH_S on network/FUSE filesystems,
+    # elsewhere the engine's "auto" (walks while another writer's lease is
+    # live in the directory).
+    refresh_interval_s: float | str = key(
+        "auto", check=either('"auto", 0 (off) or a number of seconds',
+                             literal("auto"), number("", at_least=0)),
+        store="refresh_interval_s", to_store=lambda config: refresh_interval(config))
+
+    @classmethod
+    def keys(cls) -> frozenset[str]:
+        return frozenset(f.name for f in fields(cls))
+
+    @classmethod
+    def table(cls) -> dict[str, Key]:
+        """Each key's :class:`Key`, in the order of the fields."""
+        return {f.name: f.metadata["key"] for f in fields(cls)}
+
+
+def _problems_error(problems: Sequence[str]) -> ConfigError:
+    return ConfigError("invalid pykvcache settings in kv_connector_extra_config:\n  - "
+                       + "\n  - ".join(problems), problems)
+
+
 def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
-    """Validate ``kv_connector_extra_config``; raise one :class:`ConfigError` listing
-    every problem found."""
+    """Validate ``kv_connector_extra_config`` against the key table; raise one
+    :class:`ConfigError` listing every problem found."""
     extra = dict(extra or {})
     problems: list[str] = []
     known = PykvcacheConfig.keys() | VLLM_KEYS
@@ -244,129 +375,28 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
             f"unknown key(s) {', '.join(map(repr, unknown))}; "
             f"known keys: {', '.join(sorted(known))}"
         )
-
     values: dict[str, Any] = {}
-    if "storage_dirs" not in extra:
-        problems.append("storage_dirs is required (a list of directories on fast local disks)")
-    else:
-        values["storage_dirs"] = _parse_dirs(extra["storage_dirs"], problems)
-    if "capacity_bytes" not in extra:
-        problems.append("capacity_bytes is required (disk bytes pykvcache may use in total)")
-    else:
-        values["capacity_bytes"] = _parse_size("capacity_bytes", extra["capacity_bytes"], problems)
-    if "staging_bytes" in extra:
-        values["staging_bytes"] = _parse_size("staging_bytes", extra["staging_bytes"], problems)
-
-    for name in ("block_size", "blocks_per_chunk", "queue_depth", "max_inflight_writes"):
-        if extra.get(name) is not None:
-            limit = MAX_QUEUE_DEPTH if name == "queue_depth" else MAX_COUNT
-            values[name] = _parse_positive_int(name, extra[name], problems, limit)
-    if extra.get("min_free_bytes") is not None:
-        values["min_free_bytes"] = _parse_size("min_free_bytes", extra["min_free_bytes"], problems,
-                                               allow_zero=True)
-    if extra.get("min_free_fraction") is not None:
-        fraction = extra["min_free_fraction"]
-        if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) \
-                or not 0 <= fraction < 1:
-            problems.append(f"min_free_fraction must be a number in [0, 1) (got {fraction!r})")
-        else:
-            values["min_free_fraction"] = float(fraction)
-    if extra.get("io_deadline_s") is not None:
-        deadline = extra["io_deadline_s"]
-        if isinstance(deadline, bool) or not isinstance(deadline, (int, float)) \
-                or not 0 < deadline <= 3600:
-            problems.append(f"io_deadline_s must be a number of seconds in (0, 3600] (got {deadline!r})")
-        else:
-            values["io_deadline_s"] = float(deadline)
-    if "refresh_interval_s" in extra:
-        value = extra["refresh_interval_s"]
-        if value == "auto" or (not isinstance(value, bool) and isinstance(value, (int, float))
-                               and 0 <= value < float("inf")):
-            values["refresh_interval_s"] = value if value == "auto" else float(value)
-        else:
-            problems.append(f"refresh_interval_s must be \"auto\", 0 (off) or a number of seconds "
-                            f"(got {value!r})")
+    for name, spec in PykvcacheConfig.table().items():
+        if name not in extra or (spec.null_is_default and extra[name] is None):
+            if spec.required:
+                problems.append(f"{name} is required ({spec.required})")
+            continue
+        try:
+            values[name] = spec.check(name, extra[name])
+        except _Invalid as invalid:
+            problems += invalid.problems
     if extra.get("block_size") is not None and extra.get("blocks_per_chunk") is not None:
         problems.append("give only one of block_size (tokens per chunk) and blocks_per_chunk")
-
-    if "preformat" in extra:
-        if isinstance(extra["preformat"], bool) or extra["preformat"] == "background":
-            values["preformat"] = extra["preformat"]
-        else:
-            problems.append(f"preformat must be true, false or \"background\" (got {extra['preformat']!r})")
-    for name in ("register_buffers", "offload_prompt_only", "wipe_on_reset", "gate",
-                 "gate_online", "store_second_sighting", "fingerprint_weights",
-                 "allow_insecure_root"):
-        if name in extra:
-            values[name] = _parse_bool(name, extra[name], problems)
-    if "backend" in extra:
-        values["backend"] = _parse_choice("backend", extra["backend"], BACKENDS, problems)
-    if "direct_io" in extra:
-        values["direct_io"] = _parse_choice(
-            "direct_io", extra["direct_io"], DIRECT_IO_POLICIES, problems
-        )
-    if "verify" in extra:
-        values["verify"] = _parse_choice("verify", extra["verify"], VERIFY_MODES, problems)
-    for name in ("model_id", "namespace_salt"):
-        if extra.get(name) is not None:
-            if not isinstance(extra[name], str) or (name == "model_id" and not extra[name]):
-                problems.append(f"{name} must be a non-empty string (got {extra[name]!r})")
-            else:
-                values[name] = extra[name]
-
-    _parse_gate_and_lookahead(extra, values, problems)
-
     if problems:
-        raise ConfigError(
-            "invalid pykvcache settings in kv_connector_extra_config:\n  - "
-            + "\n  - ".join(problems), problems
-        )
+        raise _problems_error(problems)
     return PykvcacheConfig(**values)
 
 
-def _parse_gate_and_lookahead(extra: Mapping[str, Any], values: dict[str, Any],
-                              problems: list[str]) -> None:
-    profile = extra.get("gate_profile")
-    if profile is not None:
-        if not isinstance(profile, (str, os.PathLike)) or not os.fspath(profile).strip():
-            problems.append(f"gate_profile must be a file path or null (got {profile!r})")
-        else:
-            # A missing or foreign profile is not an error: the gate warns and
-            # falls back to a conservative default when the engine starts.
-            values["gate_profile"] = os.path.abspath(os.path.expanduser(os.fspath(profile)))
-    if "preformat_max_s" in extra:
-        limit = extra["preformat_max_s"]
-        if isinstance(limit, bool) or not isinstance(limit, (int, float)) or not 0 < limit < float("inf"):
-            problems.append(f"preformat_max_s must be a number of seconds > 0 (got {limit!r})")
-        else:
-            values["preformat_max_s"] = float(limit)
-    if "gate_margin" in extra:
-        margin = extra["gate_margin"]
-        if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not margin > 0 \
-                or margin != margin or margin == float("inf"):
-            problems.append(f"gate_margin must be a number > 0 (got {margin!r})")
-        else:
-            values["gate_margin"] = float(margin)
-    if "store_min_tokens" in extra:
-        value = extra["store_min_tokens"]
-        if value == "break_even" or (_is_int(value) and value >= 0):
-            values["store_min_tokens"] = value
-        else:
-            problems.append(
-                f"store_min_tokens must be 0 (off), a token count or \"break_even\" (got {value!r})"
-            )
-    for name in ("lookahead_bytes", "lookup_hold_bytes"):
-        if extra.get(name) is not None:
-            if extra[name] == 0:  # 0 explicitly turns the feature off
-                values[name] = 0
-            else:
-                values[name] = _parse_size(name, extra[name], problems)
-    if "lookahead_requests" in extra:
-        value = extra["lookahead_requests"]
-        if not _is_int(value) or not 0 <= value <= MAX_COUNT:
-            problems.append(f"lookahead_requests must be an integer in 0..{MAX_COUNT} (got {value!r})")
-        else:
-            values["lookahead_requests"] = value
+def store_keywords(config: PykvcacheConfig) -> dict[str, Any]:
+    """The ``BlockStore`` keywords the configuration sets (each key's
+    ``store``), besides the directories, the pool and the namespace."""
+    return {spec.store: spec.to_store(config) if spec.to_store else getattr(config, name)
+            for name, spec in PykvcacheConfig.table().items() if spec.store}
 
 
 def storage_problems(config: PykvcacheConfig) -> list[str]:
@@ -399,7 +429,7 @@ def storage_problems(config: PykvcacheConfig) -> list[str]:
             problems.append(f"storage_dirs entry {entry} is a symlink to {real}, which does not exist")
             continue
         elif os.path.lexists(real):
-            continue  # not a directory: reported by _parse_dirs
+            continue  # not a directory: reported by directories()
         else:
             existing = os.path.dirname(real)
             while not os.path.exists(existing):
@@ -423,9 +453,7 @@ def validate_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
     config = parse_extra_config(extra)
     problems = storage_problems(config)
     if problems:
-        raise ConfigError(
-            "invalid pykvcache settings in kv_connector_extra_config:\n  - " + "\n  - ".join(problems), problems
-        )
+        raise _problems_error(problems)
     return config
 
 

@@ -26,7 +26,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pykvcache.vllm.config import ConfigError, PykvcacheConfig, refresh_interval
+from pykvcache.vllm.config import MAX_STAGING_SLOTS, ConfigError, PykvcacheConfig, store_keywords
 from pykvcache.vllm.disk_presence import DiskPresence
 from pykvcache.vllm.logs import ChunkTroubleLog
 from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter
@@ -36,9 +36,6 @@ from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
-
-#: The most the engine's staging pool holds (slot numbers are 16-bit).
-MAX_STAGING_SLOTS = 65535
 
 #: Engine counters reported as gauges under another name (``disk_<name>`` mostly).
 _ENGINE_GAUGES = (
@@ -62,22 +59,7 @@ def open_store(settings: PykvcacheConfig, pool, namespace: str, *, close_pool_on
 
     s = settings
     try:
-        return BlockStore(
-            list(s.storage_dirs),
-            pool,
-            namespace=namespace,
-            capacity_bytes=s.capacity_bytes,
-            queue_depth=s.queue_depth,
-            backend=s.backend,
-            direct_io=s.direct_io,
-            verify=s.verify,
-            register_buffers=s.register_buffers,
-            allow_insecure_root=s.allow_insecure_root,
-            min_free_bytes=s.min_free_bytes,
-            min_free_fraction=s.min_free_fraction,
-            io_deadline=s.io_deadline_s,
-            refresh_interval_s=refresh_interval(s),
-        )
+        return BlockStore(list(s.storage_dirs), pool, namespace=namespace, **store_keywords(s))
     except Exception as exc:
         if close_pool_on_failure:
             pool.close()

@@ -71,7 +71,7 @@ impl UringBackend {
         sink: Arc<dyn SegmentSink>,
         faults: SharedFaults,
     ) -> std::io::Result<UringSetup> {
-        let queue_depth = queue_depth.clamp(1, 4096);
+        let queue_depth = queue_depth.clamp(crate::store::config::limits::QUEUE_DEPTH.0, crate::store::config::limits::QUEUE_DEPTH.1);
         let entries = (queue_depth as u32 + 1).next_power_of_two();
         let ring = IoUring::builder().build(entries)?;
         let mut fixed_buffer_error = None;

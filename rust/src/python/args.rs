@@ -6,12 +6,9 @@ use std::time::Duration;
 use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::store::config::limits::FOREVER_S;
+use crate::store::config::IoDeadline;
 use crate::store::RefreshPolicy;
-
-/// Timeouts longer than this (about 31.7 years, `inf` included) mean "wait
-/// forever", like None: `Duration::from_secs_f64` panics past its range and
-/// `Instant + Duration` past the clock's, so huge values never reach them.
-pub(super) const FOREVER_S: f64 = 1e9;
 
 /// The one conversion of every timeout argument: seconds, None = forever.
 pub(super) fn timeout_of(name: &str, seconds: Option<f64>) -> PyResult<Option<Duration>> {
@@ -21,6 +18,16 @@ pub(super) fn timeout_of(name: &str, seconds: Option<f64>) -> PyResult<Option<Du
         Some(s) if s > FOREVER_S => Ok(None),
         Some(s) => Duration::try_from_secs_f64(s).map(Some).map_err(|e| PyValueError::new_err(format!("{name}: {e}"))),
     }
+}
+
+/// `io_deadline`: None = the engine's default (from the slot size), seconds
+/// otherwise, "forever" (above `FOREVER_S`) = no deadline; 0 is refused by
+/// `StoreConfig::validate`.
+pub(super) fn io_deadline_of(seconds: Option<f64>) -> PyResult<IoDeadline> {
+    Ok(match seconds {
+        None => IoDeadline::Default,
+        Some(_) => timeout_of("io_deadline", seconds)?.map_or(IoDeadline::Never, IoDeadline::After),
+    })
 }
 
 /// A size or count from Python: an int that fits the engine's type, else a
@@ -73,7 +80,7 @@ pub(super) fn refresh_arg(ob: &Bound<'_, PyAny>) -> PyResult<RefreshPolicy> {
             return Ok(RefreshPolicy::Off);
         }
         if s.is_finite() && s > 0.0 {
-            return Ok(RefreshPolicy::Every(Duration::from_secs_f64(s.min(1e9))));
+            return Ok(RefreshPolicy::Every(Duration::from_secs_f64(s.min(FOREVER_S))));
         }
     }
     Err(PyValueError::new_err(format!("refresh_interval_s must be \"auto\", a positive number of seconds, or None/0 (never), not {ob}")))

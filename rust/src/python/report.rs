@@ -50,11 +50,20 @@ pub(super) fn log_open(py: Python<'_>, report: &OpenReport, snapshot: &StoreSnap
                 s.fallocate,
                 s.direct_unaligned,
                 s.direct_set_after_open,
-                snapshot.io_deadline.as_secs_f64(),
+                deadline_s(snapshot.io_deadline),
             ),
         )?;
     }
     Ok(())
+}
+
+/// A deadline in seconds, `inf` for none (`IoDeadline::Never`).
+fn deadline_s(d: std::time::Duration) -> f64 {
+    if d >= crate::store::config::NO_DEADLINE {
+        f64::INFINITY
+    } else {
+        d.as_secs_f64()
+    }
 }
 
 pub(super) fn support_dict<'py>(py: Python<'py>, s: &FsSupport) -> PyResult<Bound<'py, PyDict>> {
@@ -78,7 +87,7 @@ pub(super) fn stats_dict(py: Python<'_>, s: StoreSnapshot) -> PyResult<Bound<'_,
     d.set_item("quarantine_releases", s.quarantine_releases)?;
     d.set_item("breaker_open_dirs", s.dir_states.iter().filter(|st| **st != "closed").count())?;
     d.set_item("dir_states", &s.dir_states)?;
-    d.set_item("io_deadline_s", s.io_deadline.as_secs_f64())?;
+    d.set_item("io_deadline_s", deadline_s(s.io_deadline))?;
     let probes = PyDict::new(py);
     for (dir, sup) in &s.storage_support {
         probes.set_item(dir.display().to_string(), support_dict(py, sup)?)?;

@@ -1,12 +1,15 @@
-//! What a store is opened with: the configuration, its defaults (the one
-//! place they are defined; Python reads them as `_core.ENGINE_DEFAULTS`) and
-//! the accepted choices of each option.
+//! What a store is opened with: the configuration, its defaults and limits
+//! (the one place they are defined; Python reads them as
+//! `_core.ENGINE_DEFAULTS` and `_core.ENGINE_LIMITS`), the accepted choices
+//! of each option, and `StoreConfig::validate`, the one check of them all.
 
 use std::path::PathBuf;
+use std::time::Duration;
 
 use crate::disk::files::DirectIoPolicy;
+use crate::disk::format::{self, IO_ALIGN};
 use crate::disk::layout::Permissions;
-use crate::error::{parse_choice, Result};
+use crate::error::{parse_choice, EngineError, Result};
 use crate::faults::SharedFaults;
 
 /// Defaults of the options a caller may leave out. `StoreConfig::new` and the
@@ -30,9 +33,59 @@ pub mod defaults {
     pub use crate::disk::layout::{DEFAULT_DIR_MODE as DIR_MODE, DEFAULT_FILE_MODE as FILE_MODE};
 }
 
-pub const MAX_INFLIGHT: usize = 1 << 16;
-/// Bound on `io_threads` and `chunk_workers`.
-pub const MAX_THREADS: usize = 1024;
+/// Inclusive bounds of the counts a caller gives (`_core.ENGINE_LIMITS`):
+/// they become queue, table and thread sizes, so a typo is an error and not
+/// an allocation failure (abort) or a thread storm.
+pub mod limits {
+    /// io_uring submission queue depth.
+    pub const QUEUE_DEPTH: (usize, usize) = (1, 4096);
+    /// Operation table entries, allocated up front.
+    pub const MAX_INFLIGHT: (usize, usize) = (1, 1 << 16);
+    /// 0 = chosen from the queue depth.
+    pub const IO_THREADS: (usize, usize) = (0, 1024);
+    /// 0 = one.
+    pub const CHUNK_WORKERS: (usize, usize) = (0, 1024);
+    /// Staging slots of one pool (slot numbers are 16-bit).
+    pub const NUM_SLOTS: (usize, usize) = (1, crate::staging::MAX_SLOTS);
+    /// Timeouts longer than this many seconds (about 31.7 years, `inf`
+    /// included) mean "wait forever": `Duration::from_secs_f64` panics past
+    /// its range and `Instant + Duration` past the clock's, so huge values
+    /// never reach them.
+    pub const FOREVER_S: f64 = 1e9;
+}
+
+/// How long a get or put may take on a stalled directory before it is
+/// abandoned (a miss, a skipped put).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IoDeadline {
+    /// `health::default_deadline` of the slot size.
+    Default,
+    After(Duration),
+    /// Never abandoned (a timeout above `limits::FOREVER_S`, as everywhere).
+    Never,
+}
+
+/// The deadline a store runs with for `IoDeadline::Never`: a bound no
+/// operation reaches (`Health` keeps its breaker's back-off finite).
+pub const NO_DEADLINE: Duration = Duration::from_secs(limits::FOREVER_S as u64);
+
+impl IoDeadline {
+    /// The deadline for slots of `stride` bytes.
+    pub fn resolve(self, stride: usize) -> Duration {
+        match self {
+            Self::Default => super::health::default_deadline(stride),
+            Self::After(d) => d,
+            Self::Never => NO_DEADLINE,
+        }
+    }
+}
+
+fn check_range(name: &str, value: usize, (lo, hi): (usize, usize), note: &str) -> Result<()> {
+    if (lo..=hi).contains(&value) {
+        return Ok(());
+    }
+    Err(EngineError::invalid(format!("{name} must be in {lo}..={hi}{note}, got {value}")))
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendChoice {
@@ -103,8 +156,8 @@ pub struct StoreConfig {
     /// Space kept free on each storage filesystem for other writers.
     pub min_free: FreeSpaceReserve,
     /// How long a get or put may take before it is abandoned (a miss, a
-    /// skipped put); None: `health::default_deadline` of the slot size.
-    pub io_deadline: Option<std::time::Duration>,
+    /// skipped put).
+    pub io_deadline: IoDeadline,
     /// When to walk the directories and bring the index in line with them
     /// (`BlockStore::refresh`), for directories other processes or nodes
     /// write too, so that the capacity bounds what all of them store (their
@@ -183,10 +236,57 @@ impl StoreConfig {
             preallocate: true,
             permissions: Permissions::default(),
             min_free: FreeSpaceReserve::Default,
-            io_deadline: None,
+            io_deadline: IoDeadline::Default,
             refresh: RefreshPolicy::Auto,
             faults: None,
         }
+    }
+}
+
+impl StoreConfig {
+    /// Every check of the configuration that needs no directory: what
+    /// `BlockStore::open` refuses before it touches anything, for slots of
+    /// `stride` bytes. The bindings convert types only and leave the rest here.
+    pub fn validate(&self, stride: usize) -> Result<()> {
+        if self.segment_bytes < IO_ALIGN || !self.segment_bytes.is_multiple_of(IO_ALIGN) {
+            return Err(EngineError::invalid(format!(
+                "segment_bytes must be a positive multiple of {IO_ALIGN}, got {}",
+                self.segment_bytes
+            )));
+        }
+        if !self.write_segment_bytes.is_multiple_of(IO_ALIGN) {
+            return Err(EngineError::invalid(format!(
+                "write_segment_bytes must be 0 (whole chunk) or a multiple of {IO_ALIGN}, got {}",
+                self.write_segment_bytes
+            )));
+        }
+        check_range("queue_depth", self.queue_depth, limits::QUEUE_DEPTH, "")?;
+        check_range("max_inflight", self.max_inflight, limits::MAX_INFLIGHT, "")?;
+        check_range("io_threads", self.io_threads, limits::IO_THREADS, " (0 = auto)")?;
+        check_range("chunk_workers", self.chunk_workers, limits::CHUNK_WORKERS, "")?;
+        // Segments of one operation are counted in a u32.
+        let smallest = self.segment_bytes.min(if self.write_segment_bytes == 0 { usize::MAX } else { self.write_segment_bytes });
+        if stride / smallest >= u32::MAX as usize {
+            return Err(EngineError::invalid(format!(
+                "segment_bytes/write_segment_bytes of {smallest} cut a chunk file of up to {stride} bytes into too many segments"
+            )));
+        }
+        if self.capacity_bytes < format::file_len(1) as u64 {
+            return Err(EngineError::invalid(format!(
+                "capacity_bytes is too small to hold one chunk (at least {} bytes), got {}",
+                format::file_len(1),
+                self.capacity_bytes
+            )));
+        }
+        if let FreeSpaceReserve::AtLeast { fraction, .. } = self.min_free {
+            if !(0.0..1.0).contains(&fraction) {
+                return Err(EngineError::invalid(format!("min_free_fraction must be in [0, 1), not {fraction}")));
+            }
+        }
+        if self.io_deadline == IoDeadline::After(Duration::ZERO) {
+            return Err(EngineError::invalid("io_deadline must be > 0 seconds (None: derived from the chunk size)"));
+        }
+        Ok(())
     }
 }
 
@@ -214,5 +314,64 @@ mod tests {
         assert_eq!(r.bytes_for(100 << 30), 10 << 30, "the larger of the two");
         assert_eq!(r.bytes_for(4 << 30), 1 << 30);
         assert_eq!(FreeSpaceReserve::AtLeast { bytes: 0, fraction: 0.0 }.bytes_for(tb), 0, "off");
+    }
+
+    fn config() -> StoreConfig {
+        StoreConfig::new(vec![PathBuf::from("/nonexistent")], "ns", 1 << 30)
+    }
+
+    #[test]
+    fn validate_accepts_the_defaults_and_each_limit() {
+        config().validate(1 << 20).unwrap();
+        type Field = fn(&mut StoreConfig) -> &mut usize;
+        let fields: [(Field, (usize, usize)); 4] = [
+            (|c| &mut c.queue_depth, limits::QUEUE_DEPTH),
+            (|c| &mut c.max_inflight, limits::MAX_INFLIGHT),
+            (|c| &mut c.io_threads, limits::IO_THREADS),
+            (|c| &mut c.chunk_workers, limits::CHUNK_WORKERS),
+        ];
+        for (field, (lo, hi)) in fields {
+            for v in [lo, hi] {
+                let mut c = config();
+                *field(&mut c) = v;
+                c.validate(1 << 20).unwrap();
+            }
+        }
+    }
+
+    #[test]
+    fn validate_refuses_each_bound_naming_it() {
+        type Set = fn(&mut StoreConfig);
+        let cases: [(Set, &str); 10] = [
+            (|c| c.queue_depth = 0, "queue_depth must be in 1..=4096, got 0"),
+            (|c| c.queue_depth = 4097, "queue_depth must be in 1..=4096, got 4097"),
+            (|c| c.max_inflight = 0, "max_inflight must be in 1..=65536, got 0"),
+            (|c| c.max_inflight = 65537, "max_inflight must be in 1..=65536, got 65537"),
+            (|c| c.io_threads = 1025, "io_threads must be in 0..=1024 (0 = auto), got 1025"),
+            (|c| c.chunk_workers = 1025, "chunk_workers must be in 0..=1024, got 1025"),
+            (|c| c.segment_bytes = 100, "segment_bytes must be a positive multiple of 4096, got 100"),
+            (|c| c.write_segment_bytes = 100, "write_segment_bytes must be 0 (whole chunk) or a multiple of 4096"),
+            (|c| c.capacity_bytes = 4096, "capacity_bytes is too small to hold one chunk"),
+            (|c| c.io_deadline = IoDeadline::After(Duration::ZERO), "io_deadline must be > 0 seconds"),
+        ];
+        for (set, message) in cases {
+            let mut c = config();
+            set(&mut c);
+            let err = c.validate(1 << 20).unwrap_err().to_string();
+            assert!(err.contains(message), "{err}");
+        }
+        let mut c = config();
+        c.min_free = FreeSpaceReserve::AtLeast { bytes: 0, fraction: f64::NAN };
+        assert!(c.validate(1 << 20).unwrap_err().to_string().contains("min_free_fraction"));
+        let c = config();
+        assert!(c.validate(usize::MAX).unwrap_err().to_string().contains("too many segments"));
+    }
+
+    #[test]
+    fn io_deadlines_resolve() {
+        assert_eq!(IoDeadline::Default.resolve(28 << 20), super::super::health::DEADLINE_FLOOR);
+        assert_eq!(IoDeadline::After(Duration::from_millis(500)).resolve(1 << 20), Duration::from_millis(500));
+        assert_eq!(IoDeadline::Never.resolve(1 << 20), NO_DEADLINE);
+        assert_eq!(NO_DEADLINE.as_secs_f64(), limits::FOREVER_S);
     }
 }

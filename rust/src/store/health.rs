@@ -1,7 +1,8 @@
 //! A stalled or dead storage directory never stalls serving (decision 0031).
 //!
 //! - **Deadlines.** Every get and put carries one (`StoreConfig::io_deadline`,
-//!   default `default_deadline`). The watchdog thread abandons an operation
+//!   default `default_deadline`; `IoDeadline::Never` is `NO_DEADLINE`, which
+//!   no operation reaches). The watchdog thread abandons an operation
 //!   that is past it *and* whose directory made no progress (completed no
 //!   operation) for as long, or that is past `HARD_DEADLINE_FACTOR` times it
 //!   whatever its directory did: the caller gets a miss (get) or a skipped
@@ -17,7 +18,7 @@
 //!   I/O errors of the "storage unreachable" kind (EIO, ENOTCONN, ESTALE...)
 //!   in a row open it: gets there are misses and puts are skipped (counted)
 //!   at once, without touching the directory. After a back-off (the deadline,
-//!   doubled on each failed probe up to `BACKOFF_CAP`) one small probe
+//!   `BACKOFF_CAP` without one, doubled on each failed probe up to `BACKOFF_CAP`) one small probe
 //!   (statvfs + write/read/unlink of a 4 KiB file) runs on a directory
 //!   worker: success closes the breaker, failure or no answer within the
 //!   deadline opens it again. Each state change is one notice (logged once by
@@ -55,6 +56,17 @@ const MAX_NOTICES: usize = 256;
 pub fn default_deadline(chunk_bytes: usize) -> Duration {
     let secs = DEADLINE_FACTOR * chunk_bytes as f64 / ASSUMED_BANDWIDTH;
     DEADLINE_FLOOR.max(Duration::from_secs_f64(secs))
+}
+
+/// The breaker's first back-off: the deadline (a probe may take that long to
+/// answer), `BACKOFF_CAP` for a store without one (`NO_DEADLINE`), so that an
+/// open breaker still probes.
+fn first_backoff(deadline: Duration) -> Duration {
+    if deadline >= super::config::NO_DEADLINE {
+        BACKOFF_CAP
+    } else {
+        deadline
+    }
 }
 
 /// errnos that say the storage is unreachable or broken, not that a file is
@@ -152,18 +164,12 @@ pub enum Due {
 impl Health {
     pub fn new(paths: &[PathBuf], deadline: Duration) -> Self {
         let now = Instant::now();
+        let backoff = first_backoff(deadline);
         let dirs = paths
             .iter()
             .map(|p| DirHealth {
                 path: p.clone(),
-                breaker: Mutex::new(Breaker {
-                    state: BreakerState::Closed,
-                    failures: 0,
-                    backoff: deadline,
-                    reopen_at: now,
-                    probe: None,
-                    probes: 0,
-                }),
+                breaker: Mutex::new(Breaker { state: BreakerState::Closed, failures: 0, backoff, reopen_at: now, probe: None, probes: 0 }),
                 last_progress_ns: AtomicU64::new(0),
                 stuck: AtomicU64::new(0),
             })
@@ -244,7 +250,7 @@ impl Health {
         b.failures += 1;
         if b.state == BreakerState::Closed && b.failures >= BREAKER_THRESHOLD {
             b.state = BreakerState::Open;
-            b.backoff = self.deadline;
+            b.backoff = first_backoff(self.deadline);
             b.reopen_at = now + b.backoff;
             self.counters.breaker_opens.fetch_add(1, Ordering::Relaxed);
             let what = if timed_out { "timed out" } else { "failed" };
@@ -296,7 +302,7 @@ impl Health {
             Ok(()) => {
                 b.state = BreakerState::Closed;
                 b.failures = 0;
-                b.backoff = self.deadline;
+                b.backoff = first_backoff(self.deadline);
                 b.probe = None;
                 drop(b);
                 self.counters.breaker_closes.fetch_add(1, Ordering::Relaxed);
@@ -314,7 +320,7 @@ impl Health {
         self.counters.probe_failures.fetch_add(1, Ordering::Relaxed);
         b.state = BreakerState::Open;
         b.probe = None;
-        b.backoff = (b.backoff * 2).min(BACKOFF_CAP.max(self.deadline));
+        b.backoff = (b.backoff * 2).min(BACKOFF_CAP.max(first_backoff(self.deadline)));
         b.reopen_at = now + b.backoff;
         self.notice(Notice::warning(format!(
             "storage directory {}: circuit breaker half-open -> open (probe: {why}); next probe in {:.1} s",
@@ -399,5 +405,21 @@ mod tests {
         assert!(!h.overdue(0, since, now.max(since + d)), "the directory just completed something");
         assert!(h.overdue(0, since, now + d + d / 10), "no progress for a deadline");
         assert!(h.overdue(0, since, since + d * HARD_DEADLINE_FACTOR), "the hard limit");
+    }
+
+    #[test]
+    fn without_a_deadline_nothing_is_overdue_and_an_open_breaker_still_probes() {
+        let h = Health::new(&[PathBuf::from("/x")], super::super::config::NO_DEADLINE);
+        let since = Instant::now();
+        let years = Duration::from_secs(10 * 365 * 86_400);
+        assert!(!h.overdue(0, since, since + years), "no deadline: never abandoned");
+        for _ in 0..BREAKER_THRESHOLD {
+            h.failure(0, false, since); // storage errnos still open the breaker
+        }
+        assert_eq!(h.state(0), BreakerState::Open);
+        assert!(matches!(h.tick(0, since + BACKOFF_CAP / 2), Due::Nothing));
+        let Due::Probe(n) = h.tick(0, since + BACKOFF_CAP) else { panic!("probe due after BACKOFF_CAP") };
+        h.probe_result(0, n, Err(std::io::Error::from_raw_os_error(libc::EIO)), since + BACKOFF_CAP);
+        assert!(matches!(h.tick(0, since + 2 * BACKOFF_CAP), Due::Probe(_)), "the back-off stays at the cap");
     }
 }

@@ -5,15 +5,15 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use super::config::{BackendChoice, FreeSpaceReserve, StoreConfig, MAX_INFLIGHT, MAX_THREADS};
-use super::health::{self, Health};
+use super::config::{BackendChoice, StoreConfig};
+use super::health::Health;
 use super::jobs::{DirQueue, JobQueue};
 use super::{capacity, completion, read, BlockStore, Core, OpenReport};
 use crate::backend::threads::ThreadBackend;
 use crate::backend::uring::UringBackend;
 use crate::backend::{Backend, SegmentSink};
 use crate::disk::files::{self, DirectIoPolicy};
-use crate::disk::format::{self, IO_ALIGN};
+use crate::disk::format;
 use crate::disk::index::ChunkIndex;
 use crate::disk::layout::Layout;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
@@ -28,43 +28,7 @@ impl BlockStore {
         if !pool.is_owner() {
             return Err(EngineError::invalid("a store needs the staging pool's owner (not an attached mapping)"));
         }
-        if config.segment_bytes < IO_ALIGN || !config.segment_bytes.is_multiple_of(IO_ALIGN) {
-            return Err(EngineError::invalid(format!("segment_bytes must be a positive multiple of {IO_ALIGN}")));
-        }
-        if !config.write_segment_bytes.is_multiple_of(IO_ALIGN) {
-            return Err(EngineError::invalid(format!("write_segment_bytes must be 0 (whole chunk) or a multiple of {IO_ALIGN}")));
-        }
-        if config.queue_depth == 0 || config.queue_depth > 4096 {
-            return Err(EngineError::invalid("queue_depth must be in 1..=4096"));
-        }
-        // Counts become table sizes and thread counts: bounded, so a typo is
-        // an error and not an allocation failure (abort) or a thread storm.
-        if config.max_inflight == 0 || config.max_inflight > MAX_INFLIGHT {
-            return Err(EngineError::invalid(format!("max_inflight must be in 1..={MAX_INFLIGHT}, got {}", config.max_inflight)));
-        }
-        if config.io_threads > MAX_THREADS {
-            return Err(EngineError::invalid(format!("io_threads must be in 0..={MAX_THREADS} (0 = auto), got {}", config.io_threads)));
-        }
-        if config.chunk_workers > MAX_THREADS {
-            return Err(EngineError::invalid(format!("chunk_workers must be at most {MAX_THREADS}, got {}", config.chunk_workers)));
-        }
-        // Segments of one operation are counted in a u32.
-        let smallest = config.segment_bytes.min(if config.write_segment_bytes == 0 { usize::MAX } else { config.write_segment_bytes });
-        if pool.stride() / smallest >= u32::MAX as usize {
-            return Err(EngineError::invalid(format!(
-                "segment_bytes/write_segment_bytes of {smallest} cut a {}-byte slot (a chunk file of up to {} bytes) into too many segments",
-                pool.slot_bytes(),
-                pool.stride()
-            )));
-        }
-        if config.capacity_bytes < format::file_len(1) as u64 {
-            return Err(EngineError::invalid("capacity_bytes is too small to hold one chunk"));
-        }
-        if let FreeSpaceReserve::AtLeast { fraction, .. } = config.min_free {
-            if !(0.0..1.0).contains(&fraction) {
-                return Err(EngineError::invalid(format!("min_free_fraction must be in [0, 1), not {fraction}")));
-            }
-        }
+        config.validate(pool.stride())?;
         let namespace = format::namespace_fingerprint(&config.namespace);
         let layout = Layout::open(&config.dirs, &namespace, &config.namespace, &config.permissions)?;
         let stats = Stats::default();
@@ -109,11 +73,7 @@ impl BlockStore {
             (index, ScanProgress::completed(report))
         };
 
-        let deadline = config.io_deadline.unwrap_or_else(|| health::default_deadline(pool.stride()));
-        if deadline.is_zero() {
-            return Err(EngineError::invalid("io_deadline must be positive (None: derived from the chunk size)"));
-        }
-        let health = Health::new(layout.ns_dirs(), deadline);
+        let health = Health::new(layout.ns_dirs(), config.io_deadline.resolve(pool.stride()));
         let dirs = layout.ns_dirs().iter().map(|_| DirQueue::default()).collect();
         let core = Arc::new(Core {
             health,
