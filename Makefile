@@ -79,9 +79,17 @@ demo: develop
 bench: develop
 	$(PY) -m pykvcache.cli bench --out bench-out
 
-# The serving benchmark: real vLLM OpenAI servers, every configuration (~30-40 min on 2 cores).
+# The serving benchmark: real vLLM OpenAI servers, one preset after the other
+# (docs/performance.md, "Serving"): sessions (every configuration, ~30-40 min on
+# 2 cores) into bench-serve-out/sessions, long-context (TTFT vs context length
+# 1k-16k, quiet and read-capped, the crossover plot; hours on 2 cores, see
+# decisions/0060) into bench-serve-out/long-context. SERVE_PRESETS=long-context
+# runs one.
+SERVE_PRESETS ?= sessions long-context
 bench-serve: develop
-	$(PY) -m pykvcache.cli bench --parts serve --out bench-serve-out
+	for p in $(SERVE_PRESETS); do \
+		$(PY) -m pykvcache.cli bench --parts serve --serve-preset $$p --out bench-serve-out/$$p || exit 1; \
+	done
 
 clean:
 	rm -rf target dist bench-out bench-serve-out demo-out gpu-bench-out
