@@ -111,6 +111,10 @@ def test_crossover_rows_tables_targets_and_plot(tmp_path):
     opts = long_context_options()
     opts.contexts = [1024, 8192]
     runs = _synthetic(opts)
+    # One request of recompute's 1k cold phase failed (a client or server error): counted, never compared.
+    failed = next(r for r in runs if (r["config"], r["context_tokens"], r["read_mbps"], r["repeat"])
+                  == ("recompute", 1024, 0.0, 0))
+    failed["levels"][0]["records"][0]["error"] = "ServerDisconnectedError: Server disconnected"
     rows = crossover(runs, opts)
     row = next(r for r in rows if (r["context"], r["read_mbps"], r["phase"], r["config"])
                == (8192, 0.0, "steady", "pykvcache"))
@@ -137,6 +141,10 @@ def test_crossover_rows_tables_targets_and_plot(tmp_path):
     assert capped_8k[2] == f"{8192 * BPT / 1e6:.0f}" and capped_8k[3] == f"{8192 * BPT / 1e6 / 25:.1f}"
     t = out.targets
     assert not t["greedy outputs identical to recompute's for every request"][0]
+    assert t["every request answered (no client or server error)"] == (
+        False, "1 request(s) failed, every configuration counted")
+    cold = next(t for t in out.tables if "cold start" in t.title)
+    assert cold.rows[0][9] == "5/5 (1 request(s) failed)"  # 1k quiet pykvcache: 6 compared less the failed one
     assert not t["deferred lookups per run: 0 (pykvcache, steady state, staging as advised)"][0]
     assert t["steady state at 8k, quiet: p50 >= 8x, p99 >= 5x, throughput >= 5x recompute's"][0]
     assert t["reads capped 25 MB/s, 8192 tokens: p50 >= 3x recompute's"][0]

@@ -246,7 +246,8 @@ def crossover(runs: list[dict[str, Any]], opts: ServeOptions) -> list[dict[str, 
                 row: dict[str, Any] = {"context": context, "read_mbps": cap, "phase": phase, "config": c,
                                        "p50": [], "p99": [], "throughput": [], "p50_ms": [], "p50_ms_recompute": [],
                                        "p99_ms": [], "p99_ms_recompute": [], "deferred": [], "identical": 0,
-                                       "compared": 0, "runs_ok": 0, "break_even": []}
+                                       "compared": 0, "runs_ok": 0, "break_even": [], "failed_requests": 0,
+                                       "cores": [], "cores_recompute": []}
                 for rep in reps:
                     e, b = _cell(entries, context, cap, c, rep), _cell(entries, context, cap, "recompute", rep)
                     if e is None:
@@ -259,6 +260,11 @@ def crossover(runs: list[dict[str, Any]], opts: ServeOptions) -> list[dict[str, 
                     if b is None:
                         continue
                     s, r = phase_stats(e, phase), phase_stats(b, phase)
+                    row["failed_requests"] += s["errors"] + r["errors"]
+                    for key, run in (("cores", e), ("cores_recompute", b)):
+                        lv = next((lv for lv in run["levels"] if lv.get("phase") == phase), None)
+                        if lv is not None and lv.get("wall_s"):
+                            row[key].append(lv.get("cpu_s", 0.0) / lv["wall_s"])
                     if s["p50"] and r["p50"]:
                         row["p50"].append(r["p50"] / s["p50"])
                         row["p50_ms"].append(s["p50"] * 1e3)
@@ -348,14 +354,19 @@ def crossover_table(rows: list[dict[str, Any]], phase: str, title: str) -> Table
                      f"{_sp(r['p50_ms_recompute'], '{:.0f}')} / {_sp(r['p50_ms'], '{:.0f}')}",
                      f"{_sp(r['p99_ms_recompute'], '{:.0f}')} / {_sp(r['p99_ms'], '{:.0f}')}",
                      " / ".join(f"{d:.0f}" for d in r["deferred"]) or "-",
-                     f"{r['identical']}/{r['compared']}"])
+                     f"{r['identical']}/{r['compared']}"
+                     + (f" ({r['failed_requests']} request(s) failed)" if r["failed_requests"] else ""),
+                     f"{_sp(r['cores_recompute'])} / {_sp(r['cores'])}"])
     return Table(title=title, header=["context tokens", "regime", "configuration", "p50 TTFT gain (recompute / this)",
                                       "p99 TTFT gain", "throughput gain (this / recompute)",
                                       "p50 ms recompute / this", "p99 ms recompute / this",
-                                      "deferred lookups per run", "greedy outputs identical"],
+                                      "deferred lookups per run", "greedy outputs identical",
+                                      "server cores used recompute / this"],
                  rows=body, note="gains: median (min–max) over repeats, each repeat against recompute measured in the "
                                  "same round on its own fresh server; > 1 = better than recompute. Deferred lookups: "
-                                 "the engine's lookups_deferred (HIT_PENDING or RETRY), one number per run.")
+                                 "the engine's lookups_deferred (HIT_PENDING or RETRY), one number per run. Cores "
+                                 "used: the server tree's CPU-seconds over the phase's wall time (below 2 on this "
+                                 "2-core host when other work took the cores, or while the server waited).")
 
 
 def _lookahead_table(rows: list[dict[str, Any]]) -> Table:
@@ -400,12 +411,15 @@ def _sizing_table(runs: list[dict[str, Any]], opts: ServeOptions, bytes_per_toke
                                                   "pykvcache's start-up advice (server log)"], rows=body)
 
 
-def _targets(out: PartOutput, rows: list[dict[str, Any]], la: list[dict[str, Any]]) -> None:
+def _targets(out: PartOutput, runs: list[dict[str, Any]], rows: list[dict[str, Any]], la: list[dict[str, Any]]) -> None:
     compared = sum(r["compared"] for r in rows)
     same = sum(r["identical"] for r in rows)
     if compared:
         out.targets["greedy outputs identical to recompute's for every request"] = (
             same == compared, f"{same}/{compared} requests identical")
+        failed = sum(rec["error"] is not None for e in runs for lv in e.get("levels", []) for rec in lv["records"])
+        out.targets["every request answered (no client or server error)"] = (
+            failed == 0, f"{failed} request(s) failed, every configuration counted")
     steady = [r for r in rows if r["config"] == "pykvcache" and r["phase"] == "steady"]
     deferred = [d for r in steady for d in r["deferred"]]
     if deferred:
@@ -447,6 +461,7 @@ def crossover_figure(rows: list[dict[str, Any]], opts: ServeOptions, break_even:
                 ax.annotate(f"gate break-even\n{break_even:.0f} tokens", (break_even, 1.0), fontsize=7,
                             xytext=(3, 6), textcoords="offset points", color="grey")
             for cap, be in learnt.items():
+                be = max(1.0, be)  # below one token: loading any prefix pays
                 ax.axvline(be, color="tab:red" if cap else "tab:green", linestyle=":", linewidth=1)
                 ax.annotate(f"learnt, {regime(cap)}: {be:.0f}", (be, 1.0), fontsize=7, rotation=90,
                             xytext=(2, 12), textcoords="offset points", color="tab:red" if cap else "tab:green")
@@ -456,7 +471,7 @@ def crossover_figure(rows: list[dict[str, Any]], opts: ServeOptions, break_even:
             ax.yaxis.set_major_formatter(ScalarFormatter())
             ax.yaxis.set_minor_formatter(NullFormatter())
             marks = [*([break_even] if break_even else []), *learnt.values()]
-            ticks = sorted(set(opts.contexts) | {int(m) for m in marks if m > 0})
+            ticks = sorted(set(opts.contexts) | {max(1, round(m)) for m in marks if m >= 0})
             ax.set_xticks(ticks, [f"{t / 1024:g}k" if t >= 1024 else str(t) for t in ticks], fontsize=7)
             ax.set_xlim(min(ticks) / 1.5, max(ticks) * 1.5)
             ax.set_xlabel("reused context (tokens)")
@@ -494,7 +509,7 @@ def analyse_sweep(runs: list[dict[str, Any]], opts: ServeOptions, model_info: di
         out.tables.append(Table(title="Servers that did not run (error text, server log tail)",
                                 header=["configuration", "point", "repeat", "why"], rows=failures))
     out.figures.append(crossover_figure(rows, opts, be, learnt))
-    _targets(out, rows, la)
+    _targets(out, runs, rows, la)
     out.notes += sweep_notes(opts, model_info, be, be_from, learnt)
     out.raw = {"options": opts.to_dict(), "model": model_info, "runs": runs, "crossover": rows, "lookahead": la,
                "load_vs_prefill": lvp, "break_even": {"configured": be, "source": be_from, "learnt": learnt}}

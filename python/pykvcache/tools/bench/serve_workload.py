@@ -223,7 +223,14 @@ async def _run(url: str, model: str, w: Workload, tokenizer_json: str, on_reques
                 if k + 1 < w.turns and think[s][k] > 0:
                     await asyncio.sleep(think[s][k])
 
-    async with aiohttp.ClientSession(timeout=timeout) as http:
+    # A fresh connection per request: a pooled keep-alive connection that sat
+    # idle past the server's keep-alive timeout (uvicorn: 5 s) can be closed by
+    # the server as it is reused, and the request fails with "Server
+    # disconnected" before it reached vLLM (seen once in 72 requests of 8k-token
+    # sessions, where users wait seconds between turns). A loopback connect
+    # costs ~0.1 ms against TTFTs of 100 ms and more.
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as http:
         await asyncio.gather(*(user(http) for _ in range(w.concurrency)))
     return records
 
