@@ -78,6 +78,19 @@ def test_check_sweep():
     assert "below the longest prompt" in problems
 
 
+def test_read_caps_the_host_cannot_apply_are_dropped_not_fatal(monkeypatch):
+    from pykvcache.tools.bench import read_throttle
+    from pykvcache.tools.bench.serve_sweep import without_unavailable_caps
+
+    opts = long_context_options()
+    monkeypatch.setattr(read_throttle, "unavailable", lambda: "needs root (a blkio cgroup)")
+    assert check_sweep(opts) == []
+    kept, why = without_unavailable_caps(opts)
+    assert kept.read_caps == [0.0] and why == "read caps 25 MB/s not run: needs root (a blkio cgroup)"
+    monkeypatch.setattr(read_throttle, "unavailable", lambda: None)
+    assert without_unavailable_caps(opts) == (opts, None)
+
+
 def _level(phase, ttfts, texts, deferred=0.0, wall=10.0):
     recs = [{"session": i, "turn": 1, "ttft_s": t, "itl_s": [0.01], "output_tokens": 8, "error": None,
              "text": x, "reused_tokens": 0} for i, (t, x) in enumerate(zip(ttfts, texts))]

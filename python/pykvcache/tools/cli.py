@@ -86,7 +86,7 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
                         help="serve part: comma-separated configurations (recompute,pykvcache,gate_off,"
                              "lookahead_off,verify_header,lmcache,native; default all)")
     parser.add_argument("--serve-model", default=None,
-                        help="serve part: a generated model (llama3-geometry, tiny) or a model directory")
+                        help="serve part: a generated model (llama3-geometry, llama3-geometry-32k, tiny) or a model directory")
     parser.add_argument("--serve-concurrency", type=_int_list, default=None,
                         help="serve part: concurrent users per level, e.g. 2,6")
     parser.add_argument("--serve-repeats", type=int, default=None, help="serve part: repeats per configuration")

@@ -22,6 +22,10 @@ lookahead), ``gate_off``, ``lookahead_off``, ``verify_header``, ``lmcache``
 private install) and ``native`` (vLLM's own CPU offloading,
 ``--kv-offloading-backend native``). A configuration that fails is reported
 with its error text and the server log's tail.
+
+That is the ``sessions`` preset (the default); ``long-context``
+(:mod:`.serve_sweep`) runs the session workload per context length instead,
+for TTFT gain vs context length; ``quick`` is the CI size (``PRESETS``).
 """
 
 from __future__ import annotations
@@ -942,6 +946,11 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
     model, mcfg, generated = resolve_model(opts.model, model_cache or default_model_cache())
     model_info = {"name": opts.model, "path": model, "config": mcfg, "generated": generated,
                   "bytes_per_token": kv_bytes_per_token(mcfg)}
+    dropped = None
+    if opts.contexts:
+        from .serve_sweep import without_unavailable_caps
+
+        opts, dropped = without_unavailable_caps(opts)
     step = ctx.progress.part(NAME, steps_for(opts))
     work = Path(ctx.config.directory) / "serve"
     work.mkdir(parents=True, exist_ok=True)
@@ -950,6 +959,8 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
 
         runs = run_sweep(ctx, opts, model, model_info, work, step)
         out = analyse_sweep(runs, opts, model_info)
+        if dropped:
+            out.notes.insert(0, dropped)
         write_crossover(out, Path(ctx.config.out))
         _keep_logs(runs, Path(ctx.config.out))
         return out
@@ -978,5 +989,6 @@ def run(ctx: BenchContext) -> PartOutput:
     return run_with(ctx, options_from(ctx.config))
 
 
-register_part(Part(NAME, "serving: real vLLM OpenAI server, multi-turn users over shared contexts, every tier "
-                   "(not default: ~20 min; make bench-serve)", run, steps, default=False))
+register_part(Part(NAME, "serving: real vLLM OpenAI servers; --serve-preset sessions (default: multi-turn users over "
+                   "shared 1.5k contexts, every tier, ~30 min), long-context (TTFT gain vs context length, hours), "
+                   "quick (not default; make bench-serve)", run, steps, default=False))
