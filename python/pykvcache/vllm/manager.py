@@ -61,6 +61,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from pykvcache._core import chunk_file_bytes
 from pykvcache.gate import ChunkState
 from pykvcache.vllm.disk_presence import DiskPresence
 from pykvcache.vllm.gate_plan import GateWiring, NoGating
@@ -82,6 +83,11 @@ from pykvcache.vllm.transfer_spec import StagingSlotsSpec
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
+
+#: Device time a load may wait behind preloads already at the device: the
+#: engine's bound on prefetch bytes in flight is the device speed the gate
+#: learnt times this, at least one chunk (decision 0061).
+PRELOAD_YIELD_S = 0.003
 
 
 
@@ -114,6 +120,7 @@ class NvmeOffloadingManager(OffloadingManager):
         self._max_inflight_writes = max(1, max_inflight_writes)
         self._reads: dict[bytes, object] = {}  # key -> IoHandle
         self._prefetching: set[bytes] = set()  # keys of _reads submitted at background priority
+        self._background_budget: int | None = None  # the engine's prefetch byte bound, once learnt
         self._writes: dict[bytes, object] = {}
         # (status, errno) of write failures logged so far: each kind is logged
         # once at WARNING (a full disk would otherwise log every chunk).
@@ -202,6 +209,8 @@ class NvmeOffloadingManager(OffloadingManager):
             if entry is None:
                 self.metrics.inc("staging_full_misses")
                 return LookupResult.MISS
+        elif not background and key in self._prefetching:
+            self._promote(key)
         if entry.state is EntryState.FAILED:
             return LookupResult.MISS  # its read failed; a load still holds the slot
         if owner is not None:
@@ -335,6 +344,8 @@ class NvmeOffloadingManager(OffloadingManager):
         loader = owner(LOAD, req_context.req_id)
         for key in keys:
             self._poll_read(key)
+            if key in self._prefetching:
+                self._promote(key)  # the load waits for it: not behind other preloads
             entry = self.cache.get(key)
             ready = entry is not None and entry.state is EntryState.READY
             reading = entry is not None and entry.state is EntryState.READING and entry.ready_gen > 0
@@ -506,6 +517,8 @@ class NvmeOffloadingManager(OffloadingManager):
             for directory in dirs:
                 shutil.rmtree(directory, ignore_errors=True)
             self.store = self._reopen_store()
+            if self._background_budget is not None:
+                self.store.set_background_budget(self._background_budget)
             if self._preformat_wanted:
                 self.start_background_preformat()
         self._emit(removed, removed=True)
@@ -533,6 +546,7 @@ class NvmeOffloadingManager(OffloadingManager):
         self.metrics.set_gauge("disk_recycled_files", stats["recycled_files"])
         self.metrics.set_gauge("disk_recycle_skipped", stats["recycle_skipped"])
         self.metrics.set_gauge("disk_capacity_bytes", self.store.capacity_bytes)
+        self.metrics.set_gauge("disk_background_budget_bytes", self._background_budget or 0)
         self.metrics.set_gauge("disk_other_namespace_bytes", stats["other_namespace_bytes"])
         self.metrics.set_gauge("disk_other_writers", stats["other_writers"])
         for gauge, key in (("disk_io_timeouts", "io_timeouts"), ("disk_breaker_opens", "breaker_opens"),
@@ -609,6 +623,26 @@ class NvmeOffloadingManager(OffloadingManager):
             return None
         return entry
 
+    def _promote(self, key: bytes) -> None:
+        """A preload still queued is needed now: raise it to demand priority,
+        so it no longer waits behind the other preloads (decision 0061). One
+        whose transfers all started stays a preload (nothing to move)."""
+        if self._reads[key].promote():
+            self._prefetching.discard(key)  # a demand read now: a new read waits behind it
+            self.metrics.inc("lookahead_promoted_reads")
+
+    def _update_background_budget(self) -> None:
+        """Bound what preloads have at the device to ``PRELOAD_YIELD_S`` of the
+        device speed the gate learnt (at least one chunk), so that a load
+        waits at most about that long behind them."""
+        speed = self.gating.device_bytes_per_s()
+        if speed is None:
+            return
+        budget = max(chunk_file_bytes(self.layout.payload_bytes), int(speed * PRELOAD_YIELD_S))
+        if budget != self._background_budget:
+            self._background_budget = budget
+            self.store.set_background_budget(budget)
+
     def _poll_read(self, key: bytes) -> None:
         handle = self._reads.get(key)
         if handle is not None and handle.done():
@@ -618,8 +652,10 @@ class NvmeOffloadingManager(OffloadingManager):
         handle = self._reads.pop(key)
         self._prefetching.discard(key)
         result = handle.wait()
-        self.metrics.inc("gate_load_observations",
-                         self.gating.read_finished(key, result.status == "ok", result.latency_s or 0.0))
+        observed = self.gating.read_finished(key, result.status == "ok", result.latency_s or 0.0)
+        self.metrics.inc("gate_load_observations", observed)
+        if observed:
+            self._update_background_budget()
         if result.status == "ok":
             self.metrics.inc("disk_reads")
             self.metrics.inc("disk_read_bytes", result.length)
