@@ -119,6 +119,8 @@ class NvmeOffloadingManager(OffloadingManager):
         self._lock = threading.RLock()
         self._max_inflight_writes = max(1, max_inflight_writes)
         self._reads: dict[bytes, object] = {}  # key -> IoHandle
+        # Keys a lookup answered HIT while their read was in flight, until the read ends.
+        self._hit_in_flight: set[bytes] = set()
         self._prefetching: set[bytes] = set()  # keys of _reads submitted at background priority
         self._background_budget: int | None = None  # the engine's prefetch byte bound, once learnt
         self._writes: dict[bytes, object] = {}
@@ -306,6 +308,7 @@ class NvmeOffloadingManager(OffloadingManager):
             # The read started (now or earlier) at once; the worker's copy
             # waits for it (prepare_load hands over the ready word's generation).
             self.metrics.inc("lookup_in_flight_hits")
+            self._hit_in_flight.add(key)
         elif result is not LookupResult.HIT:
             self.metrics.inc("lookups_deferred")
         if result is LookupResult.HIT_PENDING:
@@ -352,9 +355,8 @@ class NvmeOffloadingManager(OffloadingManager):
             if not ready and not (self.in_flight_hits and reading):
                 if self.in_flight_hits:
                     # Answered HIT while its read was in flight, and the read
-                    # failed since: the worker reports this load failed and
-                    # vLLM recomputes (nothing is copied from this slot).
-                    self.metrics.inc("in_flight_read_failures")
+                    # failed since (counted by _finish_read): the worker reports
+                    # this load failed and vLLM recomputes (nothing is copied).
                     slots.append(entry.slot if entry is not None else 0)
                     generations.append(-1)
                     continue
@@ -651,6 +653,8 @@ class NvmeOffloadingManager(OffloadingManager):
     def _finish_read(self, key: bytes) -> None:
         handle = self._reads.pop(key)
         self._prefetching.discard(key)
+        answered_in_flight = key in self._hit_in_flight
+        self._hit_in_flight.discard(key)
         result = handle.wait()
         observed = self.gating.read_finished(key, result.status == "ok", result.latency_s or 0.0)
         self.metrics.inc("gate_load_observations", observed)
@@ -665,9 +669,10 @@ class NvmeOffloadingManager(OffloadingManager):
         self.metrics.inc(failed_read_counter(result.status, result.miss_kind))
         if result.status != "miss":
             self._unusable.report(key, result.status, result.message)
-        if self.cache.is_held(key, LOAD):
-            # Answered HIT in flight and handed to a load: the engine settled
-            # the ready word failed, the worker reports the load failed.
+        if answered_in_flight:
+            # Answered HIT in flight: the engine settled the ready word failed
+            # and the worker reports the load failed. Not "held by a load": the
+            # failed load may have been reported and released before this poll.
             self.metrics.inc("in_flight_read_failures")
         self.cache.fail(key)
         # The engine alone decides the file's fate (decision 0050): it removed
