@@ -6,7 +6,7 @@ VENV033 := .venv-vllm033
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_OMP_THREADS_BIND := nobind
 
-.PHONY: venv venv-vllm033 lmcache-env develop wheel lint test test-quick test-rust test-python test-vllm033 demo bench bench-serve clean
+.PHONY: venv venv-vllm033 lmcache-env develop wheel lint test test-quick test-rust test-python test-vllm033 demo bench bench-serve bench-serve-long clean
 
 venv:
 	bash tools/setup_venv.sh
@@ -79,9 +79,17 @@ demo: develop
 bench: develop
 	$(PY) -m pykvcache.cli bench --out bench-out
 
-# The serving benchmark: real vLLM OpenAI servers, every configuration (~30-40 min on 2 cores).
+# The serving benchmark: real vLLM OpenAI servers (docs/performance.md, "Serving"),
+# both presets: sessions (every configuration, ~30-40 min on 2 cores) into
+# bench-serve-out/sessions, then long-context (TTFT gain vs context length 1k-16k,
+# quiet and read-capped, the crossover plot; hours on 2 cores, see decisions/0060)
+# into bench-serve-out/long-context. bench-serve-long runs the second alone.
 bench-serve: develop
-	$(PY) -m pykvcache.cli bench --parts serve --out bench-serve-out
+	$(PY) -m pykvcache.cli bench --parts serve --serve-preset sessions --out bench-serve-out/sessions
+	$(PY) -m pykvcache.cli bench --parts serve --serve-preset long-context --out bench-serve-out/long-context
+
+bench-serve-long: develop
+	$(PY) -m pykvcache.cli bench --parts serve --serve-preset long-context --out bench-serve-out/long-context
 
 clean:
 	rm -rf target dist bench-out bench-serve-out demo-out gpu-bench-out

@@ -82,6 +82,9 @@ class StoreStats(TypedDict):
     bytes_written: int
     reads: int
     prefetches: int
+    #: Prefetches raised to demand priority before all their transfers started
+    #: (:meth:`IoHandle.promote`).
+    promotions: int
     writes: int
     read_hits: int
     read_misses: int
@@ -317,6 +320,12 @@ class IoHandle:
     def key(self) -> bytes: ...
     @property
     def slot(self) -> int: ...
+    def promote(self) -> bool:
+        """A prefetch still waiting to start: raise it to demand priority (its
+        transfers not started yet go with gets and puts, behind those queued
+        before). True when something moved; False for a get or put, a prefetch
+        done or promoted already, or one whose transfers all started (a read in
+        flight is not recalled)."""
     def done(self) -> bool: ...
     def wait(self, timeout: float | None = None) -> IoResult:
         """Block (GIL released) until complete; raises TimeoutError on timeout
@@ -426,8 +435,18 @@ class BlockStore:
     def prefetch(self, key: bytes, slot: int) -> IoHandle:
         """``get`` at background priority, for chunks that will be needed soon:
         its transfers start only when no ``get``/``put`` transfer is waiting and
-        never occupy more than half of ``queue_depth``, so reads needed now
-        overtake it. Same results and verification as ``get``."""
+        never occupy more than half of ``queue_depth`` (nor, once set, more than
+        :meth:`set_background_budget` bytes), so reads needed now overtake it.
+        Same results and verification as ``get``; :meth:`IoHandle.promote`
+        raises it to ``get`` priority."""
+    def set_background_budget(self, nbytes: int | None) -> None:
+        """Bound the bytes prefetches have in flight (one transfer always may):
+        a ``get`` then waits at the device behind at most that much background
+        work. ``None``: only half of ``queue_depth`` bounds them (the default).
+        Applies to transfers started from now on (decision 0061)."""
+    @property
+    def background_budget(self) -> int | None:
+        """What :meth:`set_background_budget` set last (None: never, or removed)."""
     def contains(self, key: bytes) -> bool:
         """Index lookup only (no I/O)."""
     def probe(self, key: bytes) -> bool:

@@ -112,6 +112,9 @@ struct OpEntry<C> {
     /// the caller, but the kernel may still be working on it. The entry stays
     /// busy until that work really ends (`complete`), then frees.
     abandoned: bool,
+    /// A background operation raised to demand priority (`promote`): its
+    /// transfers not started yet go with demand ones.
+    promoted: bool,
 }
 
 /// Where an operation runs and since when, for the deadline watchdog.
@@ -123,6 +126,19 @@ pub struct Watch {
     pub since: Instant,
     /// A get's ready-word generation (0 for a put): settled failed when abandoned.
     pub ready_gen: u32,
+    /// A prefetch (background priority): what `promote` may raise.
+    pub background: bool,
+}
+
+/// What `OpTable::promote` found.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Promotion {
+    /// Nothing to do: done, not a background operation, or promoted already.
+    No,
+    /// Not handed to the backend yet: it will start at demand priority.
+    BeforeStart,
+    /// Handed to the backend: its queued transfers are the caller's to move.
+    Started,
 }
 
 /// An operation the watchdog just abandoned.
@@ -182,6 +198,7 @@ impl<C> OpTable<C> {
                 detached: false,
                 watch: None,
                 abandoned: false,
+                promoted: false,
             })
             .collect();
         Ok(OpTable {
@@ -229,6 +246,7 @@ impl<C> OpTable<C> {
             e.detached = false;
             e.watch = None;
             e.abandoned = false;
+            e.promoted = false;
             Some(Ok(OpId { index, generation: e.generation }))
         });
         reserved.unwrap_or_else(|TimedOut| {
@@ -236,15 +254,16 @@ impl<C> OpTable<C> {
         })
     }
 
-    /// Hands the operation to the backend's accounting. Refused (the context
-    /// given back) when the store closed since `allocate`: the backend may be
-    /// gone, so the caller fails the operation instead of submitting it. A
-    /// restart (a put's rewrite after ENOSPC) is always accepted: closing
-    /// waits for it.
+    /// Hands the operation to the backend's accounting; Ok(whether it was
+    /// promoted meanwhile: its transfers go at demand priority). Refused
+    /// (the context given back) when the store closed since `allocate`: the
+    /// backend may be gone, so the caller fails the operation instead of
+    /// submitting it. A restart (a put's rewrite after ENOSPC) is always
+    /// accepted: closing waits for it.
     // The context moves back by value on refusal (rare); boxing it would cost
     // an allocation on every operation.
     #[allow(clippy::result_large_err)]
-    pub fn start(&self, id: OpId, ctx: C, segments: u32) -> std::result::Result<(), C> {
+    pub fn start(&self, id: OpId, ctx: C, segments: u32) -> std::result::Result<bool, C> {
         let mut t = self.lock();
         let closed = t.closed;
         let e = &mut t.entries[id.index as usize];
@@ -254,7 +273,30 @@ impl<C> OpTable<C> {
         e.started = true;
         e.ctx = Some(ctx);
         e.segs_left = segments;
-        Ok(())
+        Ok(e.promoted)
+    }
+
+    /// Raises a background operation still in flight to demand priority
+    /// (once; see `Promotion` for what the caller does next).
+    pub fn promote(&self, id: OpId) -> Promotion {
+        let mut t = self.lock();
+        let Ok(e) = Self::entry(&mut t, id) else { return Promotion::No };
+        let background = e.watch.is_some_and(|w| w.background);
+        if !background || e.promoted || e.outcome.is_some() || e.abandoned {
+            return Promotion::No;
+        }
+        e.promoted = true;
+        if e.started {
+            Promotion::Started
+        } else {
+            Promotion::BeforeStart
+        }
+    }
+
+    /// Whether `promote` raised this operation (false once it is freed).
+    pub fn is_promoted(&self, id: OpId) -> bool {
+        let mut t = self.lock();
+        Self::entry(&mut t, id).is_ok_and(|e| e.promoted)
     }
 
     /// Gives back an entry that was reserved but never started (the
@@ -391,6 +433,7 @@ impl<C> OpTable<C> {
         e.detached = false;
         e.watch = None;
         e.abandoned = false;
+        e.promoted = false;
         t.free.push(index);
     }
 

@@ -157,6 +157,20 @@ impl PyBlockStore {
         Ok(PyIoHandle::new(&self.inner, id, "prefetch", key, slot))
     }
 
+    /// Bounds the bytes prefetches have in flight (one transfer always may):
+    /// a get then waits at the device behind at most that much background
+    /// work. None: half of the queue depth bounds them (the default).
+    #[pyo3(signature = (nbytes))]
+    fn set_background_budget(&self, nbytes: Option<usize>) {
+        self.inner.set_background_budget(nbytes);
+    }
+
+    /// What `set_background_budget` set last (None: never, or removed).
+    #[getter]
+    fn background_budget(&self) -> Option<usize> {
+        self.inner.background_budget()
+    }
+
     fn contains(&self, key: &[u8]) -> bool {
         self.inner.contains(key)
     }

@@ -15,6 +15,9 @@ pub struct Stats {
     pub reads: AtomicU64,
     /// Reads asked for at background priority (successful ones also count in `reads`).
     pub prefetches: AtomicU64,
+    /// Prefetches raised to demand priority before all their transfers
+    /// started (`BlockStore::promote`).
+    pub promotions: AtomicU64,
     pub writes: AtomicU64,
     pub read_hits: AtomicU64,
     pub read_misses: AtomicU64,
@@ -109,6 +112,7 @@ impl Stats {
             ("bytes_written", g(&self.bytes_written)),
             ("reads", g(&self.reads)),
             ("prefetches", g(&self.prefetches)),
+            ("promotions", g(&self.promotions)),
             ("writes", g(&self.writes)),
             ("read_hits", g(&self.read_hits)),
             ("read_misses", g(&self.read_misses)),

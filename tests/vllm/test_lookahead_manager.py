@@ -582,3 +582,68 @@ def test_the_manager_counts_who_waits_for_the_gate(tmp_path):
         assert h.m.waiting_besides("zz") == 1
     finally:
         h.close()
+
+
+def test_a_lookup_promotes_the_queued_preload_of_its_chunk(tmp_path):
+    """A preload its request now needs must not wait behind the other preloads
+    (decision 0061): the lookup raises its queued prefetch to demand priority.
+    A stalled FUSE mount keeps the preloads queued (their opens wait)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+    from stall_fs import StallFs, skip_reason
+
+    if (why := skip_reason()) is not None:
+        pytest.skip(why)
+    with StallFs(tmp_path / "fs") as fs:
+        h = Harness(fs.mount_point, num_slots=32, lookahead_slots=16, window=4, gate=_gate())
+        try:
+            keys = [_key(i) for i in range(1, 7)]
+            other = [_key(i) for i in range(20, 24)]
+            h.on_disk_only(keys + other)
+            fs.stall()
+            h.queue("r0", other, arrival=1.0)
+            h.queue("r1", keys, arrival=2.0)
+            assert h.m._prefetching == set(keys + other)  # all queued, none started
+            ctx, hits = h.probe("r1", keys)
+            assert hits is None  # still reading: the request waits
+            m = h.m.metrics.totals
+            assert m["lookahead_promoted_reads"] == 6 and h.store_obj.stats()["promotions"] == 6
+            # Now demand reads (a new read waits behind them); r0's stay preloads.
+            assert h.m._prefetching == set(other)
+            assert h.m.queued_bytes() == 6 * CHUNK
+            h.probe("r1", keys)  # asked again: promoted once
+            assert m["lookahead_promoted_reads"] == 6
+            fs.resume()
+            h.settle()
+            ctx, hits = h.probe("r1", keys)
+            assert hits == 6
+            h.load(ctx, keys)
+            assert m["lookahead_promoted_reads"] == 6 and h.store_obj.stats()["promotions"] == 6
+        finally:
+            fs.resume()
+            h.close()
+
+
+def test_the_preload_byte_budget_follows_the_device_speed_the_gate_learns(tmp_path):
+    from pykvcache._core import chunk_file_bytes
+    from pykvcache.gate import OnlineLoadModel
+    from pykvcache.vllm.manager import PRELOAD_YIELD_S
+
+    slow = LoadCost(fixed_s=1e-3, disk_bytes_per_s=1e9, h2d_bytes_per_s=1e15)
+    gate = AdmissionGate(CostModel(PrefillCurve(0.0, 1.0, 0.0), slow, CHUNK / CT),
+                         chunk_tokens=CT, online=OnlineLoadModel(slow))
+    h = Harness(tmp_path / "kv", num_slots=16, gate=gate)
+    try:
+        keys = [_key(i) for i in range(8)]
+        h.on_disk_only(keys)
+        # Nothing learnt yet: the engine's default bound.
+        assert h.store_obj.background_budget is None
+        assert h.m.metrics.gauges.get("disk_background_budget_bytes", 0) == 0
+        h.probe("r", keys[:4])
+        h.settle()
+        assert gate.online.samples == 1
+        expected = max(chunk_file_bytes(CHUNK), int(gate.online.disk_bytes_per_s * PRELOAD_YIELD_S))
+        assert h.store_obj.background_budget == expected
+        h.m.get_stats()
+        assert h.m.metrics.gauges["disk_background_budget_bytes"] == expected
+    finally:
+        h.close()

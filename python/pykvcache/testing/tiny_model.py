@@ -16,7 +16,7 @@ import os
 import random
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 #: Bump when the recipe below changes in a way the spec fields do not capture.
@@ -60,8 +60,16 @@ LLAMA3_KV_GEOMETRY = TinyModelSpec(
     num_key_value_heads=8, head_dim=128, max_position_embeddings=8192, initializer_range=0.05,
 )  # fmt: skip
 
+#: The same model with room for 32k-token prompts (RoPE has no learnt
+#: positions: only ``max_position_embeddings``, hence vLLM's accepted
+#: ``max_model_len``, differs; the weights are the same seeded draw). Its own
+#: cache directory, so the 8k model's fingerprint (and any gate profile
+#: calibrated on it) stays valid. The serve part's long-context preset.
+LLAMA3_KV_GEOMETRY_32K = replace(LLAMA3_KV_GEOMETRY, max_position_embeddings=32768)
+
 #: Named specs (``pykvcache bench --parts serve --serve-model llama3-geometry``).
-SPECS = {"tiny": TinyModelSpec(), "llama3-geometry": LLAMA3_KV_GEOMETRY}
+SPECS = {"tiny": TinyModelSpec(), "llama3-geometry": LLAMA3_KV_GEOMETRY,
+         "llama3-geometry-32k": LLAMA3_KV_GEOMETRY_32K}
 
 
 def synthetic_words(count: int = 400, seed: int = _WORDS_SEED) -> list[str]:

@@ -78,11 +78,15 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
                         help="engine write segment size (MiB; default: each chunk in one write)")
     parser.add_argument("--verify", choices=("full", "header"), default=None,
                         help="engine read verification (default full: header + payload CRC)")
+    parser.add_argument("--serve-preset", default=None, choices=("sessions", "long-context", "quick"),
+                        help="serve part: what it runs (docs/performance.md, Serving): sessions (default: multi-turn "
+                             "users over 1.5k-token documents, every tier), long-context (TTFT vs context length "
+                             "1k-16k, quiet and read-capped: the crossover plot), quick (CI size)")
     parser.add_argument("--serve-configs", default=None,
                         help="serve part: comma-separated configurations (recompute,pykvcache,gate_off,"
                              "lookahead_off,verify_header,lmcache,native; default all)")
     parser.add_argument("--serve-model", default=None,
-                        help="serve part: a generated model (llama3-geometry, tiny) or a model directory")
+                        help="serve part: a generated model (llama3-geometry, llama3-geometry-32k, tiny) or a model directory")
     parser.add_argument("--serve-concurrency", type=_int_list, default=None,
                         help="serve part: concurrent users per level, e.g. 2,6")
     parser.add_argument("--serve-repeats", type=int, default=None, help="serve part: repeats per configuration")
@@ -152,11 +156,12 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
         if args.serve_configs:
             config.serve_configs = [c.strip() for c in args.serve_configs.split(",") if c.strip()]
         config.serve_model = args.serve_model
+        config.serve_preset = args.serve_preset
         config.serve_concurrency = args.serve_concurrency
         config.serve_repeats = args.serve_repeats
         config.serve_busy_cores = args.serve_busy_cores
         config.serve_set = list(args.serve_set or [])
-        if config.serve_set or args.serve_busy_cores is not None:
+        if config.serve_set or args.serve_busy_cores is not None or args.serve_preset:
             from .bench.serve_part import options_from
 
             try:  # a typo fails here, not after the other parts have run

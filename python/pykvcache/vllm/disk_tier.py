@@ -176,11 +176,12 @@ class DiskTier:
     is in flight; this says what a finished read or write means.
 
     ``label`` starts its log lines (``"pykvcache"``, ``"pykvcache tier"``);
-    ``trouble`` names its log of unusable chunks."""
+    ``trouble`` names its log of unusable chunks; ``on_learnt`` is called
+    after the gate learnt the device from a load."""
 
     def __init__(self, store, pool, *, gating, label: str = "pykvcache",
                  trouble: str = "unusable chunks (each treated as a miss)",
-                 log: logging.Logger = logger) -> None:
+                 log: logging.Logger = logger, on_learnt: Callable[[], None] | None = None) -> None:
         self.store = store
         self.pool = pool
         self.gating = gating
@@ -189,6 +190,7 @@ class DiskTier:
         self.closed = False
         self._label = label
         self._log = log
+        self._on_learnt = on_learnt
         self._unusable = ChunkTroubleLog(log, trouble)
         # (status, errno) of write failures logged so far: each kind is logged
         # once at WARNING (a full disk would otherwise log every chunk).
@@ -217,7 +219,10 @@ class DiskTier:
         stalled directory could not read. What is left here is not to read
         it again at once (it would end the same way every step)."""
         ok = result.status == "ok"
-        self.metrics.inc("gate_load_observations", self.gating.read_finished(key, ok, result.latency_s or 0.0))
+        observed = self.gating.read_finished(key, ok, result.latency_s or 0.0)
+        self.metrics.inc("gate_load_observations", observed)
+        if observed and self._on_learnt is not None:
+            self._on_learnt()
         if ok:
             self._count_io("read", result)
             return True

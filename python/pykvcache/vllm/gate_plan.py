@@ -160,6 +160,9 @@ class NoGating:
     def watch_breakers(self, health: Callable[[], tuple[int, int, int]], *, io_deadline_s: float) -> None:
         pass
 
+    def device_bytes_per_s(self) -> float | None:
+        return None
+
     def poll_breakers(self) -> None:
         pass
 
@@ -211,6 +214,14 @@ class GateWiring:
         ``gate_inputs`` is asked only when a plan is made (once per request, not
         per key: counting queued I/O walks the I/O tables)."""
         return key in self.plan_for(key, req_context, gate_inputs).allowed
+
+    def device_bytes_per_s(self) -> float | None:
+        """The device's read speed the online load model learnt; None before
+        its first observed load (or without an online model)."""
+        online = self.gate.online
+        if online is None or not online.samples:
+            return None
+        return online.disk_bytes_per_s
 
     def watch_breakers(self, health: Callable[[], tuple[int, int, int]], *, io_deadline_s: float) -> None:
         """Follow the store's circuit breakers (``BlockStore.breaker_health``).

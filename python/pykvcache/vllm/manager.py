@@ -61,6 +61,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from pykvcache._core import chunk_file_bytes
 from pykvcache.gate import ChunkState
 from pykvcache.vllm.disk_tier import DiskTier, UsesDiskTier
 from pykvcache.vllm.gate_plan import GateInputs, GateWiring, NoGating
@@ -80,6 +81,11 @@ from pykvcache.vllm.transfer_spec import StagingSlotsSpec
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
+
+#: Device time a load may wait behind preloads already at the device: the
+#: engine's bound on prefetch bytes in flight is the device speed the gate
+#: learnt times this, at least one chunk (decision 0061).
+PRELOAD_YIELD_S = 0.003
 
 
 
@@ -101,7 +107,8 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
     ) -> None:
         # The store, its staging pool, the gate that learns from its reads,
         # the metrics: the disk side the tier of vLLM's tiering shares.
-        self.disk = DiskTier(store, pool, gating=gating if gating is not None else NoGating(), log=logger)
+        self.disk = DiskTier(store, pool, gating=gating if gating is not None else NoGating(), log=logger,
+                             on_learnt=self._update_background_budget)
         self.layout = layout
         # Creates a fresh store on the same directories (after a wipe).
         self._reopen_store = reopen_store
@@ -110,7 +117,10 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self._lock = threading.RLock()
         self._max_inflight_writes = max(1, max_inflight_writes)
         self._reads: dict[bytes, object] = {}  # key -> IoHandle
+        # Keys a lookup answered HIT while their read was in flight, until the read ends.
+        self._hit_in_flight: set[bytes] = set()
         self._prefetching: set[bytes] = set()  # keys of _reads submitted at background priority
+        self._background_budget: int | None = None  # the engine's prefetch byte bound, once learnt
         self._writes: dict[bytes, object] = {}
         self._write_queue: list[bytes] = []  # stored in staging, not yet submitted
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -191,6 +201,8 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             entry = self._start_read(key, background)
             if entry is None:
                 return None
+        elif not background and key in self._prefetching:
+            self._promote(key)
         if entry.state is EntryState.FAILED:
             return LookupResult.MISS  # its read failed; a load still holds the slot
         if owner is not None:
@@ -298,6 +310,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             # The read started (now or earlier) at once; the worker's copy
             # waits for it (prepare_load hands over the ready word's generation).
             self.metrics.inc("lookup_in_flight_hits")
+            self._hit_in_flight.add(key)
         elif result is not LookupResult.HIT:
             self.metrics.inc("lookups_deferred")
         if result is LookupResult.HIT_PENDING:
@@ -336,15 +349,16 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         loader = owner(LOAD, req_context.req_id)
         for key in keys:
             self._poll_read(key)
+            if key in self._prefetching:
+                self._promote(key)  # the load waits for it: not behind other preloads
             entry = self.cache.get(key)
             ready = entry is not None and entry.state is EntryState.READY
             reading = entry is not None and entry.state is EntryState.READING and entry.ready_gen > 0
             if not ready and not (self.in_flight_hits and reading):
                 if self.in_flight_hits:
                     # Answered HIT while its read was in flight, and the read
-                    # failed since: the worker reports this load failed and
-                    # vLLM recomputes (nothing is copied from this slot).
-                    self.metrics.inc("in_flight_read_failures")
+                    # failed since (counted by _finish_read): the worker reports
+                    # this load failed and vLLM recomputes (nothing is copied).
                     slots.append(entry.slot if entry is not None else 0)
                     generations.append(-1)
                     continue
@@ -507,6 +521,8 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             for directory in dirs:
                 shutil.rmtree(directory, ignore_errors=True)
             self.store = self._reopen_store()
+            if self._background_budget is not None:
+                self.store.set_background_budget(self._background_budget)
             if self._preformat_wanted:
                 self.start_background_preformat()
         self._emit(removed, removed=True)
@@ -518,6 +534,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self.metrics.set_gauge("lookahead_slots_held", self.cache.count_held(LOOKAHEAD))
         self.metrics.set_gauge("lookup_hold_slots", self.cache.count_held(LOOKUP))
         self.metrics.set_gauge("staging_slots_pinned", self.cache.pinned_slots())
+        self.metrics.set_gauge("disk_background_budget_bytes", self._background_budget or 0)
         return self.disk.take_stats(staging_used=len(self.cache), staging_total=self.cache.num_slots)
 
     def start_background_preformat(self) -> None:
@@ -579,6 +596,26 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             return None
         return entry
 
+    def _promote(self, key: bytes) -> None:
+        """A preload still queued is needed now: raise it to demand priority,
+        so it no longer waits behind the other preloads (decision 0061). One
+        whose transfers all started stays a preload (nothing to move)."""
+        if self._reads[key].promote():
+            self._prefetching.discard(key)  # a demand read now: a new read waits behind it
+            self.metrics.inc("lookahead_promoted_reads")
+
+    def _update_background_budget(self) -> None:
+        """Bound what preloads have at the device to ``PRELOAD_YIELD_S`` of the
+        device speed the gate learnt (at least one chunk), so that a load
+        waits at most about that long behind them."""
+        speed = self.gating.device_bytes_per_s()
+        if speed is None:
+            return
+        budget = max(chunk_file_bytes(self.layout.payload_bytes), int(speed * PRELOAD_YIELD_S))
+        if budget != self._background_budget:
+            self._background_budget = budget
+            self.store.set_background_budget(budget)
+
     def _poll_read(self, key: bytes) -> None:
         handle = self._reads.get(key)
         if handle is not None and handle.done():
@@ -587,13 +624,16 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
     def _finish_read(self, key: bytes) -> None:
         handle = self._reads.pop(key)
         self._prefetching.discard(key)
+        answered_in_flight = key in self._hit_in_flight
+        self._hit_in_flight.discard(key)
         result = handle.wait()
         if self.disk.read_finished(key, result):
             self.cache.mark_ready(key, Origin.DISK)
             return
-        if self.cache.is_held(key, LOAD):
-            # Answered HIT in flight and handed to a load: the engine settled
-            # the ready word failed, the worker reports the load failed.
+        if answered_in_flight:
+            # Answered HIT in flight: the engine settled the ready word failed
+            # and the worker reports the load failed. Not "held by a load": the
+            # failed load may have been reported and released before this poll.
             self.metrics.inc("in_flight_read_failures")
         self.cache.fail(key)
         # The chunk left the disk only when absent or corrupt (decision 0050).

@@ -20,13 +20,29 @@ pub struct Segment {
     pub write: bool,
     /// Registered-buffer index (the staging slot) when fixed buffers are in use.
     pub buf_index: Option<u16>,
-    /// A prefetch: served after demand transfers, on at most half the places.
+    /// A prefetch: served after demand transfers, on at most half the places
+    /// and within the background byte budget (`classes.rs`).
     pub background: bool,
     /// The storage root of its file (each landed segment is progress there).
     pub root: u32,
 }
 
 unsafe impl Send for Segment {}
+
+impl classes::Queued for Segment {
+    fn background(&self) -> bool {
+        self.background
+    }
+    fn make_demand(&mut self) {
+        self.background = false;
+    }
+    fn op(&self) -> u32 {
+        self.op
+    }
+    fn bytes(&self) -> usize {
+        self.len
+    }
+}
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SegmentError {
@@ -82,6 +98,12 @@ pub trait Backend: Send + Sync {
     fn failure(&self) -> Option<String> {
         None
     }
+    /// Moves the queued background segments of operation `op` (its op-table
+    /// index) to the demand queue; returns how many moved (0: all started).
+    fn promote(&self, op: u32) -> usize;
+    /// Bounds the bytes background segments have in flight (None: only the
+    /// count cap, the default). Takes effect for segments started from now on.
+    fn set_background_budget(&self, bytes: Option<usize>);
 }
 
 /// CPU time of one thread, from its own clock.

@@ -53,7 +53,7 @@ fn worker_loop(shared: &Shared, index: usize) {
         let seg = {
             let mut q = shared.queue.lock().unwrap();
             loop {
-                if let Some((seg, _)) = q.segments.pop() {
+                if let Some(seg) = q.segments.pop() {
                     break seg;
                 }
                 if q.stop {
@@ -64,7 +64,7 @@ fn worker_loop(shared: &Shared, index: usize) {
         };
         let result = transfer(&seg, &shared.faults, &*shared.sink);
         if seg.background {
-            shared.queue.lock().unwrap().segments.finished(true);
+            shared.queue.lock().unwrap().segments.finished(&seg);
             // A worker may be asleep with background work it was not allowed to take.
             shared.ready.notify_one();
         }
@@ -111,7 +111,7 @@ impl Backend for ThreadBackend {
     fn submit(&self, segs: &[Segment]) {
         let mut q = self.shared.queue.lock().unwrap();
         for seg in segs {
-            q.segments.push_back(*seg, seg.background);
+            q.segments.push_back(*seg);
         }
         drop(q);
         if segs.len() == 1 {
@@ -133,6 +133,20 @@ impl Backend for ThreadBackend {
         self.shared.queue.lock().unwrap().stop = true;
         self.shared.ready.notify_all();
         self.workers.lock().unwrap().clear();
+    }
+
+    fn promote(&self, op: u32) -> usize {
+        let moved = self.shared.queue.lock().unwrap().segments.promote(op);
+        if moved > 0 {
+            // A worker may be asleep with background work it was not allowed to take.
+            self.shared.ready.notify_all();
+        }
+        moved
+    }
+
+    fn set_background_budget(&self, bytes: Option<usize>) {
+        self.shared.queue.lock().unwrap().segments.set_background_budget(bytes);
+        self.shared.ready.notify_all();
     }
 
     fn kind(&self) -> BackendKind {

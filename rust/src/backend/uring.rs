@@ -1,9 +1,11 @@
 //! io_uring backend: one dedicated thread owns the ring (one ring per thread,
-//! as TigerBeetle does). Submitters hand segments over through a queue and
-//! wake the thread with an eventfd whose read is itself armed in the ring, so
-//! the thread sleeps in exactly one place (`submit_and_wait`). Segments beyond
-//! the queue depth wait in an explicit overflow queue; the in-flight table is
-//! allocated once, so steady state allocates nothing per I/O.
+//! as TigerBeetle does). Submitters queue segments in the shared class queue
+//! (`classes.rs`: demand first, background bounded) and wake the thread with
+//! an eventfd whose read is itself armed in the ring, so the thread sleeps in
+//! exactly one place (`submit_and_wait`). Segments beyond the queue depth
+//! wait in that queue, where a promotion or a new background budget still
+//! reaches them; the in-flight table is allocated once, so steady state
+//! allocates nothing per I/O.
 //!
 //! The ring thread only moves bytes: every completion goes to the sink, which
 //! hands it on (see `store::completion`). It never panics: a fatal
@@ -13,7 +15,6 @@
 //! marks the backend dead (`Backend::failure`) and ends the thread; segments
 //! submitted after that fail at once, on the submitter's thread.
 
-use std::collections::VecDeque;
 use std::os::fd::RawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -22,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use io_uring::{opcode, squeue, types, IoUring};
 
-use super::classes::ClassQueue;
+use super::classes::{ClassQueue, Queued};
 use super::{clock_ns, thread_cpu_clock, Backend, BackendKind, Segment, SegmentError, SegmentSink};
 use crate::faults::SharedFaults;
 
@@ -41,8 +42,9 @@ pub struct UringBackend {
 }
 
 struct Shared {
-    incoming: Mutex<VecDeque<Segment>>,
-    /// Set (under the `incoming` lock) when the ring failed: why, and the errno.
+    /// Segments not started yet (submitted, or a short transfer's remainder).
+    queue: Mutex<ClassQueue<Pending>>,
+    /// Set (under the `queue` lock) when the ring failed: why, and the errno.
     failure: Mutex<Option<(String, i32)>>,
     dead: AtomicBool,
     sink: Arc<dyn SegmentSink>,
@@ -89,7 +91,7 @@ impl UringBackend {
             return Err(std::io::Error::last_os_error());
         }
         let shared = Arc::new(Shared {
-            incoming: Mutex::new(VecDeque::with_capacity(queue_depth * 4)),
+            queue: Mutex::new(ClassQueue::new(queue_depth * 4, queue_depth / 2)),
             failure: Mutex::new(None),
             dead: AtomicBool::new(false),
             sink,
@@ -116,6 +118,22 @@ struct Pending {
     done: usize,
 }
 
+impl Queued for Pending {
+    fn background(&self) -> bool {
+        self.seg.background
+    }
+    fn make_demand(&mut self) {
+        self.seg.background = false;
+    }
+    fn op(&self) -> u32 {
+        self.seg.op
+    }
+    /// What is left to transfer: unchanged between its start and its completion.
+    fn bytes(&self) -> usize {
+        self.seg.len - self.done
+    }
+}
+
 /// A lock the ring thread takes: also after a panic elsewhere poisoned it.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
@@ -126,44 +144,44 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
     let clock = thread_cpu_clock();
     let mut slots: Vec<Option<Pending>> = (0..depth).map(|_| None).collect();
     let mut free: Vec<usize> = (0..depth).rev().collect();
-    let mut overflow: ClassQueue<Pending> = ClassQueue::new(depth * 4, depth / 2);
     let mut wake_armed = false;
+    // Segments failed by an injected fault, reported once the queue's lock is let go.
+    let mut injected: Vec<(Segment, i32)> = Vec::new();
     // Slots whose SQEs were pushed since the last successful enter: an enter
     // that fails submits nothing, so the kernel never saw these.
     let mut unsubmitted: Vec<usize> = Vec::with_capacity(depth);
 
     loop {
-        {
-            let mut incoming = lock(&shared.incoming);
-            for seg in incoming.drain(..) {
-                let background = seg.background;
-                overflow.push_back(Pending { seg, done: 0 }, background);
-            }
-        }
         if !wake_armed {
             let sqe = opcode::Read::new(types::Fd(shared.wake_fd), shared.wake_buf.as_ptr() as *mut u8, 8).build().user_data(WAKE_TOKEN);
             if unsafe { ring.submission().push(&sqe) }.is_ok() {
                 wake_armed = true;
             }
         }
-        while let Some(&idx) = free.last() {
-            let Some((p, background)) = overflow.pop() else { break };
-            if let Some(errno) = faults.as_ref().and_then(|f| f.injected_errno()) {
-                overflow.finished(background);
-                sink.segment_done(&p.seg, Err(SegmentError::Errno(errno)));
-                continue;
+        {
+            let mut queue = lock(&shared.queue);
+            while let Some(&idx) = free.last() {
+                let Some(p) = queue.pop() else { break };
+                if let Some(errno) = faults.as_ref().and_then(|f| f.injected_errno()) {
+                    queue.finished(&p);
+                    injected.push((p.seg, errno));
+                    continue;
+                }
+                let sqe = build_sqe(&p, fixed, faults, idx as u64);
+                if unsafe { ring.submission().push(&sqe) }.is_err() {
+                    queue.unpop(p);
+                    break;
+                }
+                free.pop();
+                slots[idx] = Some(p);
+                unsubmitted.push(idx);
             }
-            let sqe = build_sqe(&p, fixed, faults, idx as u64);
-            if unsafe { ring.submission().push(&sqe) }.is_err() {
-                overflow.unpop(p, background);
-                break;
-            }
-            free.pop();
-            slots[idx] = Some(p);
-            unsubmitted.push(idx);
+        }
+        for (seg, errno) in injected.drain(..) {
+            sink.segment_done(&seg, Err(SegmentError::Errno(errno)));
         }
         let in_flight = depth - free.len();
-        if shared.stop.load(Ordering::Acquire) && in_flight == 0 && overflow.is_empty() && lock(&shared.incoming).is_empty() {
+        if shared.stop.load(Ordering::Acquire) && in_flight == 0 && lock(&shared.queue).is_empty() {
             break;
         }
         let entered = match faults.as_ref().and_then(|f| f.injected_enter_errno()) {
@@ -175,7 +193,7 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)) => {}
             Err(e) => {
                 let failed = Failed { errno: e.raw_os_error().unwrap_or(libc::EIO), reason: format!("io_uring_enter failed: {e}") };
-                return fail_everything(&mut ring, shared, slots, overflow, &unsubmitted, failed);
+                return fail_everything(&mut ring, shared, slots, &unsubmitted, failed);
             }
         }
         let mut cq = ring.completion();
@@ -193,10 +211,10 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
                 continue;
             };
             free.push(idx);
-            let background = p.seg.background;
-            overflow.finished(background);
+            // Before `done` moves: the bytes it held of the background budget.
+            lock(&shared.queue).finished(&p);
             if res == -libc::EINTR || res == -libc::EAGAIN {
-                overflow.push_front(p, background);
+                lock(&shared.queue).push_front(p);
             } else if res < 0 {
                 sink.segment_done(&p.seg, Err(SegmentError::Errno(-res)));
             } else if res == 0 {
@@ -207,7 +225,7 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
                 if p.done < p.seg.len {
                     // Short transfer: resubmit the remainder first, ahead of newer work.
                     sink.moved(&p.seg);
-                    overflow.push_front(p, background);
+                    lock(&shared.queue).push_front(p);
                 } else {
                     sink.segment_done(&p.seg, Ok(()));
                 }
@@ -229,28 +247,18 @@ struct Failed {
 /// (at most `REAP_BUDGET`) so that a transfer still landing in a staging slot
 /// is not reported done while it runs; what completes in time reports its
 /// real result.
-fn fail_everything(
-    ring: &mut IoUring,
-    shared: &Shared,
-    mut slots: Vec<Option<Pending>>,
-    mut overflow: ClassQueue<Pending>,
-    unsubmitted: &[usize],
-    failed: Failed,
-) {
+fn fail_everything(ring: &mut IoUring, shared: &Shared, mut slots: Vec<Option<Pending>>, unsubmitted: &[usize], failed: Failed) {
     let sink = &*shared.sink;
     let err = SegmentError::BackendFailed(failed.errno);
-    let queued: Vec<Segment> = {
-        // Under the `incoming` lock: a submitter either queued before this
+    let queued: Vec<Pending> = {
+        // Under the `queue` lock: a submitter either queued before this
         // (drained here) or sees `dead` and fails its segments itself.
-        let mut incoming = lock(&shared.incoming);
+        let mut queue = lock(&shared.queue);
         *lock(&shared.failure) = Some((failed.reason, failed.errno));
         shared.dead.store(true, Ordering::Release);
-        incoming.drain(..).collect()
+        queue.take_all().collect()
     };
-    for seg in &queued {
-        sink.segment_done(seg, Err(err));
-    }
-    for p in overflow.take_all() {
+    for p in &queued {
         sink.segment_done(&p.seg, Err(err));
     }
     for &idx in unsubmitted {
@@ -309,17 +317,33 @@ fn build_sqe(p: &Pending, fixed: bool, faults: &SharedFaults, token: u64) -> squ
 
 impl Backend for UringBackend {
     fn submit(&self, segs: &[Segment]) {
-        let mut incoming = lock(&self.shared.incoming);
+        let mut queue = lock(&self.shared.queue);
         if self.shared.dead.load(Ordering::Acquire) {
-            drop(incoming);
+            drop(queue);
             let errno = lock(&self.shared.failure).as_ref().map_or(libc::EIO, |f| f.1);
             for seg in segs {
                 self.shared.sink.segment_done(seg, Err(SegmentError::BackendFailed(errno)));
             }
             return;
         }
-        incoming.extend(segs.iter().copied());
-        drop(incoming);
+        for seg in segs {
+            queue.push_back(Pending { seg: *seg, done: 0 });
+        }
+        drop(queue);
+        self.wake();
+    }
+
+    fn promote(&self, op: u32) -> usize {
+        let moved = lock(&self.shared.queue).promote(op);
+        if moved > 0 {
+            // The ring thread may sleep with free places it kept from background work.
+            self.wake();
+        }
+        moved
+    }
+
+    fn set_background_budget(&self, bytes: Option<usize>) {
+        lock(&self.shared.queue).set_background_budget(bytes);
         self.wake();
     }
 

@@ -145,7 +145,7 @@ fn an_abandoned_operation_answers_at_once_and_frees_only_when_its_work_ends() {
     let ops = Table::new(1).unwrap();
     let id = ops.allocate(None).unwrap();
     let since = Instant::now();
-    ops.watch(id, Watch { root: 0, slot: 3, put: false, since, ready_gen: 0 });
+    ops.watch(id, Watch { root: 0, slot: 3, put: false, since, ready_gen: 0, background: false });
     ops.start(id, "get", 1).unwrap();
     let mut out = Vec::new();
     ops.abandon_overdue(|w| w.since <= Instant::now(), |_| Outcome::new(Status::Miss, 0, Some(libc::ETIMEDOUT), "timed out"), &mut out);
@@ -178,4 +178,31 @@ fn completions_signal_the_eventfd() {
     ops.complete(id, ok());
     assert_eq!(read(&mut n), 8);
     assert_eq!(n, 1);
+}
+
+#[test]
+fn a_background_operation_is_promoted_once_before_or_after_its_start() {
+    let ops = Table::new(3).unwrap();
+    let watch = |background| Watch { root: 0, slot: 0, put: false, since: Instant::now(), ready_gen: 0, background };
+    // Queued on its directory worker: it will start as demand work.
+    let queued = ops.allocate(None).unwrap();
+    ops.watch(queued, watch(true));
+    assert_eq!(ops.promote(queued), Promotion::BeforeStart);
+    assert_eq!(ops.promote(queued), Promotion::No, "once");
+    assert_eq!(ops.start(queued, "prefetch", 1), Ok(true));
+    assert!(ops.is_promoted(queued));
+    // Handed to the backend: the caller moves what is still queued there.
+    let started = ops.allocate(None).unwrap();
+    ops.watch(started, watch(true));
+    assert_eq!(ops.start(started, "prefetch", 1), Ok(false));
+    assert_eq!(ops.promote(started), Promotion::Started);
+    // A demand operation, and a finished one, have nothing to promote.
+    let demand = ops.allocate(None).unwrap();
+    ops.watch(demand, watch(false));
+    assert_eq!(ops.promote(demand), Promotion::No);
+    let done = ops.segment_done(queued.index, Ok(())).unwrap().unwrap();
+    ops.complete(done.id, ok());
+    ops.release(queued);
+    assert!(!ops.is_promoted(queued), "freed: a stale handle");
+    assert_eq!(ops.promote(queued), Promotion::No);
 }

@@ -107,6 +107,14 @@ impl PyIoHandle {
         self.slot
     }
 
+    /// A prefetch still waiting to start: raise it to demand priority (its
+    /// transfers not started yet go with gets and puts, behind those queued
+    /// before). True when something moved; False for a get or put, a
+    /// prefetch done or promoted already, or one whose transfers all started.
+    fn promote(&self) -> bool {
+        self.result.get().is_none() && self.op == "prefetch" && self.store.promote(self.id)
+    }
+
     fn done(&self) -> PyResult<bool> {
         if self.result.get().is_some() {
             return Ok(true);

@@ -66,6 +66,7 @@ impl Core {
             put: ctx.kind == OpKind::Put,
             since: ctx.started,
             ready_gen: ctx.ready_gen,
+            background: ctx.background,
         };
         self.ops.watch(id, w);
     }
@@ -213,11 +214,18 @@ pub(super) fn segment_count(from: usize, to: usize, seg_bytes: usize) -> usize {
 /// rewrite after ENOSPC (its slot is sealed by then).
 pub(super) fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
     let seg_bytes = if write { core.write_segment_bytes } else { core.segment_bytes };
-    let (file_len, t) = (ctx.file_len, Transfer::of_slot(&core.pool, id, ctx.slot, fd, write, ctx.background, ctx.root));
-    if let Err(ctx) = core.ops.start(id, ctx, segment_count(0, file_len, seg_bytes) as u32) {
-        return core.fail_early(id, ctx, None, CLOSED_WHILE_SUBMITTING.into());
+    let (file_len, mut t) = (ctx.file_len, Transfer::of_slot(&core.pool, id, ctx.slot, fd, write, ctx.background, ctx.root));
+    match core.ops.start(id, ctx, segment_count(0, file_len, seg_bytes) as u32) {
+        Err(ctx) => return core.fail_early(id, ctx, None, CLOSED_WHILE_SUBMITTING.into()),
+        // Promoted while its open was queued: it starts as demand work.
+        Ok(promoted) => t.background &= !promoted,
     }
     submit_range(backend, t, 0, file_len, seg_bytes);
+    // A promotion between `start` and the queueing above found nothing to
+    // move (`BlockStore::promote`): its segments are queued now.
+    if t.background && core.ops.is_promoted(id) && backend.promote(id.index) > 0 {
+        Stats::add(&core.stats.promotions, 1);
+    }
 }
 
 /// What the segments of one operation share.

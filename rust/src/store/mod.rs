@@ -187,6 +187,8 @@ pub struct BlockStore {
     scanner: Mutex<Option<JoinHandle<()>>>,
     refresher: Mutex<Option<JoinHandle<()>>>,
     closed: AtomicBool,
+    /// The background byte budget last set (0: none; `set_background_budget`).
+    background_budget: AtomicU64,
 }
 
 /// What an opened store reports about the paths it took.

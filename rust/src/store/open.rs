@@ -172,6 +172,7 @@ impl BlockStore {
             scanner: Mutex::new(scanner),
             refresher: Mutex::new(refresher),
             closed: AtomicBool::new(false),
+            background_budget: AtomicU64::new(0),
         };
         if let Err(e) = store.start_guards() {
             store.close();

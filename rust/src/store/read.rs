@@ -3,6 +3,7 @@
 //! header-only verdict on a chunk the index holds also on the backend
 //! thread). See the module docs of `store` for the whole life of a get.
 
+use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -12,7 +13,7 @@ use crate::checksum::{crc32c, crc32c_combine};
 use crate::disk::files;
 use crate::disk::format::{self, FormatError, HEADER_BYTES, IO_ALIGN};
 use crate::error::Result;
-use crate::ops::{Finished, MissKind, OpId, Outcome, Status};
+use crate::ops::{Finished, MissKind, OpId, Outcome, Promotion, Status};
 use crate::stats::Stats;
 
 use super::completion;
@@ -29,6 +30,43 @@ impl BlockStore {
     /// for what is needed now overtake reads for what may be needed soon.
     pub fn prefetch(&self, key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<OpId> {
         self.read(key, slot, timeout, true)
+    }
+
+    /// Raises the prefetch `id` to demand priority: its transfers not
+    /// started yet (its open may still be queued) go with demand ones, behind
+    /// those queued before. True when something moved; false when it is not
+    /// a prefetch, done, promoted already, or all its transfers started
+    /// (nothing to do: a read in flight is not recalled). A promotion racing
+    /// the prefetch's own queueing may answer false and still move it.
+    pub fn promote(&self, id: OpId) -> bool {
+        let moved = match self.core.ops.promote(id) {
+            Promotion::No => false,
+            Promotion::BeforeStart => true,
+            Promotion::Started => self.backend.promote(id.index) > 0,
+        };
+        if moved {
+            Stats::add(&self.core.stats.promotions, 1);
+        }
+        moved
+    }
+
+    /// Bounds the bytes prefetches have in flight (at least one transfer
+    /// always may): a demand read then waits behind at most that much
+    /// background work at the device. None: only half of the queue depth
+    /// bounds them (the default). Takes effect for transfers started from
+    /// now on.
+    pub fn set_background_budget(&self, bytes: Option<usize>) {
+        // 0 is no budget (never set); a budget of 0 bytes still lets one transfer run.
+        self.background_budget.store(bytes.map_or(0, |b| b.max(1)) as u64, Ordering::Relaxed);
+        self.backend.set_background_budget(bytes);
+    }
+
+    /// What `set_background_budget` set last (None: never, or removed).
+    pub fn background_budget(&self) -> Option<usize> {
+        match self.background_budget.load(Ordering::Relaxed) {
+            0 => None,
+            b => Some(b as usize),
+        }
     }
 
     fn read(&self, key: &[u8], slot: usize, timeout: Option<Duration>, background: bool) -> Result<OpId> {

@@ -73,6 +73,8 @@ class BenchConfig:
     # The serve part (serve_part.py; None = its defaults): a model spec name
     # or directory, configurations, concurrency levels, repeats.
     serve_model: str | None = None
+    # serve_part.PRESETS: "sessions" (default), "long-context", "quick" (--quick).
+    serve_preset: str | None = None
     serve_configs: list[str] | None = None
     serve_concurrency: list[int] | None = None
     serve_repeats: int | None = None

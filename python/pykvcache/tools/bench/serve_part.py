@@ -22,6 +22,10 @@ lookahead), ``gate_off``, ``lookahead_off``, ``verify_header``, ``lmcache``
 private install) and ``native`` (vLLM's own CPU offloading,
 ``--kv-offloading-backend native``). A configuration that fails is reported
 with its error text and the server log's tail.
+
+That is the ``sessions`` preset (the default); ``long-context``
+(:mod:`.serve_sweep`) runs the session workload per context length instead,
+for TTFT gain vs context length; ``quick`` is the CI size (``PRESETS``).
 """
 
 from __future__ import annotations
@@ -103,9 +107,30 @@ class ServeOptions:
     # Cap on the server's disk reads, MB/s (0: none): a storage device slow
     # next to compute, as on a GPU host (read_throttle.py; root, blkio v1).
     read_mbps: float = 0.0
+    # Which preset these options started from (PRESETS; reported).
+    preset: str = "sessions"
+    # The long-context sweep (serve_sweep.py; empty: one run of the session
+    # workload above): per context length (document tokens), per read cap in
+    # read_caps (MB/s, 0 = quiet; empty = read_mbps alone), per configuration
+    # and repeat a fresh server, sized for that length (max_model_len,
+    # kv_cache_tokens and staging_bytes at 0 = derived, see sized_for).
+    contexts: list[int] = field(default_factory=list)
+    read_caps: list[float] = field(default_factory=list)
+    # Sweep phases: "cold" (the sessions from an empty cache: the first sight
+    # of every document is computed, measured) and "steady" (new sessions over
+    # the same documents, each computed once before; without "cold" an
+    # unmeasured pass computes each document once first).
+    phases: list[str] = field(default_factory=lambda: ["cold", "steady"])
+    # A gate profile for the pykvcache configurations (None: the gate's
+    # conservative default, break-even 256 tokens); its break-even is marked.
+    gate_profile: str | None = None
 
     def check(self) -> list[str]:
         problems = []
+        if self.contexts:
+            from .serve_sweep import check_sweep
+
+            return check_sweep(self)
         unknown = [c for c in self.configs if c not in ALL_CONFIGS]
         if unknown:
             problems.append(f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(ALL_CONFIGS)}")
@@ -138,11 +163,38 @@ def quick_options() -> ServeOptions:
     return ServeOptions(model="tiny", configs=["recompute", "pykvcache"], repeats=1, concurrency=[3],
                         max_num_seqs=2, max_model_len=1024, kv_cache_tokens=1024, staging_bytes=1 << 20,
                         chunk_tokens=64, sessions=6, turns=2, documents=3, doc_tokens=512, question_tokens=24,
-                        answer_tokens=24, output_tokens=8, think_s=0.05, pr_prompts=0)
+                        answer_tokens=24, output_tokens=8, think_s=0.05, pr_prompts=0, preset="quick")
+
+
+def long_context_options() -> ServeOptions:
+    """The long-context sweep (``--serve-preset long-context``, serve_sweep.py):
+    4 users over 4 shared documents of 1k, 4k, 8k and 16k tokens, quiet and
+    with the server's reads capped at 25 MB/s (a load then takes about as long
+    as its prefill here), recompute / pykvcache / lookahead off, cold start
+    and steady state, 2 repeats. Per length the server admits that length
+    (max_model_len), its device cache holds one such request (the working set
+    is 4 documents and the conversations: > 4x that) and staging is what the
+    start-up check advises (3 full-length prefixes: the 4 documents do not fit,
+    prefixes come back from disk)."""
+    return ServeOptions(model="llama3-geometry-32k", configs=["recompute", "pykvcache", "lookahead_off"], repeats=2,
+                        concurrency=[4], max_num_seqs=4, max_model_len=0, kv_cache_tokens=0, staging_bytes=0,
+                        chunk_tokens=64, sessions=6, turns=2, documents=4, doc_tokens=0, question_tokens=32,
+                        answer_tokens=32, output_tokens=8, think_s=0.2, pr_prompts=0, preset="long-context",
+                        contexts=[1024, 4096, 8192, 16384], read_caps=[0.0, 25.0], phases=["cold", "steady"])
+
+
+#: ``--serve-preset NAME`` (docs/performance.md, "Serving"): ``sessions`` (the
+#: default: multi-turn sessions over 1.5k-token documents, every tier, 2 and 6
+#: users, plus vLLM's prefix_repetition load), ``long-context`` (the sweep
+#: above) and ``quick`` (CI size; ``--quick``).
+PRESETS = {"sessions": ServeOptions, "long-context": long_context_options, "quick": quick_options}
 
 
 def options_from(cfg: BenchConfig) -> ServeOptions:
-    opts = quick_options() if cfg.quick else ServeOptions()
+    preset = cfg.serve_preset or ("quick" if cfg.quick else "sessions")
+    if preset not in PRESETS:
+        raise ValueError(f"--serve-preset {preset!r}: one of {', '.join(PRESETS)}")
+    opts = PRESETS[preset]()
     if cfg.serve_model:
         opts.model = cfg.serve_model
     if cfg.serve_configs:
@@ -180,7 +232,8 @@ def set_option(opts: ServeOptions, item: str) -> None:
         elif isinstance(current, float):
             value = float(raw)
         elif isinstance(current, list):
-            value = [type(current[0])(x) if current else x for x in raw.split(",") if x]
+            kind = _LIST_TYPES.get(key, str)
+            value = [kind(x.strip()) for x in raw.split(",") if x.strip()]
         else:
             value = raw or None
     except (KeyError, ValueError) as exc:
@@ -189,9 +242,14 @@ def set_option(opts: ServeOptions, item: str) -> None:
 
 
 _MISSING = object()
+_LIST_TYPES = {"concurrency": int, "contexts": int, "read_caps": float, "configs": str, "phases": str}
 
 
 def steps_for(opts: ServeOptions) -> int:
+    if opts.contexts:
+        from .serve_sweep import sweep_steps
+
+        return sweep_steps(opts)
     per_server = 2 + len(opts.concurrency) + (1 if opts.pr_prompts else 0)
     return opts.repeats * len(opts.configs) * per_server
 
@@ -257,6 +315,8 @@ def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: in
     if name in PYKVCACHE_CONFIGS:
         extra = {"storage_dirs": [str(storage)], "capacity_bytes": "8GiB", "staging_bytes": opts.staging_bytes,
                  "block_size": opts.chunk_tokens, **PYKVCACHE_CONFIGS[name]}
+        if opts.gate_profile:
+            extra["gate_profile"] = opts.gate_profile
         cfg.kv_transfer_config = {"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm",
                                   "kv_role": "kv_both", "kv_connector_extra_config": extra}
     elif name == "lmcache":
@@ -310,12 +370,14 @@ def run_vllm_bench(url: str, model: str, opts: ServeOptions, concurrency: int, s
 
 
 def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_token: int, work: Path,
-               step: Step) -> dict[str, Any]:
-    """One configuration, one repeat: every workload against one fresh server."""
-    storage = work / f"{name}-{rep}" / "kv"
+               step: Step, point: str = "") -> dict[str, Any]:
+    """One configuration, one repeat: every workload against one fresh server.
+    ``point``: the sweep point (``ctx8192-read25``) in file names."""
+    tag = f"{name}-{point + '-' if point else ''}{rep}"
+    storage = work / tag / "kv"
     storage.mkdir(parents=True, exist_ok=True)
     cfg = server_config(name, model, opts, bytes_per_token, storage)
-    log = work / "logs" / f"{name}-{rep}.log"
+    log = work / "logs" / f"{tag}.log"
     entry: dict[str, Any] = {"config": name, "repeat": rep, "log": str(log), "levels": [], "command": None}
     if name == "lmcache":
         _, reason = lmcache_location(opts)
@@ -350,7 +412,11 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
         busy = CpuContention(opts.busy_cores, enabled=opts.busy_cores > 0)
         busy.__enter__()  # the warm-up above ran on quiet cores; the measurement does not
         cpu0, m0 = server.cpu_seconds(), server.metrics()
-        for li, conc in enumerate(opts.concurrency):
+        if opts.phases and opts.contexts:
+            from .serve_sweep import run_phases
+
+            run_phases(server, model, opts, tokenizer_json, entry, step, log)
+        for li, conc in enumerate([] if opts.contexts else opts.concurrency):
             step.advance(f"{name} #{rep + 1}: sessions x{conc}")
             w = Workload(sessions=opts.sessions, turns=opts.turns, documents=opts.documents,
                          doc_tokens=opts.doc_tokens, question_tokens=opts.question_tokens,
@@ -469,12 +535,12 @@ def tier_shares(metrics: dict[str, float], bytes_per_token: int) -> dict[str, fl
 def output_mismatches(entry: dict[str, Any], base: dict[str, Any]) -> tuple[int, int]:
     """(requests whose greedy text differs from the same request in the
     recompute run of the same repeat, requests compared)."""
-    ref = {(lv["concurrency"], r["session"], r["turn"]): r["text"] for lv in base.get("levels", [])
+    ref = {(lv.get("phase"), lv["concurrency"], r["session"], r["turn"]): r["text"] for lv in base.get("levels", [])
            for r in lv["records"] if r["error"] is None}
     diff = total = 0
     for lv in entry.get("levels", []):
         for r in lv["records"]:
-            key = (lv["concurrency"], r["session"], r["turn"])
+            key = (lv.get("phase"), lv["concurrency"], r["session"], r["turn"])
             if r["error"] is None and key in ref:
                 total += 1
                 diff += r["text"] != ref[key]
@@ -880,9 +946,24 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
     model, mcfg, generated = resolve_model(opts.model, model_cache or default_model_cache())
     model_info = {"name": opts.model, "path": model, "config": mcfg, "generated": generated,
                   "bytes_per_token": kv_bytes_per_token(mcfg)}
+    dropped = None
+    if opts.contexts:
+        from .serve_sweep import without_unavailable_caps
+
+        opts, dropped = without_unavailable_caps(opts)
     step = ctx.progress.part(NAME, steps_for(opts))
     work = Path(ctx.config.directory) / "serve"
     work.mkdir(parents=True, exist_ok=True)
+    if opts.contexts:
+        from .serve_sweep import analyse_sweep, run_sweep, write_crossover
+
+        runs = run_sweep(ctx, opts, model, model_info, work, step)
+        out = analyse_sweep(runs, opts, model_info)
+        if dropped:
+            out.notes.insert(0, dropped)
+        write_crossover(out, Path(ctx.config.out))
+        _keep_logs(runs, Path(ctx.config.out))
+        return out
     runs = []
     for rep in range(opts.repeats):
         order = opts.configs[rep % len(opts.configs):] + opts.configs[:rep % len(opts.configs)]
@@ -891,18 +972,23 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
             runs.append(entry)
             ctx.unreaped_cpu_s += entry.get("unreaped_cpu_s", 0.0)
     out = analyse(runs, opts, model_info)
-    # Every server's log goes into the report directory (the work directory is removed).
-    logs = Path(ctx.config.out) / "serve-logs"
+    _keep_logs(runs, Path(ctx.config.out))
+    return out
+
+
+def _keep_logs(runs: list[dict[str, Any]], out_dir: Path) -> None:
+    """Every server's log goes into the report directory (the work directory is removed)."""
+    logs = out_dir / "serve-logs"
     for r in runs:
         if Path(r["log"]).exists():
             logs.mkdir(parents=True, exist_ok=True)
             (logs / Path(r["log"]).name).write_text(Path(r["log"]).read_text(errors="replace"))
-    return out
 
 
 def run(ctx: BenchContext) -> PartOutput:
     return run_with(ctx, options_from(ctx.config))
 
 
-register_part(Part(NAME, "serving: real vLLM OpenAI server, multi-turn users over shared contexts, every tier "
-                   "(not default: ~20 min; make bench-serve)", run, steps, default=False))
+register_part(Part(NAME, "serving: real vLLM OpenAI servers; --serve-preset sessions (default: multi-turn users over "
+                   "shared 1.5k contexts, every tier, ~30 min), long-context (TTFT gain vs context length, hours), "
+                   "quick (not default; make bench-serve)", run, steps, default=False))
