@@ -24,7 +24,7 @@ def _recipe(target: str) -> list[str]:
 def test_make_lint_runs_clippy_rustfmt_ruff_and_stubtest():
     recipe = _recipe("lint")
     expected = [
-        r"cargo clippy( --release)? --all-targets --features python( --quiet)? -- -D warnings",
+        r"(CARGO_TARGET_DIR=target/maturin )?cargo clippy( --release)? --all-targets --features python( --quiet)? -- -D warnings",
         r"cargo fmt --check",
         r"\$\(PY\) -m ruff check( --quiet)? \.",
         r"\$\(PY\) -m mypy\.stubtest pykvcache\._core --allowlist tools/stubtest-allowlist\.txt",
