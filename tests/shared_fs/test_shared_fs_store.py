@@ -138,7 +138,11 @@ def test_two_nodes_writing_at_once_serve_no_wrong_byte_and_share_one_capacity(gl
         assert s["bad"] == 0 and s["corrupt_chunks"] == 0 and s["read_errors"] == 0, (node, s)
         assert s["put_errors"] == 0 and s["write_errors"] == 0, (node, s)
         assert s["foreign_hits"] > 0, f"{node} never loaded a chunk of the other node"
-        assert s["evictions"] > 0, "capacity was under pressure"
+    # The capacity was under pressure: the pair evicted. Not each node: the faster node can do all
+    # of it (it evicts the stalest chunks, the slower node's among them, and the slower node's
+    # refresh then drops those from its index, which stays under the capacity). Seen once in a
+    # clean-clone run here, after walks stopped counting a put in flight twice (session 10).
+    assert sum(s["evictions"] for s in seen.values()) > 0, ("capacity was under pressure", seen)
     # Without the shared capacity each node fills its own: the brick reaches ~2x.
     slack = capacity * 2 // 5
     assert peak <= capacity + slack, f"the shared directory held {peak} bytes, capacity {capacity}"
