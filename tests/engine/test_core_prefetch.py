@@ -9,24 +9,31 @@ import pykvcache as kv
 MiB = 1 << 20
 
 
+def _burst_store(store_dir, backend, n, *, queue_depth=2, io_threads=2):
+    """A store holding n + 1 chunks of 2 MiB, and slots zeroed to read them into."""
+    pool = kv.StagingPool(2 * MiB, n + 1)
+    slots = [pool.acquire() for _ in range(n + 1)]
+    keys = [f"p{i}".encode() for i in range(n + 1)]
+    data = [os.urandom(2 * MiB) for _ in keys]
+    store = kv.BlockStore([str(store_dir)], pool, namespace="prefetch", capacity_bytes=1 << 30,
+                          backend=backend, queue_depth=queue_depth, io_threads=io_threads)
+    for slot, key, payload in zip(slots, keys, data):
+        with pool.view(slot) as v:
+            v[:] = payload
+        store.put(key, slot, len(payload)).wait(30).raise_for_status()
+    for slot in slots:
+        with pool.view(slot) as v:
+            v[:] = bytes(2 * MiB)
+    return pool, slots, keys, data, store
+
+
 @pytest.mark.parametrize("backend", ["io_uring", "threads"])
 def test_a_get_overtakes_a_burst_of_prefetches(store_dir, backend):
     n = 24
-    pool = kv.StagingPool(2 * MiB, n + 1)
-    slots = [pool.acquire() for _ in range(n + 1)]
-    keys = [f"p{i}".encode() for i in range(n)] + [b"demand"]
-    data = [os.urandom(2 * MiB) for _ in keys]
     # Depth 2 (io_uring) / two threads: background reads may hold one place, so
     # the get always has one, whatever is queued before it.
-    with kv.BlockStore([str(store_dir)], pool, namespace="prefetch", capacity_bytes=1 << 30,
-                       backend=backend, queue_depth=2, io_threads=2) as store:
-        for slot, key, payload in zip(slots, keys, data):
-            with pool.view(slot) as v:
-                v[:] = payload
-            store.put(key, slot, len(payload)).wait(30).raise_for_status()
-        for slot in slots:
-            with pool.view(slot) as v:
-                v[:] = bytes(2 * MiB)
+    pool, slots, keys, data, store = _burst_store(store_dir, backend, n)
+    with store:
         burst = [store.prefetch(key, slot) for key, slot in zip(keys[:n], slots[:n])]
         demand = store.get(keys[n], slots[n])
         assert demand.op == "get" and burst[0].op == "prefetch"
@@ -64,24 +71,6 @@ def test_prefetch_reports_misses_and_corruption_like_get(store_dir):
         assert store.stats()["prefetches"] == 2
     pool.release(a)
     pool.release(b)
-
-
-def _burst_store(store_dir, backend, n, *, queue_depth=2, io_threads=2):
-    """A store holding n + 1 chunks of 2 MiB, and slots zeroed to read them into."""
-    pool = kv.StagingPool(2 * MiB, n + 1)
-    slots = [pool.acquire() for _ in range(n + 1)]
-    keys = [f"p{i}".encode() for i in range(n + 1)]
-    data = [os.urandom(2 * MiB) for _ in keys]
-    store = kv.BlockStore([str(store_dir)], pool, namespace="prefetch", capacity_bytes=1 << 30,
-                          backend=backend, queue_depth=queue_depth, io_threads=io_threads)
-    for slot, key, payload in zip(slots, keys, data):
-        with pool.view(slot) as v:
-            v[:] = payload
-        store.put(key, slot, len(payload)).wait(30).raise_for_status()
-    for slot in slots:
-        with pool.view(slot) as v:
-            v[:] = bytes(2 * MiB)
-    return pool, slots, keys, data, store
 
 
 @pytest.mark.parametrize("backend", ["io_uring", "threads"])

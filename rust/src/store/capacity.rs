@@ -38,7 +38,6 @@ impl Core {
     /// that root could not keep the reserve: other writers' space comes first.
     pub(super) fn reserve_room(&self, ctx: &mut OpContext, reuse: Option<usize>) -> std::result::Result<Option<ChunkRef>, String> {
         ctx.reserved = ctx.file_len as u64;
-        self.index.lock().unwrap().begin_put(ctx.hash);
         let shortfall = self.free_space_shortfall(ctx.root, ctx.reserved);
         let (victim, unmet) = self.make_room(ctx.reserved, ctx.hash, reuse, shortfall.map(|s| (ctx.root, s)));
         if unmet > 0 {
@@ -132,8 +131,12 @@ impl Core {
         let capacity = self.capacity.load(Ordering::Relaxed);
         let mut unmet = 0;
         let victims = {
-            let index = self.index.lock().unwrap();
+            let mut index = self.index.lock().unwrap();
             let reserved = self.reserved.fetch_add(incoming, Ordering::Relaxed);
+            if incoming > 0 {
+                // The reservation is `keep`'s put in flight: a walk must not count it too.
+                index.begin_put(keep);
+            }
             let mut victims = index.victims(incoming + reserved, capacity, keep);
             if let Some((root, short)) = fs_short {
                 let on_root = |c: ChunkRef| self.layout.root_of_ref(c) == root;
