@@ -369,6 +369,55 @@ fn concurrent_puts_at_capacity_each_recycle_their_own_victim() {
 }
 
 #[test]
+fn puts_from_many_threads_at_capacity_never_share_a_victim() {
+    // Puts from several threads at once (vLLM's worker and preload threads,
+    // a benchmark's submitters) each choose their victims. Two that chose the
+    // same least recently used chunk used to both "evict" it: one recycled its
+    // file, the other found nothing to claim, wrote a fresh file uncounted and
+    // left the store over capacity until a trim. Victims are now taken out of
+    // the index where they are chosen, so every put beyond capacity evicts and
+    // claims exactly one file of its own.
+    const THREADS: usize = 8;
+    const PUTS: usize = 250;
+    const LEN: usize = 4 << 10;
+    let dir = tempfile::tempdir().unwrap();
+    let pool = Arc::new(StagingPool::create(LEN, THREADS, None).unwrap());
+    let mut c = config(dir.path(), BackendChoice::IoUring);
+    // Room for more chunks than puts in flight: each put finds a victim.
+    c.capacity_bytes = 16 * (LEN as u64 + 4096);
+    let store = Arc::new(open(c, &pool));
+    for i in 0..16u8 {
+        round_trip(&store, &pool, &[0xff, i], LEN, i);
+    }
+    let barrier = Arc::new(std::sync::Barrier::new(THREADS));
+    let threads: Vec<_> = (0..THREADS)
+        .map(|t| {
+            let (store, pool, barrier) = (store.clone(), pool.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                let a = pool.acquire(T).unwrap();
+                for i in 0..PUTS {
+                    fill(&pool, a, LEN, (t * PUTS + i) as u8);
+                    barrier.wait();
+                    let o = wait(&store, store.put(&[t as u8, i as u8], a, LEN, T).unwrap());
+                    assert_eq!(o.status, Status::Ok, "{}", o.message);
+                }
+                pool.release(a).unwrap();
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let puts = (THREADS * PUTS) as u64;
+    let (recycled, skipped) = (counter(&store, "recycled_files"), counter(&store, "recycle_skipped"));
+    assert_eq!(recycled + skipped, puts, "every put beyond capacity claims (or skips) a victim of its own");
+    assert_eq!(skipped, 0, "nobody reads here, so no victim is locked");
+    assert_eq!(counter(&store, "evictions"), puts);
+    assert!(store.used_bytes() <= store.capacity_bytes());
+    assert!(temp_files(&store).is_empty());
+}
+
+#[test]
 fn recycling_can_be_turned_off() {
     let dir = tempfile::tempdir().unwrap();
     let pool = Arc::new(StagingPool::create(64 << 10, 2, None).unwrap());

@@ -316,6 +316,13 @@ impl ChunkIndex {
         self.victims_where(need, keep, |_| true)
     }
 
+    /// Removes chosen victims from the index and returns those that were
+    /// still in it, with their lengths. Chosen and taken under one lock, so no
+    /// other put (or walk) can choose the same chunk before its file goes.
+    pub fn take(&mut self, chosen: Vec<(ChunkRef, u64)>) -> Vec<(ChunkRef, u64)> {
+        chosen.into_iter().filter_map(|(c, _)| self.remove_ref(c).map(|len| (c, len))).collect()
+    }
+
     /// Stalest chunks matching `pick` whose bytes cover `need`, skipping
     /// this namespace's `keep`. Does not remove them.
     pub fn victims_where(&self, mut need: u64, keep: u128, pick: impl Fn(ChunkRef) -> bool) -> Vec<(ChunkRef, u64)> {

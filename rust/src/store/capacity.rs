@@ -150,21 +150,18 @@ impl Core {
                     victims.extend(more);
                 }
             }
-            victims
+            // Taken out where they are chosen: two puts choosing at once must
+            // not both evict (and recycle) the same stalest chunk.
+            index.take(victims)
         };
         self.notice_other_namespaces(&victims);
-        let mut kept = None;
-        for (chunk, _) in victims {
-            if kept.is_none() && reuse == Some(self.layout.root_of_ref(chunk)) {
-                if let Some(len) = self.index.lock().unwrap().remove_ref(chunk) {
-                    self.count_eviction(chunk, len);
-                    kept = Some(chunk);
-                }
-                continue;
-            }
-            self.remove_chunk_ref(chunk);
+        let mut victims = victims;
+        let kept = victims.iter().position(|(c, _)| reuse == Some(self.layout.root_of_ref(*c))).map(|i| victims.remove(i));
+        if let Some((chunk, len)) = kept {
+            self.count_eviction(chunk, len);
         }
-        (kept, unmet)
+        self.unlink_evicted(victims);
+        (kept.map(|(c, _)| c), unmet)
     }
 
     /// Once per store, the first time another namespace's chunk is to go:
@@ -205,7 +202,7 @@ impl Core {
     /// it fit, so that the next write does not hit ENOSPC again at once.
     pub(super) fn on_enospc(&self, incoming: u64, keep: u128) {
         let victims = {
-            let index = self.index.lock().unwrap();
+            let mut index = self.index.lock().unwrap();
             let fits = index.total_bytes().max(incoming);
             let before = self.capacity.fetch_min(fits, Ordering::Relaxed);
             if fits < before && Stats::add_first(&self.stats.capacity_lowered, 1) {
@@ -215,14 +212,12 @@ impl Core {
                     self.configured_capacity
                 )));
             }
-            index.victims(incoming.saturating_mul(2), fits, keep)
+            let victims = index.victims(incoming.saturating_mul(2), fits, keep);
+            index.take(victims)
         };
         Stats::add(&self.stats.enospc_retries, 1);
-        for (chunk, _) in victims {
-            if self.remove_chunk_ref(chunk) {
-                Stats::add(&self.stats.enospc_evictions, 1);
-            }
-        }
+        Stats::add(&self.stats.enospc_evictions, victims.len() as u64);
+        self.unlink_evicted(victims);
     }
 
     /// Drops a chunk of this namespace (corrupt, vanished): index and file.
@@ -231,18 +226,6 @@ impl Core {
         let unlinked = std::fs::remove_file(self.layout.chunk_path(hash)).is_ok();
         if let Some(len) = removed {
             Stats::add(&self.stats.evicted_bytes, len);
-        }
-        removed.is_some() || unlinked
-    }
-
-    /// Evicts a chunk of any namespace: index and file, counted.
-    fn remove_chunk_ref(&self, chunk: ChunkRef) -> bool {
-        let removed = self.index.lock().unwrap().remove_ref(chunk);
-        let unlinked = std::fs::remove_file(self.layout.chunk_path_of(chunk)).is_ok();
-        match removed {
-            Some(len) => self.count_eviction(chunk, len),
-            None if unlinked => Stats::add(&self.stats.evictions, 1),
-            None => {}
         }
         removed.is_some() || unlinked
     }

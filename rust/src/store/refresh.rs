@@ -66,10 +66,7 @@ impl Core {
             let mut index = self.index.lock().unwrap();
             let counts = index.refresh(&found, since);
             let victims = index.victims(self.reserved.load(Ordering::Relaxed), self.capacity.load(Ordering::Relaxed), 0);
-            for (chunk, _) in &victims {
-                index.remove_ref(*chunk);
-            }
-            (counts, victims)
+            (counts, index.take(victims))
         };
         self.unlink_evicted(victims);
         Stats::add(&self.stats.refreshes, 1);
