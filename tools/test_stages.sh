@@ -13,7 +13,12 @@
 #
 # .venv-vllm033 (9.4 GB) is installed in the background while the Rust stages build and run:
 # that install is network and disk work, the Rust stages are compiles; both are done before
-# pytest starts, so nothing timing-sensitive shares the cores with it.
+# pytest starts.
+# vllm033 and benches (engine-free, no timing asserted; ~130 s of CPU) run beside pytest, at
+# nice 10: pytest's engine tests leave most of a core idle (their processes wait on each
+# other), which these take; when pytest wants both cores the kernel gives it ~90% of them
+# (weights 1024:110), so its timing-sensitive tests keep their cores. Their logs are printed
+# after pytest's, each under its own stage line. PYKVCACHE_STAGES_SERIAL=1 runs them after.
 # Every stage runs even after one fails (one CI log shows every failure); the exit status is
 # the first failure's.
 set -uo pipefail
@@ -62,12 +67,37 @@ if [ "$skip033" != 1 ]; then
   stage vllm033env wait_env033
   summary[-1]="${summary[-1]}  (the install itself: $(( $(cat "$vllm033_env_log.end" 2>/dev/null || date +%s) - env033_start )) s, in the background since the build)"
 fi
-stage pytest "$PY" -m pytest -q -ra --durations=30
-if [ "$skip033" = 1 ]; then
-  echo "test-vllm033: SKIPPED (PYKVCACHE_SKIP_VLLM033=1): nothing ran against vLLM 0.33"
-  summary+=("stage vllm033   SKIPPED (PYKVCACHE_SKIP_VLLM033=1)")
+after_pytest() {
+  if [ "$skip033" = 1 ]; then
+    echo "test-vllm033: SKIPPED (PYKVCACHE_SKIP_VLLM033=1): nothing ran against vLLM 0.33"
+    summary+=("stage vllm033   SKIPPED (PYKVCACHE_SKIP_VLLM033=1)")
+  else
+    stage vllm033 make --no-print-directory test-vllm033
+  fi
+  stage benches "$PY" -m pytest -q benches --benchmark-disable
+}
+
+beside_dir=$(mktemp -d)
+if [ "${PYKVCACHE_STAGES_SERIAL:-0}" = 1 ]; then
+  stage pytest "$PY" -m pytest -q -ra --durations=30
+  after_pytest
 else
-  stage vllm033 make --no-print-directory test-vllm033
+  # The beside stages in a subshell at nice 10, their summary lines and exit status in files.
+  (
+    renice -n 10 -p "$BASHPID" >/dev/null  # before anything forks: every child inherits it
+    summary=(); first_rc=0
+    after_pytest
+    printf '%s\n' "${summary[@]}" >"$beside_dir/summary"
+    echo "$first_rc" >"$beside_dir/rc"
+  ) >"$beside_dir/log" 2>&1 &
+  beside_pid=$!
+  stage pytest "$PY" -m pytest -q -ra --durations=30
+  if ! kill -0 "$beside_pid" 2>/dev/null; then beside_note="done before pytest"; else beside_note="waited for"; fi
+  wait "$beside_pid"
+  echo "==== beside pytest (nice 10), ${beside_note}: vllm033 and benches"
+  cat "$beside_dir/log"
+  while IFS= read -r line; do summary+=("$line  (beside pytest)"); done <"$beside_dir/summary"
+  beside_rc=$(cat "$beside_dir/rc" 2>/dev/null || echo 1)
+  if [ "$beside_rc" -ne 0 ] && [ "$first_rc" -eq 0 ]; then first_rc=$beside_rc; fi
 fi
-stage benches "$PY" -m pytest -q benches --benchmark-disable
 exit $first_rc
