@@ -45,8 +45,10 @@ def fit_disk_step(path: dict[str, Any], fixed_s: float, disk_bytes_per_s: float,
     """What a load from the disk costs in the engine beyond the read the
     storage sweep measured (``fixed + bytes / BW``): the median over lengths of
     the paired ``TTFT(disk) - TTFT(staging)`` medians minus that read, never
-    below 0. vLLM defers a request whose chunks are still being read to a later
-    scheduler step; the raw read time does not see that step."""
+    below 0. The raw read time does not see what the engine adds around it:
+    the worker waiting for reads still in flight when the request is scheduled
+    (PyKvCacheConnector; the stock connector defers the request a step
+    instead) and the completions' handling."""
     residuals = sorted(p.median - (fixed_s + p.x * bytes_per_token / disk_bytes_per_s)
                        for p in path.get("disk_extra_points", ()))
     if not residuals:
