@@ -148,19 +148,22 @@ def test_slot_with_io_in_flight_cannot_be_released(store_dir):
 
 def test_threads_hammering_put_and_get(store_dir):
     pool = kv.StagingPool(256 * 1024, 16)
-    store = make_store(store_dir, pool, queue_depth=8)
+    # The subject is concurrency, not deadlines: the default deadline (2 s for this slot size)
+    # expired under a loaded CI disk (I/O pressure 50-60 %) and failed a put. A bound with
+    # margin instead; a hang still fails the waits below.
+    store = make_store(store_dir, pool, queue_depth=8, io_deadline=120)
     errors = []
 
     def worker(n):
         try:
-            slot = pool.acquire(timeout=10)
+            slot = pool.acquire(timeout=60)
             for i in range(30):
                 key = b"t%d-%d" % (n, i % 7)
                 payload = bytes([n, i % 7]) * 1000
                 fill(pool, slot, payload)
-                w = store.put(key, slot, len(payload)).wait(10)
+                w = store.put(key, slot, len(payload)).wait(150)
                 assert w.ok, (key, w.status, w.message)
-                r = store.get(key, slot).wait(10)
+                r = store.get(key, slot).wait(150)
                 assert r.ok, (key, r.status, r.message)
                 assert read(pool, slot, len(payload)) == payload, key
             pool.release(slot)

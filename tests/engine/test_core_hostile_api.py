@@ -36,7 +36,9 @@ def slow_store(directory, slot_bytes: int):
     (an 8 MiB put is 2048 of them: slow enough to be waited for)."""
     directory.mkdir(mode=0o700)
     pool = kv.StagingPool(slot_bytes, 2)
-    return make_store(directory, pool, _fault_max_transfer=4096), pool
+    # 2048 small transfers can outlast the default deadline (2 s) on a loaded CI disk; these
+    # tests are about waiting, not deadlines: a bound with margin (the awaits time out first).
+    return make_store(directory, pool, _fault_max_transfer=4096, io_deadline=120), pool
 
 
 def run_isolated(code: str, store_dir, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -177,9 +179,9 @@ def test_aio_wait_works_on_stores_opened_after_others_closed_in_one_loop(tmp_pat
             fds.append(store.completion_fd)
             s = pool.acquire()
             h = store.put(b"k", s, 8 * MiB)
-            r = await asyncio.wait_for(pykvcache.aio.wait(store, h), 20)
+            r = await asyncio.wait_for(pykvcache.aio.wait(store, h), 60)
             assert r.ok
-            r = await asyncio.wait_for(pykvcache.aio.wait(store, store.get(b"k", s)), 20)
+            r = await asyncio.wait_for(pykvcache.aio.wait(store, store.get(b"k", s)), 60)
             assert r.ok and r.length == 8 * MiB
             store.close()
             pool.release(s)
@@ -200,7 +202,7 @@ def test_aio_two_open_stores_share_a_loop(tmp_path):
         hs = []
         for store, pool in stores:
             hs.append(pykvcache.aio.wait(store, store.put(b"k", pool.acquire(), 4 * MiB)))
-        rs = await asyncio.wait_for(asyncio.gather(*hs), 20)
+        rs = await asyncio.wait_for(asyncio.gather(*hs), 60)
         assert all(r.ok for r in rs)
         for store, _ in stores:
             store.close()
