@@ -161,6 +161,79 @@ def test_first_lookup_is_a_hit_and_the_copy_waits_for_verified_bytes(stall_fs):
         rig.close()
 
 
+KEY2 = (7).to_bytes(32, "big") + (1).to_bytes(4, "big")
+
+
+def _staged_and_in_flight(rig, stall_fs):
+    """A two-chunk prefix (blocks 2-5): KEY verified in staging, KEY2 on disk
+    only, its read stalled in flight; the load's destination (10-13) zeroed."""
+    writer = ReqContext(req_id="writer")
+    out = rig.manager.prepare_store([KEY, KEY2], writer)
+    assert rig.worker.submit_store(1, _gpu([2, 3, 4, 5]), out.store_spec)
+    rig.worker.get_finished()
+    rig.manager.complete_store(out.keys_to_store, writer)
+    rig.manager.flush(timeout=10)
+    rig.manager.cache.remove(KEY2)
+    for t in rig.kv.tensors:
+        t.tensor[10:14] = 0
+    stall_fs.stall()
+    rig.manager.enable_in_flight_hits()
+    ctx = ReqContext(req_id="r")
+    assert [rig.manager.lookup(k, ctx) for k in (KEY, KEY2)] == [LookupResult.HIT] * 2
+    spec = rig.manager.prepare_load([KEY, KEY2], ctx)
+    assert spec.ready_generations[0] == 0 and spec.ready_generations[1] > 0, spec.ready_generations
+    return ctx, spec
+
+
+@needs_fuse
+def test_each_chunk_is_copied_as_its_read_ends(stall_fs):
+    """Decision 0057: a load of a staged chunk and a chunk read in flight
+    copies the first at once and the second when its read ends, not both
+    after the last read."""
+    rig = Rig(stall_fs.mount_point, io_deadline=10.0)
+    try:
+        ctx, spec = _staged_and_in_flight(rig, stall_fs)
+        box = {}
+        thread = threading.Thread(target=lambda: box.update(ok=rig.worker.submit_load(2, spec, _gpu([10, 11, 12, 13]))))
+        thread.start()
+        first = [orig[2:4] for orig in rig.original]
+        deadline = time.monotonic() + 5
+        while not all(torch.equal(t.tensor[10:12], want) for t, want in zip(rig.kv.tensors, first)):
+            assert time.monotonic() < deadline, "the staged chunk was not copied while the other read waited"
+            time.sleep(0.02)
+        assert thread.is_alive(), "the copy still waits for the second read"
+        assert all(not t.tensor[12:14].any() for t in rig.kv.tensors), "nothing of the chunk still being read"
+        stall_fs.resume()
+        thread.join(10)
+        assert box["ok"] and rig.worker.take_failed_loads() == set()
+        assert [(r.job_id, r.success, r.transfer_size) for r in rig.worker.get_finished()] == [(2, True, 4 * 2 * PAGE)]
+        for t, orig in zip(rig.kv.tensors, rig.original):
+            assert torch.equal(t.tensor[10:14], orig[2:6])
+        rig.manager.poll_io()
+        rig.manager.complete_load([KEY, KEY2], ctx)
+    finally:
+        stall_fs.resume()
+        rig.close()
+
+
+@needs_fuse
+def test_a_failed_read_stops_the_copy_at_its_chunk(stall_fs):
+    rig = Rig(stall_fs.mount_point, io_deadline=0.5)
+    try:
+        ctx, spec = _staged_and_in_flight(rig, stall_fs)
+        rig.worker.report_load_failures = True
+        assert rig.worker.submit_load(2, spec, _gpu([10, 11, 12, 13]))
+        assert rig.worker.take_failed_loads() == {2}, "vLLM recomputes the job's blocks"
+        for t, orig in zip(rig.kv.tensors, rig.original):
+            assert torch.equal(t.tensor[10:12], orig[2:4]), "the verified chunk was copied"
+            assert not t.tensor[12:14].any(), "nothing of the chunk whose read failed"
+        rig.manager.poll_io()
+        rig.manager.complete_load([KEY, KEY2], ctx)
+    finally:
+        stall_fs.resume()
+        rig.close()
+
+
 @needs_fuse
 def test_a_read_past_the_deadline_is_a_failed_load_and_copies_nothing(stall_fs):
     rig = Rig(stall_fs.mount_point, io_deadline=0.5)

@@ -7,6 +7,7 @@ never races with the model writing the same pages.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from pykvcache.vllm.slot_map import SlotMap
@@ -70,6 +71,27 @@ class CpuCopier:
             for kv, stage in self._views[part.group]:
                 kv[blocks] = stage[slot_idx, sub_idx]
                 copied += len(part.block_ids) * kv.shape[1] * kv.shape[2]
+        return copied
+
+    def load_in_waves(self, gpu_spec, slots, waves) -> int:
+        """``load``, one wave of slots at a time: ``waves`` yields sets of
+        slots whose bytes are verified (it waits for their reads), and each
+        wave's pages are copied before the next is asked for, so the copy of
+        the first chunks overlaps the reads of the last. A wave iterator that
+        raises stops the copy there (the pages of later slots keep what they
+        held)."""
+        parts = list(self._indexed(gpu_spec, slots))
+        copied = 0
+        for wave in waves:
+            chosen = torch.from_numpy(np.fromiter(wave, dtype=np.int64, count=len(wave)))
+            for part, blocks, slot_idx, sub_idx in parts:
+                mask = torch.isin(slot_idx, chosen)
+                if not bool(mask.any()):
+                    continue
+                b, si, sb = blocks[mask], slot_idx[mask], sub_idx[mask]
+                for kv, stage in self._views[part.group]:
+                    kv[b] = stage[si, sb]
+                    copied += len(b) * kv.shape[1] * kv.shape[2]
         return copied
 
     def store(self, gpu_spec, slots) -> int:

@@ -4,8 +4,9 @@ No disk I/O happens here. The scheduler hands out loads of chunks verified in
 staging or, with in-flight hits (decision 0055), of chunks whose reads are in
 flight: a load then first waits (GIL released, bounded by the store's I/O
 deadline) for each slot's ready word, which the scheduler process's engine
-settles with the read's verdict. A load with any slot not ready copies
-nothing and is reported failed (:meth:`StagingWorker.take_failed_loads`, read
+settles with the read's verdict; on the CPU platform each chunk is copied as
+its read ends (decision 0057). A load with any slot not ready is reported
+failed, that slot's chunk never copied (:meth:`StagingWorker.take_failed_loads`, read
 by ``PyKvCacheConnector``, which tells vLLM to recompute the request).
 The staging region is created by the scheduler process as a memfd (no name
 in /dev/shm: it goes away with the engine however the engine exits); vLLM
@@ -50,6 +51,10 @@ class StagingWorker(OffloadingWorker):
         # (PyKvCacheConnector); without it a failed wait raises instead.
         self.report_load_failures = False
         self._failed_loads: set[int] = set()
+        # Copy each chunk as its read ends (CPU platform; decision 0057). False:
+        # wait for every read, then copy (the CUDA path's order): kept for the
+        # A/B of scripts/pipelined_copy_bench.py.
+        self.copy_as_reads_end = True
 
     @property
     def copier(self):
@@ -80,39 +85,78 @@ class StagingWorker(OffloadingWorker):
         # ``expedited`` (vLLM >= 0.33) asks to jump queued stores; copies here
         # are issued in order on one stream and are short, so it needs nothing.
         start = time.perf_counter()
-        if not self._reads_ended(job_id, src_spec):
-            # Nothing copied: the KV pages keep whatever they held, and vLLM
-            # recomputes them (the connector reports this job's request failed).
-            self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=0,
-                                                 transfer_time=time.perf_counter() - start))
-            return True
-        return self._submit(job_id, gpu_spec=dst_spec, slots=src_spec.block_ids, to_gpu=True)
-
-    def _reads_ended(self, job_id: int, src_spec) -> bool:
-        """Waits for the reads of a load's slots that were in flight when it
-        was prepared; True when every slot holds verified bytes."""
-        generations = getattr(src_spec, "ready_generations", None)
-        if not generations or not any(generations):
-            return True
         slots = [int(s) for s in src_spec.block_ids]
+        generations = list(getattr(src_spec, "ready_generations", None) or ())
+        if not any(generations):
+            return self._submit(job_id, gpu_spec=dst_spec, slots=slots, to_gpu=True)
+        if any(gen < 0 for gen in generations):
+            failed = sum(1 for gen in generations if gen < 0)
+            return self._load_failed(job_id, f"{failed} read(s) failed before the load", start)
+        if self._on_cuda or not self.copy_as_reads_end:
+            # All reads first, then one batched copy on the stream (see decision 0057).
+            why = self._wait_all(slots, generations, float(src_spec.wait_s or 10.0))
+            if why:
+                return self._load_failed(job_id, why, start)
+            return self._submit(job_id, gpu_spec=dst_spec, slots=slots, to_gpu=True)
+        return self._load_as_reads_end(job_id, dst_spec, slots, generations,
+                                       float(src_spec.wait_s or 10.0), start)
+
+    def _wait_all(self, slots: list[int], generations: list[int], wait_s: float) -> str:
+        """Waits for every read in flight; what was not ready, or ''."""
         waits = [(slot, gen) for slot, gen in zip(slots, generations) if gen > 0]
-        failed = sum(1 for gen in generations if gen < 0)
-        verdicts = []
-        if waits and not failed:
-            pool = self._attached_pool()
-            verdicts = pool.wait_ready([s for s, _ in waits], [g for _, g in waits],
-                                       float(src_spec.wait_s or 10.0))
-        if not failed and all(v == "ready" for v in verdicts):
-            return True
-        why = f"{failed} read(s) failed before the load" if failed else ", ".join(
-            f"slot {s}: {v}" for (s, _), v in zip(waits, verdicts) if v != "ready")
+        verdicts = self._attached_pool().wait_ready([s for s, _ in waits], [g for _, g in waits], wait_s)
+        return ", ".join(f"slot {s}: {v}" for (s, _), v in zip(waits, verdicts) if v != "ready")
+
+    def _load_as_reads_end(self, job_id: int, dst_spec, slots: list[int], generations: list[int],
+                           wait_s: float, start: float) -> bool:
+        """Copies each chunk as soon as its read has ended and been verified
+        (decision 0057: the copy of the first chunks overlaps the reads of the
+        last), all within one deadline. A read that fails stops the copy: the
+        chunks before it are in their pages, the job is reported failed and
+        vLLM recomputes its blocks."""
+        pool = self._attached_pool()
+        deadline = time.monotonic() + wait_s
+        why: list[str] = []
+
+        def waves():
+            staged = {s for s, gen in zip(slots, generations) if gen == 0}
+            if staged:
+                yield staged
+            pending = [(s, gen) for s, gen in zip(slots, generations) if gen > 0]
+            while pending:
+                (slot, gen), rest = pending[0], pending[1:]
+                [verdict] = pool.wait_ready([slot], [gen], max(0.0, deadline - time.monotonic()))
+                if verdict != "ready":
+                    why.append(f"slot {slot}: {verdict}")
+                    return
+                # Every later read that has ended meanwhile joins this wave.
+                verdicts = pool.wait_ready([s for s, _ in rest], [g for _, g in rest], 0.0) if rest else []
+                yield {slot} | {s for (s, _), v in zip(rest, verdicts) if v == "ready"}
+                ended = [f"slot {s}: {v}" for (s, _), v in zip(rest, verdicts) if v in ("failed", "recycled")]
+                if ended:
+                    why.extend(ended)
+                    return
+                pending = [(s, g) for (s, g), v in zip(rest, verdicts) if v != "ready"]
+
+        copied = self.copier.load_in_waves(dst_spec, slots, waves())
+        if why:
+            return self._load_failed(job_id, ", ".join(why), start)
+        self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=copied,
+                                             transfer_time=time.perf_counter() - start))
+        return True
+
+    def _load_failed(self, job_id: int, why: str, start: float) -> bool:
+        """A load whose chunks are not all verified: reported finished, its
+        request recomputed by vLLM (the connector reports the job failed)."""
         if not self.report_load_failures:
             # Copying would serve wrong KV and nobody would tell vLLM: stop.
             raise RuntimeError(f"load job {job_id}: chunks not ready ({why}) and the connector "
                                "does not report failed loads (use PyKvCacheConnector)")
-        logger.warning("pykvcache: load job %d not copied, vLLM recomputes it: %s", job_id, why)
+        logger.warning("pykvcache: load job %d not (fully) copied, vLLM recomputes it: %s", job_id, why)
         self._failed_loads.add(job_id)
-        return False
+        self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=0,
+                                             transfer_time=time.perf_counter() - start))
+        return True
 
     def take_failed_loads(self) -> set[int]:
         """Load jobs reported finished but not copied since the last call."""
