@@ -41,6 +41,16 @@ def _fill(kv, seed):
         t.tensor.copy_(torch.randint(-128, 127, t.tensor.shape, dtype=torch.int8, generator=gen))
 
 
+@pytest.fixture(autouse=True, params=["vectorised", "per_page"])
+def copy_path(request, monkeypatch):
+    """Every copy test through both of the CPU copier's paths (pages below
+    ``PAGE_LOOP_MIN_BYTES`` are gathered at once, larger ones copied one by one)."""
+    import pykvcache.vllm.cpu_copy as cpu_copy
+
+    monkeypatch.setattr(cpu_copy, "PAGE_LOOP_MIN_BYTES", 1 << 40 if request.param == "vectorised" else 0)
+    return request.param
+
+
 @pytest.fixture
 def shm_name():
     name = f"pykvcache-test-{os.getpid()}"
