@@ -52,6 +52,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from pykvcache import _core
 from pykvcache.gate import ChunkState
 from pykvcache.vllm.config import GIB, ConfigError, validate_extra_config
 from pykvcache.vllm.disk_tier import (
@@ -92,8 +93,9 @@ TIER_STAGING_BYTES = GIB // 4
 #: The fewest staging slots that keep a read and a write in flight together
 #: (and all the store gets when chunks go straight from and to the region).
 MIN_TIER_SLOTS = 2
-#: What the engine's transfers need of a region row (decision 0062).
-PAGE = 4096
+#: What the engine's transfers need of a region row (decision 0062): whole,
+#: aligned blocks of the engine's I/O alignment.
+PAGE = _core.IO_ALIGN
 #: How long shutdown waits for transfers on the CPU tier's region to end
 #: (only work stuck on a stalled directory takes any time).
 UNREGISTER_WAIT_S = 10.0
@@ -159,10 +161,8 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         # Chunks in flight at once: what staging_bytes holds (it bounded the
         # slots that bounced chunks before the region path, and still does on
         # the fallback), within the engine's operation table.
-        from pykvcache._core import ENGINE_DEFAULTS
-
         budget = size_staging(self.settings, self.chunk_bytes, min_slots=MIN_TIER_SLOTS, clamp=True).num_slots
-        self._limit = min(budget, int(ENGINE_DEFAULTS["max_inflight"]))
+        self._limit = min(budget, int(_core.ENGINE_DEFAULTS["max_inflight"]))
         why_not = self._region_refusal()
         num_slots = budget if why_not else MIN_TIER_SLOTS
         identity = model_identity_digest(find_vllm_config(), config.model.name, self.settings)
