@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from os import PathLike
 from typing import Literal, TypedDict, final
 
+from typing_extensions import Buffer
+
 __version__: str
 
 #: Bytes reserved in front of every staging slot and every chunk file for the
@@ -319,7 +321,8 @@ class IoHandle:
     @property
     def key(self) -> bytes: ...
     @property
-    def slot(self) -> int: ...
+    def slot(self) -> int | None:
+        """The staging slot; None for a region operation (``put_region``/``get_region``)."""
     def promote(self) -> bool:
         """A prefetch still waiting to start: raise it to demand priority (its
         transfers not started yet go with gets and puts, behind those queued
@@ -439,6 +442,40 @@ class BlockStore:
         :meth:`set_background_budget` bytes), so reads needed now overtake it.
         Same results and verification as ``get``; :meth:`IoHandle.promote`
         raises it to ``get`` priority."""
+    def register_region(self, buffer: Buffer) -> int:
+        """Register caller memory for :meth:`put_region` / :meth:`get_region`
+        (decision 0062): a writable, C-contiguous buffer (a uint8 numpy array,
+        a memoryview of shared memory). Returns the region's id. The store holds
+        the buffer export until :meth:`unregister_region` (or until the store
+        object is gone), so the memory cannot be freed or resized meanwhile;
+        it never maps, unmaps or frees it. ``ValueError`` for a read-only or
+        non-contiguous buffer; :class:`PykvcacheError` on a closed store."""
+    def unregister_region(self, region: int, timeout: float | None = None) -> None:
+        """Refuse new operations on ``region`` at once, wait for those in flight,
+        then release its buffer. Raises :class:`PykvcacheError` for an id not
+        registered, or after ``timeout`` seconds with operations left (the
+        region stays retired and its buffer held: call again). Works on a
+        closed store."""
+    @property
+    def region_count(self) -> int:
+        """Regions registered (or retired with operations left)."""
+    def put_region(self, key: bytes, region: int, offset: int, length: int) -> IoHandle:
+        """``put`` of bytes ``[offset, offset + length)`` of ``region``, written
+        straight from there (no staging slot, no copy); the chunk header travels
+        from a block of the engine's own, so the file is the one ``put`` writes.
+        ``ValueError`` when the range leaves the region, ``length`` is not a
+        positive multiple of 4096, or the address is not 4096-aligned (whatever
+        the filesystem: a payload fills whole blocks on disk); the caller copies
+        such rows through a slot instead. :class:`PykvcacheError` for a region
+        not registered (or being unregistered) and on a closed store. The
+        region's bytes must not change until the put completes."""
+    def get_region(self, key: bytes, region: int, offset: int, length: int) -> IoHandle:
+        """``get`` into bytes ``[offset, offset + length)`` of ``region`` (errors
+        as :meth:`put_region`). Only the chunk's payload blocks are written
+        there; a chunk larger than ``length`` is a ``miss`` (kept on disk).
+        With ``verify="full"`` the payload is checksummed in place before the
+        get is ``ok``; a ``corrupt`` chunk is removed and whatever landed in
+        the range is the caller's to ignore."""
     def set_background_budget(self, nbytes: int | None) -> None:
         """Bound the bytes prefetches have in flight (one transfer always may):
         a ``get`` then waits at the device behind at most that much background

@@ -24,6 +24,7 @@ use crate::store::{self, BackendChoice, StoreConfig, VerifyPolicy};
 mod args;
 mod errors;
 mod io;
+mod region;
 mod report;
 mod staging;
 
@@ -40,6 +41,14 @@ use staging::{PyStagingPool, SlotBuffer};
 struct PyBlockStore {
     inner: Arc<store::BlockStore>,
     submit_timeout: Option<Duration>,
+    /// The buffers of the registered regions (`register_region`).
+    regions: region::Exports,
+}
+
+impl Drop for PyBlockStore {
+    fn drop(&mut self) {
+        self.regions.release_all(&self.inner);
+    }
 }
 
 #[pymethods]
@@ -118,7 +127,7 @@ impl PyBlockStore {
         let pool = pool.inner.clone();
         let (store, report) = py.detach(move || store::BlockStore::open(config, pool)).map_err(to_py)?;
         report::log_open(py, &report, &store.snapshot())?;
-        Ok(PyBlockStore { inner: Arc::new(store), submit_timeout })
+        Ok(PyBlockStore { inner: Arc::new(store), submit_timeout, regions: region::Exports::default() })
     }
 
     /// Logs the engine's notices since the last call, each once at the level
@@ -140,21 +149,61 @@ impl PyBlockStore {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
-        Ok(PyIoHandle::new(&self.inner, id, "put", key, slot))
+        Ok(PyIoHandle::new(&self.inner, id, "put", key, Some(slot)))
     }
 
     fn get(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.get(&k, slot, t)).map_err(to_py)?;
-        Ok(PyIoHandle::new(&self.inner, id, "get", key, slot))
+        Ok(PyIoHandle::new(&self.inner, id, "get", key, Some(slot)))
     }
 
     fn prefetch(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
         let id = py.detach(move || store.prefetch(&k, slot, t)).map_err(to_py)?;
-        Ok(PyIoHandle::new(&self.inner, id, "prefetch", key, slot))
+        Ok(PyIoHandle::new(&self.inner, id, "prefetch", key, Some(slot)))
+    }
+
+    /// Registers `buffer` (writable, C-contiguous bytes: a numpy array, a
+    /// memoryview of shared memory) for `put_region` / `get_region`; returns
+    /// its id. The store holds the buffer export until `unregister_region`.
+    fn register_region(&self, buffer: &Bound<'_, PyAny>) -> PyResult<u64> {
+        self.regions.register(&self.inner, buffer)
+    }
+
+    /// New operations on `region` are refused at once; returns when none is
+    /// left in flight (its buffer is released then). Raises after `timeout`
+    /// seconds with some left (the region stays retired: call again).
+    #[pyo3(signature = (region, timeout=None))]
+    fn unregister_region(&self, py: Python<'_>, region: u64, timeout: Option<f64>) -> PyResult<()> {
+        let t = timeout_of("timeout", timeout)?;
+        self.regions.unregister(py, &self.inner, region, t).map_err(to_py)
+    }
+
+    /// Regions registered (or retired with operations left).
+    #[getter]
+    fn region_count(&self) -> usize {
+        self.regions.count()
+    }
+
+    /// Writes chunk `key` from bytes `[offset, offset + length)` of `region`
+    /// (`length` a multiple of 4096, the address 4096-aligned).
+    fn put_region(&self, py: Python<'_>, key: Vec<u8>, region: u64, offset: usize, length: usize) -> PyResult<PyIoHandle> {
+        let (store, t, r) = (self.inner.clone(), self.submit_timeout, store::RegionId::from_u64(region));
+        let k = key.clone();
+        let id = py.detach(move || store.put_region(&k, r, offset, length, t)).map_err(to_py)?;
+        Ok(PyIoHandle::new(&self.inner, id, "put", key, None))
+    }
+
+    /// Reads chunk `key` into bytes `[offset, offset + length)` of `region`
+    /// (a larger chunk is a miss); verified in place before it is ok.
+    fn get_region(&self, py: Python<'_>, key: Vec<u8>, region: u64, offset: usize, length: usize) -> PyResult<PyIoHandle> {
+        let (store, t, r) = (self.inner.clone(), self.submit_timeout, store::RegionId::from_u64(region));
+        let k = key.clone();
+        let id = py.detach(move || store.get_region(&k, r, offset, length, t)).map_err(to_py)?;
+        Ok(PyIoHandle::new(&self.inner, id, "get", key, None))
     }
 
     /// Bounds the bytes prefetches have in flight (one transfer always may):

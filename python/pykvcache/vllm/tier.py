@@ -22,10 +22,13 @@ admission (the framework decides what cascades). Those keys are refused here
 with that reason (docs/vllm.md, "pykvcache inside vLLM's tiering").
 
 Every method runs in the scheduler process and returns without waiting: the
-engine's I/O is asynchronous; the chunk bytes move between the CPU tier and
-pykvcache's own staging slots by one memcpy per chunk (the engine reads and
-writes only its staging region, whose slots carry the chunk header the
-checksum is written into).
+engine's I/O is asynchronous. The CPU tier's region is registered with the
+engine once (decision 0062): each chunk's payload moves between its row and
+the disk by the engine's own transfers (no copy, no Python on the data path;
+the chunk header travels from an engine-owned block). Where the region cannot
+be used (a row not a whole number of 4 KiB pages or not page-aligned, a
+buffer the engine refuses) the tier says why once and copies each chunk
+through a staging slot instead (decision 0044).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, TransferJob
 
+from pykvcache import _core
 from pykvcache.gate import ChunkState
 from pykvcache.vllm.config import GIB, ConfigError, validate_extra_config
 from pykvcache.vllm.disk_tier import (
@@ -86,8 +90,15 @@ STANDALONE_ONLY = {
 #: ``staging_bytes`` when not given: slots only bounce chunks between the CPU
 #: tier and the disk, so far fewer are needed than in the standalone spec.
 TIER_STAGING_BYTES = GIB // 4
-#: The fewest staging slots that keep a read and a write in flight together.
+#: The fewest staging slots that keep a read and a write in flight together
+#: (and all the store gets when chunks go straight from and to the region).
 MIN_TIER_SLOTS = 2
+#: What the engine's transfers need of a region row (decision 0062): whole,
+#: aligned blocks of the engine's I/O alignment.
+PAGE = _core.IO_ALIGN
+#: How long shutdown waits for transfers on the CPU tier's region to end
+#: (only work stuck on a stalled directory takes any time).
+UNREGISTER_WAIT_S = 10.0
 #: Row-layout marker in the namespace: chunks are vLLM's CPU-tier chunk bytes,
 #: not pykvcache's per-rank rows, so the two modes never read each other's files.
 TIER_ROW_LAYOUT = "vllm-tiering-primary-chunk-v1"
@@ -147,8 +158,13 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         if self._primary.ndim != 2:
             self._primary = self._primary.reshape(self._primary.shape[0], -1)
         self.chunk_bytes = int(self._primary.shape[1])
-        # Slots only bounce chunks: more than the engine's limit are not refused but unused.
-        num_slots = size_staging(self.settings, self.chunk_bytes, min_slots=MIN_TIER_SLOTS, clamp=True).num_slots
+        # Chunks in flight at once: what staging_bytes holds (it bounded the
+        # slots that bounced chunks before the region path, and still does on
+        # the fallback), within the engine's operation table.
+        budget = size_staging(self.settings, self.chunk_bytes, min_slots=MIN_TIER_SLOTS, clamp=True).num_slots
+        self._limit = min(budget, int(_core.ENGINE_DEFAULTS["max_inflight"]))
+        why_not = self._region_refusal()
+        num_slots = budget if why_not else MIN_TIER_SLOTS
         identity = model_identity_digest(find_vllm_config(), config.model.name, self.settings)
         # The chunk is the CPU tier's (one chunk of every rank): its size, not
         # one worker's block, is what the bytes of a file depend on.
@@ -157,6 +173,18 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         pool = StagingPool(self.chunk_bytes, num_slots)
         # The engine creates missing roots (0o700; see disk_tier.open_store).
         store = open_store(self.settings, pool, self.namespace, close_pool_on_failure=True)
+        # The CPU tier's region, registered once: the engine holds its buffer
+        # export until shutdown unregisters it (before the framework unmaps).
+        self._region: int | None = None
+        if why_not is None:
+            try:
+                self._region = store.register_region(self._primary)
+            except Exception as exc:  # noqa: BLE001 - the staging copy still works
+                why_not = f"the engine refused the region: {exc}"
+        if why_not is not None:
+            self._limit = min(self._limit, num_slots)
+            logger.warning("pykvcache tier: chunks are copied through staging slots (one memcpy each on the "
+                           "scheduler's thread), not moved straight from vLLM's CPU tier: %s", why_not)
         tokens_per_block = offloading_spec.tokens_per_block[0] if offloading_spec.tokens_per_block else 1
         self.chunk_tokens = offloading_spec.blocks_per_chunk * tokens_per_block
         # The store, its pool, the gate (it learns from the reads; decision
@@ -167,12 +195,26 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
             chunk_bytes=self.chunk_bytes, chunk_tokens=self.chunk_tokens),
             label="pykvcache tier", trouble="unusable chunks in the tier (each a miss)", log=logger)
         self._jobs: deque[_Job] = deque()  # jobs with chunks not started, in order
-        self._ops: dict[int, tuple[Any, _Job, bytes, int]] = {}  # slot -> (handle, job, key, chunk)
+        # token -> (handle, job, key, chunk, staging slot or None)
+        self._ops: dict[int, tuple[Any, _Job, bytes, int, int | None]] = {}
+        self._next_token = 0
         self._finished: list[JobResult] = []
         logger.info("pykvcache tier: namespace %s on %s: capacity_bytes %d, %d chunk(s) found; "
-                    "%d staging slots of %d bytes; backend %s, direct I/O %s",
+                    "chunks of %d bytes %s, at most %d in flight; backend %s, direct I/O %s",
                     self.namespace, ", ".join(self.settings.storage_dirs), store.capacity_bytes,
-                    len(store), num_slots, self.chunk_bytes, store.backend, store.direct_io)
+                    len(store), self.chunk_bytes,
+                    "via staging slots" if self._region is None else "straight from and to vLLM's CPU tier",
+                    self._limit, store.backend, store.direct_io)
+
+    def _region_refusal(self) -> str | None:
+        """Why the CPU tier's rows cannot be the engine's transfer memory, or None."""
+        if self.chunk_bytes % PAGE:
+            return f"a chunk of {self.chunk_bytes} bytes is not a whole number of {PAGE}-byte pages"
+        if not self._primary.flags.c_contiguous or not self._primary.flags.writeable:
+            return "vLLM's CPU tier region is not one writable, contiguous buffer"
+        if self._primary.ctypes.data % PAGE:
+            return f"vLLM's CPU tier region is not {PAGE}-byte aligned"
+        return None
 
     # -- lookups ---------------------------------------------------------------
     def _on_disk(self, key: bytes) -> bool:
@@ -209,23 +251,36 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         self._pump()
 
     def _pump(self) -> None:
-        """Collect finished I/O, then start queued chunks while slots are free (in order)."""
+        """Collect finished I/O, then start queued chunks (in order) while fewer
+        than the limit are in flight: a full tier leaves the rest queued here,
+        one entry per chunk, until completions free room."""
         self._poll()
         while self._jobs:
             job = self._jobs[0]
             while job.todo:
-                slot = self.pool.try_acquire()
-                if slot is None:
+                if len(self._ops) >= self._limit:
                     return
+                slot = None
+                if self._region is None:
+                    slot = self.pool.try_acquire()
+                    if slot is None:
+                        return
                 key, chunk = job.todo.popleft()
                 self._start(job, key, chunk, slot)
             self._jobs.popleft()
             job.queued = False
             self._maybe_finish(job)
 
-    def _start(self, job: _Job, key: bytes, chunk: int, slot: int) -> None:
+    def _start(self, job: _Job, key: bytes, chunk: int, slot: int | None) -> None:
         try:
-            if job.load:
+            if slot is None:
+                # The engine moves the payload between the chunk's row and the disk.
+                at = chunk * self.chunk_bytes
+                if job.load:
+                    handle = self.store.get_region(key, self._region, at, self.chunk_bytes)
+                else:
+                    handle = self.store.put_region(key, self._region, at, self.chunk_bytes)
+            elif job.load:
                 handle = self.store.get(key, slot)
             else:
                 with self.pool.view(slot) as view:
@@ -233,28 +288,31 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
                 handle = self.store.put(key, slot, self.chunk_bytes)
         except Exception as exc:  # noqa: BLE001 - refused submission: this chunk fails
             self.disk.submit_refused("read" if job.load else "write", key, exc)
-            self.pool.release(slot)
+            if slot is not None:
+                self.pool.release(slot)
             job.failed += 1
             return
         job.running += 1
-        self._ops[slot] = (handle, job, key, chunk)
+        self._next_token += 1
+        self._ops[self._next_token] = (handle, job, key, chunk, slot)
 
     def _poll(self, wait: bool = False) -> None:
-        for slot, (handle, job, key, chunk) in list(self._ops.items()):
+        for token, (handle, job, key, chunk, slot) in list(self._ops.items()):
             if not wait and not handle.done():
                 continue
             result = handle.wait()
-            del self._ops[slot]
+            del self._ops[token]
             job.running -= 1
             if job.load:
                 # A failed read leaves the file to the engine (decision 0050).
                 ok = self.disk.read_finished(key, result)
-                if ok:
+                if ok and slot is not None:
                     with self.pool.view(slot) as view:
                         self._primary[chunk] = np.frombuffer(view, dtype=np.uint8)[: self.chunk_bytes]
             else:
                 ok = self.disk.write_finished(key, result)
-            self.pool.release(slot)
+            if slot is not None:
+                self.pool.release(slot)
             if ok:
                 job.ok.append(key)
                 job.transfer_bytes += self.chunk_bytes
@@ -293,11 +351,22 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
 
     def get_stats(self):
         self._pump()
-        return self.disk.take_stats(staging_used=len(self._ops), staging_total=self.pool.num_slots)
+        # With the region, the gauges count chunks in flight against the limit.
+        total = self.pool.num_slots if self._region is None else self._limit
+        return self.disk.take_stats(staging_used=len(self._ops), staging_total=total)
 
     def shutdown(self) -> None:
         """Finish what was submitted (stores persist), then close the store."""
         try:
             self.disk.shutdown(self.drain_jobs)
         finally:
+            if self._region is not None:
+                # Releases the buffer export (the store waits for any operation
+                # still in flight on it: an abandoned one the kernel holds).
+                region, self._region = self._region, None
+                try:
+                    self.store.unregister_region(region, timeout=UNREGISTER_WAIT_S)
+                except Exception as exc:  # noqa: BLE001 - shutdown goes on; the export stays held
+                    logger.warning("pykvcache tier: vLLM's CPU tier region is still in use by the disk (%s); "
+                                   "its buffer stays held until the process exits", exc)
             self._primary = None  # lets the framework unmap its CPU tier

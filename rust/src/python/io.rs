@@ -82,12 +82,13 @@ pub(super) struct PyIoHandle {
     /// "put", "get" or "prefetch".
     op: &'static str,
     key: Vec<u8>,
-    slot: usize,
+    /// None for a region operation.
+    slot: Option<usize>,
     result: OnceLock<Py<PyIoResult>>,
 }
 
 impl PyIoHandle {
-    pub(super) fn new(store: &Arc<store::BlockStore>, id: OpId, op: &'static str, key: Vec<u8>, slot: usize) -> Self {
+    pub(super) fn new(store: &Arc<store::BlockStore>, id: OpId, op: &'static str, key: Vec<u8>, slot: Option<usize>) -> Self {
         PyIoHandle { store: store.clone(), id, op, key, slot, result: OnceLock::new() }
     }
 }
@@ -103,7 +104,7 @@ impl PyIoHandle {
         pyo3::types::PyBytes::new(py, &self.key)
     }
     #[getter]
-    fn slot(&self) -> usize {
+    fn slot(&self) -> Option<usize> {
         self.slot
     }
 
@@ -154,7 +155,8 @@ impl PyIoHandle {
     }
 
     fn __repr__(&self) -> String {
-        format!("IoHandle(op={}, slot={}, done={})", self.op(), self.slot, self.done().unwrap_or(false))
+        let slot = self.slot.map_or("None".to_string(), |s| s.to_string());
+        format!("IoHandle(op={}, slot={slot}, done={})", self.op(), self.done().unwrap_or(false))
     }
 }
 

@@ -15,6 +15,9 @@ use crate::stats::Stats;
 
 use super::{Core, OpContext, OpKind, VerifyPolicy};
 
+/// `Watch::slot` of a region operation: it has no staging slot.
+pub(super) const NO_SLOT: u32 = u32::MAX;
+
 impl Core {
     pub(super) fn fail_early(&self, id: OpId, ctx: OpContext, errno: Option<i32>, message: String) {
         if ctx.kind == OpKind::Put && errno == Some(libc::ENOSPC) {
@@ -41,8 +44,10 @@ impl Core {
     /// breaker, too much stuck work): a miss or a skipped put, at once,
     /// without touching the directory.
     pub(super) fn refuse(&self, id: OpId, ctx: OpContext, why: String) {
-        self.pool.unpin_io(ctx.slot);
-        self.pool.settle_ready(ctx.slot, ctx.ready_gen, false);
+        self.unpin_memory(&ctx);
+        if ctx.region.is_none() {
+            self.pool.settle_ready(ctx.slot, ctx.ready_gen, false);
+        }
         let c = &self.health.counters;
         let outcome = match ctx.kind {
             OpKind::Get => {
@@ -62,7 +67,8 @@ impl Core {
     pub(super) fn watch(&self, id: OpId, ctx: &OpContext) {
         let w = Watch {
             root: ctx.root as u32,
-            slot: ctx.slot as u32,
+            // No slot to quarantine: a region stays pinned until `finish`.
+            slot: if ctx.region.is_some() { NO_SLOT } else { ctx.slot as u32 },
             put: ctx.kind == OpKind::Put,
             since: ctx.started,
             ready_gen: ctx.ready_gen,
@@ -89,7 +95,7 @@ impl Core {
         if let Some(f) = ctx.write_file.take() {
             files::discard(&f);
         }
-        self.pool.unpin_io(ctx.slot);
+        self.unpin_memory(&ctx);
         outcome.latency = ctx.started.elapsed();
         if self.ops.is_abandoned(id) {
             // Past its deadline the caller got a miss / a skipped put; the
@@ -134,7 +140,9 @@ impl Core {
         }
         // Before the caller can see the outcome; a no-op when the watchdog
         // settled it already (abandoned between the check above and here).
-        self.pool.settle_ready(ctx.slot, ctx.ready_gen, outcome.status == Status::Ok);
+        if ctx.region.is_none() {
+            self.pool.settle_ready(ctx.slot, ctx.ready_gen, outcome.status == Status::Ok);
+        }
         self.ops.complete(id, outcome);
     }
 
@@ -211,28 +219,30 @@ pub(super) fn segment_count(from: usize, to: usize, seg_bytes: usize) -> usize {
 }
 
 /// Hands an operation's whole file to the backend: reads, and a put's
-/// rewrite after ENOSPC (its slot is sealed by then).
+/// rewrite after ENOSPC (its slot, or header block and region, sealed by then).
 pub(super) fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
     let seg_bytes = if write { core.write_segment_bytes } else { core.segment_bytes };
-    let (file_len, mut t) = (ctx.file_len, Transfer::of_slot(&core.pool, id, ctx.slot, fd, write, ctx.background, ctx.root));
-    match core.ops.start(id, ctx, segment_count(0, file_len, seg_bytes) as u32) {
+    let (file_len, mut mem) = (ctx.file_len, core.file_memory(id, &ctx, fd, write));
+    match core.ops.start(id, ctx, mem.segment_count(0, file_len, seg_bytes) as u32) {
         Err(ctx) => return core.fail_early(id, ctx, None, CLOSED_WHILE_SUBMITTING.into()),
         // Promoted while its open was queued: it starts as demand work.
-        Ok(promoted) => t.background &= !promoted,
+        Ok(promoted) => mem.set_background(mem.header.background & !promoted),
     }
-    submit_range(backend, t, 0, file_len, seg_bytes);
+    mem.submit(backend, 0, file_len, seg_bytes);
     // A promotion between `start` and the queueing above found nothing to
     // move (`BlockStore::promote`): its segments are queued now.
-    if t.background && core.ops.is_promoted(id) && backend.promote(id.index) > 0 {
+    if mem.header.background && core.ops.is_promoted(id) && backend.promote(id.index) > 0 {
         Stats::add(&core.stats.promotions, 1);
     }
 }
 
-/// What the segments of one operation share.
+/// What the segments of one operation share: `base` is the memory of file
+/// offset 0 (offset `o` of the file moves from or to `base + o`).
 #[derive(Clone, Copy)]
 pub(super) struct Transfer {
     op: u32,
-    slot: usize,
+    /// Registered-buffer index: staging slots only (regions are not registered).
+    buf_index: Option<u16>,
     base: *mut u8,
     fd: i32,
     write: bool,
@@ -240,13 +250,104 @@ pub(super) struct Transfer {
     root: usize,
 }
 
+// A transfer names memory that outlives it (staging, header blocks, a pinned region).
+unsafe impl Send for Transfer {}
+
 impl Transfer {
     pub(super) fn of_slot(pool: &StagingPool, id: OpId, slot: usize, fd: i32, write: bool, background: bool, root: usize) -> Self {
-        Transfer { op: id.index, slot, base: pool.slot_ptr(slot), fd, write, background, root }
+        Transfer { op: id.index, buf_index: Some(slot as u16), base: pool.slot_ptr(slot), fd, write, background, root }
+    }
+
+    pub(super) fn base(&self) -> *mut u8 {
+        self.base
+    }
+
+    /// Memory at `base` for file offset 0, not a registered buffer.
+    pub(super) fn of_memory(id: OpId, base: *mut u8, fd: i32, write: bool, background: bool, root: usize) -> Self {
+        Transfer { op: id.index, buf_index: None, base, fd, write, background, root }
     }
 }
 
-/// Hands bytes `[from, to)` of a file, from the same offsets of the slot at
+/// Where a chunk file's bytes live in memory: one staging slot for the whole
+/// file, or (a region operation) the header block for `[0, HEADER_BYTES)`
+/// and the caller's region for the payload.
+#[derive(Clone, Copy)]
+pub(super) struct FileMemory {
+    pub header: Transfer,
+    /// None: the payload follows the header in the same memory (a slot).
+    pub payload: Option<Transfer>,
+}
+
+impl FileMemory {
+    fn set_background(&mut self, background: bool) {
+        self.header.background = background;
+        if let Some(p) = &mut self.payload {
+            p.background = background;
+        }
+    }
+
+    /// Transfers `[from, to)` takes: a region operation's header block is
+    /// one transfer of its own, its payload is cut from `HEADER_BYTES`.
+    pub(super) fn segment_count(&self, from: usize, to: usize, seg_bytes: usize) -> usize {
+        match self.payload {
+            None => segment_count(from, to, seg_bytes),
+            Some(_) => segment_count(from, to.min(HEADER_BYTES), 0) + segment_count(from.max(HEADER_BYTES), to, seg_bytes),
+        }
+    }
+
+    pub(super) fn submit(&self, backend: &dyn Backend, from: usize, to: usize, seg_bytes: usize) {
+        match self.payload {
+            None => submit_range(backend, self.header, from, to, seg_bytes),
+            Some(payload) => {
+                if from < HEADER_BYTES {
+                    submit_range(backend, self.header, from, to.min(HEADER_BYTES), 0);
+                }
+                submit_range(backend, payload, from.max(HEADER_BYTES), to, seg_bytes);
+            }
+        }
+    }
+}
+
+impl Core {
+    /// The memory of operation `id`'s file (see `FileMemory`).
+    pub(super) fn file_memory(&self, id: OpId, ctx: &OpContext, fd: i32, write: bool) -> FileMemory {
+        match ctx.region {
+            None => FileMemory { header: Transfer::of_slot(&self.pool, id, ctx.slot, fd, write, ctx.background, ctx.root), payload: None },
+            Some(pin) => {
+                let header = Transfer::of_memory(id, self.headers.block(id.index), fd, write, ctx.background, ctx.root);
+                // File offset `HEADER_BYTES` is the region's byte `pin.payload`.
+                let base = (pin.payload as *mut u8).wrapping_sub(HEADER_BYTES);
+                FileMemory { header, payload: Some(Transfer::of_memory(id, base, fd, write, ctx.background, ctx.root)) }
+            }
+        }
+    }
+
+    /// The header block of an operation: its slot's first 4 KiB, or its own block.
+    pub(super) fn header_ptr(&self, id: OpId, ctx: &OpContext) -> *mut u8 {
+        match ctx.region {
+            None => self.pool.slot_ptr(ctx.slot),
+            Some(_) => self.headers.block(id.index),
+        }
+    }
+
+    /// The first payload byte of an operation: in its slot, or in its region.
+    pub(super) fn payload_ptr(&self, ctx: &OpContext) -> *mut u8 {
+        match ctx.region {
+            None => self.pool.payload_ptr(ctx.slot),
+            Some(pin) => pin.payload as *mut u8,
+        }
+    }
+
+    /// The operation's memory is the caller's again: its slot unpinned, or its region.
+    pub(super) fn unpin_memory(&self, ctx: &OpContext) {
+        match ctx.region {
+            None => self.pool.unpin_io(ctx.slot),
+            Some(pin) => self.regions.unpin(pin),
+        }
+    }
+}
+
+/// Hands bytes `[from, to)` of a file, from the same offsets of the memory at
 /// `base`, to the backend in segments that start at multiples of `seg_bytes`
 /// from `from` (reads number their checksum pieces by it).
 pub(super) fn submit_range(backend: &dyn Backend, t: Transfer, from: usize, to: usize, seg_bytes: usize) {
@@ -258,7 +359,7 @@ pub(super) fn submit_range(backend: &dyn Backend, t: Transfer, from: usize, to: 
         len: 0,
         offset: 0,
         write: t.write,
-        buf_index: Some(t.slot as u16),
+        buf_index: t.buf_index,
         background: t.background,
         root: t.root as u32,
     };
@@ -268,7 +369,8 @@ pub(super) fn submit_range(backend: &dyn Backend, t: Transfer, from: usize, to: 
     let mut offset = from;
     while offset < to {
         let len = seg_bytes.min(to - offset);
-        batch[filled] = Segment { buf: unsafe { t.base.add(offset) }, len, offset: offset as u64, ..blank };
+        // wrapping: a region's `base` lies before its memory (offset 0 is the header's).
+        batch[filled] = Segment { buf: t.base.wrapping_add(offset), len, offset: offset as u64, ..blank };
         filled += 1;
         offset += len;
         if filled == batch.len() {
@@ -286,9 +388,9 @@ pub(super) fn chunk_worker(core: &Core, backend: &dyn Backend) {
     let clock = thread_cpu_clock();
     while let Some(job) = core.jobs.pop() {
         match job {
-            Job::Seal { id, transfer_fd, slot, payload_len, root } => {
-                core.seal(id, slot, payload_len);
-                submit_range(backend, Transfer::of_slot(&core.pool, id, slot, transfer_fd, true, false, root), 0, HEADER_BYTES, 0);
+            Job::Seal { id, header, payload, payload_len } => {
+                core.seal(id, header, payload as *const u8, payload_len);
+                submit_range(backend, header, 0, HEADER_BYTES, 0);
             }
             Job::VerifyPiece { seg } => {
                 if let Some(done) = core.verify_piece(&seg) {

@@ -16,7 +16,8 @@ use super::OpContext;
 
 pub enum Job {
     /// Checksum a put's payload (already being written) and write its header.
-    Seal { id: OpId, transfer_fd: i32, slot: usize, payload_len: usize, root: usize },
+    /// `header`: the header block's transfer; `payload`: the payload's address.
+    Seal { id: OpId, header: super::completion::Transfer, payload: usize, payload_len: usize },
     /// One segment of a fully verified read landed: checksum its payload piece.
     VerifyPiece { seg: Segment },
     /// The transfer completed: verify (get) or publish (put), then complete.

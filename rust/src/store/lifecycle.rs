@@ -127,9 +127,13 @@ impl Core {
                 |w| {
                     // Under the op table's lock, before the caller can see the
                     // outcome and release the slot: quarantined first.
-                    self.pool.quarantine(w.slot as usize);
-                    // A worker waiting on this read learns it failed now.
-                    self.pool.settle_ready(w.slot as usize, w.ready_gen, false);
+                    // A region operation keeps its region pinned until its
+                    // late `finish`; it has no slot nor ready word.
+                    if w.slot != completion::NO_SLOT {
+                        self.pool.quarantine(w.slot as usize);
+                        // A worker waiting on this read learns it failed now.
+                        self.pool.settle_ready(w.slot as usize, w.ready_gen, false);
+                    }
                     self.health.dirs[w.root as usize].stuck.fetch_add(1, Ordering::Relaxed);
                     self.health.failure(w.root as usize, true, now);
                     let dir = self.health.dirs[w.root as usize].path.display();

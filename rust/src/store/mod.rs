@@ -89,10 +89,12 @@ mod lifecycle;
 mod open;
 mod read;
 mod refresh;
+mod region;
 mod snapshot;
 mod write;
 
 pub use config::{BackendChoice, FreeSpaceReserve, RefreshPolicy, StoreConfig, VerifyPolicy};
+pub use region::RegionId;
 pub use snapshot::StoreSnapshot;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -127,6 +129,9 @@ pub struct OpContext {
     /// A get's generation of its slot's ready word (`ready.rs`), settled
     /// with its verdict; 0 for a put.
     pub ready_gen: u32,
+    /// A region operation (`region.rs`): its pinned payload memory; `slot`
+    /// is unused then.
+    region: Option<region::RegionPin>,
 }
 
 struct Core {
@@ -169,6 +174,9 @@ struct Core {
     ops: OpTable<OpContext>,
     /// Payload CRCs of the read segments checksummed so far (read path).
     pieces: read::Pieces,
+    /// External memory regions (`region.rs`) and the header blocks of their operations.
+    regions: region::Regions,
+    headers: region::HeaderBlocks,
     stats: Stats,
     verify: VerifyPolicy,
     jobs: JobQueue,
@@ -189,6 +197,18 @@ pub struct BlockStore {
     closed: AtomicBool,
     /// The background byte budget last set (0: none; `set_background_budget`).
     background_budget: AtomicU64,
+}
+
+/// The memory an operation moves a chunk from or to.
+#[derive(Clone, Copy)]
+enum Memory {
+    Slot(usize),
+    /// Bytes `[offset, offset + length)` of a registered region.
+    Region {
+        id: RegionId,
+        offset: usize,
+        length: usize,
+    },
 }
 
 /// What an opened store reports about the paths it took.
@@ -217,13 +237,28 @@ impl BlockStore {
     /// Steps 1 of a put and a get: checks, an op entry, the slot pinned, the
     /// context. The entry is the caller's until `ops.start`.
     fn begin(&self, kind: OpKind, key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<(OpId, OpContext)> {
-        let pool = &self.core.pool;
+        self.begin_on(kind, key, Memory::Slot(slot), timeout)
+    }
+
+    /// `begin` for an operation on a slot or a region range (pinned, not the slot).
+    fn begin_on(&self, kind: OpKind, key: &[u8], memory: Memory, timeout: Option<Duration>) -> Result<(OpId, OpContext)> {
         let id = self.core.ops.allocate(timeout)?;
-        if let Err(e) = pool.pin_io(slot) {
-            // Never started: `release` would wait for a completion that never comes.
-            self.core.ops.cancel(id);
-            return Err(e);
-        }
+        let pinned = match memory {
+            Memory::Slot(slot) => self.core.pool.pin_io(slot).map(|()| None),
+            Memory::Region { id, offset, length } => self.core.regions.pin(id, offset, length).map(Some),
+        };
+        let region = match pinned {
+            Ok(region) => region,
+            Err(e) => {
+                // Never started: `release` would wait for a completion that never comes.
+                self.core.ops.cancel(id);
+                return Err(e);
+            }
+        };
+        let slot = match memory {
+            Memory::Slot(slot) => slot,
+            Memory::Region { .. } => usize::MAX,
+        };
         let hash = format::key_hash(key);
         let root = self.core.layout.root_of(hash);
         let ctx = OpContext {
@@ -243,14 +278,20 @@ impl BlockStore {
             reserved: 0,
             close_elsewhere: false,
             ready_gen: 0,
+            region,
         };
         Ok((id, ctx))
     }
 
-    fn check_args(&self, key: &[u8], slot: usize) -> Result<()> {
+    fn check_key(key: &[u8]) -> Result<()> {
         if key.is_empty() || key.len() > MAX_KEY_BYTES {
             return Err(EngineError::invalid(format!("key must be 1..={MAX_KEY_BYTES} bytes, got {}", key.len())));
         }
+        Ok(())
+    }
+
+    fn check_args(&self, key: &[u8], slot: usize) -> Result<()> {
+        Self::check_key(key)?;
         if slot >= self.core.pool.num_slots() {
             return Err(EngineError::invalid(format!("slot {slot} out of range")));
         }

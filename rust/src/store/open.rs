@@ -8,7 +8,7 @@ use std::time::Instant;
 use super::config::{BackendChoice, StoreConfig};
 use super::health::Health;
 use super::jobs::{DirQueue, JobQueue};
-use super::{capacity, completion, read, BlockStore, Core, OpenReport};
+use super::{capacity, completion, read, region, BlockStore, Core, OpenReport};
 use crate::backend::threads::ThreadBackend;
 use crate::backend::uring::UringBackend;
 use crate::backend::{Backend, SegmentSink};
@@ -102,6 +102,8 @@ impl BlockStore {
             index: Mutex::new(index),
             ops: OpTable::new(config.max_inflight)?,
             pieces: read::Pieces::new(config.max_inflight),
+            regions: region::Regions::default(),
+            headers: region::HeaderBlocks::new(config.max_inflight)?,
             stats,
             verify: config.verify,
             jobs: JobQueue::default(),

@@ -123,17 +123,17 @@ impl Core {
         let Some(size) = size.map(|s| s as usize) else {
             return self.corrupt(id, ctx, "not a regular file".into());
         };
-        let max_len = HEADER_BYTES + format::round_up(pool.slot_bytes(), IO_ALIGN);
+        // A region get's room is its row (`payload_len`, whole blocks), a slot's its payload size.
+        let room = if ctx.region.is_some() { ctx.payload_len } else { pool.slot_bytes() };
+        let max_len = HEADER_BYTES + format::round_up(room, IO_ALIGN);
         if size > max_len && size % IO_ALIGN == 0 {
             // Possibly a valid chunk from a process with larger slots sharing
             // the directory: not ours to judge or delete, just not loadable here.
-            // Named by the slot's payload size (what the user configured), not by
-            // `max_len`, the largest chunk file such a slot takes.
-            let msg = format!(
-                "chunk file of {size} bytes (up to {} bytes of payload) does not fit a {}-byte slot",
-                size - HEADER_BYTES,
-                pool.slot_bytes()
-            );
+            // Named by the payload room (what the user configured), not by
+            // `max_len`, the largest chunk file such room takes.
+            let into = if ctx.region.is_some() { "region row" } else { "slot" };
+            let msg =
+                format!("chunk file of {size} bytes (up to {} bytes of payload) does not fit a {room}-byte {into}", size - HEADER_BYTES);
             return self.keep(id, ctx, msg);
         }
         if size < HEADER_BYTES || size % IO_ALIGN != 0 {
@@ -145,7 +145,9 @@ impl Core {
             return self.finish(id, ctx, Outcome::miss(MissKind::Unavailable, None, "opened after the deadline"));
         }
         ctx.file_len = size;
-        self.pieces.reset(id.index, completion::segment_count(0, size, self.segment_bytes));
+        // One more piece than segments: a region read's payload segments are
+        // cut from `HEADER_BYTES`, so with 4 KiB segments they number from 1.
+        self.pieces.reset(id.index, completion::segment_count(0, size, self.segment_bytes) + 1);
         completion::submit(self, backend, id, ctx, fd, false);
     }
 }
@@ -234,7 +236,11 @@ impl Core {
         } else {
             (0, 0)
         };
-        self.pieces.record(seg.op, piece, crc, len);
+        // A piece without payload bytes (a region read's header block) keeps
+        // the (0, 0) `reset` gave it: never overwrites a payload piece's number.
+        if len > 0 {
+            self.pieces.record(seg.op, piece, crc, len);
+        }
         self.ops.segment_done(seg.op, Ok(())).unwrap_or_else(|e| {
             self.stray_completion(e);
             None
@@ -263,8 +269,7 @@ impl Core {
             }
             None => {}
         }
-        let slot_ptr = self.pool.slot_ptr(ctx.slot);
-        let block = unsafe { std::slice::from_raw_parts(slot_ptr, HEADER_BYTES) };
+        let block = unsafe { std::slice::from_raw_parts(self.header_ptr(id, &ctx), HEADER_BYTES) };
         let header = match format::decode_header(block, &self.namespace, &ctx.key, ctx.file_len as u64) {
             Ok(h) => h,
             // A sound header this build cannot interpret: not ours to delete.
@@ -272,7 +277,7 @@ impl Core {
             Err(_) if on_backend_thread => return to_worker(ctx),
             Err(e) => return self.corrupt(id, ctx, e.to_string()),
         };
-        let payload = unsafe { std::slice::from_raw_parts(self.pool.payload_ptr(ctx.slot), header.payload_len as usize) };
+        let payload = unsafe { std::slice::from_raw_parts(self.payload_ptr(&ctx), header.payload_len as usize) };
         if self.verify == VerifyPolicy::Full {
             // `decode_header` checked that the payload fills the file to its
             // last 4 KiB, so the verified prefix never exceeds it.

@@ -50,7 +50,7 @@ impl Core {
         if self.ops.is_abandoned(id) {
             return self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(libc::ETIMEDOUT), "abandoned before it started"));
         }
-        let (hash, root, slot, length, file_len) = (ctx.hash, ctx.root, ctx.slot, ctx.payload_len, ctx.file_len);
+        let (hash, root, length, file_len) = (ctx.hash, ctx.root, ctx.payload_len, ctx.file_len);
         let reuse = self.recycle_files.then_some(root);
         let victim = match self.reserve_room(&mut ctx, reuse) {
             Ok(victim) => victim,
@@ -72,43 +72,41 @@ impl Core {
         // the caller's thread) is computed by a chunk worker meanwhile and the
         // header block written last, so the CRC pass overlaps the transfer.
         // The chunk becomes visible only after both writes (publish).
-        let pool = &self.pool;
-        unsafe {
-            let pad = file_len - HEADER_BYTES - length;
-            std::ptr::write_bytes(pool.payload_ptr(slot).add(length), 0, pad);
+        let (header_ptr, payload_ptr) = (self.header_ptr(id, &ctx), self.payload_ptr(&ctx));
+        let pad = file_len - HEADER_BYTES - length;
+        if ctx.region.is_none() {
+            unsafe { std::ptr::write_bytes(payload_ptr.add(length), 0, pad) };
         }
+        // A region's length is whole blocks (`Regions::pin`): no padding, and
+        // nothing is ever written to the caller's memory.
+        debug_assert!(ctx.region.is_none() || pad == 0);
         // verify="header": no payload checksum, so the header is ready now and
         // the whole file leaves in one go (storage that checksums data itself).
         let sealed_now = self.verify == VerifyPolicy::Header;
         if sealed_now {
-            let header = unsafe { std::slice::from_raw_parts_mut(pool.slot_ptr(slot), HEADER_BYTES) };
+            let header = unsafe { std::slice::from_raw_parts_mut(header_ptr, HEADER_BYTES) };
             format::encode_header_for(header, &self.namespace, &ctx.key, length as u64, None);
         }
         let from = if sealed_now { 0 } else { HEADER_BYTES };
-        let header_write = u32::from(!sealed_now);
-        if let Err(ctx) = self.ops.start(id, ctx, completion::segment_count(from, file_len, self.write_segment_bytes) as u32 + header_write)
-        {
+        let mem = self.file_memory(id, &ctx, fd, true);
+        let segments = mem.segment_count(from, file_len, self.write_segment_bytes) as u32 + u32::from(!sealed_now);
+        if let Err(ctx) = self.ops.start(id, ctx, segments) {
             return self.fail_early(id, ctx, None, completion::CLOSED_WHILE_SUBMITTING.into());
         }
-        completion::submit_range(
-            backend,
-            Transfer::of_slot(pool, id, slot, fd, true, false, root),
-            from,
-            file_len,
-            self.write_segment_bytes,
-        );
+        mem.submit(backend, from, file_len, self.write_segment_bytes);
         if !sealed_now {
-            self.jobs.push(Job::Seal { id, transfer_fd: fd, slot, payload_len: length, root });
+            let header = Transfer::of_memory(id, header_ptr, fd, true, false, root);
+            let header = if mem.payload.is_some() { header } else { mem.header };
+            self.jobs.push(Job::Seal { id, header, payload: payload_ptr as usize, payload_len: length });
         }
     }
-    /// Writes the header block into the slot in place (the padding was
-    /// zeroed by `put`), so the whole file leaves in aligned transfers
-    /// straight from staging.
-    pub(super) fn seal(&self, id: OpId, slot: usize, payload_len: usize) {
-        let pool = &self.pool;
-        let payload = unsafe { std::slice::from_raw_parts(pool.payload_ptr(slot), payload_len) };
+    /// Writes the header block in place (a slot's first 4 KiB, or a region
+    /// operation's own block), from the payload at `payload`, before the
+    /// header's transfer is queued.
+    pub(super) fn seal(&self, id: OpId, header: Transfer, payload: *const u8, payload_len: usize) {
+        let payload = unsafe { std::slice::from_raw_parts(payload, payload_len) };
         let crc = crc32c(payload);
-        let header = unsafe { std::slice::from_raw_parts_mut(pool.slot_ptr(slot), HEADER_BYTES) };
+        let header = unsafe { std::slice::from_raw_parts_mut(header.base(), HEADER_BYTES) };
         let sealed = self
             .ops
             .with_context(id.index, |ctx| format::encode_header_for(header, &self.namespace, &ctx.key, payload_len as u64, Some(crc)));

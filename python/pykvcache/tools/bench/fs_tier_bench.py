@@ -172,7 +172,8 @@ class PykvcacheTierSystem(TierSystem):
     def _make_tier(self, spec: Any, **store_kwargs: Any) -> Any:
         from pykvcache.vllm.tier import PykvcacheTier
 
-        keys = {k: store_kwargs[k] for k in ("backend", "direct_io", "queue_depth", "register_buffers")
+        # `--verify` reaches the tier too (the CPU-per-GB comparison with verify="header").
+        keys = {k: store_kwargs[k] for k in ("backend", "direct_io", "queue_depth", "register_buffers", "verify")
                 if k in store_kwargs}
         return PykvcacheTier(spec, self.view, "PykvcacheTier", storage_dirs=[str(self.root)],
                              capacity_bytes=2 * self.n * (self.chunk + (1 << 20)),

@@ -111,7 +111,7 @@ def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
                         "x fs tier", "pykvcache tier CPU-s/GB", "CPU x fs tier"],
                 rows=tier_rows,
                 note="Both tiers get the same primary (CPU tier) region, TransferJobs and drain_jobs(); "
-                "pykvcache's tier copies each chunk between that region and its staging slots (one memcpy).",
+                "pykvcache's tier has the engine transfer each chunk straight from and to that region (decision 0062).",
             )
         )
     _targets(out, pairs, med, cfg)
