@@ -74,8 +74,8 @@ def test_job_shapes_split_chunks_like_the_fs_tier_jobs():
 def test_fs_tier_and_pykvcache_move_identical_data(tmp_path):
     assert vllm_fs_tier_available() is None
     case = FsCase(chunk_bytes=1 * MiB, total_bytes=4 * MiB, shape="jobs_of_1", contention=False)
-    phases = run_fs_case(case, tmp_path, ["fs_tier", "pykvcache", "pykvcache_tier"], disk=_disk(tmp_path),
-                         cold=True, repeat=0)
+    phases = run_fs_case(case, tmp_path, ["fs_tier", "pykvcache", "pykvcache_tier", "pykvcache_tier_direct"],
+                         disk=_disk(tmp_path), cold=True, repeat=0)
     assert [(p.system, p.direction) for p in phases] == [
         ("fs_tier", "write"),
         ("fs_tier", "read"),
@@ -83,12 +83,16 @@ def test_fs_tier_and_pykvcache_move_identical_data(tmp_path):
         ("pykvcache", "read"),
         ("pykvcache_tier", "write"),
         ("pykvcache_tier", "read"),
+        ("pykvcache_tier_direct", "write"),
+        ("pykvcache_tier_direct", "read"),
     ]
     for p in phases:
         assert p.errors == 0 and p.bytes == 4 * MiB and p.params["jobs"] == 4
     assert phases[0].info["threads"] == 32
     assert phases[4].info["backend"] in ("io_uring", "threads")
-    for name in ("vllm-fs-tier", "pykvcache", "pykvcache-tier"):
+    assert [p.info["cpu_tier_io"] for p in phases[4:]] == ["copy", "copy", "direct", "direct"]
+    assert [p.info["region"] for p in phases[4:]] == [False, False, True, True], "direct moves chunks from the region"
+    for name in ("vllm-fs-tier", "pykvcache", "pykvcache-tier", "pykvcache-tier-direct"):
         assert not (tmp_path / name).exists()
 
 

@@ -1,7 +1,8 @@
-"""The tier's two data paths (decision 0062): chunks move straight between
-vLLM's CPU-tier region and the disk (the region registered with the engine
-once), on every engine fallback; rows the engine cannot transfer (not whole
-4 KiB pages) are copied through staging slots, said once in the log. Driven
+"""The tier's two data paths (decision 0062): with ``cpu_tier_io: "direct"``
+chunks move straight between vLLM's CPU-tier region and the disk (the region
+registered with the engine once), on every engine fallback; rows the engine
+cannot transfer (not whole 4 KiB pages) are copied through staging slots,
+said once in the log; the default copies, and a bad value is refused. Driven
 as test_vllm_tier.py drives the tier, through vLLM's tiering manager."""
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def _spec(tmp_path, bytes_per_block, num_chunks=8, **tier_keys):
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
     tier = {**TIER, "storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "64MiB",
-            "fingerprint_weights": False, "gate": False, **tier_keys}
+            "fingerprint_weights": False, "gate": False, "cpu_tier_io": "direct", **tier_keys}
     config = tiny_offloading_config({}, engine_id="tier-region", bytes_per_block=bytes_per_block)
     extra = {"spec_name": "TieringOffloadingSpec", "blocks_per_chunk": 2,
              "cpu_bytes_to_use": num_chunks * 2 * bytes_per_block, "secondary_tiers": [tier]}
@@ -74,3 +75,20 @@ def test_rows_of_partial_pages_are_copied_through_staging_said_once(tmp_path, ca
         s.close()
     said = [r for r in caplog.records if "copied through staging slots" in r.getMessage()]
     assert len(said) == 1 and "whole number of 8192-byte pages" in said[0].getMessage()
+
+
+def test_the_default_copies_through_staging_and_a_bad_mode_is_refused(tmp_path, caplog):
+    from pykvcache.vllm.config import ConfigError
+    from pykvcache.vllm.tier import MIN_TIER_SLOTS, tier_settings
+
+    caplog.set_level(logging.WARNING, logger="vllm.pykvcache.tier")
+    s = Scheduler(_spec(tmp_path, 16384, cpu_tier_io="copy"))
+    try:
+        assert s.tier._region is None and s.tier.store.region_count == 0
+        assert s.tier.pool.num_slots > MIN_TIER_SLOTS
+        _store_and_load(s, _keys("default", 3))
+    finally:
+        s.close()
+    assert not [r for r in caplog.records if "copied through staging" in r.getMessage()], "the default is no warning"
+    with pytest.raises(ConfigError, match="cpu_tier_io"):
+        tier_settings({"storage_dirs": [str(tmp_path / "kv")], "cpu_tier_io": "zero-copy"})

@@ -168,6 +168,8 @@ class PykvcacheTierSystem(TierSystem):
     phase's chunks can be in flight."""
 
     name = "pykvcache_tier"
+    #: The tier's ``cpu_tier_io`` (decision 0062): "copy" is its default.
+    cpu_tier_io = "copy"
 
     def _make_tier(self, spec: Any, **store_kwargs: Any) -> Any:
         from pykvcache.vllm.tier import PykvcacheTier
@@ -179,10 +181,20 @@ class PykvcacheTierSystem(TierSystem):
                              capacity_bytes=2 * self.n * (self.chunk + (1 << 20)),
                              # a chunk file is the chunk plus a header of at most 1 MiB
                              staging_bytes=max(2, min(self.n, (1 << 30) // self.chunk)) * (self.chunk + (1 << 20)),
-                             fingerprint_weights=False, gate=False, min_free_bytes=0, **keys)
+                             fingerprint_weights=False, gate=False, min_free_bytes=0,
+                             cpu_tier_io=self.cpu_tier_io, **keys)
 
     def info(self) -> dict[str, Any]:
-        return store_info(self.tier.store)
+        return {**store_info(self.tier.store), "cpu_tier_io": self.cpu_tier_io,
+                "region": self.tier.store.region_count > 0}
+
+
+class PykvcacheTierDirectSystem(PykvcacheTierSystem):
+    """The same tier with ``cpu_tier_io: "direct"``: the engine moves each
+    chunk straight from and to its CPU-tier row (no copy)."""
+
+    name = "pykvcache_tier_direct"
+    cpu_tier_io = "direct"
 
 class PykvcacheSystem:
     """The pykvcache store with one staging slot per chunk (the fs tier's primary
@@ -309,6 +321,9 @@ def make_system(name: str, root: Path, case: FsCase, store_kwargs: dict[str, Any
         return FsTierSystem(root / "vllm-fs-tier", case.chunk_bytes, case.chunks)
     if name == "pykvcache_tier":
         return PykvcacheTierSystem(root / "pykvcache-tier", case.chunk_bytes, case.chunks, **(store_kwargs or {}))
+    if name == "pykvcache_tier_direct":
+        return PykvcacheTierDirectSystem(root / "pykvcache-tier-direct", case.chunk_bytes, case.chunks,
+                                         **(store_kwargs or {}))
     return PykvcacheSystem(root / "pykvcache", case.chunk_bytes, case.chunks, **(store_kwargs or {}))
 
 

@@ -15,7 +15,7 @@ from .parts import BenchContext, Figure, Part, PartOutput, Table, register_part
 from .results import PhaseResult, median_by, ratio
 from .storage_part import engine_unavailable
 
-SYSTEMS = ("fs_tier", "pykvcache", "pykvcache_tier")
+SYSTEMS = ("fs_tier", "pykvcache", "pykvcache_tier", "pykvcache_tier_direct")
 OPS = (("write", "store"), ("read", "load"))
 
 
@@ -92,33 +92,35 @@ def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
         for direction, op in OPS:
             for chunk in cfg.fs_chunk_sizes:
                 for shape in cfg.fs_shapes:
-                    fs = med.get(("fs_tier", direction, chunk, shape, contended))
-                    pt = med.get(("pykvcache_tier", direction, chunk, shape, contended))
-                    if fs is None or pt is None:
-                        continue
-                    r = ratio(pt["gbps"], fs["gbps"])
-                    cr = ratio(pt["cpu_s_per_gb"], fs["cpu_s_per_gb"])
-                    tier_pairs.append({"contended": contended, "direction": direction, "chunk_bytes": chunk,
-                                       "shape": shape, "fs_gbps": fs["gbps"], "tier_gbps": pt["gbps"],
-                                       "ratio": r, "cpu_ratio": cr})
-                    tier_rows.append([_cond(contended), op, f"{chunk // MiB}", shape, f"{fs['gbps']:.2f}",
-                                      f"{pt['gbps']:.2f}", _f(r), _f(pt["cpu_s_per_gb"], 4), _f(cr)])
+                    for system, mode in (("pykvcache_tier", "copy"), ("pykvcache_tier_direct", "direct")):
+                        fs = med.get(("fs_tier", direction, chunk, shape, contended))
+                        pt = med.get((system, direction, chunk, shape, contended))
+                        if fs is None or pt is None:
+                            continue
+                        r = ratio(pt["gbps"], fs["gbps"])
+                        cr = ratio(pt["cpu_s_per_gb"], fs["cpu_s_per_gb"])
+                        tier_pairs.append({"contended": contended, "direction": direction, "chunk_bytes": chunk,
+                                           "shape": shape, "cpu_tier_io": mode, "fs_gbps": fs["gbps"],
+                                           "tier_gbps": pt["gbps"], "ratio": r, "cpu_ratio": cr})
+                        tier_rows.append([_cond(contended), op, f"{chunk // MiB}", shape, mode, f"{fs['gbps']:.2f}",
+                                          f"{pt['gbps']:.2f}", _f(r), _f(pt["cpu_s_per_gb"], 4), _f(cr)])
     if tier_rows:
         out.tables.append(
             Table(
                 title="Inside vLLM's tiering framework: pykvcache's tier vs the fs tier (medians over repeats)",
-                header=["machine", "op", "chunk MiB", "job shape", "fs tier GB/s", "pykvcache tier GB/s",
-                        "x fs tier", "pykvcache tier CPU-s/GB", "CPU x fs tier"],
+                header=["machine", "op", "chunk MiB", "job shape", "cpu_tier_io", "fs tier GB/s",
+                        "pykvcache tier GB/s", "x fs tier", "pykvcache tier CPU-s/GB", "CPU x fs tier"],
                 rows=tier_rows,
                 note="Both tiers get the same primary (CPU tier) region, TransferJobs and drain_jobs(); "
-                "pykvcache's tier has the engine transfer each chunk straight from and to that region (decision 0062).",
+                "pykvcache's tier copies each chunk through its staging (cpu_tier_io copy, the default) or has the "
+                "engine transfer it straight from and to that region (direct; decision 0062).",
             )
         )
     _targets(out, pairs, med, cfg)
-    idle_tier = [p for p in tier_pairs if not p["contended"] and p["ratio"] is not None]
+    idle_tier = [p for p in tier_pairs if not p["contended"] and p["ratio"] is not None and p["cpu_tier_io"] == "copy"]
     if idle_tier:
         w = min(idle_tier, key=lambda p: p["ratio"])
-        out.targets["pykvcache tier >= 1.0x fs tier in the same framework (idle)"] = (
+        out.targets["pykvcache tier (default cpu_tier_io) >= 1.0x fs tier in the same framework (idle)"] = (
             w["ratio"] >= 1.0, f"worst {w['ratio']:.2f}x ({dict(OPS)[w['direction']]}, "
             f"{w['chunk_bytes'] // MiB} MiB, {w['shape']})")
     out.figures += _figures(med, cfg)
