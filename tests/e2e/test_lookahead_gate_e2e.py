@@ -19,7 +19,7 @@ the temporary directory (then only the timing test is skipped):
             decodes: without lookahead ``Q``'s reads start when ``H``
             finishes; with it they start at ``Q``'s arrival and finish while
             ``H`` decodes;
-* short     short prompts (2-3 chunks on disk, below the break-even): the gate
+* short_i   short prompts, one at a time (2-3 chunks on disk, below the break-even): the gate
             recomputes them without reading the disk.
 """
 
@@ -132,7 +132,12 @@ def scenario_result(tmp_path_factory, tiny_model, slow_device):
                 "prompts": [heads[k], queued[k]], "max_tokens_each": [HEAD_DECODE, 2],
                 "kv_transfer_params_each": [None, None if lookahead else off],
             }]
-    phases += [reset, {"op": "generate", "name": "short", "prompts": shorts}]
+    # One short prompt per generate(): none waits behind another. Co-queued at arrival, the
+    # preloader weighs a recompute by the requests waiting behind it (decision 0048) and may
+    # preload what the lookup's gate then recomputes: a known disagreement (docs/roadmap.md,
+    # issue 22 item 2), hit in a clean-clone CI run when the engine received all three before
+    # its first step; this test's subject is the gate below the break-even.
+    phases += [reset] + [{"op": "generate", "name": f"short_{i}", "prompts": [s]} for i, s in enumerate(shorts)]
     storage = (dev.mount if dev is not None else work) / "store"
     scenario = {
         "model": model,
@@ -172,12 +177,14 @@ def scenario_result(tmp_path_factory, tiny_model, slow_device):
     return result
 
 
-def _delta(result, name: str, metric: str) -> float:
+def _delta(result, name: str, metric: str, last: str | None = None) -> float:
+    """``metric``'s growth over phase ``name`` (through phase ``last`` when given)."""
     phases = result["phases"]
     i = next(j for j, p in enumerate(phases) if p["name"] == name)
+    k = next(j for j, p in enumerate(phases) if p["name"] == (last or name))
     before = next((p for p in reversed(phases[:i]) if "metrics" in p), None)
     full = "vllm:pykvcache_" + metric
-    return phases[i]["metrics"].get(full, 0) - (before["metrics"].get(full, 0) if before else 0)
+    return phases[k]["metrics"].get(full, 0) - (before["metrics"].get(full, 0) if before else 0)
 
 
 def _batches(result):
@@ -279,16 +286,18 @@ def test_lookahead_lowers_arrival_to_first_token(scenario_result):
 def test_gate_recomputes_below_break_even_and_loads_above(scenario_result):
     r = scenario_result
     assert 300 < r["break_even"] < 600
-    short = r["by_name"]["short"]
+    shorts = [p for p in r["phases"] if p["name"].startswith("short_")]
+    short = {k: [x for p in shorts for x in p[k]] for k in ("prompt_lens", "tokens", "num_cached_tokens")}
     first = r["by_name"]["first"]
+    assert len(shorts) == 3
     assert max(short["prompt_lens"]) < r["break_even"]
     assert all(n >= 2 * CHUNK_TOKENS for n in short["prompt_lens"])  # chunks exist on disk
     assert short["tokens"] == first["tokens"][2 * PAIRS + 1:]
     assert short["num_cached_tokens"] == [0] * len(short["tokens"])
-    assert _delta(r, "short", "disk_reads") == 0
-    assert _delta(r, "short", "gate_decisions_recompute") >= len(short["tokens"])
-    assert _delta(r, "short", "lookahead_preload_reads") == 0
+    assert _delta(r, "short_0", "disk_reads", "short_2") == 0
+    assert _delta(r, "short_0", "gate_decisions_recompute", "short_2") >= len(short["tokens"])
+    assert _delta(r, "short_0", "lookahead_preload_reads", "short_2") == 0
     # Above the break-even: loaded (the queued prompts are ~900 tokens).
     assert all(_delta(r, f"on_{i}", "gate_decisions_load") >= 1 for i in range(PAIRS))
-    be = short["metrics"].get("vllm:pykvcache_gate_break_even_tokens")
+    be = shorts[-1]["metrics"].get("vllm:pykvcache_gate_break_even_tokens")
     assert be is not None and 300 < be < 700, be
