@@ -71,7 +71,7 @@ test:
 QUICK_DIRS := tests/engine tests/gate tests/vllm tests/docs
 test-quick: develop
 	cargo test --release --locked
-	$(PY) -m pytest -q -ra -m "not vllm" --durations=10 $(QUICK_DIRS)
+	$(PY) -m pytest -q -ra -m "not vllm" --durations=10 -n 2 --dist loadscope $(QUICK_DIRS)
 
 demo: develop
 	$(PY) -m pykvcache.cli demo

@@ -19,11 +19,16 @@
 # other), which these take; when pytest wants both cores the kernel gives it ~90% of them
 # (weights 1024:110), so its timing-sensitive tests keep their cores. Their logs are printed
 # after pytest's, each under its own stage line. PYKVCACHE_STAGES_SERIAL=1 runs them after.
+# pytest itself runs on PYKVCACHE_TEST_WORKERS xdist workers (default 2; 0 = one process):
+# a module's tests on one worker (its engine fixture starts once), tests/shared_fs and
+# tests/tools each on one worker whole (tests/conftest.py; decision 0063).
 # Every stage runs even after one fails (one CI log shows every failure); the exit status is
 # the first failure's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
+workers=${PYKVCACHE_TEST_WORKERS:-2}
+if [ "$workers" = 0 ]; then xdist=(); else xdist=(-n "$workers" --dist loadscope); fi
 summary=()
 first_rc=0
 suite_start=$(date +%s)
@@ -79,7 +84,7 @@ after_pytest() {
 
 beside_dir=$(mktemp -d)
 if [ "${PYKVCACHE_STAGES_SERIAL:-0}" = 1 ]; then
-  stage pytest "$PY" -m pytest -q -ra --durations=30
+  stage pytest "$PY" -m pytest -q -ra --durations=30 "${xdist[@]}"
   after_pytest
 else
   # The beside stages in a subshell at nice 10, their summary lines and exit status in files.
@@ -91,7 +96,7 @@ else
     echo "$first_rc" >"$beside_dir/rc"
   ) >"$beside_dir/log" 2>&1 &
   beside_pid=$!
-  stage pytest "$PY" -m pytest -q -ra --durations=30
+  stage pytest "$PY" -m pytest -q -ra --durations=30 "${xdist[@]}"
   if ! kill -0 "$beside_pid" 2>/dev/null; then beside_note="done before pytest"; else beside_note="waited for"; fi
   wait "$beside_pid"
   echo "==== beside pytest (nice 10), ${beside_note}: vllm033 and benches"

@@ -70,13 +70,17 @@ def _in_use(paths: set[str]) -> set[str]:
     return used
 
 
-def _remove_vllm_leftovers(before: set[str]) -> list[str]:
-    """vLLM's own shared memory (its message queues' ``psm_*``, ~400 MiB here,
-    ``sem.mp-*``) stays in /dev/shm when its processes are SIGKILLed: remove
-    what appeared during the test and nobody uses, so that runs do not pile up."""
-    new = {f"/dev/shm/{n}" for n in set(os.listdir("/dev/shm")) - before
-           if not n.startswith("pykvcache-")}
-    removed = sorted(new - _in_use(new))
+def _remove_vllm_leftovers(mapped: set[str]) -> list[str]:
+    """vLLM's own shared memory (its message queues' ``psm_*``, ~400 MiB here)
+    stays in /dev/shm when its processes are SIGKILLed: remove what the stopped
+    server's processes mapped (``Server.dev_shm_mapped``, taken before the stop)
+    and nobody uses now, so that runs do not pile up. Only those: tests on the
+    other xdist worker create theirs meanwhile (a "new since the test began"
+    rule removed a starting engine's multiprocessing semaphore: a named
+    semaphore is mapped under a temporary name, so no scan of maps sees it in use).
+    vLLM's ``sem.mp-*`` leftovers (32 bytes each) are left for that reason."""
+    present = {p for p in mapped if os.path.exists(p)}
+    removed = sorted(present - _in_use(present))
     for path in removed:
         try:
             os.unlink(path)
@@ -136,6 +140,21 @@ class Server:
     def model_name(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=30) as r:
             return json.loads(r.read())["data"][0]["id"]
+
+    def dev_shm_mapped(self) -> set[str]:
+        """The /dev/shm files the server's processes map now."""
+        mapped = set()
+        for pid in self.pids():
+            try:
+                with open(f"/proc/{pid}/maps") as f:
+                    for line in f:
+                        fields = line.split(maxsplit=5)  # address perms offset dev inode [path]
+                        path = fields[5].strip() if len(fields) == 6 else ""
+                        if path.startswith("/dev/shm/") and not path.endswith("(deleted)"):
+                            mapped.add(path)
+            except OSError:
+                pass
+        return mapped
 
     def pids(self) -> list[int]:
         """Every live process of the server's session."""
@@ -197,11 +216,11 @@ def server_factory(tmp_path, model):
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_stopped_before_any_transfer_leaves_no_staging_behind(server_factory, sig):
     before = _pykvcache_shm()
-    everything_before = set(os.listdir("/dev/shm"))
     server = server_factory()
     held = staging_memfds(server.prefix)
+    mapped = server.dev_shm_mapped()
     seconds = server.stop(sig)
-    vllm_leftovers = _remove_vllm_leftovers(everything_before)
+    vllm_leftovers = _remove_vllm_leftovers(mapped)
     print(f"[{signal.Signals(sig).name}] all processes gone {seconds:.1f} s after the signal; "
           f"vLLM's own leftovers removed: {vllm_leftovers}", file=sys.stderr)
     leaked = _pykvcache_shm() - before

@@ -100,6 +100,22 @@ def test_missing_profile_falls_back_with_a_warning(tmp_path, caplog):
     assert source.startswith("default: cannot read gate profile")
     assert "conservative default" in caplog.text and "absent.json" in caplog.text
     assert model.break_even_tokens() == pytest.approx(DEFAULT_BREAK_EVEN_TOKENS)
+
+
+def test_a_gate_switched_off_does_not_warn_about_a_missing_profile(caplog):
+    """``gate: false`` loads everything: no profile can change a decision, so
+    the fallback is an info line, not a warning (the storage benchmark's tiers
+    printed it seven times into `make demo`)."""
+    from pykvcache.gate import build_gate
+
+    with caplog.at_level(logging.INFO, logger="pykvcache.gate.profile"):
+        gate, source = build_gate(None, _expect(), enabled=False)
+    assert source.startswith("default: no gate profile configured")
+    assert [r.levelno for r in caplog.records] == [logging.INFO], caplog.records
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="pykvcache.gate.profile"):
+        build_gate(None, _expect(), enabled=True)
+    assert [r.levelno for r in caplog.records] == [logging.WARNING]
     model, source = load_cost_model(None, _expect())
     assert "pykvcache calibrate" in source
 

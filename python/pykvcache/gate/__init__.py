@@ -74,7 +74,7 @@ def build_gate(
     or ``"default: <why>"``; a bad or foreign profile is logged, not raised).
     ``steps``: engine steps will be timed for the prefill side (also set later
     through ``gate.prefill_online.fed``)."""
-    model, source = load_cost_model(profile_path, expected)
+    model, source = load_cost_model(profile_path, expected, gating=enabled)
     # A profile measured this host's device: the online estimate stays within
     # 8x of it. The default prior (1 GB/s) knows nothing of the device, which
     # may be a network filesystem at tens of MB/s or an NVMe array at tens of

@@ -282,11 +282,13 @@ def default_cost_model(bytes_per_token: float) -> CostModel:
 
 
 def load_cost_model(
-    path: str | os.PathLike[str] | None, expected: ProfileExpectation
+    path: str | os.PathLike[str] | None, expected: ProfileExpectation, *, gating: bool = True
 ) -> tuple[CostModel, str]:
     """The cost model to gate with and where it came from (``"profile"`` or
     ``"default: <why>"``). Never raises for a bad profile: it warns once and
-    falls back to :func:`default_cost_model`."""
+    falls back to :func:`default_cost_model`. ``gating=False`` (``gate: false``:
+    everything is loaded, the model only prices the counters) logs the
+    fallback at info: there is no decision for a missing profile to change."""
     why: str
     if path is None:
         why = "no gate profile configured (run `pykvcache calibrate` and set gate_profile)"
@@ -302,7 +304,8 @@ def load_cost_model(
                     logger.warning("pykvcache gate: profile %s measured with %s; using it anyway", path, m)
                 return profile.cost_model(), "profile"
             why = f"gate profile {path} was measured for something else: " + "; ".join(fatal)
-    logger.warning(
+    logger.log(
+        logging.WARNING if gating else logging.INFO,
         "pykvcache gate: %s.%s Using a conservative default: load prefixes of %d tokens or more.",
         why, "" if path is None else " The gate_profile setting is ignored.", DEFAULT_BREAK_EVEN_TOKENS,
     )
