@@ -565,21 +565,53 @@ def test_queued_bytes_count_what_a_new_read_waits_behind(tmp_path):
             h.close()
 
 
-def test_the_manager_counts_who_waits_for_the_gate(tmp_path):
-    """Arrived and not scheduled = waiting; a preempted request waits again;
-    scheduled or finished ones do not. The gate weighs a recompute by it."""
+def test_the_manager_counts_who_waits_behind_a_request_for_the_gate(tmp_path):
+    """Arrived and not scheduled = waiting, in arrival order; a preempted request
+    waits again at the front; scheduled or finished ones do not. The gate weighs
+    a recompute by the requests behind it (waiting_queue.py)."""
     h = Harness(tmp_path, num_slots=8, gate=_gate())
     try:
         for rid in ("a", "b", "c"):
             h.m.on_new_request(ReqContext(req_id=rid))
-        assert h.m.waiting_besides("a") == 2 and h.m.waiting_besides("zz") == 3
+        assert [h.m.waiting_behind(r) for r in ("a", "b", "c", "zz")] == [2, 1, 0, 3]
         h.step(scheduled=["a"])
-        assert h.m.waiting_besides("b") == 1
+        assert [h.m.waiting_behind(r) for r in ("b", "c", "zz")] == [1, 0, 2]
         h.m.on_schedule_end(ScheduleEndContext(new_req_ids=[], preempted_req_ids=["a"]))
-        assert h.m.waiting_besides("b") == 2
+        assert [h.m.waiting_behind(r) for r in ("a", "b", "c")] == [2, 1, 0]  # a: front again
         h.m.on_request_resumed("a")
         h.m.on_request_finished(ReqContext(req_id="b"))
-        assert h.m.waiting_besides("zz") == 1
+        assert h.m.waiting_behind("c") == 0 and h.m.waiting_behind("zz") == 1
+    finally:
+        h.close()
+
+
+def test_co_queued_requests_are_preloaded_only_where_their_lookup_then_loads(tmp_path):
+    """Three short prefixes arrive together. A load costs one step whether its
+    chunks are staged or not, and a prefix's prefill is half that step: alone
+    it is recomputed, with two requests behind it (each delayed by a recompute)
+    it is loaded. Counted by who waits *besides* it, all three were preloaded
+    and then the second and third recomputed at their lookups (the ones ahead
+    were scheduled by then): 4 chunks read for nothing. Counted by who waits
+    *behind* it, only the first is preloaded, and its lookup loads it."""
+    step_s = 1e-3
+    load = LoadCost(fixed_s=0.0, disk_bytes_per_s=1e15, h2d_bytes_per_s=1e15, step_s=step_s)
+    b = 0.5 * step_s / (2 * CT)  # a 2-chunk prefix's prefill: half a step
+    gate = AdmissionGate(CostModel(PrefillCurve(0.0, b, 0.0), load, CHUNK / CT), chunk_tokens=CT, online=None)
+    h = Harness(tmp_path / "kv", num_slots=32, lookahead_slots=16, window=8, gate=gate)
+    try:
+        prefixes = {rid: [_key(10 * n + i) for i in range(2)] for n, rid in enumerate("abc")}
+        h.on_disk_only([k for keys in prefixes.values() for k in keys])
+        for n, (rid, keys) in enumerate(prefixes.items()):
+            h.m.on_new_request(ReqContext(req_id=rid))  # vLLM: add_request, then the lookahead hook
+            h.queue(rid, keys, float(n))
+        h.settle()
+        preloaded = {rid for rid, keys in prefixes.items() if all(h.m.staged_state(k) is not None for k in keys)}
+        assert preloaded == {"a"}, preloaded
+        served = _run_queue(h, list(prefixes.items()))
+        assert served == {"a": 2, "b": 0, "c": 0}
+        t = h.m.metrics.totals
+        assert t["lookahead_preload_reads"] == 2 and t["disk_reads"] == 2
+        assert t["lookahead_used_bytes"] == 2 * CHUNK and t["lookahead_wasted_bytes"] == 0
     finally:
         h.close()
 

@@ -14,9 +14,9 @@ only skip computing the leading tokens of a prompt. The cost is one pass over
 the chunk list with a few multiplications per chunk (microseconds for a
 prompt of hundreds of chunks).
 
-With other requests waiting (``waiting_requests``) the engine is saturated,
-and the two choices do not cost the same people: recomputing takes the
-engine's compute, so every waiting request is served that much later, while
+With other requests waiting behind this one (``waiting_requests``) the engine
+is saturated, and the two choices do not cost the same people: recomputing
+takes the engine's compute, so every request behind it is served that much later, while
 a load waits on the disk and staging and lets the engine compute for the
 others meanwhile. The recompute side is then worth ``1 + waiting`` times its
 compute. Measured: with the server's reads capped at 25 MB/s a 1.5k-token
@@ -153,8 +153,8 @@ class AdmissionGate:
 
     def decide(self, states: Sequence[ChunkState], *, start_tokens: int = 0,
                queued_bytes: int = 0, waiting_requests: int = 0, now: float | None = None) -> GateDecision:
-        """``waiting_requests``: other requests waiting to be scheduled (each
-        would wait for a recompute's compute; see the module docstring).
+        """``waiting_requests``: requests waiting to be scheduled after this one
+        (each would wait for a recompute's compute; see the module docstring).
         ``now``: monotonic seconds, for the exploration's interval."""
         model = self.current_model()
         load, prefill = model.load, model.prefill

@@ -45,7 +45,7 @@ class GateInputs:
     states: list[ChunkState]
     #: Disk I/O a read submitted now waits behind.
     queued_bytes: int
-    #: Requests waiting to be scheduled besides this one (a recompute delays them).
+    #: Requests waiting to be scheduled after this one (a recompute delays them).
     waiting_requests: int = 0
 
 

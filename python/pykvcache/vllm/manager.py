@@ -77,6 +77,7 @@ from pykvcache.vllm.staging_cache import (
     owner,
 )
 from pykvcache.vllm.transfer_spec import StagingSlotsSpec
+from pykvcache.vllm.waiting_queue import WaitingQueue
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
@@ -139,7 +140,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self._waited: set[str] = set()  # requests that met HIT_PENDING
         # Requests that arrived (or were preempted) and are not scheduled yet:
         # the gate weighs a recompute by how many wait behind it.
-        self._waiting: set[str] = set()
+        self._waiting = WaitingQueue()
         # Lookups answer HIT for chunks whose reads are in flight (decision
         # 0055); only a connector that reports failed loads to vLLM, under
         # kv_load_failure_policy="recompute", may turn it on.
@@ -233,15 +234,16 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         waiting += sum(1 for handle in self._writes.values() if not handle.done())
         return waiting * self.layout.payload_bytes
 
-    def waiting_besides(self, req_id) -> int:
-        """Requests waiting to be scheduled, other than ``req_id``."""
-        return len(self._waiting) - (req_id in self._waiting)
+    def waiting_behind(self, req_id) -> int:
+        """Requests waiting to be scheduled after ``req_id`` (the ones its
+        recompute would delay; waiting_queue.py)."""
+        return self._waiting.behind(req_id)
 
     def gate_inputs(self, keys, req_id) -> GateInputs:
         """What the gate weighs ``req_id``'s prefix ``keys`` by: asked by the
         gate plan at a request's first lookup and by the preloader."""
         return GateInputs([self.chunk_state(k) for k in keys], self.queued_bytes(),
-                          self.waiting_besides(req_id))
+                          self.waiting_behind(req_id))
 
     def lookahead_add(self, request: WaitingRequest) -> None:
         """A request arrived (lookahead connector): queue it and plan at once,
@@ -330,7 +332,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         and gate plan end (a pending load pins what it still needs)."""
         self.cache.release_owner(owner(LOOKUP, req_id))
         self._waited.discard(req_id)
-        self._waiting.discard(req_id)
+        self._waiting.left(req_id)
         self.preloader.forget(req_id, cancelled=finished)
         self.gating.drop(req_id)
 
@@ -451,7 +453,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             stored.append(key)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        self._waiting.add(req_context.req_id)
+        self._waiting.arrived(req_context.req_id)
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -466,7 +468,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         for req_id in context.new_req_ids:
             self._release_request(req_id, finished=False)
         for req_id in getattr(context, "preempted_req_ids", None) or ():
-            self._waiting.add(req_id)
+            self._waiting.preempted(req_id)
             self.preloader.preempted(req_id)
         self.poll_io()
         self._submit_writes()
