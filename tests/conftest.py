@@ -109,4 +109,3 @@ def pytest_sessionfinish(session, exitstatus):
     helpers = sys.modules.get("engine_driver")
     if helpers is not None:
         helpers.close_hosts()
-

@@ -49,9 +49,3 @@ class WaitingQueue:
             return len(self._place)
         # Linear: queues are hundreds at most, and this runs once per request decision.
         return sum(1 for p in self._place.values() if p > place)
-
-    def __len__(self) -> int:
-        return len(self._place)
-
-    def __contains__(self, req_id: object) -> bool:
-        return req_id in self._place

@@ -181,21 +181,18 @@ class PykvcacheTierSystem(TierSystem):
         identity_log = logging.getLogger("vllm.pykvcache.model_identity")
         level = identity_log.level
         identity_log.setLevel(logging.ERROR)
-        try:
-            return self._build(PykvcacheTier, spec, **store_kwargs)
-        finally:
-            identity_log.setLevel(level)
-
-    def _build(self, tier_class: Any, spec: Any, **store_kwargs: Any) -> Any:
         # `--verify` reaches the tier too (the CPU-per-GB comparison with verify="header").
         keys = {k: store_kwargs[k] for k in ("backend", "direct_io", "queue_depth", "register_buffers", "verify")
                 if k in store_kwargs}
-        return tier_class(spec, self.view, "PykvcacheTier", storage_dirs=[str(self.root)],
-                          capacity_bytes=2 * self.n * (self.chunk + (1 << 20)),
-                          # a chunk file is the chunk plus a header of at most 1 MiB
-                          staging_bytes=max(2, min(self.n, (1 << 30) // self.chunk)) * (self.chunk + (1 << 20)),
-                          fingerprint_weights=False, gate=False, min_free_bytes=0,
-                          cpu_tier_io=self.cpu_tier_io, **keys)
+        try:
+            return PykvcacheTier(spec, self.view, "PykvcacheTier", storage_dirs=[str(self.root)],
+                                 capacity_bytes=2 * self.n * (self.chunk + (1 << 20)),
+                                 # a chunk file is the chunk plus a header of at most 1 MiB
+                                 staging_bytes=max(2, min(self.n, (1 << 30) // self.chunk)) * (self.chunk + (1 << 20)),
+                                 fingerprint_weights=False, gate=False, min_free_bytes=0,
+                                 cpu_tier_io=self.cpu_tier_io, **keys)
+        finally:
+            identity_log.setLevel(level)
 
     def info(self) -> dict[str, Any]:
         return {**store_info(self.tier.store), "cpu_tier_io": self.cpu_tier_io,
