@@ -82,6 +82,14 @@ class Rig:
         assert self.manager.metrics.totals["disk_writes"] == 1
         self.manager.cache.remove(KEY)  # as if evicted from staging: on disk only
 
+    def reads_settled(self):
+        """The scheduler's view of the reads once they ended. The engine
+        settles a slot's ready word just before it completes the op, so the
+        worker can finish its copy a moment before the scheduler's handle says
+        done; vLLM's scheduler sees it at its next step, a test waits for it
+        (a bare poll right after the copy lost that race in a CI run)."""
+        self.manager.flush(timeout=10)
+
     def loaded_blocks(self):
         return [t.tensor[10:12].clone() for t in self.kv.tensors]
 
@@ -152,7 +160,7 @@ def test_first_lookup_is_a_hit_and_the_copy_waits_for_verified_bytes(stall_fs):
         assert rig.worker.take_failed_loads() == set()
         for got, want in zip(rig.loaded_blocks(), rig.expected_blocks()):
             assert torch.equal(got, want), "verified bytes of the chunk"
-        rig.manager.poll_io()
+        rig.reads_settled()
         assert rig.manager.staged_state(KEY) is EntryState.READY
         rig.manager.complete_load([KEY], ctx)
         assert rig.manager.cache.get(KEY).evictable
@@ -261,7 +269,7 @@ def test_a_read_past_the_deadline_is_a_failed_load_and_copies_nothing(stall_fs):
             time.sleep(0.02)
         # The scheduler side: the read's miss keeps the slot while the load
         # holds it (FAILED, never a hit), then frees it.
-        rig.manager.poll_io()
+        rig.reads_settled()
         entry = rig.manager.cache.get(KEY)
         assert entry is not None and entry.state is EntryState.FAILED
         assert rig.manager.metrics.totals["in_flight_read_failures"] == 1
@@ -297,7 +305,7 @@ def test_a_chunk_corrupted_while_its_read_waits_is_a_failed_load(stall_fs):
         thread.join(10)
         assert box["ok"] and rig.worker.take_failed_loads() == {2}
         assert all(not t.any() for t in rig.loaded_blocks()), "nothing copied from a corrupt chunk"
-        rig.manager.poll_io()
+        rig.reads_settled()
         assert rig.manager.metrics.totals["corrupt_chunks"] == 1
         assert rig.manager.metrics.totals["in_flight_read_failures"] == 1
         rig.manager.complete_load([KEY], ctx)
