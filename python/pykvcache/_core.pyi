@@ -330,6 +330,12 @@ class IoHandle:
         done or promoted already, or one whose transfers all started (a read in
         flight is not recalled)."""
     def done(self) -> bool: ...
+    def settled(self) -> bool:
+        """Whether the operation's work really ended: no transfer of it touches
+        its memory any more. Differs from :meth:`done` only for an operation the
+        I/O deadline abandoned (done, its result a time-out, but the kernel may
+        still land bytes until its directory answers). A region get's row is
+        the caller's to reuse only once settled."""
     def wait(self, timeout: float | None = None) -> IoResult:
         """Block (GIL released) until complete; raises TimeoutError on timeout
         (None, or above 1e9 s = forever). Several threads may wait at once:

@@ -445,6 +445,20 @@ impl<C> OpTable<C> {
         }
     }
 
+    /// Whether the operation's work really ended: no transfer of it will touch
+    /// its memory any more. Unlike `is_done`, false for one the watchdog
+    /// abandoned (its caller has a time-out, the kernel may still move bytes)
+    /// until that work completes. A stale id is settled: an entry is freed,
+    /// or reused, only once its work ended (an abandoned one stays busy).
+    pub fn is_settled(&self, id: OpId) -> bool {
+        let t = self.lock();
+        let e = &t.entries[id.index as usize];
+        if !e.busy || e.generation != id.generation {
+            return true;
+        }
+        e.outcome.is_some() && !e.abandoned
+    }
+
     /// Whether the watchdog gave up on this operation (its late work only cleans up).
     pub fn is_abandoned(&self, id: OpId) -> bool {
         let t = self.lock();

@@ -37,8 +37,10 @@ def test_round_trip_through_a_region_and_back_after_a_restart(store_dir, backend
         assert store.region_count == 1
         put = store.put_region(b"k", rid, 0, ROW)
         assert put.slot is None and put.wait(10).ok
-        got = store.get_region(b"k", rid, 2 * ROW, ROW).wait(10)
+        handle = store.get_region(b"k", rid, 2 * ROW, ROW)
+        got = handle.wait(10)
         assert got.ok and got.length == ROW
+        assert handle.settled(), "a read that completed is settled (only an abandoned one is not)"
         assert np.array_equal(region[2], region[0])
         store.unregister_region(rid)
         assert store.region_count == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -92,3 +93,55 @@ def test_the_default_copies_through_staging_and_a_bad_mode_is_refused(tmp_path, 
     assert not [r for r in caplog.records if "copied through staging" in r.getMessage()], "the default is no warning"
     with pytest.raises(ConfigError, match="cpu_tier_io"):
         tier_settings({"storage_dirs": [str(tmp_path / "kv")], "cpu_tier_io": "zero-copy"})
+
+
+def test_a_read_abandoned_on_a_stalled_directory_holds_its_promotion_until_the_kernel_lets_go(tmp_path):
+    """Decision 0062's known limitation, closed: a region read the I/O deadline
+    abandoned may still land bytes in its CPU-tier row when the directory
+    answers. Its promotion job (a miss for that chunk) ends only once the read
+    really ended, so vLLM never reuses the row under it; before, the job
+    failed at the deadline with the read still in the kernel."""
+    from stall_fs import StallFs, skip_reason
+    from vllm.v1.kv_offload.base import LookupResult
+
+    if skip_reason() is not None:
+        pytest.skip(skip_reason())
+    keys = _keys("abandoned", 1)
+    with StallFs(tmp_path / "fuse") as fs:
+        s = Scheduler(_spec(tmp_path, 16384, storage_dirs=[str(fs.mount_point)], io_deadline_s=0.5))
+        try:
+            assert s.tier._region is not None
+            s.store(keys)
+            s.reset()
+            store = s.tier.store
+            fs.stall()
+            ctx = s.ctx(keys)
+            pending = (LookupResult.HIT_PENDING, LookupResult.RETRY)  # vLLM waits for the promotion
+            assert s.manager.lookup(keys[0], ctx) in pending  # the promotion starts
+            s.step()
+            # Past the deadline (abandoned within a few deadlines), while the directory stays silent.
+            deadline = time.monotonic() + 10
+            while not store.stats()["stuck_ops"]:
+                assert time.monotonic() < deadline, "the read was never abandoned"
+                s.step()
+                time.sleep(0.05)
+            for _ in range(20):  # a second more of scheduler steps: the job must not end
+                s.step()
+                assert s.manager.lookup(keys[0], ctx) in pending, "the promotion ended under a live read"
+                assert s.tier.has_pending_work()
+                time.sleep(0.05)
+            fs.resume()
+            deadline = time.monotonic() + 20
+            while s.tier.has_pending_work():
+                assert time.monotonic() < deadline, "the promotion never ended after the directory answered"
+                s.step()
+                time.sleep(0.02)
+            assert store.stats()["stuck_ops"] == 0, "the job ended only after the kernel let go of the row"
+            assert s.tier.metrics.totals["unavailable_reads"] == 1, "the abandoned read failed its chunk"
+            s.manager.on_request_finished(ctx)
+            time.sleep(1.1)  # the key is not read again for a second (DiskPresence)
+            hits, data = s.load(keys)  # the chunk was kept: read again once the directory answers
+            assert hits == keys and np.array_equal(data[0], _payload(keys[0], s.primary.shape[1]))
+        finally:
+            fs.resume()
+            s.close()

@@ -215,7 +215,11 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         self._jobs: deque[_Job] = deque()  # jobs with chunks not started, in order
         # token -> (handle, job, key, chunk, staging slot or None)
         self._ops: dict[int, tuple[Any, _Job, bytes, int, int | None]] = {}
+        # Tokens of region reads the I/O deadline abandoned: counted failed,
+        # still in self._ops (their job unfinished) until the kernel let go of the row.
+        self._unsettled: set[int] = set()
         self._next_token = 0
+        self._unsettled_logged = False
         self._finished: list[JobResult] = []
         logger.info("pykvcache tier: namespace %s on %s: capacity_bytes %d, %d chunk(s) found; "
                     "chunks of %d bytes %s, at most %d in flight; backend %s, direct I/O %s",
@@ -316,11 +320,16 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
 
     def _poll(self, wait: bool = False) -> None:
         for token, (handle, job, key, chunk, slot) in list(self._ops.items()):
+            if token in self._unsettled:
+                # At shutdown (wait) nobody reuses the row, and unregistering
+                # the region waits for the kernel.
+                if wait or handle.settled():
+                    self._unsettled.discard(token)
+                    self._retire(token, job)
+                continue
             if not wait and not handle.done():
                 continue
             result = handle.wait()
-            del self._ops[token]
-            job.running -= 1
             if job.load:
                 # A failed read leaves the file to the engine (decision 0050).
                 ok = self.disk.read_finished(key, result)
@@ -336,8 +345,26 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
                 job.transfer_bytes += self.chunk_bytes
             else:
                 job.failed += 1
-            if not job.queued:
-                self._maybe_finish(job)
+            if job.load and slot is None and not wait and not handle.settled():
+                # Abandoned at the I/O deadline with the read still in the
+                # kernel: it may land bytes in the row when the directory
+                # answers. Finishing the job would let vLLM reuse the row for
+                # another chunk that those bytes then overwrite, so the job
+                # waits for the read, as the fs tier's would (decision 0062).
+                self._unsettled.add(token)
+                if not self._unsettled_logged:
+                    self._unsettled_logged = True
+                    logger.warning("pykvcache tier: a read into vLLM's CPU tier was abandoned at the I/O deadline "
+                                   "while its directory stalls; its promotion job (a miss for that chunk) ends "
+                                   "when the read does, so the row is not reused under it")
+                continue
+            self._retire(token, job)
+
+    def _retire(self, token: int, job: _Job) -> None:
+        del self._ops[token]
+        job.running -= 1
+        if not job.queued:
+            self._maybe_finish(job)
 
     def _maybe_finish(self, job: _Job) -> None:
         if job.todo or job.running:

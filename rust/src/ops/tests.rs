@@ -154,16 +154,20 @@ fn an_abandoned_operation_answers_at_once_and_frees_only_when_its_work_ends() {
     let o = ops.wait(id, Some(Duration::ZERO)).unwrap().expect("the caller has its outcome");
     assert_eq!((o.status, o.errno), (Status::Miss, Some(libc::ETIMEDOUT)));
     assert!(ops.is_abandoned(id) && ops.stuck() == 1);
+    assert!(ops.is_done(id).unwrap() && !ops.is_settled(id), "answered, but the kernel may still move bytes");
     ops.abandon_overdue(|_| true, |_| unreachable!("abandoned once"), &mut out);
     assert!(out.is_empty());
     ops.release(id); // the handle is gone, the kernel is not done: still busy
+    assert!(!ops.is_settled(id), "released by its handle, still not settled");
     assert!(ops.allocate(Some(Duration::ZERO)).is_err());
     assert!(!ops.drain(Some(Instant::now() + Duration::from_millis(20))), "close gives up on stuck work");
     let done = ops.segment_done(id.index, Ok(())).unwrap().unwrap();
     ops.complete(done.id, ok());
     assert_eq!(ops.stuck(), 0);
+    assert!(ops.is_settled(id), "its work ended");
     assert!(ops.drain(Some(Instant::now())));
     assert!(ops.allocate(Some(Duration::ZERO)).is_ok(), "freed when its work ended");
+    assert!(ops.is_settled(id), "its entry reused: the old id stays settled");
 }
 
 #[test]

@@ -123,6 +123,16 @@ impl PyIoHandle {
         self.store.is_done(self.id).map_err(to_py)
     }
 
+    /// Whether the operation's work really ended, so no transfer of it touches
+    /// its memory any more. Differs from `done()` only for an operation the
+    /// I/O deadline abandoned: done (its result is a time-out) but not settled
+    /// while the kernel still works on it (a stalled directory that answers
+    /// later lands the bytes then). A region read's row is the caller's to
+    /// reuse only once settled (decision 0062).
+    fn settled(&self) -> bool {
+        self.store.is_settled(self.id)
+    }
+
     /// Any number of threads may wait at once; each gets the same result.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyIoResult>> {

@@ -309,6 +309,11 @@ impl BlockStore {
         self.core.ops.wait(id, timeout)
     }
 
+    /// See `OpTable::is_settled`: the operation's memory is the caller's again.
+    pub fn is_settled(&self, id: OpId) -> bool {
+        self.core.ops.is_settled(id)
+    }
+
     pub fn release_op(&self, id: OpId) {
         self.core.ops.release(id)
     }
