@@ -167,6 +167,43 @@ def test_low_quantile_ignores_bursts():
     assert measure.Point(64, [5, 1, 4, 2, 3]).low == 2
 
 
+class _ScriptedEngine:
+    """Stands in for ``vllm.LLM`` in the sampling logic's test: each request's
+    engine time (first token - scheduled) comes from ``seconds(tokens, call)``."""
+
+    def __init__(self, seconds):
+        self.seconds, self.calls = seconds, []
+
+    def generate(self, prompts, params, use_tqdm=False):
+        from types import SimpleNamespace
+
+        n = len(prompts[0]["prompt_token_ids"])
+        self.calls.append(n)
+        took = self.seconds(n, len(self.calls))
+        return [SimpleNamespace(metrics=SimpleNamespace(scheduled_ts=100.0, first_token_ts=100.0 + took))]
+
+
+@needs_vllm
+def test_prefill_is_measured_again_while_the_longest_prompt_seems_faster_than_the_shortest():
+    lengths = [32, 256, 2048]
+    # The shortest prompt's first 3 samples (calls 3, 8, 9: after 2 warm-ups,
+    # rounds alternate order) land in a burst of background load.
+    burst = {3, 8, 9}
+    engine = _ScriptedEngine(lambda n, call: (0.3 if call in burst else 0.0) + n * 1e-5 + 0.01)
+    points, timing = measure.measure_prefill(engine, lengths, 3, 1000, 0, lambda _msg: None)
+    assert timing == "engine"
+    assert [len(p.samples) for p in points] == [4, 4, 4], "one more round made it consistent"
+    assert min(points[-1].samples) > min(points[0].samples)
+    # A machine that never quiets down: bounded, as many rounds more as asked.
+    always = _ScriptedEngine(lambda n, call: 0.5 if n == 32 else 0.1)
+    points, _ = measure.measure_prefill(always, lengths, 3, 1000, 0, lambda _msg: None)
+    assert [len(p.samples) for p in points] == [6, 6, 6]
+    # A quiet one: no extra round.
+    quiet = _ScriptedEngine(lambda n, call: n * 1e-5 + 0.01)
+    points, _ = measure.measure_prefill(quiet, lengths, 3, 1000, 0, lambda _msg: None)
+    assert [len(p.samples) for p in points] == [3, 3, 3] and len(quiet.calls) == 2 + 9
+
+
 @pytest.fixture(scope="module")
 def calibrated(request, tmp_path_factory):
     cache = Path(request.config.cache.mkdir("pykvcache-tiny-models"))
@@ -198,7 +235,11 @@ def test_profile_is_sane(calibrated):
     # Prefill: measured at every length, longer prompts measurably slower,
     # and the fitted curve is monotone.
     points = p.prefill["points"]
-    assert len(points) == 5 and all(len(pt["samples_s"]) == 3 for pt in points)
+    # 3 rounds, up to 3 more while the longest prompt measured faster than the
+    # shortest (calibrate re-measures: a CI run saw all 3 of the shortest's
+    # samples inflated 2-3x past the longest's fastest on a busy 2-core machine).
+    rounds = {len(pt["samples_s"]) for pt in points}
+    assert len(points) == 5 and len(rounds) == 1 and 3 <= rounds.pop() <= 6
     # Background load only ever adds time, so the fastest sample is the robust
     # view of compute: a prompt 64x longer cannot be faster than the shortest.
     # (No ratio is asserted: on a busy 2-core CI machine the shortest prompt's
