@@ -301,3 +301,54 @@ def test_gate_recomputes_below_break_even_and_loads_above(scenario_result):
     assert all(_delta(r, f"on_{i}", "gate_decisions_load") >= 1 for i in range(PAIRS))
     be = shorts[-1]["metrics"].get("vllm:pykvcache_gate_break_even_tokens")
     assert be is not None and 300 < be < 700, be
+
+
+def test_a_load_that_times_out_on_a_slow_disk_is_recomputed_in_a_small_kv_cache(tmp_path, tiny_model, slow_device):
+    """Found by the serving benchmark at 25 MB/s (session 13): a load whose
+    reads outlived the worker's wait (io_deadline_s) failed, vLLM re-queued its
+    request, whose next lookup found the chunks read meanwhile and answered
+    HIT. vLLM 0.32 keeps a request whose asynchronous load failed among its
+    in-flight prefills, so a second asynchronous admission must fit its
+    blocks twice: in a KV cache under twice the prompt it never did, and the
+    server served nothing more (two benchmark servers hung until killed). The
+    request's lookups now miss after a failed load: it is recomputed at once."""
+    from pykvcache.testing.tiny_model import synthetic_text
+    from pykvcache.vllm.config import kv_transfer_config
+
+    dev, no_device = slow_device
+    if dev is None:
+        pytest.skip(no_device)
+    prompt = f"{synthetic_text(250, seed=100)} {synthetic_text(12, seed=201)}"  # ~900 tokens, 14 chunks
+    fillers = [synthetic_text(250, seed=300 + i) for i in range(3)]
+    scenario = {
+        "model": tiny_model,
+        # 44 blocks of 32 tokens: the prompt (29 blocks) fits once, not twice.
+        "max_model_len": 1024,
+        "kv_cache_memory_bytes": 44 * 32 * 2 * 2 * 2 * 64 * 4,
+        "llm": {"kv_transfer_config": kv_transfer_config(
+            [str(dev.mount / "store-failed-load")], 256 << 20, lookahead=True, lookahead_bytes=0,
+            lookahead_requests=0, staging_bytes=24 * SLOT_FOOTPRINT, block_size=CHUNK_TOKENS,
+            # 14 chunks of 128 KiB at 4 MiB/s take ~0.45 s: the worker's wait
+            # (the deadline) ends first while every read keeps moving.
+            io_deadline_s=0.15, gate=False)},
+        "phases": [
+            {"op": "generate", "name": "first", "prompts": [prompt]},
+            {"op": "reset_prefix_cache"},
+            {"op": "generate", "name": "fillers", "prompts": fillers},  # its chunks: on disk only
+            {"op": "reset_prefix_cache"},
+            {"op": "generate", "name": "reload", "prompts": [prompt]},
+        ],
+    }
+    path = tmp_path / "scenario.json"
+    path.write_text(json.dumps(scenario))
+    proc = subprocess.run([sys.executable, str(child("driver.py")), str(path)], capture_output=True,
+                          text=True, timeout=300, env=driver_env(multiprocess=False), preexec_fn=dev.preexec)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
+    by = {p["name"]: p for p in json.loads(lines[-1][len("RESULT "):])["phases"] if "name" in p}
+    reload = by["reload"]
+    metric = reload["metrics"].get
+    print(f"[failed load] reload {reload['seconds']} s, failed loads {metric('vllm:pykvcache_failed_loads', 0)}",
+          file=sys.stderr)
+    assert metric("vllm:pykvcache_failed_loads", 0) >= 1, "the load was expected to outlive the worker's wait"
+    assert reload["tokens"] == by["first"]["tokens"], "recomputed, identical greedy tokens"

@@ -121,6 +121,21 @@ def test_store_is_hit_pending_then_hit_and_written_once_per_step(harness):
     assert again.keys_to_store == []
 
 
+def test_a_request_whose_load_failed_misses_until_it_finishes(harness):
+    # vLLM recomputes it (kv_load_failure_policy="recompute"); a second load
+    # would need its blocks twice in vLLM 0.32's admission (the e2e test
+    # test_a_load_that_times_out_on_a_slow_disk_is_recomputed_in_a_small_kv_cache).
+    harness.store([1])
+    harness.settle()
+    failed, other = ReqContext(req_id="failed"), ReqContext(req_id="other")
+    assert harness.manager.lookup(_key(1), failed) is LookupResult.HIT
+    harness.manager.loads_failed({"failed"})
+    assert harness.manager.lookup(_key(1), failed) is LookupResult.MISS
+    assert harness.manager.lookup(_key(1), other) is LookupResult.HIT, "other requests still load it"
+    harness.manager.on_request_finished(failed)
+    assert harness.manager.lookup(_key(1), ReqContext(req_id="failed")) is LookupResult.HIT, "a later request of that id"
+
+
 def test_chunk_evicted_from_staging_is_read_back_verified(harness):
     harness.store([1])
     harness.settle()

@@ -213,6 +213,7 @@ class PyKvCacheConnector(OffloadingConnector):
             failed = getattr(connector_output, "failed_recving", None)
             if failed:
                 self._manager.metrics.inc("failed_loads", len(failed))
+                self._manager.loads_failed(failed)
             self._manager.step_finished()
 
     # A request finishes while its last step's output is processed: that step

@@ -138,6 +138,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         # cache knows who holds what: owners ("lookup", req_id)).
         self._lookup_hold_slots = lookup_hold_slots
         self._waited: set[str] = set()  # requests that met HIT_PENDING
+        self._recomputing: set[str] = set()  # requests whose load failed (loads_failed)
         # Requests that arrived (or were preempted) and are not scheduled yet:
         # the gate weighs a recompute by how many wait behind it.
         self._waiting = WaitingQueue()
@@ -277,8 +278,19 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
     # ------------------------------------------------------------------
     # OffloadingManager API
     # ------------------------------------------------------------------
+    def loads_failed(self, req_ids: Iterable[str]) -> None:
+        """vLLM recomputes these requests (their loads failed): each lookup of
+        theirs misses until they finish. A load again would deadlock a small
+        KV cache: vLLM 0.32's scheduler keeps a request whose asynchronous load
+        failed among its in-flight prefills, whose reservation (every block of
+        the request) every later asynchronous admission must fit beside, its
+        own included; a recompute is admitted without it and ends it."""
+        self._recomputing.update(req_ids)
+
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         req_id = req_context.req_id
+        if req_id in self._recomputing:
+            return LookupResult.MISS
         mine = owner(LOOKUP, req_id)
         if not self.gating.allows(key, req_context, self.gate_inputs):
             self.metrics.inc("gate_limited_lookups")
@@ -457,6 +469,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
+        self._recomputing.discard(req_context.req_id)
         self._release_request(req_context.req_id, finished=True)
 
     def on_request_resumed(self, req_id: str) -> None:

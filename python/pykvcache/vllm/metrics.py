@@ -50,7 +50,7 @@ COUNTERS = {
     "lookups_deferred": "Lookups answered HIT_PENDING or RETRY: each defers its request to a later scheduler step.",
     "lookup_in_flight_hits": "Lookups answered HIT while the chunk's disk read was in flight (the worker's copy waits for it).",
     "in_flight_read_failures": "Chunks answered HIT in flight whose read then failed (missing, corrupt, error or past the deadline): their load is recomputed.",
-    "failed_loads": "Loads the workers reported failed (a chunk not ready in time or its read failed); vLLM recomputed those requests.",
+    "failed_loads": "Loads the workers reported failed (a chunk not ready in time or its read failed); vLLM recomputed those requests (their later lookups miss).",
     # Lookahead preloading.
     "lookahead_requests_queued": "Requests handed to the lookahead queue at arrival.",
     "lookahead_preload_reads": "Chunk reads started ahead of time for waiting requests.",
