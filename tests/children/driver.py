@@ -250,16 +250,9 @@ def run_scenario(scenario: dict, report) -> None:
         elif phase["op"] == "signal":
             import signal as signals
 
-            if phase.get("after_s"):
-                # Sent while the next phases run (a directory that answers
-                # again in the middle of a request).
-                import threading
-
-                threading.Timer(phase["after_s"], os.kill, (phase["pid"], getattr(signals, phase["signal"]))).start()
-            else:
-                os.kill(phase["pid"], getattr(signals, phase["signal"]))
-                if phase["signal"] == "SIGSTOP":
-                    _wait_stopped(phase["pid"])
+            os.kill(phase["pid"], getattr(signals, phase["signal"]))
+            if phase["signal"] == "SIGSTOP":
+                _wait_stopped(phase["pid"])
         elif phase["op"] == "sleep":
             time.sleep(phase["seconds"])
         elif phase["op"] == "settle":
