@@ -161,3 +161,44 @@ def test_a_gate_that_recomputed_through_an_outage_samples_the_disk_as_soon_as_th
     s.breakers = (1, 1, 0)
     d = s.request(FAST)
     assert d.reason == "explore", "the breaker closed: the device may be anything now"
+
+
+def test_reads_that_end_after_their_request_was_scheduled_still_teach_the_gate():
+    """With lookups answering HIT for reads in flight (decision 0055) vLLM
+    schedules a request before its reads end, and its plan was dropped then:
+    the gate kept its prior (1000 MB/s) on a disk capped at 25 MB/s and loaded
+    every prefix at 0.54x recompute's p50 (serving benchmark, session 13)."""
+    s = Serving()
+    decisions = []
+    for _ in range(8):
+        s.n += 1
+        ctx = ReqContext(req_id=f"r{s.n}")
+        keys = [f"r{s.n}c{i}".encode().ljust(12, b".") + b"\0\0\0\0" for i in range(CHUNKS)]
+        for i, key in enumerate(keys):
+            ctx._offload_key_positions[key] = (i + 1) * CT
+        plan = s.wiring.plan_for(keys[0], ctx, lambda ks, _req: GateInputs([ChunkState.DISK] * len(ks), 0))
+        decisions.append(plan.decision)
+        s.wiring.drop(ctx.req_id)  # scheduled: its lookups answered HIT, reads in flight
+        loaded = [k for k in keys if k in plan.allowed]
+        for key in loaded:
+            s.wiring.read_finished(key, True, 0.001 + len(loaded) * CHUNK / SLOW)
+        s.now += 1.0
+    assert s.wiring.observations >= 3, "each load timed to its last read"
+    assert decisions[0].load_chunks == CHUNKS
+    assert decisions[-1].recompute, "a disk at 20 MB/s is slower than this CPU's prefill, once learnt"
+    assert not s.wiring._timing, "nothing left timed once the reads ended"
+
+
+def test_timed_loads_of_scheduled_requests_are_bounded():
+    from pykvcache.vllm.gate_plan import MAX_TIMED_REQUESTS
+
+    s = Serving()
+    for n in range(MAX_TIMED_REQUESTS + 10):
+        ctx = ReqContext(req_id=f"q{n}")
+        keys = [f"q{n}c{i}".encode().ljust(12, b".") + b"\0\0\0\0" for i in range(2)]
+        for i, key in enumerate(keys):
+            ctx._offload_key_positions[key] = (i + 1) * CT
+        s.wiring.plan_for(keys[0], ctx, lambda ks, _req: GateInputs([ChunkState.DISK] * len(ks), 0))
+        s.wiring.drop(ctx.req_id)  # its reads never come (the lookup stopped early)
+    assert len(s.wiring._timing) == MAX_TIMED_REQUESTS
+    assert len(s.wiring._awaited_by) <= 2 * MAX_TIMED_REQUESTS, "the oldest let go of their keys"

@@ -30,11 +30,16 @@ for the gate's :class:`~pykvcache.gate.online.OnlinePrefillModel`.
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter, StoreAdmission
 from pykvcache.gate.request_keys import request_keys_from
+
+#: Requests whose loads are still timed after they were scheduled (each
+#: holds its plans until its reads end; the oldest are let go beyond this).
+MAX_TIMED_REQUESTS = 256
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +204,13 @@ class GateWiring:
         self.store_min_tokens = store_min_tokens
         self._plans: dict[Hashable, dict[bytes, Plan]] = {}  # req -> group -> plan
         self._awaited_by: dict[bytes, set[Hashable]] = {}  # disk key -> requests timing it
+        # Plans of requests already scheduled or finished whose disk reads are
+        # still being timed (oldest first, at most MAX_TIMED_REQUESTS): with
+        # lookups answering HIT for reads in flight (decision 0055) a request
+        # is scheduled before its reads end, and dropping its timing then left
+        # the gate with almost no load to learn the device from (2 per run at
+        # 25 MB/s, the prior's 1000 MB/s kept).
+        self._timing: OrderedDict[Hashable, list[Plan]] = OrderedDict()
         self.observations = 0
         self.clock: Callable[[], float] = time.monotonic
         # ``() -> (breaker_opens, breaker_closes, open_dirs)``; None: nothing to watch.
@@ -287,8 +299,18 @@ class GateWiring:
         return list(self._plans.get(req_id, {}).values())
 
     def drop(self, req_id: Hashable) -> None:
-        for plan in self._plans.pop(req_id, {}).values():
-            self._stop_timing(req_id, plan)
+        """The request was scheduled or finished: its plans end, but reads
+        they wait for keep being timed until they end."""
+        timed = [plan for plan in self._plans.pop(req_id, {}).values() if plan.awaiting and plan.disk_bytes]
+        if not timed:
+            return
+        self._timing.setdefault(req_id, []).extend(timed)
+        self._timing.move_to_end(req_id)
+        while len(self._timing) > MAX_TIMED_REQUESTS:
+            # Reads that never came (a lookup that stopped early): not a load.
+            old_req, plans = self._timing.popitem(last=False)
+            for plan in plans:
+                self._stop_timing(old_req, plan)
 
     # -- online refinement ----------------------------------------------------
     def read_finished(self, key: bytes, ok: bool, latency_s: float = 0.0) -> int:
@@ -298,7 +320,7 @@ class GateWiring:
             return 0
         observed = 0
         for req_id in waiters:
-            for plan in self._plans.get(req_id, {}).values():
+            for plan in [*self._plans.get(req_id, {}).values(), *self._timing.get(req_id, ())]:
                 if key not in plan.awaiting:
                     continue
                 if not ok:
@@ -318,6 +340,11 @@ class GateWiring:
                     else:
                         self.gate.ignore_load()
                     plan.disk_bytes = 0
+            timed = self._timing.get(req_id)
+            if timed is not None:
+                timed[:] = [p for p in timed if p.awaiting and p.disk_bytes]
+                if not timed:
+                    del self._timing[req_id]
         self.observations += observed
         return observed
 
@@ -373,5 +400,6 @@ class GateWiring:
 
     def clear(self) -> None:
         self._plans.clear()
+        self._timing.clear()
         self._awaited_by.clear()
         self.steps.clear()
