@@ -44,16 +44,25 @@ class Serving:
     def watch_breakers(self) -> None:
         self.wiring.watch_breakers(lambda: self.breakers, io_deadline_s=2.0)
 
-    def request(self, bytes_per_s: float):
-        """Plans one request, completes its disk reads at ``bytes_per_s`` (all
-        submitted together: the longest read ends when the last byte is in),
-        then a second passes."""
-        self.n += 1
-        ctx = ReqContext(req_id=f"r{self.n}")
-        keys = [f"r{self.n}c{i}".encode().ljust(12, b".") + b"\0\0\0\0" for i in range(CHUNKS)]
+    def plan(self, name: str, chunks: int = CHUNKS):
+        """The gate's plan for request ``name`` of ``chunks`` chunks, every one on disk."""
+        ctx = ReqContext(req_id=name)
+        keys = [f"{name}c{i}".encode().ljust(12, b".") + b"\0\0\0\0" for i in range(chunks)]
         for i, key in enumerate(keys):
             ctx._offload_key_positions[key] = (i + 1) * CT
         plan = self.wiring.plan_for(keys[0], ctx, lambda ks, _req: GateInputs([ChunkState.DISK] * len(ks), 0))
+        return ctx, keys, plan
+
+    def request(self, bytes_per_s: float, scheduled_before_reads_end: bool = False):
+        """Plans one request, completes its disk reads at ``bytes_per_s`` (all
+        submitted together: the longest read ends when the last byte is in),
+        then a second passes. ``scheduled_before_reads_end``: vLLM schedules it
+        (the plan is dropped) before its reads end, as with lookups answering
+        HIT for reads in flight (decision 0055)."""
+        self.n += 1
+        ctx, keys, plan = self.plan(f"r{self.n}")
+        if scheduled_before_reads_end:
+            self.wiring.drop(ctx.req_id)
         loaded = [k for k in keys if k in plan.allowed]
         for key in loaded:
             self.wiring.read_finished(key, True, 0.001 + len(loaded) * CHUNK / bytes_per_s)
@@ -169,20 +178,7 @@ def test_reads_that_end_after_their_request_was_scheduled_still_teach_the_gate()
     the gate kept its prior (1000 MB/s) on a disk capped at 25 MB/s and loaded
     every prefix at 0.54x recompute's p50 (serving benchmark, session 13)."""
     s = Serving()
-    decisions = []
-    for _ in range(8):
-        s.n += 1
-        ctx = ReqContext(req_id=f"r{s.n}")
-        keys = [f"r{s.n}c{i}".encode().ljust(12, b".") + b"\0\0\0\0" for i in range(CHUNKS)]
-        for i, key in enumerate(keys):
-            ctx._offload_key_positions[key] = (i + 1) * CT
-        plan = s.wiring.plan_for(keys[0], ctx, lambda ks, _req: GateInputs([ChunkState.DISK] * len(ks), 0))
-        decisions.append(plan.decision)
-        s.wiring.drop(ctx.req_id)  # scheduled: its lookups answered HIT, reads in flight
-        loaded = [k for k in keys if k in plan.allowed]
-        for key in loaded:
-            s.wiring.read_finished(key, True, 0.001 + len(loaded) * CHUNK / SLOW)
-        s.now += 1.0
+    decisions = [s.request(SLOW, scheduled_before_reads_end=True) for _ in range(8)]
     assert s.wiring.observations >= 3, "each load timed to its last read"
     assert decisions[0].load_chunks == CHUNKS
     assert decisions[-1].recompute, "a disk at 20 MB/s is slower than this CPU's prefill, once learnt"
@@ -194,11 +190,7 @@ def test_timed_loads_of_scheduled_requests_are_bounded():
 
     s = Serving()
     for n in range(MAX_TIMED_REQUESTS + 10):
-        ctx = ReqContext(req_id=f"q{n}")
-        keys = [f"q{n}c{i}".encode().ljust(12, b".") + b"\0\0\0\0" for i in range(2)]
-        for i, key in enumerate(keys):
-            ctx._offload_key_positions[key] = (i + 1) * CT
-        s.wiring.plan_for(keys[0], ctx, lambda ks, _req: GateInputs([ChunkState.DISK] * len(ks), 0))
+        ctx, _keys, _plan = s.plan(f"q{n}", chunks=2)
         s.wiring.drop(ctx.req_id)  # its reads never come (the lookup stopped early)
     assert len(s.wiring._timing) == MAX_TIMED_REQUESTS
     assert len(s.wiring._awaited_by) <= 2 * MAX_TIMED_REQUESTS, "the oldest let go of their keys"
