@@ -15,6 +15,7 @@ hierarchy with the throttle files (not the unified cgroup-v2-only layout).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -65,6 +66,17 @@ class ThrottledDevice:
         self.cgroup.mkdir()
         (self.cgroup / "blkio.throttle.read_bps_device").write_text(
             f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)} {self.read_bytes_per_s}\n")
+
+    @contextlib.contextmanager
+    def read_rate(self, read_bytes_per_s: int):
+        """The throttle at ``read_bytes_per_s`` for the ``with`` block, then back."""
+        st = os.stat(self.loop)
+        knob = self.cgroup / "blkio.throttle.read_bps_device"
+        knob.write_text(f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)} {int(read_bytes_per_s)}\n")
+        try:
+            yield
+        finally:
+            knob.write_text(f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)} {self.read_bytes_per_s}\n")
 
     def preexec(self) -> None:
         """``preexec_fn`` of a subprocess: join the throttled group."""

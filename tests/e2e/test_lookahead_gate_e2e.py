@@ -307,7 +307,9 @@ def test_a_load_that_times_out_on_a_slow_disk_is_recomputed_in_a_small_kv_cache(
     """Found by the serving benchmark at 25 MB/s (session 13): a load whose
     reads outlived the worker's wait (io_deadline_s) failed, vLLM re-queued its
     request, whose next lookup found the chunks read meanwhile and answered
-    HIT. vLLM 0.32 keeps a request whose asynchronous load failed among its
+    HIT. (Since decision 0065 a load fails only when its reads stop making
+    progress: here the device is slowed until one chunk's read outlasts the
+    I/O deadline, and the engine abandons it.) vLLM 0.32 keeps a request whose asynchronous load failed among its
     in-flight prefills, so a second asynchronous admission must fit its
     blocks twice: in a KV cache under twice the prompt it never did, and the
     server served nothing more (two benchmark servers hung until killed). The
@@ -328,8 +330,8 @@ def test_a_load_that_times_out_on_a_slow_disk_is_recomputed_in_a_small_kv_cache(
         "llm": {"kv_transfer_config": kv_transfer_config(
             [str(dev.mount / "store-failed-load")], 256 << 20, lookahead=True, lookahead_bytes=0,
             lookahead_requests=0, staging_bytes=24 * SLOT_FOOTPRINT, block_size=CHUNK_TOKENS,
-            # 14 chunks of 128 KiB at 4 MiB/s take ~0.45 s: the worker's wait
-            # (the deadline) ends first while every read keeps moving.
+            # At 256 KiB/s one 128 KiB chunk takes ~0.5 s: no read ends
+            # within the deadline, the engine abandons them, the load fails.
             io_deadline_s=0.15, gate=False)},
         "phases": [
             {"op": "generate", "name": "first", "prompts": [prompt]},
@@ -341,8 +343,9 @@ def test_a_load_that_times_out_on_a_slow_disk_is_recomputed_in_a_small_kv_cache(
     }
     path = tmp_path / "scenario.json"
     path.write_text(json.dumps(scenario))
-    proc = subprocess.run([sys.executable, str(child("driver.py")), str(path)], capture_output=True,
-                          text=True, timeout=300, env=driver_env(multiprocess=False), preexec_fn=dev.preexec)
+    with dev.read_rate(256 << 10):
+        proc = subprocess.run([sys.executable, str(child("driver.py")), str(path)], capture_output=True,
+                              text=True, timeout=300, env=driver_env(multiprocess=False), preexec_fn=dev.preexec)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
     by = {p["name"]: p for p in json.loads(lines[-1][len("RESULT "):])["phases"] if "name" in p}

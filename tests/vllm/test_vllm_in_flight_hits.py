@@ -10,10 +10,10 @@ own mapping for the cross-process case.
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -58,11 +58,17 @@ def _gpu(blocks):
     return base.GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[0])
 
 
+#: Region names unique in this process: a worker attaches by name, and a
+#: name built from ``id()`` can be reused while an earlier rig's region is
+#: still open, which the new worker would then attach instead.
+_RIGS = itertools.count()
+
+
 class Rig:
     """Manager + store on ``directory`` + a worker attached to the same memfd."""
 
     def __init__(self, directory, io_deadline):
-        self.name = f"pykvcache-test-inflight-{os.getpid()}-{id(self)}"
+        self.name = f"pykvcache-test-inflight-{os.getpid()}-{next(_RIGS)}"
         self.pool = StagingPool(LAYOUT.payload_bytes, 6, shm_name=self.name, memfd=True)
         self.store = BlockStore([str(directory)], self.pool, namespace="inflight",
                                 capacity_bytes=1 << 30, io_deadline=io_deadline)
@@ -100,17 +106,25 @@ class Rig:
         for t in self.kv.tensors:
             t.tensor[10:12] = 0
 
-    def load_in_thread(self, spec, job_id=2):
-        box = {}
+    def submit_load(self, spec, dst=(10, 11), job_id=2):
+        """``submit_load`` as vLLM's step calls it: it must return at once,
+        whatever the reads do (decision 0065)."""
+        start = time.monotonic()
+        assert self.worker.submit_load(job_id, spec, _gpu(list(dst)))
+        took = time.monotonic() - start
+        assert took < 0.3, f"submit_load blocked the step for {took:.2f} s"
 
-        def run():
-            start = time.monotonic()
-            box["ok"] = self.worker.submit_load(job_id, spec, _gpu([10, 11]))
-            box["took"] = time.monotonic() - start
-
-        thread = threading.Thread(target=run)
-        thread.start()
-        return thread, box
+    def poll_until_finished(self, job_id=2, timeout=10.0):
+        """Polls ``get_finished`` as vLLM does once per step (every 10 ms
+        here) until the job is reported; its results and the time it took."""
+        start = time.monotonic()
+        while True:
+            done = self.worker.get_finished()
+            if done:
+                assert [r.job_id for r in done] == [job_id], done
+                return done, time.monotonic() - start
+            assert time.monotonic() - start < timeout, "the load never finished"
+            time.sleep(0.01)
 
     def close(self):
         import gc
@@ -141,21 +155,20 @@ def _first_lookup_is_a_hit_in_flight(rig, req="r"):
 
 
 @needs_fuse
-def test_first_lookup_is_a_hit_and_the_copy_waits_for_verified_bytes(stall_fs):
+def test_first_lookup_is_a_hit_and_the_load_waits_for_verified_bytes_outside_the_step(stall_fs):
     rig = Rig(stall_fs.mount_point, io_deadline=10.0)
     try:
         rig.store_chunk()
         rig.zero_destination()
         stall_fs.stall()  # the read cannot end until resume()
         ctx, spec = _first_lookup_is_a_hit_in_flight(rig)
-        thread, box = rig.load_in_thread(spec)
-        time.sleep(0.5)
-        assert thread.is_alive(), "the copy must wait for the read"
+        rig.submit_load(spec)
+        for _ in range(25):  # steps while the read is stalled: nothing finishes, nothing copied
+            assert rig.worker.get_finished() == []
+            time.sleep(0.02)
         assert all(not t.any() for t in rig.loaded_blocks()), "nothing copied before the read ended"
         stall_fs.resume()
-        thread.join(10)
-        assert box["ok"] and not thread.is_alive()
-        done = rig.worker.get_finished()
+        done, _ = rig.poll_until_finished()
         assert [(r.job_id, r.success, r.transfer_size) for r in done] == [(2, True, 2 * 2 * PAGE)]
         assert rig.worker.take_failed_loads() == set()
         for got, want in zip(rig.loaded_blocks(), rig.expected_blocks()):
@@ -201,20 +214,16 @@ def test_each_chunk_is_copied_as_its_read_ends(stall_fs):
     rig = Rig(stall_fs.mount_point, io_deadline=10.0)
     try:
         ctx, spec = _staged_and_in_flight(rig, stall_fs)
-        box = {}
-        thread = threading.Thread(target=lambda: box.update(ok=rig.worker.submit_load(2, spec, _gpu([10, 11, 12, 13]))))
-        thread.start()
+        rig.submit_load(spec, dst=(10, 11, 12, 13))
         first = [orig[2:4] for orig in rig.original]
-        deadline = time.monotonic() + 5
-        while not all(torch.equal(t.tensor[10:12], want) for t, want in zip(rig.kv.tensors, first)):
-            assert time.monotonic() < deadline, "the staged chunk was not copied while the other read waited"
-            time.sleep(0.02)
-        assert thread.is_alive(), "the copy still waits for the second read"
+        assert all(torch.equal(t.tensor[10:12], want) for t, want in zip(rig.kv.tensors, first)), \
+            "the staged chunk is copied when the load is submitted"
+        assert rig.worker.get_finished() == [], "the load still waits for the second read"
         assert all(not t.tensor[12:14].any() for t in rig.kv.tensors), "nothing of the chunk still being read"
         stall_fs.resume()
-        thread.join(10)
-        assert box["ok"] and rig.worker.take_failed_loads() == set()
-        assert [(r.job_id, r.success, r.transfer_size) for r in rig.worker.get_finished()] == [(2, True, 4 * 2 * PAGE)]
+        done, _ = rig.poll_until_finished()
+        assert rig.worker.take_failed_loads() == set()
+        assert [(r.job_id, r.success, r.transfer_size) for r in done] == [(2, True, 4 * 2 * PAGE)]
         for t, orig in zip(rig.kv.tensors, rig.original):
             assert torch.equal(t.tensor[10:14], orig[2:6])
         rig.manager.poll_io()
@@ -230,7 +239,8 @@ def test_a_failed_read_stops_the_copy_at_its_chunk(stall_fs):
     try:
         ctx, spec = _staged_and_in_flight(rig, stall_fs)
         rig.worker.report_load_failures = True
-        assert rig.worker.submit_load(2, spec, _gpu([10, 11, 12, 13]))
+        rig.submit_load(spec, dst=(10, 11, 12, 13))
+        rig.poll_until_finished()
         assert rig.worker.take_failed_loads() == {2}, "vLLM recomputes the job's blocks"
         for t, orig in zip(rig.kv.tensors, rig.original):
             assert torch.equal(t.tensor[10:12], orig[2:4]), "the verified chunk was copied"
@@ -251,14 +261,13 @@ def test_a_read_past_the_deadline_is_a_failed_load_and_copies_nothing(stall_fs):
         rig.worker.report_load_failures = True  # as PyKvCacheConnector sets it
         stall_fs.stall()
         ctx, spec = _first_lookup_is_a_hit_in_flight(rig)
-        start = time.monotonic()
-        assert rig.worker.submit_load(2, spec, _gpu([10, 11]))
-        took = time.monotonic() - start
-        # Bounded by the I/O deadline (the worker's own wait, or the engine's
+        rig.submit_load(spec)
+        done, took = rig.poll_until_finished()
+        # Bounded by the I/O deadline (the worker's own bound, or the engine's
         # verdict if that comes first), never by the stall.
         assert 0.4 < took < 0.5 + 1, f"waited {took:.2f} s"
         assert rig.worker.take_failed_loads() == {2}
-        assert [(r.job_id, r.success, r.transfer_size) for r in rig.worker.get_finished()] == [(2, True, 0)]
+        assert [(r.job_id, r.success, r.transfer_size) for r in done] == [(2, True, 0)]
         assert all(not t.any() for t in rig.loaded_blocks()), "nothing copied from a failed read"
         # The engine's watchdog abandons the read (within 8 deadlines while the
         # directory answers nothing) and settles the word failed.
@@ -299,11 +308,11 @@ def test_a_chunk_corrupted_while_its_read_waits_is_a_failed_load(stall_fs):
             byte = f.read(1)
             f.seek(4096 + 100)
             f.write(bytes([byte[0] ^ 0xFF]))
-        thread, box = rig.load_in_thread(spec)
+        rig.submit_load(spec)
         time.sleep(0.2)
         stall_fs.resume()
-        thread.join(10)
-        assert box["ok"] and rig.worker.take_failed_loads() == {2}
+        rig.poll_until_finished()
+        assert rig.worker.take_failed_loads() == {2}
         assert all(not t.any() for t in rig.loaded_blocks()), "nothing copied from a corrupt chunk"
         rig.reads_settled()
         assert rig.manager.metrics.totals["corrupt_chunks"] == 1
@@ -417,8 +426,9 @@ def test_without_in_flight_hits_the_first_lookup_still_defers(tmp_path):
 
 
 @needs_fuse
-def test_a_step_whose_load_waits_for_reads_teaches_the_gate_no_prefill_cost(stall_fs):
-    """The step's time includes the worker's wait for the disk: not compute."""
+def test_a_step_that_hands_out_a_load_in_flight_is_timed_as_compute(stall_fs):
+    """The step no longer contains the wait for the disk (decision 0065), so
+    the gate's prefill model learns from it like from any other step."""
     from pykvcache.gate import ProfileExpectation, build_gate
     from pykvcache.vllm.gate_plan import GateWiring
 
@@ -431,15 +441,19 @@ def test_a_step_whose_load_waits_for_reads_teaches_the_gate_no_prefill_cost(stal
         rig.manager.gating = GateWiring(gate, chunk_tokens=64, chunk_bytes=LAYOUT.payload_bytes)
         rig.manager.gating.enable_step_timing()
         seen = []
-        rig.manager.gating.steps._observe = lambda work, seconds: seen.append(work) or True
+        rig.manager.gating.steps._observe = lambda work, seconds: seen.append((work, seconds)) or True
         stall_fs.stall()
         ctx, spec = _first_lookup_is_a_hit_in_flight(rig)
-        rig.manager.step_scheduled([(0, 1024)])  # this step's load waits for the read
-        stall_fs.resume()
-        rig.manager.flush(timeout=10)
+        rig.manager.step_scheduled([(0, 1024)])  # this step hands out the load
+        rig.submit_load(spec)  # returns at once: the step ends without the read
+        rig.manager.step_finished()
         rig.manager.step_scheduled([(0, 1024)])  # a plain prefill step
         rig.manager.step_finished()
-        assert seen == [[(0, 1024)]], seen
+        assert [work for work, _ in seen] == [[(0, 1024)]] * 2, seen
+        assert seen[0][1] < 0.3, "the step's time holds no disk wait"
+        stall_fs.resume()
+        rig.poll_until_finished()
+        rig.manager.flush(timeout=10)
         rig.manager.complete_load([KEY], ctx)
     finally:
         stall_fs.resume()

@@ -132,9 +132,9 @@ class LoadCost:
     #: computes). Not refined online: it does not depend on the device.
     step_s: float = 0.0
     #: What a load from the disk costs in the engine beyond the read itself
-    #: and ``step_s``: the worker's wait for reads still in flight when the
-    #: request is scheduled, their completions' handling (PyKvCacheConnector
-    #: answers such lookups HIT and waits, decision 0055; vLLM's stock
+    #: and ``step_s``: the reads still in flight when the request is
+    #: scheduled, their completions' handling (PyKvCacheConnector answers such
+    #: lookups HIT and the worker polls them, decisions 0055 and 0065; vLLM's stock
     #: connector and the tiering framework defer the request a scheduler step
     #: instead). Measured through vLLM by ``calibrate`` as a disk load minus a
     #: staging load of the same prefix, minus the modelled read. Not refined

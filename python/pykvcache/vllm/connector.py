@@ -15,7 +15,8 @@ Select it with ``"kv_connector": "PyKvCacheConnector",
 engine's steps for the gate's prefill side (:class:`pykvcache.vllm.gate_plan.StepTimer`).
 
 It also lets a lookup answer HIT for chunks whose disk reads are in flight
-(decision 0055): the worker's copy waits for each slot's ready word, and a
+(decision 0055): the worker copies each chunk once its slot's ready word
+says verified (polled at each step, decision 0065), and a
 load whose read failed is reported to vLLM as a failed receive
 (``failed_recving``), which vLLM recomputes under
 ``kv_load_failure_policy="recompute"`` - the policy this connector sets. The

@@ -1,8 +1,9 @@
 """Copies between KV pages and staging slots when the KV cache is host memory
 (vLLM's CPU platform): vectorised torch gathers/scatters, synchronous.
 
-The forward pass on CPU is synchronous, so a copy submitted by the connector
-never races with the model writing the same pages.
+The forward pass on CPU is synchronous and every copy runs in the engine's
+step (``submit_*`` or ``get_finished``), so a copy never races with the model
+writing the same pages.
 """
 
 from __future__ import annotations
@@ -97,24 +98,23 @@ class CpuCopier:
                 copied += _copy_pages(kv, stage, blocks, slot_idx, sub_idx, to_kv=True)
         return copied
 
-    def load_in_waves(self, gpu_spec, slots, waves) -> int:
-        """``load``, one wave of slots at a time: ``waves`` yields sets of
-        slots whose bytes are verified (it waits for their reads), and each
-        wave's pages are copied before the next is asked for, so the copy of
-        the first chunks overlaps the reads of the last. A wave iterator that
-        raises stops the copy there (the pages of later slots keep what they
-        held)."""
-        parts = list(self._indexed(gpu_spec, slots))
+    def prepare(self, gpu_spec, slots) -> list:
+        """The index arrays of a load whose chunks come in waves (:meth:`load_wave`)."""
+        return list(self._indexed(gpu_spec, slots))
+
+    def load_wave(self, prepared: list, wave: set[int]) -> int:
+        """Copies the pages of the slots in ``wave`` (verified chunks) of a
+        prepared load; the other slots' pages keep what they hold (decision
+        0057: the first chunks are copied while the last are still read)."""
+        chosen = torch.from_numpy(np.fromiter(wave, dtype=np.int64, count=len(wave)))
         copied = 0
-        for wave in waves:
-            chosen = torch.from_numpy(np.fromiter(wave, dtype=np.int64, count=len(wave)))
-            for part, blocks, slot_idx, sub_idx in parts:
-                mask = torch.isin(slot_idx, chosen)
-                if not bool(mask.any()):
-                    continue
-                b, si, sb = blocks[mask], slot_idx[mask], sub_idx[mask]
-                for kv, stage in self._views[part.group]:
-                    copied += _copy_pages(kv, stage, b, si, sb, to_kv=True)
+        for part, blocks, slot_idx, sub_idx in prepared:
+            mask = torch.isin(slot_idx, chosen)
+            if not bool(mask.any()):
+                continue
+            b, si, sb = blocks[mask], slot_idx[mask], sub_idx[mask]
+            for kv, stage in self._views[part.group]:
+                copied += _copy_pages(kv, stage, b, si, sb, to_kv=True)
         return copied
 
     def store(self, gpu_spec, slots) -> int:

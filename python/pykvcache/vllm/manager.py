@@ -14,8 +14,9 @@ Lookup protocol per chunk key:
 * HIT          the chunk is verified in staging (READY), or - with in-flight
                hits (:meth:`enable_in_flight_hits`, turned on by
                ``PyKvCacheConnector``) - its disk read is in flight: the
-               worker's copy waits for the slot's ready word, and a read that
-               fails becomes a failed load that vLLM recomputes;
+               worker copies the chunk once the slot's ready word says its
+               bytes are verified (polled at each step, decision 0065), and a
+               read that fails becomes a failed load that vLLM recomputes;
 * HIT_PENDING  its disk read is in flight (without in-flight hits), or a
                worker is still copying it in (STORING);
 * RETRY        on disk, but waiting requests already hold their share of
@@ -146,9 +147,6 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         # 0055); only a connector that reports failed loads to vLLM, under
         # kv_load_failure_policy="recompute", may turn it on.
         self.in_flight_hits = False
-        # A load of this step waits for reads in its worker: the step's time
-        # is not the prefill's, the gate must not learn from it.
-        self._step_waits_for_reads = False
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
 
@@ -395,7 +393,6 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self._release_request(req_context.req_id, finished=False)
         if not any(generations):
             return StagingSlotsSpec(slots)
-        self._step_waits_for_reads = True
         return StagingSlotsSpec(slots, ready_generations=generations,
                                 wait_s=self.store.stats()["io_deadline_s"])
 
@@ -491,12 +488,9 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
 
     def step_scheduled(self, work) -> None:
         """The connector built a step scheduling ``work`` ((computed, scheduled) per request).
-        A step whose loads wait for reads in flight is timed as no work: its
-        duration includes disk time, which the gate's prefill model must not
-        learn as compute (decision 0055)."""
-        if self._step_waits_for_reads:
-            self._step_waits_for_reads = False
-            work = []
+        A step that hands out a load of reads in flight is timed like any
+        other: the worker polls those reads, it never waits for them in the
+        step (decision 0065)."""
         self.gating.step_scheduled(work)
 
     def step_finished(self) -> None:

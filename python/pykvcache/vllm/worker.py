@@ -2,12 +2,14 @@
 
 No disk I/O happens here. The scheduler hands out loads of chunks verified in
 staging or, with in-flight hits (decision 0055), of chunks whose reads are in
-flight: a load then first waits (GIL released, bounded by the store's I/O
-deadline) for each slot's ready word, which the scheduler process's engine
-settles with the read's verdict; on the CPU platform each chunk is copied as
-its read ends (decision 0057). A load with any slot not ready is reported
-failed, that slot's chunk never copied (:meth:`StagingWorker.take_failed_loads`, read
-by ``PyKvCacheConnector``, which tells vLLM to recompute the request).
+flight. Such a load is never waited for in the engine's step: its slots'
+ready words, which the scheduler process's engine settles with each read's
+verdict, are polled at every ``get_finished`` (decision 0065), and on the CPU
+platform each chunk is copied once its read has ended (decision 0057). A
+load with a slot whose read failed, or none of whose reads ended within the
+store's I/O deadline, is reported failed, that slot's chunk never copied
+(:meth:`StagingWorker.take_failed_loads`, read by ``PyKvCacheConnector``,
+which tells vLLM to recompute the request).
 The staging region is created by the scheduler process as a memfd (no name
 in /dev/shm: it goes away with the engine however the engine exits); vLLM
 builds workers before the scheduler, so the region is attached on the first
@@ -23,6 +25,7 @@ import time
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from pykvcache.vllm.layout import ChunkLayout
+from pykvcache.vllm.pending_loads import PendingLoad, PendingLoads
 from pykvcache.vllm.slot_map import SlotMap
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
@@ -55,6 +58,8 @@ class StagingWorker(OffloadingWorker):
         # wait for every read, then copy (the CUDA path's order): kept for the
         # A/B of scripts/pipelined_copy_bench.py.
         self.copy_as_reads_end = True
+        self._pending: PendingLoads | None = None
+        self._failure: RuntimeError | None = None
 
     @property
     def copier(self):
@@ -91,59 +96,49 @@ class StagingWorker(OffloadingWorker):
             return self._submit(job_id, gpu_spec=dst_spec, slots=slots, to_gpu=True)
         if any(gen < 0 for gen in generations):
             failed = sum(1 for gen in generations if gen < 0)
-            return self._load_failed(job_id, f"{failed} read(s) failed before the load", start)
-        if self._on_cuda or not self.copy_as_reads_end:
-            # All reads first, then one batched copy on the stream (see decision 0057).
-            why = self._wait_all(slots, generations, float(src_spec.wait_s or 10.0))
-            if why:
-                return self._load_failed(job_id, why, start)
-            return self._submit(job_id, gpu_spec=dst_spec, slots=slots, to_gpu=True)
-        return self._load_as_reads_end(job_id, dst_spec, slots, generations,
-                                       float(src_spec.wait_s or 10.0), start)
-
-    def _wait_all(self, slots: list[int], generations: list[int], wait_s: float) -> str:
-        """Waits for every read in flight; what was not ready, or ''."""
-        waits = [(slot, gen) for slot, gen in zip(slots, generations) if gen > 0]
-        verdicts = self._attached_pool().wait_ready([s for s, _ in waits], [g for _, g in waits], wait_s)
-        return ", ".join(f"slot {s}: {v}" for (s, _), v in zip(waits, verdicts) if v != "ready")
-
-    def _load_as_reads_end(self, job_id: int, dst_spec, slots: list[int], generations: list[int],
-                           wait_s: float, start: float) -> bool:
-        """Copies each chunk as soon as its read has ended and been verified
-        (decision 0057: the copy of the first chunks overlaps the reads of the
-        last), all within one deadline. A read that fails stops the copy: the
-        chunks before it are in their pages, the job is reported failed and
-        vLLM recomputes its blocks."""
-        pool = self._attached_pool()
-        deadline = time.monotonic() + wait_s
-        why: list[str] = []
-
-        def waves():
-            staged = {s for s, gen in zip(slots, generations) if gen == 0}
-            if staged:
-                yield staged
-            pending = [(s, gen) for s, gen in zip(slots, generations) if gen > 0]
-            while pending:
-                (slot, gen), rest = pending[0], pending[1:]
-                [verdict] = pool.wait_ready([slot], [gen], max(0.0, deadline - time.monotonic()))
-                if verdict != "ready":
-                    why.append(f"slot {slot}: {verdict}")
-                    return
-                # Every later read that has ended meanwhile joins this wave.
-                verdicts = pool.wait_ready([s for s, _ in rest], [g for _, g in rest], 0.0) if rest else []
-                yield {slot} | {s for (s, _), v in zip(rest, verdicts) if v == "ready"}
-                ended = [f"slot {s}: {v}" for (s, _), v in zip(rest, verdicts) if v in ("failed", "recycled")]
-                if ended:
-                    why.extend(ended)
-                    return
-                pending = [(s, g) for (s, g), v in zip(rest, verdicts) if v != "ready"]
-
-        copied = self.copier.load_in_waves(dst_spec, slots, waves())
-        if why:
-            return self._load_failed(job_id, ", ".join(why), start)
-        self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=copied,
-                                             transfer_time=time.perf_counter() - start))
+            self._load_failed(job_id, f"{failed} read(s) failed before the load", start)
+            return True
+        # Reads in flight: never waited for here, in the engine's step
+        # (decision 0065); polled at each get_finished.
+        wait_s = float(src_spec.wait_s or 10.0)
+        waiting = [(s, gen) for s, gen in zip(slots, generations) if gen > 0]
+        load = PendingLoad(job_id, dst_spec, slots, waiting, wait_s, start,
+                           deadline=time.monotonic() + wait_s,
+                           ready={s for s, gen in zip(slots, generations) if gen == 0})
+        self._pending_loads().add(load)
         return True
+
+    def _pending_loads(self) -> PendingLoads:
+        if self._pending is None:
+            pool = self._attached_pool()
+            if self._on_cuda or not self.copy_as_reads_end:
+                # All reads first, then one batched copy (see decision 0057).
+                self._pending = PendingLoads(pool, finish=self._finish_whole, fail=self._fail_pending)
+            else:
+                self._pending = PendingLoads(pool, finish=self._finish_copied, fail=self._fail_pending,
+                                             copy_wave=self._copy_wave)
+        return self._pending
+
+    def _copy_wave(self, load: PendingLoad, wave: set[int]) -> None:
+        """Copies the chunks of ``wave`` (verified) into the load's pages
+        (decision 0057: the first chunks are in their pages while the last
+        are still read)."""
+        if load.prepared is None:
+            load.prepared = self.copier.prepare(load.dst_spec, load.slots)
+        load.copied += self.copier.load_wave(load.prepared, wave)
+
+    def _finish_copied(self, load: PendingLoad) -> None:
+        self._finished.append(TransferResult(job_id=load.job_id, success=True, transfer_size=load.copied,
+                                             transfer_time=time.perf_counter() - load.start))
+
+    def _finish_whole(self, load: PendingLoad) -> None:
+        self._submit(load.job_id, gpu_spec=load.dst_spec, slots=load.slots, to_gpu=True, start=load.start)
+
+    def _fail_pending(self, load: PendingLoad, why: str) -> None:
+        try:
+            self._load_failed(load.job_id, why, load.start)
+        except RuntimeError as e:  # raised in the step, by get_finished
+            self._failure = e
 
     def _load_failed(self, job_id: int, why: str, start: float) -> bool:
         """A load whose chunks are not all verified: reported finished, its
@@ -167,12 +162,12 @@ class StagingWorker(OffloadingWorker):
         _ = self.copier  # the property attaches the region on first use
         return self._pool
 
-    def _submit(self, job_id: int, *, gpu_spec, slots, to_gpu: bool) -> bool:
+    def _submit(self, job_id: int, *, gpu_spec, slots, to_gpu: bool, start: float | None = None) -> bool:
         copier = self.copier
         if self._on_cuda:
             copier.submit(job_id, gpu_spec, slots, to_gpu=to_gpu)
             return True
-        start = time.perf_counter()
+        start = time.perf_counter() if start is None else start
         num_bytes = copier.load(gpu_spec, slots) if to_gpu else copier.store(gpu_spec, slots)
         self._finished.append(
             TransferResult(job_id=job_id, success=True, transfer_size=num_bytes,
@@ -181,6 +176,11 @@ class StagingWorker(OffloadingWorker):
         return True
 
     def get_finished(self) -> list[TransferResult]:
+        if self._pending is not None:
+            self._pending.poll()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         done, self._finished = self._finished, []
         if self._on_cuda and self._copier is not None:
             done.extend(
@@ -194,5 +194,9 @@ class StagingWorker(OffloadingWorker):
             self._copier.wait(job_ids)
 
     def shutdown(self) -> None:
+        if self._pending is not None:
+            dropped = self._pending.drop_all()
+            if dropped:
+                logger.info("pykvcache: %d load(s) still waiting for reads at shutdown", len(dropped))
         if self._on_cuda and self._copier is not None:
             self._copier.drain()

@@ -1,0 +1,116 @@
+"""Loads whose disk reads are still in flight, advanced by polling
+(decision 0065).
+
+A load handed out with in-flight reads (decision 0055) used to wait for
+them inside ``submit_load``, which vLLM calls in the engine step: on the
+CPU platform every other request's prefill and decode stood still for the
+whole read (2 s for a 48 MiB prefix at 25 MB/s), so loading cost the other
+requests exactly what the gate (decision 0064) assumes it does not. Now the
+worker polls each pending load's ready words without waiting, once per step
+(``get_finished``, which vLLM calls every step, also steps with nothing to
+compute while a request waits for its KV), and the chunks whose reads have
+ended are copied then: the load overlaps the other requests' compute.
+
+The wait is bounded by progress, not by one deadline for the whole load: a
+load fails when none of its reads has ended for ``wait_s`` (the store's I/O
+deadline). The scheduler's engine settles every read it abandons as failed
+within its own deadline, so this bound only matters if the scheduler process
+stops answering; a slow device whose reads keep ending never fails a load.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+@dataclass(slots=True)
+class PendingLoad:
+    job_id: int
+    dst_spec: object
+    slots: list[int]
+    #: (slot, generation) of the reads not ended yet, in prefix order.
+    waiting: list[tuple[int, int]]
+    wait_s: float
+    start: float  # perf_counter at submit (the transfer time vLLM records)
+    #: No read ended after this (monotonic s): the load fails.
+    deadline: float
+    #: Slots whose bytes are verified and not copied yet (the staged ones first).
+    ready: set[int] = field(default_factory=set)
+    prepared: object = None  # the copier's per-job index arrays (CPU)
+    copied: int = 0
+
+
+class PendingLoads:
+    """Advances loads whose reads are in flight, without ever blocking.
+
+    ``copy_wave(load, slots)`` copies verified chunks into the load's pages as
+    they come (None: copy only once all are verified, e.g. one batched CUDA
+    copy), ``finish(load)`` completes a load whose chunks are all verified,
+    ``fail(load, why)`` a load with a read that failed, was recycled or made
+    no progress within ``wait_s``.
+    """
+
+    def __init__(self, pool, *, finish: Callable[[PendingLoad], None],
+                 fail: Callable[[PendingLoad, str], None],
+                 copy_wave: Callable[[PendingLoad, set[int]], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._pool = pool
+        self._finish = finish
+        self._fail = fail
+        self._copy_wave = copy_wave
+        self._clock = clock
+        self._loads: list[PendingLoad] = []
+
+    def __len__(self) -> int:
+        return len(self._loads)
+
+    def add(self, load: PendingLoad) -> None:
+        """A new load; advanced at once (its staged chunks, reads that ended already)."""
+        if not self._advance(load):
+            self._loads.append(load)
+
+    def poll(self) -> None:
+        """Advances every pending load (each step)."""
+        if self._loads:
+            self._loads = [load for load in self._loads if not self._advance(load)]
+
+    def drop_all(self) -> list[PendingLoad]:
+        """Forgets every pending load (shutdown); returns them."""
+        loads, self._loads = self._loads, []
+        return loads
+
+    def _advance(self, load: PendingLoad) -> bool:
+        """One non-blocking look at ``load``'s reads; True once it ended."""
+        now = self._clock()
+        if load.waiting:
+            verdicts = self._pool.wait_ready([s for s, _ in load.waiting], [g for _, g in load.waiting], 0.0)
+            ended = [f"slot {s}: {v}" for (s, _), v in zip(load.waiting, verdicts) if v in ("failed", "recycled")]
+            fresh = {s for (s, _), v in zip(load.waiting, verdicts) if v == "ready"}
+            load.waiting = [(s, g) for (s, g), v in zip(load.waiting, verdicts) if v != "ready"]
+            if fresh:
+                load.deadline = now + load.wait_s
+                load.ready |= fresh
+            if ended:
+                # The chunks verified before the failure are still copied (a
+                # prefix of the pages is right), the rest never: vLLM
+                # recomputes the job's blocks either way.
+                self._copy(load)
+                self._fail(load, ", ".join(ended))
+                return True
+        if self._copy_wave is not None:
+            self._copy(load)
+        if load.waiting:
+            if now >= load.deadline:
+                self._fail(load, ", ".join(f"slot {s}: no read ended within {load.wait_s:.1f} s"
+                                           for s, _ in load.waiting[:1]))
+                return True
+            return False
+        self._finish(load)
+        return True
+
+    def _copy(self, load: PendingLoad) -> None:
+        if self._copy_wave is not None and load.ready:
+            wave, load.ready = load.ready, set()
+            self._copy_wave(load, wave)
