@@ -169,6 +169,9 @@ class StoreStats(TypedDict):
     # Per storage directory, in order: "closed", "open" or "half-open".
     dir_states: list[str]
     io_deadline_s: float
+    # By when the engine has settled every operation it started (one I/O
+    # deadline more than the watchdog's hard bound; inf without a deadline).
+    io_verdict_bound_s: float
     # Per namespace directory: what probing its filesystem found at open
     # (keys as probe_storage_dir returns them).
     storage_probes: dict[str, dict[str, bool]]

@@ -36,7 +36,7 @@ def main():
     assert sys.stdin.readline().strip() == "go"
     put_ever = set()
     seen = {"puts": 0, "put_errors": 0, "gets": 0, "hits": 0, "misses": 0, "foreign_hits": 0, "bad": 0,
-            "max_used": 0}
+            "max_used": 0, "failures": []}
     deadline = time.monotonic() + sc["seconds"]
     while time.monotonic() < deadline:
         if rng.random() >= sc.get("read_share", 0.5):
@@ -47,7 +47,9 @@ def main():
                 put_ever.add(key)
             else:
                 seen["put_errors"] += 1
-                print("put", r.status, r.message, file=sys.stderr)
+                # In the result, so that a failing test says why (a CI run
+                # once had one put error and no message to tell what it was).
+                seen["failures"].append(f"put {r.status}: {r.message}"[:300])
         else:
             key = rng.choice(ALL_KEYS)
             store.probe(key)  # what the vLLM manager does on an index miss
@@ -61,7 +63,7 @@ def main():
                 seen["misses"] += 1
             else:
                 seen["bad"] += 1
-                print("get", r.status, r.message, file=sys.stderr)
+                seen["failures"].append(f"get {r.status}: {r.message}"[:300])
         seen["max_used"] = max(seen["max_used"], store.used_bytes)
     stats = store.stats()
     seen.update({k: stats[k] for k in ("corrupt_chunks", "write_races", "evictions", "read_errors", "write_errors",

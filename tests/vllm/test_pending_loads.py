@@ -114,3 +114,19 @@ def test_loads_advance_independently():
     rig.step(0.1)
     assert rig.finished == [2] and len(rig.loads) == 1
     assert [load.job_id for load in rig.loads.drop_all()] == [1]
+
+
+def test_an_idle_step_sleeps_on_the_oldest_read_only():
+    """``wait`` blocks on one ready word, the oldest load's next read, with the
+    caller's bound; with nothing waited for it returns at once."""
+    rig = Rig()
+    rig.loads.wait(0.02)
+    assert rig.pool.timeouts == [], "no load: no wait"
+    rig.add(1, staged=[0], in_flight=[3, 4])
+    rig.add(2, staged=[], in_flight=[5])
+    rig.pool.timeouts.clear()
+    asked = []
+    real = rig.pool.wait_ready
+    rig.pool.wait_ready = lambda slots, gens, timeout: asked.append((slots, timeout)) or real(slots, gens, timeout)
+    rig.loads.wait(0.02)
+    assert asked == [([3], 0.02)]

@@ -14,6 +14,7 @@ import itertools
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -150,7 +151,8 @@ def _first_lookup_is_a_hit_in_flight(rig, req="r"):
     assert totals["lookup_in_flight_hits"] == 1 and totals["lookups_deferred"] == 0
     spec = rig.manager.prepare_load([KEY], ctx)
     assert spec.ready_generations and spec.ready_generations[0] > 0, spec.ready_generations
-    assert spec.wait_s == rig.store.stats()["io_deadline_s"]
+    # The worker's backstop: by then the engine has settled every read.
+    assert spec.wait_s == rig.store.stats()["io_verdict_bound_s"] == 9 * rig.store.stats()["io_deadline_s"]
     return ctx, spec
 
 
@@ -177,6 +179,40 @@ def test_first_lookup_is_a_hit_and_the_load_waits_for_verified_bytes_outside_the
         assert rig.manager.staged_state(KEY) is EntryState.READY
         rig.manager.complete_load([KEY], ctx)
         assert rig.manager.cache.get(KEY).evictable
+    finally:
+        stall_fs.resume()
+        rig.close()
+
+
+@needs_fuse
+def test_an_idle_step_sleeps_until_the_read_ends_not_longer(stall_fs):
+    """A step that computes nothing sleeps on the load's read (decision
+    0065): woken when the read ends, not at its bound, and at once when no
+    load waits."""
+    rig = Rig(stall_fs.mount_point, io_deadline=10.0)
+    try:
+        rig.store_chunk()
+        rig.zero_destination()
+        start = time.monotonic()
+        rig.worker.wait_for_reads(5.0)
+        assert time.monotonic() - start < 0.5, "nothing pending: no sleep"
+        stall_fs.stall()
+        ctx, spec = _first_lookup_is_a_hit_in_flight(rig)
+        rig.submit_load(spec)
+        start = time.monotonic()
+        rig.worker.wait_for_reads(0.3)  # the read is stalled: the bound ends the sleep
+        assert 0.25 < time.monotonic() - start < 2.0
+        timer = threading.Timer(0.3, stall_fs.resume)
+        timer.start()
+        start = time.monotonic()
+        rig.worker.wait_for_reads(5.0)
+        slept = time.monotonic() - start
+        timer.join()
+        assert 0.2 < slept < 3.0, f"slept {slept:.2f} s: woken by the read, not the 5 s bound"
+        done = rig.worker.get_finished()
+        assert [(r.job_id, r.transfer_size) for r in done] == [(2, 2 * 2 * PAGE)]
+        rig.reads_settled()
+        rig.manager.complete_load([KEY], ctx)
     finally:
         stall_fs.resume()
         rig.close()

@@ -58,6 +58,11 @@ def _default_spec(vllm_config) -> None:
         kv.kv_connector_extra_config.setdefault(name, value)
 
 
+#: Longest a step that computes nothing sleeps on the reads its worker's
+#: loads wait for (a request that arrives meanwhile waits at most this long).
+IDLE_STEP_WAIT_S = 0.02
+
+
 class PyKvCacheConnector(OffloadingConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         _default_spec(vllm_config)
@@ -122,8 +127,13 @@ class PyKvCacheConnector(OffloadingConnector):
         super().start_load_kv(forward_context, **kwargs)
 
     def get_transfer_results(self, finished_req_ids):
-        results = super().get_transfer_results(finished_req_ids)
         worker = self._staging_worker()
+        if worker is not None and getattr(self._connector_metadata, "pykvcache_idle_step", False):
+            # vLLM runs a step that computes nothing back to back while a
+            # request waits for its KV: without this the engine and the
+            # worker spin on 2 cores the reads' completions need (decision 0065).
+            worker.wait_for_reads(IDLE_STEP_WAIT_S)
+        results = super().get_transfer_results(finished_req_ids)
         if worker is not None:
             for job_id in worker.take_failed_loads():
                 req_id = self._load_reqs.get(job_id)
@@ -206,7 +216,11 @@ class PyKvCacheConnector(OffloadingConnector):
             cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
             for req_id in getattr(cached, "resumed_req_ids", None) or ():
                 self._manager.on_request_resumed(req_id)
-        return super().build_connector_meta(scheduler_output)
+        meta = super().build_connector_meta(scheduler_output)
+        # A step that computes nothing: its worker may sleep on the reads of
+        # the loads it waits for instead of returning at once (decision 0065).
+        meta.pykvcache_idle_step = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        return meta
 
     def update_connector_output(self, connector_output) -> None:
         super().update_connector_output(connector_output)

@@ -211,7 +211,7 @@ class DiskTier:
         self._log.warning("%s: %s of chunk %s not submitted: %s", self._label, op, key.hex(), exc)
         self.metrics.inc("read_errors" if op == "read" else "write_errors")
 
-    def read_finished(self, key: bytes, result) -> bool:
+    def read_finished(self, key: bytes, result, started_at: float | None = None) -> bool:
         """Counts a finished read (``IoResult``) and teaches the gate; True
         when it served the chunk. After a read that served nothing the engine
         alone decided the file's fate (decision 0050): it removed a corrupt
@@ -219,7 +219,14 @@ class DiskTier:
         stalled directory could not read. What is left here is not to read
         it again at once (it would end the same way every step)."""
         ok = result.status == "ok"
-        observed = self.gating.read_finished(key, ok, result.latency_s or 0.0)
+        observed = 0
+        if started_at is not None:
+            # Submitted at ``started_at`` (monotonic s): the device's busy
+            # periods, preloads included (decision 0066). Before
+            # read_finished, which ends the plans timing this read.
+            observed += self.gating.read_ended(key, started_at, result.latency_s or 0.0,
+                                               int(result.length or 0) if ok else 0)
+        observed += self.gating.read_finished(key, ok, result.latency_s or 0.0)
         self.metrics.inc("gate_load_observations", observed)
         if observed and self._on_learnt is not None:
             self._on_learnt()

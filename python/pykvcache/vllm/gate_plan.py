@@ -35,11 +35,15 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter, StoreAdmission
+from pykvcache.gate.busy_periods import DeviceBusyPeriods
 from pykvcache.gate.request_keys import request_keys_from
 
 #: Requests whose loads are still timed after they were scheduled (each
 #: holds its plans until its reads end; the oldest are let go beyond this).
 MAX_TIMED_REQUESTS = 256
+#: A busy period of the device is cut (and learnt from) after this many
+#: chunks were read in it (decision 0066).
+BUSY_PERIOD_CHUNKS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +166,12 @@ class NoGating:
     def read_finished(self, key: bytes, ok: bool, latency_s: float = 0.0) -> int:
         return 0
 
+    def read_started(self, at: float) -> None:
+        pass
+
+    def read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int) -> int:
+        return 0
+
     def watch_breakers(self, health: Callable[[], tuple[int, int, int]], *, io_deadline_s: float) -> None:
         pass
 
@@ -219,6 +229,9 @@ class GateWiring:
         # A step worth timing prefilled at least one chunk: shorter ones are
         # dominated by per-step overhead, and a chunk is what the gate decides on.
         self.steps = StepTimer(gate.observe_prefill, min_prefill_tokens=chunk_tokens)
+        # Every read, preloads included, times the device (decision 0066):
+        # periods cut at 16 chunks, so a saturated device still teaches it.
+        self.busy = DeviceBusyPeriods(cut_bytes=BUSY_PERIOD_CHUNKS * chunk_bytes)
 
     # -- lookups -------------------------------------------------------------
     def allows(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> bool:
@@ -348,6 +361,27 @@ class GateWiring:
         self.observations += observed
         return observed
 
+    def read_started(self, at: float) -> None:
+        """A disk read (demand or preload) was submitted at ``at`` (monotonic s)."""
+        self.busy.read_started(at)
+
+    def read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int) -> int:
+        """The read of ``key`` submitted at ``started_at`` ended after
+        ``latency_s``, serving ``nbytes`` (called before :meth:`read_finished`);
+        returns 1 when that ended (or cut) a busy period the gate learnt from
+        (decision 0066)."""
+        period = self.busy.read_ended(started_at, latency_s, nbytes, timed_elsewhere=key in self._awaited_by)
+        if period is None:
+            return 0
+        now = self.clock()
+        self.poll_breakers(now)
+        if not self.outages.learnable(period[2]):
+            self.gate.ignore_load()
+            return 0
+        self.gate.observe_load(period[0], period[1], now=now)
+        self.observations += 1
+        return 1
+
     def _stop_timing(self, req_id: Hashable, plan: Plan) -> None:
         for k in plan.awaiting:
             waiters = self._awaited_by.get(k)
@@ -403,3 +437,4 @@ class GateWiring:
         self._timing.clear()
         self._awaited_by.clear()
         self.steps.clear()
+        self.busy.clear()

@@ -119,6 +119,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self._lock = threading.RLock()
         self._max_inflight_writes = max(1, max_inflight_writes)
         self._reads: dict[bytes, object] = {}  # key -> IoHandle
+        self._read_started: dict[bytes, float] = {}  # key -> when its read was submitted (monotonic s)
         # Keys a lookup answered HIT while their read was in flight, until the read ends.
         self._hit_in_flight: set[bytes] = set()
         self._prefetching: set[bytes] = set()  # keys of _reads submitted at background priority
@@ -394,7 +395,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         if not any(generations):
             return StagingSlotsSpec(slots)
         return StagingSlotsSpec(slots, ready_generations=generations,
-                                wait_s=self.store.stats()["io_deadline_s"])
+                                wait_s=self.store.stats()["io_verdict_bound_s"])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
@@ -594,6 +595,9 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         try:
             read = self.store.prefetch if background else self.store.get
             self._reads[key] = read(key, entry.slot)
+            started = time.monotonic()
+            self._read_started[key] = started
+            self.gating.read_started(started)
             # The get armed the slot's ready word; the slot stays pinned for
             # it until it ends, so nothing re-arms it before this is read.
             entry.ready_gen = self.pool.ready_state(entry.slot)[0]
@@ -636,7 +640,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         answered_in_flight = key in self._hit_in_flight
         self._hit_in_flight.discard(key)
         result = handle.wait()
-        if self.disk.read_finished(key, result):
+        if self.disk.read_finished(key, result, started_at=self._read_started.pop(key, None)):
             self.cache.mark_ready(key, Origin.DISK)
             return
         if answered_in_flight:

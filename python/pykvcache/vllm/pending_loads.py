@@ -12,10 +12,14 @@ compute while a request waits for its KV), and the chunks whose reads have
 ended are copied then: the load overlaps the other requests' compute.
 
 The wait is bounded by progress, not by one deadline for the whole load: a
-load fails when none of its reads has ended for ``wait_s`` (the store's I/O
-deadline). The scheduler's engine settles every read it abandons as failed
-within its own deadline, so this bound only matters if the scheduler process
-stops answering; a slow device whose reads keep ending never fails a load.
+load fails when none of its reads has ended for ``wait_s``. The scheduler's
+engine is the judge of a read: its watchdog settles every read it abandons
+as failed (a stalled directory: about one I/O deadline), and ``wait_s`` is
+the store's ``io_verdict_bound_s``, by when it has settled any read it
+started, so this bound only fires if the scheduler process stopped
+answering. A slow device whose reads keep ending never fails a load (a
+first version bounded the wait by one I/O deadline and failed a load on a
+busy CI machine whose reads were slow but moving).
 """
 
 from __future__ import annotations
@@ -75,6 +79,17 @@ class PendingLoads:
         """Advances every pending load (each step)."""
         if self._loads:
             self._loads = [load for load in self._loads if not self._advance(load)]
+
+    def wait(self, timeout: float) -> None:
+        """Sleeps until the oldest load's first read still waited for ends,
+        at most ``timeout`` seconds (reads of one priority end about in
+        submission order, so it is the next to end); at once when no load
+        waits. The poll that follows does the rest."""
+        for load in self._loads:
+            if load.waiting:
+                slot, generation = load.waiting[0]
+                self._pool.wait_ready([slot], [generation], max(0.0, timeout))
+                return
 
     def drop_all(self) -> list[PendingLoad]:
         """Forgets every pending load (shutdown); returns them."""

@@ -14,8 +14,10 @@ class StagingSlotsSpec(BlockIDsLoadStoreSpec):
     (decision 0055) also carries ``ready_generations``, one per slot: 0 = the
     bytes were verified already, > 0 = wait for that generation of the slot's
     ready word to be settled ready, -1 = the read failed already. ``wait_s``
-    bounds the wait (the store's I/O deadline). Without them (None) every slot
-    was verified when the load was prepared.
+    bounds the time without a read ending (the store's ``io_verdict_bound_s``:
+    by then the scheduler's engine has settled every read it started, so the
+    bound only fires if that process stopped answering). Without them (None)
+    every slot was verified when the load was prepared.
     """
 
     def __init__(self, block_ids, ready_generations: list[int] | None = None,

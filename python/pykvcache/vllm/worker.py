@@ -108,6 +108,13 @@ class StagingWorker(OffloadingWorker):
         self._pending_loads().add(load)
         return True
 
+    def wait_for_reads(self, timeout: float) -> None:
+        """Sleeps (GIL released) until the oldest pending load's next read
+        ends, at most ``timeout`` seconds; at once without pending loads.
+        Called in steps that compute nothing (decision 0065)."""
+        if self._pending is not None:
+            self._pending.wait(timeout)
+
     def _pending_loads(self) -> PendingLoads:
         if self._pending is None:
             pool = self._attached_pool()

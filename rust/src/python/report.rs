@@ -88,6 +88,10 @@ pub(super) fn stats_dict(py: Python<'_>, s: StoreSnapshot) -> PyResult<Bound<'_,
     d.set_item("breaker_open_dirs", s.dir_states.iter().filter(|st| **st != "closed").count())?;
     d.set_item("dir_states", &s.dir_states)?;
     d.set_item("io_deadline_s", deadline_s(s.io_deadline))?;
+    // By when the watchdog has settled any operation it started: a waiter in
+    // another process (vLLM's worker) gives up only after this (decision 0065).
+    let factor = crate::store::health::HARD_DEADLINE_FACTOR + 1;
+    d.set_item("io_verdict_bound_s", deadline_s(s.io_deadline.saturating_mul(factor)))?;
     let probes = PyDict::new(py);
     for (dir, sup) in &s.storage_support {
         probes.set_item(dir.display().to_string(), support_dict(py, sup)?)?;
