@@ -40,7 +40,7 @@ class Rig:
     def add(self, job_id: int, staged: list[int], in_flight: list[int], wait_s: float = 1.0) -> None:
         slots = staged + in_flight
         self.loads.add(PendingLoad(job_id, None, slots, [(s, 7) for s in in_flight], wait_s, 0.0,
-                                   deadline=self.now + wait_s, ready=set(staged)))
+                                   ready=set(staged)))
 
     def step(self, at: float) -> None:
         self.now = at

@@ -212,6 +212,19 @@ def test_pykvcache_connector_times_steps_for_the_gate(tiny_model, extra):
     manager.shutdown()
 
 
+def test_a_step_that_computes_nothing_is_marked_for_the_worker(tiny_model, extra):
+    """Decision 0065: the worker may sleep on its pending reads only in a step
+    that schedules no token; the scheduler side marks it in the metadata."""
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    _, _, conn = _connector(tiny_model, extra)
+    assert step(conn).pykvcache_idle_step is True
+    busy = SchedulerOutput.make_empty()
+    busy.total_num_scheduled_tokens = 32
+    assert conn.build_connector_meta(busy).pykvcache_idle_step is False
+    conn.scheduler.manager.shutdown()
+
+
 @pytest.mark.parametrize("staging, warned", [("2MiB", True), ("16MiB", False)])
 def test_staging_too_small_for_the_longest_prompt_is_said_at_start(tiny_model, extra, caplog, staging, warned):
     """The spec reads max_model_len from the real VllmConfig (2048 tokens: 31

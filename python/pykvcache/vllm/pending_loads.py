@@ -38,8 +38,9 @@ class PendingLoad:
     waiting: list[tuple[int, int]]
     wait_s: float
     start: float  # perf_counter at submit (the transfer time vLLM records)
-    #: No read ended after this (monotonic s): the load fails.
-    deadline: float
+    #: No read ended after this (the clock's seconds): the load fails. Set
+    #: by :meth:`PendingLoads.add` to ``wait_s`` from then.
+    deadline: float = 0.0
     #: Slots whose bytes are verified and not copied yet (the staged ones first).
     ready: set[int] = field(default_factory=set)
     prepared: object = None  # the copier's per-job index arrays (CPU)
@@ -72,6 +73,7 @@ class PendingLoads:
 
     def add(self, load: PendingLoad) -> None:
         """A new load; advanced at once (its staged chunks, reads that ended already)."""
+        load.deadline = self._clock() + load.wait_s
         if not self._advance(load):
             self._loads.append(load)
 
@@ -118,8 +120,7 @@ class PendingLoads:
             self._copy(load)
         if load.waiting:
             if now >= load.deadline:
-                self._fail(load, ", ".join(f"slot {s}: no read ended within {load.wait_s:.1f} s"
-                                           for s, _ in load.waiting[:1]))
+                self._fail(load, f"slot {load.waiting[0][0]}: no read ended within {load.wait_s:.1f} s")
                 return True
             return False
         self._finish(load)

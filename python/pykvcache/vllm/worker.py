@@ -7,7 +7,7 @@ ready words, which the scheduler process's engine settles with each read's
 verdict, are polled at every ``get_finished`` (decision 0065), and on the CPU
 platform each chunk is copied once its read has ended (decision 0057). A
 load with a slot whose read failed, or none of whose reads ended within the
-store's I/O deadline, is reported failed, that slot's chunk never copied
+store's ``io_verdict_bound_s`` (the scheduler stopped answering), is reported failed, that slot's chunk never copied
 (:meth:`StagingWorker.take_failed_loads`, read by ``PyKvCacheConnector``,
 which tells vLLM to recompute the request).
 The staging region is created by the scheduler process as a memfd (no name
@@ -103,7 +103,6 @@ class StagingWorker(OffloadingWorker):
         wait_s = float(src_spec.wait_s or 10.0)
         waiting = [(s, gen) for s, gen in zip(slots, generations) if gen > 0]
         load = PendingLoad(job_id, dst_spec, slots, waiting, wait_s, start,
-                           deadline=time.monotonic() + wait_s,
                            ready={s for s, gen in zip(slots, generations) if gen == 0})
         self._pending_loads().add(load)
         return True
