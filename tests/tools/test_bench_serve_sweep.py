@@ -5,11 +5,22 @@ the plot. No server starts here (the serve smoke test runs real ones)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from pykvcache.tools.bench.config import BenchConfig
 from pykvcache.tools.bench.parts import Figure
-from pykvcache.tools.bench.serve_part import PRESETS, ServeOptions, long_context_options, options_from, set_option
+from pykvcache.tools.bench.serve_part import (
+    PRESETS,
+    VARIANT,
+    ServeOptions,
+    long_context_options,
+    options_from,
+    paired_ratios,
+    set_option,
+)
 from pykvcache.tools.bench.serve_sweep import (
     BREAK_EVEN_GAUGE,
     CROSSOVER_MD,
@@ -178,3 +189,84 @@ def test_crossover_rows_tables_targets_and_plot(tmp_path):
     ax = canvas.axes[0]
     assert any(line.get_xdata()[0] == 256.0 for line in ax.get_lines() if len(line.get_xdata()) == 2)
     assert any("break-even" in t.get_text() for t in ax.texts)
+
+
+# ---------------------------------------------------------------- the variant configuration (A/B of two code versions)
+
+
+def _variant_tree(root):
+    """A real second copy of this pykvcache package, its built _core included."""
+    import shutil
+
+    import pykvcache
+
+    src = Path(pykvcache.__file__).parent
+    shutil.copytree(src, root / "pykvcache", ignore=shutil.ignore_patterns("__pycache__"))
+    return root
+
+
+def test_the_variant_needs_a_tree_with_a_built_package(tmp_path):
+    opts = long_context_options()
+    opts.read_caps = [0.0]
+    opts.configs = ["recompute", "pykvcache", VARIANT]
+    assert "set variant_path=DIR" in " ".join(check_sweep(opts))
+    opts.variant_path = str(tmp_path)
+    assert "holds no pykvcache package" in " ".join(check_sweep(opts))
+    (tmp_path / "pykvcache").mkdir()
+    (tmp_path / "pykvcache" / "__init__.py").write_text("")
+    assert "no built _core extension" in " ".join(check_sweep(opts))
+    variant = _variant_tree(tmp_path / "tree")
+    opts.variant_path = str(variant)
+    assert check_sweep(opts) == []
+    sessions = ServeOptions(configs=["recompute", VARIANT])
+    assert any("set variant_path" in p for p in sessions.check())
+    assert VARIANT not in ServeOptions().configs, "the default run must not need a second tree"
+
+
+def test_the_variants_server_imports_the_other_tree(tmp_path):
+    """Same kv_transfer_config as pykvcache's, served from the variant's tree:
+    PYTHONPATH comes before this install's editable .pth entry (checked with
+    a real interpreter, as the server would start)."""
+    import subprocess
+
+    from pykvcache.tools.bench.serve_part import server_config
+    from pykvcache.tools.bench.serve_server import Server
+
+    variant = _variant_tree(tmp_path / "tree")
+    opts = ServeOptions(configs=["recompute", "pykvcache", VARIANT], variant_path=str(variant))
+    ours = server_config("pykvcache", "m", opts, BPT, tmp_path / "kv")
+    theirs = server_config(VARIANT, "m", opts, BPT, tmp_path / "kv")
+    assert theirs.kv_transfer_config == ours.kv_transfer_config and theirs.args == ours.args
+    assert theirs.python_path == [str(variant.resolve())] and ours.python_path == []
+    env = Server(theirs, tmp_path / "log").environment()
+    probe = "import pykvcache, pykvcache._core as c; print(pykvcache.__file__); print(c.__file__)"
+    lines = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
+                           check=True).stdout.split()
+    assert all(Path(x).resolve().is_relative_to(variant.resolve()) for x in lines), lines
+
+
+def test_the_variant_is_reported_against_pykvcache_per_repeat():
+    opts = long_context_options()
+    opts.contexts = [8192]
+    opts.read_caps = [0.0]
+    opts.configs = ["recompute", "pykvcache", VARIANT]
+    opts.variant_path = "tree"
+    runs = [r for r in _synthetic(opts) if r["config"] != "lookahead_off"]
+    runs += [_run(VARIANT, 8192, 0.0, rep, 0.1) for rep in range(2)]  # pykvcache's scale there: 1 / 8
+    model_info = {"name": "m", "bytes_per_token": BPT,
+                  "config": {"num_hidden_layers": 4, "hidden_size": 512, "num_key_value_heads": 8, "head_dim": 128,
+                             "max_position_embeddings": 32768}}
+    out = analyse_sweep(runs, opts, model_info)
+    table = next(t for t in out.tables if t.title.startswith("Variant (tree) vs pykvcache"))
+    assert [r[2] for r in table.rows] == ["cold", "steady"]
+    assert all(r[3] == "1.25 (1.25–1.25)" for r in table.rows)
+    steady = next(t for t in out.tables if "steady state" in t.title)
+    assert any(r[2] == VARIANT for r in steady.rows), "the variant is also measured against recompute"
+    assert not any(t.title.startswith("Lookahead on vs off") for t in out.tables)
+
+
+def test_paired_ratios_pair_repeats_both_ran():
+    per_rep = {"pykvcache": {0: {"p50": 2.0}, 1: {"p50": 4.0}, 2: {"p50": 1.0}},
+               VARIANT: {0: {"p50": 1.0}, 1: {"p50": 0.0}, 3: {"p50": 1.0}}}
+    assert paired_ratios(per_rep, VARIANT, "pykvcache", "p50") == [2.0]
+    assert paired_ratios(per_rep, "lookahead_off", "pykvcache", "p50") == []

@@ -54,6 +54,11 @@ from .serve_workload import Workload, run_sessions
 NAME = "serve"
 TITLE = "Serving: a real vLLM OpenAI server, multi-turn sessions over shared long contexts"
 ALL_CONFIGS = ("recompute", "pykvcache", "gate_off", "lookahead_off", "verify_header", "lmcache", "native")
+#: pykvcache's defaults served from another tree's package (``variant_path``):
+#: two code versions side by side in the same rounds, as ratios in one run.
+#: Never in the defaults: it needs that tree.
+VARIANT = "variant"
+KNOWN_CONFIGS = (*ALL_CONFIGS, VARIANT)
 PYKVCACHE_CONFIGS = {
     "pykvcache": {},
     "gate_off": {"gate": False},
@@ -124,6 +129,12 @@ class ServeOptions:
     # A gate profile for the pykvcache configurations (None: the gate's
     # conservative default, break-even 256 tokens); its break-even is marked.
     gate_profile: str | None = None
+    # A directory holding another version of the pykvcache package, built
+    # (DIR/pykvcache with its _core extension; e.g. a git worktree's python/
+    # after `make develop` there, or with main's _core copied in when only
+    # Python changed): configuration "variant" serves pykvcache's defaults
+    # from it, in the same rounds as the others.
+    variant_path: str | None = None
 
     def check(self) -> list[str]:
         problems = []
@@ -131,9 +142,7 @@ class ServeOptions:
             from .serve_sweep import check_sweep
 
             return check_sweep(self)
-        unknown = [c for c in self.configs if c not in ALL_CONFIGS]
-        if unknown:
-            problems.append(f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(ALL_CONFIGS)}")
+        problems += check_configs(self)
         if self.kv_cache_tokens < self.max_model_len:
             problems.append("kv_cache_tokens must be >= max_model_len (vLLM refuses to start otherwise)")
         need = self.doc_tokens + self.turns * (self.question_tokens + self.answer_tokens) + self.output_tokens + 16
@@ -153,6 +162,30 @@ class ServeOptions:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def check_configs(opts: ServeOptions) -> list[str]:
+    """Known configuration names, and a usable tree for ``variant``."""
+    problems = []
+    unknown = [c for c in opts.configs if c not in KNOWN_CONFIGS]
+    if unknown:
+        problems.append(f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(KNOWN_CONFIGS)}")
+    if VARIANT in opts.configs and (why := variant_problem(opts.variant_path)):
+        problems.append(f"configuration {VARIANT}: {why}")
+    return problems
+
+
+def variant_problem(path: str | None) -> str | None:
+    """Why ``path`` cannot serve the variant (None: it can)."""
+    if not path:
+        return "set variant_path=DIR (a directory holding another build of the pykvcache package)"
+    package = Path(path) / "pykvcache"
+    if not (package / "__init__.py").is_file():
+        return f"variant_path={path} holds no pykvcache package ({package}/__init__.py)"
+    if not any(package.glob("_core*.so")):
+        return (f"variant_path={path}: pykvcache there has no built _core extension (run `make develop` in that "
+                f"tree, or copy this build's _core*.so into {package} when only Python differs)")
+    return None
 
 
 def quick_options() -> ServeOptions:
@@ -312,9 +345,12 @@ def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: in
             "--kv-cache-memory-bytes", str((opts.kv_cache_tokens + KV_MARGIN_TOKENS) * bytes_per_token), "--max-num-seqs",
             str(opts.max_num_seqs), "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"]
     cfg = ServerConfig(name=name, model=model, args=args)
-    if name in PYKVCACHE_CONFIGS:
+    if name in PYKVCACHE_CONFIGS or name == VARIANT:
         extra = {"storage_dirs": [str(storage)], "capacity_bytes": "8GiB", "staging_bytes": opts.staging_bytes,
-                 "block_size": opts.chunk_tokens, **PYKVCACHE_CONFIGS[name]}
+                 "block_size": opts.chunk_tokens, **PYKVCACHE_CONFIGS.get(name, {})}
+        if name == VARIANT:
+            # Ahead of this install (an editable install is a .pth entry, after PYTHONPATH).
+            cfg.python_path = [str(Path(opts.variant_path or ".").resolve())]
         if opts.gate_profile:
             extra["gate_profile"] = opts.gate_profile
         cfg.kv_transfer_config = {"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm",
@@ -639,11 +675,14 @@ def analyse(runs: list[dict[str, Any]], opts: ServeOptions, model_info: dict[str
     # Lookahead share, and the targets.
     la = None
     if per_rep.get("pykvcache") and per_rep.get("lookahead_off"):
-        reps = [r for r in per_rep["pykvcache"] if r in per_rep["lookahead_off"]]
-        la = [per_rep["lookahead_off"][r]["p50"] / per_rep["pykvcache"][r]["p50"] for r in reps
-              if per_rep["pykvcache"][r]["p50"] and per_rep["lookahead_off"][r]["p50"]]
+        la = paired_ratios(per_rep, "pykvcache", "lookahead_off", "p50")
         out.notes.append(f"Lookahead on vs off, p50 TTFT at {top} users (> max_num_seqs {opts.max_num_seqs}: a "
                          f"waiting queue): gain {_spread(la)} (lookahead-off p50 / lookahead-on p50, per repeat).")
+    if per_rep.get("pykvcache") and per_rep.get(VARIANT):
+        for key in ("p50", "p99"):
+            vs = paired_ratios(per_rep, VARIANT, "pykvcache", key)
+            out.notes.append(f"Variant ({opts.variant_path}) vs pykvcache, {key} TTFT at {top} users: gain "
+                             f"{_spread(vs)} (pykvcache / variant, per repeat; > 1: the variant is faster).")
     if "pykvcache" in ratio_raw:
         rr = ratio_raw["pykvcache"]
         def worst(xs: list[float | None]) -> float | None:
@@ -697,6 +736,13 @@ def analyse(runs: list[dict[str, Any]], opts: ServeOptions, model_info: dict[str
     out.raw = {"options": opts.to_dict(), "model": model_info, "runs": runs, "ratios": ratio_raw,
                "lookahead_gain": la}
     return out
+
+
+def paired_ratios(per_rep: dict[str, dict[int, dict[str, Any]]], this: str, base: str, key: str) -> list[float]:
+    """``base``'s ``key`` over ``this``'s, per repeat both ran (> 1 for a
+    latency: ``this`` is faster)."""
+    a, b = per_rep.get(this, {}), per_rep.get(base, {})
+    return [b[r][key] / a[r][key] for r in a if r in b and a[r][key] and b[r][key]]
 
 
 def _tail_table(ok_cfg: dict[str, list], top: int, share: float = 0.1) -> Table:

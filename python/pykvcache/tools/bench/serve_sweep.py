@@ -36,13 +36,14 @@ from typing import Any
 
 from .parts import BenchContext, Figure, PartOutput, Step, Table
 from .serve_part import (
-    ALL_CONFIGS,
     NAME,
     TITLE,
+    VARIANT,
     ServeOptions,
     _delta,
     _ok,
     _spread,
+    check_configs,
     output_mismatches,
     run_server,
     run_stats,
@@ -121,9 +122,7 @@ def without_unavailable_caps(opts: ServeOptions) -> tuple[ServeOptions, str | No
 
 def check_sweep(opts: ServeOptions) -> list[str]:
     problems = []
-    unknown = [c for c in opts.configs if c not in ALL_CONFIGS]
-    if unknown:
-        problems.append(f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(ALL_CONFIGS)}")
+    problems += check_configs(opts)
     if "recompute" not in opts.configs:
         problems.append("the long-context sweep needs the recompute configuration (every ratio is against it)")
     if not opts.phases or any(p not in PHASES for p in opts.phases):
@@ -296,7 +295,12 @@ def crossover(runs: list[dict[str, Any]], opts: ServeOptions) -> list[dict[str, 
 
 def lookahead_gain(runs: list[dict[str, Any]], opts: ServeOptions) -> list[dict[str, Any]]:
     """lookahead_off's p50 and p99 over pykvcache's (lookahead on), per repeat."""
-    if not {"pykvcache", "lookahead_off"} <= set(opts.configs):
+    return paired_gain(runs, opts, "pykvcache", "lookahead_off")
+
+
+def paired_gain(runs: list[dict[str, Any]], opts: ServeOptions, this: str, base: str) -> list[dict[str, Any]]:
+    """``base``'s p50 and p99 over ``this``'s, per repeat (> 1: ``this`` is faster)."""
+    if not {this, base} <= set(opts.configs):
         return []
     entries = {(r["context_tokens"], r["read_mbps"], r["config"], r["repeat"]): r for r in runs}
     out = []
@@ -304,7 +308,7 @@ def lookahead_gain(runs: list[dict[str, Any]], opts: ServeOptions) -> list[dict[
         for phase in opts.phases:
             p50, p99 = [], []
             for rep in sorted({r["repeat"] for r in runs}):
-                on, off = (_cell(entries, context, cap, c, rep) for c in ("pykvcache", "lookahead_off"))
+                on, off = (_cell(entries, context, cap, c, rep) for c in (this, base))
                 if on is None or off is None:
                     continue
                 a, b = phase_stats(on, phase), phase_stats(off, phase)
@@ -380,11 +384,15 @@ def crossover_table(rows: list[dict[str, Any]], phase: str, title: str) -> Table
 
 
 def _lookahead_table(rows: list[dict[str, Any]]) -> Table:
-    return Table(title="Lookahead on vs off (lookahead-off TTFT / lookahead-on TTFT, per repeat)",
-                 header=["context tokens", "regime", "phase", "p50 gain", "p99 gain"],
+    return _gain_table("Lookahead on vs off (lookahead-off TTFT / lookahead-on TTFT, per repeat)", rows,
+                       "> 1: lookahead helped.")
+
+
+def _gain_table(title: str, rows: list[dict[str, Any]], note: str) -> Table:
+    return Table(title=title, header=["context tokens", "regime", "phase", "p50 gain", "p99 gain"],
                  rows=[[str(r["context"]), regime(r["read_mbps"]), r["phase"], _sp(r["p50"]) if r["p50"] else "-",
                         _sp(r["p99"]) if r["p99"] else "-"] for r in rows],
-                 note="> 1: lookahead helped.")
+                 note=note)
 
 
 def _regime_table(rows: list[dict[str, Any]]) -> Table:
@@ -512,6 +520,10 @@ def analyse_sweep(runs: list[dict[str, Any]], opts: ServeOptions, model_info: di
             out.tables.append(crossover_table(rows, phase, f"TTFT vs context length, {what}"))
     if la:
         out.tables.append(_lookahead_table(la))
+    variant = paired_gain(runs, opts, VARIANT, "pykvcache")
+    if variant:
+        out.tables.append(_gain_table(f"Variant ({opts.variant_path}) vs pykvcache (pykvcache TTFT / variant TTFT, "
+                                      "per repeat)", variant, "> 1: the variant is faster."))
     out.tables += [_regime_table(lvp), _sizing_table(runs, opts, bpt)]
     failures = [[r["config"], point_name(r["context_tokens"], r["read_mbps"]), str(r["repeat"] + 1),
                  (r.get("unavailable") or r.get("error", "")).replace("\n", "<br>")[:2000]] for r in runs if not _ok(r)]
@@ -522,7 +534,7 @@ def analyse_sweep(runs: list[dict[str, Any]], opts: ServeOptions, model_info: di
     _targets(out, runs, rows, la)
     out.notes += sweep_notes(opts, model_info, be, be_from, learnt)
     out.raw = {"options": opts.to_dict(), "model": model_info, "runs": runs, "crossover": rows, "lookahead": la,
-               "load_vs_prefill": lvp, "break_even": {"configured": be, "source": be_from, "learnt": learnt}}
+               "variant": variant, "load_vs_prefill": lvp, "break_even": {"configured": be, "source": be_from, "learnt": learnt}}
     return out
 
 
