@@ -64,6 +64,7 @@ PYKVCACHE_CONFIGS = {
     "gate_off": {"gate": False},
     "lookahead_off": {"lookahead_bytes": 0},
     "verify_header": {"verify": "header"},
+    VARIANT: {},  # pykvcache's defaults, from variant_path (server_config)
 }
 #: Reused-prefix buckets of the TTFT split (tokens; lower bounds).
 BUCKETS = (0, 1, 256, 1024, 2048)
@@ -345,12 +346,13 @@ def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: in
             "--kv-cache-memory-bytes", str((opts.kv_cache_tokens + KV_MARGIN_TOKENS) * bytes_per_token), "--max-num-seqs",
             str(opts.max_num_seqs), "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"]
     cfg = ServerConfig(name=name, model=model, args=args)
-    if name in PYKVCACHE_CONFIGS or name == VARIANT:
+    if name in PYKVCACHE_CONFIGS:
         extra = {"storage_dirs": [str(storage)], "capacity_bytes": "8GiB", "staging_bytes": opts.staging_bytes,
-                 "block_size": opts.chunk_tokens, **PYKVCACHE_CONFIGS.get(name, {})}
+                 "block_size": opts.chunk_tokens, **PYKVCACHE_CONFIGS[name]}
         if name == VARIANT:
             # Ahead of this install (an editable install is a .pth entry, after PYTHONPATH).
-            cfg.python_path = [str(Path(opts.variant_path or ".").resolve())]
+            assert opts.variant_path, "check_configs requires variant_path for the variant"
+            cfg.python_path = [str(Path(opts.variant_path).resolve())]
         if opts.gate_profile:
             extra["gate_profile"] = opts.gate_profile
         cfg.kv_transfer_config = {"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm",
