@@ -119,5 +119,7 @@ def test_serve_part_tiny(tmp_path, tiny_model_cache):
     assert rows["pykvcache"][col["deferred lookups"]] != "-"
     assert rows["pykvcache"][col["preloaded MB wasted"]] != "-"
     assert rows["pykvcache"][col["gate: disk MB/s learnt"]] != "-"
+    assert rows["pykvcache"][col["gate: loads forgotten"]] != "-"
+    assert rows["pykvcache"][col["gate: load / recompute / explore decisions"]].count(" / ") == 2
     assert (config.out / "serve_ttft_cdf.png").stat().st_size > 0
     assert json.loads((config.out / "results.json").read_text())["parts"]["serve"]["raw"]["runs"]

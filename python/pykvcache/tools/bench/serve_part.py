@@ -807,7 +807,9 @@ def _time_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
             _spread([m.get("vllm:pykvcache_lookahead_wasted_bytes_total", 0.0) / 1e6 for m in ms], "{:.0f}")
             if pyk else "-",
             per_run("vllm:pykvcache_gate_decisions_load_total") + " / "
-            + per_run("vllm:pykvcache_gate_decisions_recompute_total") if pyk else "-",
+            + per_run("vllm:pykvcache_gate_decisions_recompute_total") + " / "
+            + per_run("vllm:pykvcache_gate_decisions_explore_total") if pyk else "-",
+            per_run("vllm:pykvcache_gate_loads_forgotten_total") if pyk else "-",
             _spread([m.get("vllm:pykvcache_gate_disk_bandwidth_mbps") for m in ms], "{:.0f}") if pyk else "-",
         ])
     return Table(
@@ -816,13 +818,15 @@ def _time_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
                 "deferred ms (mean)",
                 "requests all staged at first lookup", "lookup RETRYs (staging held by others)",
                 "staging-full misses", "stores deferred", "preloaded MB", "lookahead budget stops",
-                "preloaded MB wasted", "gate: load / recompute decisions", "gate: disk MB/s learnt"],
+                "preloaded MB wasted", "gate: load / recompute / explore decisions", "gate: loads forgotten",
+                "gate: disk MB/s learnt"],
         rows=rows,
         note="queue = vLLM's request_queue_time (arrival -> first scheduled; a deferred lookup keeps a request "
              "queued); prefill = first scheduled -> first token; preemptions: vLLM's (a request whose KV blocks were "
              "taken back, to be recomputed or loaded again). Deferred lookups: vLLM's "
              "kv_offload_lookup_async_delay (a lookup answered 'not yet' until its reads landed or staging had room). "
-             "Gate: its decisions per run and the disk bandwidth it had learnt at the end (gauge).")
+             "Gate: its decisions per run, the loads it forgot (two explored loads well faster than its model, or "
+             "a storage outage: it fell back to its prior) and the disk bandwidth it had learnt at the end (gauge).")
 
 
 def _turn_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
