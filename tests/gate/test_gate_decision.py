@@ -170,4 +170,26 @@ def test_waiting_requests_weigh_a_recompute_by_everyone_it_delays():
     assert not busy.recompute and busy.load_chunks == n
     slow = _gate(bw=2e6)
     assert slow.decide([D] * n, waiting_requests=1).recompute
-    assert not slow.decide([D] * n, waiting_requests=10_000).recompute
+    # However many wait, a load far slower than its recompute stays a
+    # recompute: its own request would pay for it (decision 0070).
+    assert slow.decide([D] * n, waiting_requests=10_000).recompute
+    assert not _gate(bw=2e6, behind_weight_cap=math.inf).decide([D] * n, waiting_requests=10_000).recompute
+
+
+def test_a_load_costs_its_request_at_most_twice_its_recompute_whoever_waits():
+    """Decision 0070: the requests behind weigh a recompute (0048, 0064) up to
+    ``behind_weight_cap`` (2) times: measured at 25 MB/s, the unbounded
+    weighting chose loads up to 3.9x slower than their own recompute, and
+    pykvcache's p99 was 0.80-1.09x recompute's while its p50 was 1.3-1.6x."""
+    n = 24
+    for ratio, loads in ((1.8, True), (2.2, False)):
+        model = _model(bw=2e8)
+        t_recompute = model.recompute_time(n * CHUNK)
+        # The bandwidth that makes this prefix's load `ratio` times its recompute.
+        fixed = model.load_time(n * CHUNK) - n * CHUNK * BPT / 2e8
+        bw = n * CHUNK * BPT / (ratio * t_recompute - fixed)
+        gate = _gate(bw=bw)
+        assert _model(bw=bw).load_time(n * CHUNK) == pytest.approx(ratio * t_recompute)
+        for behind in (1, 5, 100):
+            assert gate.decide([D] * n, waiting_requests=behind).recompute is not loads, (ratio, behind)
+        assert gate.decide([D] * n).recompute

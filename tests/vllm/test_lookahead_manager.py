@@ -8,6 +8,8 @@ arrival), and checks the staged bytes the "worker" would copy.
 
 from __future__ import annotations
 
+import math
+
 import sys
 import time
 from collections import deque
@@ -625,7 +627,10 @@ def test_co_queued_requests_are_preloaded_only_where_their_lookup_then_loads(tmp
     step_s = 1e-3
     load = LoadCost(fixed_s=0.0, disk_bytes_per_s=1e15, h2d_bytes_per_s=1e15, step_s=step_s)
     b = 0.5 * step_s / (2 * CT)  # a 2-chunk prefix's prefill: half a step
-    gate = AdmissionGate(CostModel(PrefillCurve(0.0, b, 0.0), load, CHUNK / CT), chunk_tokens=CT, online=None)
+    # Uncapped weight: this is about who is counted (0064); with the default cap
+    # (0070) one and two requests behind weigh the same.
+    gate = AdmissionGate(CostModel(PrefillCurve(0.0, b, 0.0), load, CHUNK / CT), chunk_tokens=CT, online=None,
+                         behind_weight_cap=math.inf)
     h = Harness(tmp_path / "kv", num_slots=32, lookahead_slots=16, window=8, gate=gate)
     try:
         prefixes = {rid: [_key(10 * n + i) for i in range(2)] for n, rid in enumerate("abc")}

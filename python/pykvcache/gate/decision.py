@@ -24,6 +24,12 @@ prefix reads in ~2 s against ~1.8 s of prefill, and loading it gave 2.51x
 recompute's p50 TTFT and 2.07x its throughput at 6 users (decision 0048,
 docs/perf/serve-read25).
 
+That weight is capped (``behind_weight_cap``, 2): a load makes its own
+request wait for the disk, and its reads queue every later load behind
+them. Unbounded, the gate chose loads up to 3.9x slower than their own
+recompute at 25 MB/s; capped, it read a third as much and gained 1.22x p50
+and 1.19x p99 (decision 0070).
+
 A gate with an :class:`~pykvcache.gate.exploration.Exploration` policy loads
 now and then a prefix it would recompute (reason ``explore``), within that
 policy's bounds: without loads it could never learn that a disk it learnt as
@@ -112,17 +118,20 @@ class AdmissionGate:
     def __init__(self, model: CostModel, *, chunk_tokens: int, online: OnlineLoadModel | None = None,
                  margin: float = 1.0, enabled: bool = True,
                  prefill_online: OnlinePrefillModel | None = None,
-                 exploration: Exploration | None = None) -> None:
+                 exploration: Exploration | None = None, behind_weight_cap: float = 2.0) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be > 0 (got {chunk_tokens})")
         if not margin > 0:
             raise ValueError(f"margin must be > 0 (got {margin})")
+        if not behind_weight_cap >= 1:
+            raise ValueError(f"behind_weight_cap must be >= 1 (got {behind_weight_cap})")
         self.model = model
         self.chunk_tokens = chunk_tokens
         self.chunk_bytes = model.bytes_per_token * chunk_tokens
         self.online = online
         self.prefill_online = prefill_online
         self.margin = margin  # load only when recompute > margin * load
+        self.behind_weight_cap = behind_weight_cap
         self.enabled = enabled
         # Samples loads while recomputing; useless without an online model to learn from them.
         self.exploration = exploration if online is not None else None
@@ -167,8 +176,10 @@ class AdmissionGate:
         ct = self.chunk_tokens
         b, c2s = prefill.b, prefill.c * 2 * start_tokens
         c = prefill.c
-        # Recompute's cost, for this request and every one waiting behind it.
-        margin = self.margin / (1 + max(0, waiting_requests))
+        # Recompute's cost, for this request and every one waiting behind it,
+        # but a load may cost its own request at most behind_weight_cap times
+        # its recompute, whatever it saves the others.
+        margin = self.margin / min(1 + max(0, waiting_requests), self.behind_weight_cap)
         missing, disk = int(ChunkState.MISSING), int(ChunkState.DISK)
         uncalibrated = self.enabled and self.uncalibrated
         load_always = not self.enabled or uncalibrated

@@ -273,7 +273,8 @@ class GateWiring:
         preload's decision is not a request's decision."""
         g = self.gate
         return AdmissionGate(g.model, chunk_tokens=g.chunk_tokens, online=g.online,
-                             margin=g.margin, enabled=g.enabled, prefill_online=g.prefill_online)
+                             margin=g.margin, enabled=g.enabled, prefill_online=g.prefill_online,
+                             behind_weight_cap=g.behind_weight_cap)
 
     def plan_for(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> Plan:
         req_id = req_context.req_id
