@@ -9,7 +9,6 @@ arrival), and checks the staged bytes the "worker" would copy.
 from __future__ import annotations
 
 import math
-
 import sys
 import time
 from collections import deque
