@@ -99,7 +99,10 @@ class ThrottledDevice:
 
     def cleanup(self) -> None:
         if self._mounted:
-            subprocess.run(["umount", str(self.mount)], capture_output=True)
+            if subprocess.run(["umount", str(self.mount)], capture_output=True).returncode:
+                # Still busy (a server's last files closing): detach it now,
+                # or every run leaves a mount and a loop device behind.
+                subprocess.run(["umount", "-l", str(self.mount)], capture_output=True)
             self._mounted = False
         if self.loop:
             subprocess.run(["losetup", "-d", self.loop], capture_output=True)

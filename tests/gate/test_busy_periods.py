@@ -18,8 +18,8 @@ def test_a_period_runs_from_the_first_submit_while_idle_to_the_last_end():
         busy.read_started(at)
     assert busy.read_ended(10.0, 0.042, 2 * MIB) is None
     assert busy.read_ended(10.0, 0.021, 2 * MIB) is None
-    nbytes, seconds, start = busy.read_ended(10.001, 0.062, 2 * MIB)
-    assert (nbytes, start) == (6 * MIB, 10.0)
+    nbytes, seconds, start, sampled = busy.read_ended(10.001, 0.062, 2 * MIB)
+    assert (nbytes, start, sampled) == (6 * MIB, 10.0, False)
     assert seconds == pytest.approx(0.063)
     assert busy.outstanding == 0 and busy.periods == 1
 
@@ -52,7 +52,7 @@ def test_a_device_that_never_idles_is_cut_into_periods():
         busy.read_started(end)
     assert busy.outstanding == 4
     assert len(seen) == 3, seen
-    for nbytes, seconds, _ in seen:
+    for nbytes, seconds, _, _ in seen:
         assert nbytes == 8 * MIB
         assert nbytes / seconds == pytest.approx(50e6, rel=1e-6)
 
@@ -62,7 +62,7 @@ def test_a_read_that_served_nothing_counts_its_time_not_bytes():
     busy.read_started(0.0)
     busy.read_started(0.0)
     assert busy.read_ended(0.0, 0.5, 0) is None  # a miss after a stall
-    nbytes, seconds, _ = busy.read_ended(0.0, 0.6, 2 * MIB)
+    nbytes, seconds, _, _ = busy.read_ended(0.0, 0.6, 2 * MIB)
     assert nbytes == 2 * MIB and seconds == pytest.approx(0.6)
 
 
@@ -87,3 +87,17 @@ def test_a_period_of_reads_a_plan_already_times_teaches_nothing_twice():
     busy.read_started(1.0)
     assert busy.read_ended(1.0, 0.02, 2 * MIB, timed_elsewhere=True) is None
     assert busy.read_ended(1.0, 0.04, 2 * MIB)[:2] == (4 * MIB, pytest.approx(0.04))
+
+
+def test_a_period_holding_a_sample_read_is_flagged_and_the_next_one_is_not():
+    # A 16-chunk cut: the sample's period is cut with a demand read still
+    # outstanding, which carries on into a period of its own.
+    busy = DeviceBusyPeriods(cut_bytes=4 * MIB)
+    for at in (0.0, 0.0, 0.01):
+        busy.read_started(at)
+    assert busy.read_ended(0.0, 0.08, 2 * MIB, timed_elsewhere=True) is None
+    period = busy.read_ended(0.0, 0.16, 2 * MIB, sample=True)
+    assert period[0] == 4 * MIB and period[3] is True
+    after = busy.read_ended(0.01, 0.23, 2 * MIB)
+    assert after[0] == 2 * MIB and after[3] is False
+

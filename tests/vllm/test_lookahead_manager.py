@@ -23,6 +23,7 @@ from pykvcache.vllm.layout import ChunkLayout
 from pykvcache.vllm.lookahead import WaitingRequest
 from pykvcache.vllm.manager import NvmeOffloadingManager
 from pykvcache.vllm.metrics import COUNTERS, GAUGES, metric_definitions
+from pykvcache.vllm.staging_cache import LOOKAHEAD, LOOKUP
 
 vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
 LookupResult = vllm_base.LookupResult
@@ -710,5 +711,53 @@ def test_the_preload_byte_budget_follows_the_device_speed_the_gate_learns(tmp_pa
         assert h.store_obj.background_budget == expected
         h.m.get_stats()
         assert h.m.metrics.gauges["disk_background_budget_bytes"] == expected
+    finally:
+        h.close()
+
+
+def test_an_exploration_is_read_in_the_background_while_its_request_recomputes(tmp_path):
+    """Decision 0071: a gate that learnt a disk far slower than the real one
+    samples it without making a request wait: the explored request misses,
+    the sample's chunks are read at preload priority into staging (a later
+    request loads them), and two samples faster than learnt bring the loads back."""
+    from pykvcache.gate import Exploration, OnlineLoadModel
+
+    calibrated = LoadCost(fixed_s=1e-4, disk_bytes_per_s=100e6, h2d_bytes_per_s=1e15)
+    # Recompute 0.5 ms per chunk: as calibrated (0.26 ms) a load wins.
+    prefill = PrefillCurve(0.0, 0.5e-3 / CT, 0.0)
+    online = OnlineLoadModel(calibrated, max_factor=1e4)
+    gate = AdmissionGate(CostModel(prefill, calibrated, CHUNK / CT), chunk_tokens=CT, online=online,
+                         exploration=Exploration(min_sample_s=2.5))
+    for _ in range(3):
+        online.observe(CHUNK, 1.0)  # learnt: 16 KiB per second
+    h = Harness(tmp_path / "kv", num_slots=32, gate=gate)
+    try:
+        keys = [_key(i) for i in range(24)]
+        h.on_disk_only(keys)
+        ctx, hits = h.probe("r1", keys[:8])
+        m = h.m.metrics.totals
+        assert hits == 0, "the explored request waits for nothing: it recomputes"
+        # Sized to outlast 2.5 s at the learnt speed: 3 chunks, no owner.
+        assert m["gate_sample_reads"] == 3 and gate.totals["gate_decisions_recompute"] == 1
+        assert h.m.cache.count_held(LOOKAHEAD) == 0 and h.m.cache.count_held(LOOKUP) == 0
+        h.settle()
+        assert gate.exploration.surprises == 1 and gate.online.disk_bytes_per_s < 1e6
+        # A later request loads what the sample staged, without a disk read.
+        reads = m["disk_reads"]
+        ctx, hits = h.probe("r1-again", keys[:3])
+        assert hits == 3 and m["disk_reads"] == reads
+        h.load(ctx, keys[:3])
+        # The second sample, at once: two surprises in a row, the slow window goes.
+        ctx, hits = h.probe("r2", keys[8:16])
+        assert hits == 0 and m["gate_sample_reads"] == 6
+        h.settle()
+        assert gate.totals["gate_loads_forgotten"] >= 3 and gate.online.disk_bytes_per_s > 1e6
+        ctx, hits = h.probe("r3", keys[16:])
+        assert hits is None, "the disk is fast again: its reads started"
+        h.settle()
+        ctx, hits = h.probe("r3", keys[16:])
+        assert hits == 8
+        h.load(ctx, keys[16:])
+        assert gate.totals["gate_decisions_explore"] == 2
     finally:
         h.close()

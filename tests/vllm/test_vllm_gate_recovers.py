@@ -5,7 +5,9 @@ taught the gate 20.7 MB/s, and it recomputed every request from then on: a
 gate that recomputes sees no loads, so it never learnt that the disk was fast
 again. These tests drive the manager's gate wiring (``GateWiring``: plans,
 finished reads, the store's breaker counters) as the manager does, with a
-scripted clock, disk and circuit breaker, and no engine.
+scripted clock, disk and circuit breaker, and no engine. With a sampler (the
+standalone manager, decision 0071) an exploration is read in the background
+while its request recomputes; the last tests script that device too.
 """
 
 from __future__ import annotations
@@ -40,6 +42,24 @@ class Serving:
         self.breakers = (0, 0, 0)  # (opens, closes, open dirs), as BlockStore.breaker_health
         self.n = 0
         self.totals: dict[str, float] = {}
+        self.sampled: list[list[bytes]] = []  # each exploration's background reads
+
+    def sample_in_background(self, bytes_per_s: float, burst_bytes: int = 0) -> None:
+        """Explorations are read in the background by a device that serves
+        ``burst_bytes`` at once after idling (a cgroup throttle's slice
+        allowance), then ``bytes_per_s``."""
+        self.device = (bytes_per_s, burst_bytes)
+        self.wiring.set_sampler(lambda keys: (self.sampled.append(list(keys)), list(keys))[1])
+
+    def _serve_sample(self, keys: list[bytes]) -> None:
+        """The sample's reads, submitted together now, end in order on the device."""
+        rate, burst = self.device
+        for _ in keys:
+            self.wiring.read_started(self.now)
+        served = 0
+        for key in keys:
+            served += CHUNK
+            self.wiring.read_ended(key, self.now, 1e-4 + max(0, served - burst) / rate, CHUNK)
 
     def watch_breakers(self) -> None:
         self.wiring.watch_breakers(lambda: self.breakers, io_deadline_s=2.0)
@@ -60,7 +80,11 @@ class Serving:
         (the plan is dropped) before its reads end, as with lookups answering
         HIT for reads in flight (decision 0055)."""
         self.n += 1
+        samples = len(self.sampled)
         ctx, keys, plan = self.plan(f"r{self.n}")
+        if len(self.sampled) > samples:
+            self.device = (bytes_per_s, self.device[1])
+            self._serve_sample(self.sampled[-1])
         if scheduled_before_reads_end:
             self.wiring.drop(ctx.req_id)
         loaded = [k for k in keys if k in plan.allowed]
@@ -194,3 +218,56 @@ def test_timed_loads_of_scheduled_requests_are_bounded():
         s.wiring.drop(ctx.req_id)  # its reads never come (the lookup stopped early)
     assert len(s.wiring._timing) == MAX_TIMED_REQUESTS
     assert len(s.wiring._awaited_by) <= 2 * MAX_TIMED_REQUESTS, "the oldest let go of their keys"
+
+
+def test_background_samples_cost_their_request_nothing_and_bring_the_loads_back():
+    """Decision 0071: the explored request recomputes; the sample is read
+    beside it and its busy period is the measurement."""
+    s = Serving()
+    s.sample_in_background(SLOW)
+    assert all(s.request(FAST).reason == "load" for _ in range(3))
+    learnt = [s.request(SLOW) for _ in range(5)]
+    assert learnt[-1].recompute
+    slow = [s.request(SLOW) for _ in range(60)]
+    explored = [d for d in learnt + slow if d.sample_chunks]
+    assert 3 <= len(explored) <= 8
+    # No request waits for a sample: each explored one recomputes, and none loads.
+    assert all(d.recompute and d.reason == "below_break_even" for d in learnt[-1:] + slow)
+    # A sample outlasts the estimated 0.5 s at the learnt speed: 13 chunks of 768 KiB at 20 MB/s.
+    assert all(len(keys) == 13 for keys in s.sampled), [len(k) for k in s.sampled]
+    assert s.totals["gate_decisions_explore"] == len(explored) == len(s.sampled)
+    assert s.totals.get("gate_loads_forgotten", 0) == 0
+    back = []
+    for _ in range(60):
+        back.append(s.request(FAST))
+        if back[-1].reason == "load" and back[-1].load_chunks == CHUNKS:
+            break
+    assert back[-1].load_chunks == CHUNKS, [d.reason for d in back]
+    assert len(back) <= 30 + 3, f"{len(back)} requests (one per second) before the gate loaded again"
+    assert sum(bool(d.sample_chunks) for d in back) == 2
+    assert s.gate.online.disk_bytes_per_s > 100e6
+
+
+@pytest.mark.parametrize("min_sample_s", [0.5, 0.0])
+def test_a_sample_sized_to_outlast_a_throttles_burst_does_not_unlearn_a_slow_disk(min_sample_s):
+    """A cgroup-v1 read throttle serves a 100 ms slice's allowance at once
+    after idling (2.5 MB at 25 MB/s): a one-chunk sample there looks 2x+
+    faster than the device, twice in a row, and the gate forgot a window that
+    was right (decision 0069). A sample of 0.5 s at the learnt speed does not."""
+    s = Serving()
+    s.gate.exploration.min_sample_s = min_sample_s
+    s.sample_in_background(SLOW, burst_bytes=int(SLOW * 0.1) + CHUNK // 2)
+    for _ in range(3):
+        s.request(FAST)
+    for _ in range(5):
+        s.request(SLOW)
+    decisions = [s.request(SLOW) for _ in range(90)]
+    assert s.sampled, "no exploration"
+    if min_sample_s:
+        assert s.totals.get("gate_loads_forgotten", 0) == 0
+        assert all(d.recompute for d in decisions)
+    else:
+        assert all(len(keys) == 1 for keys in s.sampled)
+        assert s.totals["gate_loads_forgotten"] > 0
+        assert any(d.load_chunks for d in decisions), "the burst taught the gate a fast disk"
+

@@ -27,6 +27,15 @@ alone must not swing it, ``OnlineLoadModel.prior_weight``). A period is
 returned only when at least one of its reads was timed by nothing else: a
 preload, or a read whose plan stopped timing it.
 
+A period that holds a read the gate started to sample the device
+(``sample``: an exploration read in the background, decision 0071) is
+returned flagged: it is the exploration's measurement. Timing the sample
+alone would time its wait in the background queue, behind every demand read
+submitted after it; its period times what the device delivered meanwhile,
+which is the sustained service the gate prices (a lone read on an idle
+throttled device sees the throttle's burst, not its rate: the sample is
+sized to outlast it, ``Exploration.min_sample_s``).
+
 Pure arithmetic on times the caller gives: no clock, no I/O.
 """
 
@@ -43,6 +52,7 @@ class DeviceBusyPeriods:
         self._end = 0.0  # the latest end of a read of the period
         self._bytes = 0
         self._untimed = False  # a read of this period that no plan times
+        self._sampled = False  # a read of this period sampled the device for the gate
         self.periods = 0
 
     def read_started(self, at: float) -> None:
@@ -52,23 +62,26 @@ class DeviceBusyPeriods:
         self.outstanding += 1
 
     def read_ended(self, started_at: float, seconds: float, nbytes: int, *,
-                   timed_elsewhere: bool = False) -> tuple[int, float, float] | None:
+                   timed_elsewhere: bool = False, sample: bool = False) -> tuple[int, float, float, bool] | None:
         """The read submitted at ``started_at`` ended after ``seconds`` having
-        served ``nbytes`` (0 for a read that served nothing). Returns
-        ``(bytes, seconds, started_at)`` of a busy period that ended or was
-        cut here and holds a read not ``timed_elsewhere``, or None."""
+        served ``nbytes`` (0 for a read that served nothing); ``sample``: the
+        gate started it to sample the device. Returns ``(bytes, seconds,
+        started_at, sampled)`` of a busy period that ended or was cut here and
+        holds a read not ``timed_elsewhere``, or None; ``sampled``: one of its
+        reads was a sample."""
         if self.outstanding <= 0:
             return None  # started before this tracker (or counted twice): nothing to time
         self.outstanding -= 1
         self._end = max(self._end, started_at + max(0.0, seconds))
         self._bytes += max(0, nbytes)
         self._untimed |= not timed_elsewhere
+        self._sampled |= sample
         if self.outstanding and self._bytes < self.cut_bytes:
             return None
-        period = (self._bytes, self._end - self._start, self._start)
+        period = (self._bytes, self._end - self._start, self._start, self._sampled)
         untimed = self._untimed
         # A cut: the reads still outstanding continue a new period from here.
-        self._start, self._bytes, self._untimed = self._end, 0, False
+        self._start, self._bytes, self._untimed, self._sampled = self._end, 0, False, False
         if period[0] <= 0 or period[1] <= 0 or not untimed:
             return None
         self.periods += 1
@@ -79,3 +92,4 @@ class DeviceBusyPeriods:
         self.outstanding = 0
         self._bytes = 0
         self._untimed = False
+        self._sampled = False

@@ -33,7 +33,9 @@ and 1.19x p99 (decision 0070).
 A gate with an :class:`~pykvcache.gate.exploration.Exploration` policy loads
 now and then a prefix it would recompute (reason ``explore``), within that
 policy's bounds: without loads it could never learn that a disk it learnt as
-slow got fast again (decision 0054).
+slow got fast again (decision 0054). Where its caller can read in the
+background (``sample_in_background``) the request recomputes instead and the
+decision names the chunks to sample (``sample_chunks``, decision 0071).
 """
 
 from __future__ import annotations
@@ -71,6 +73,10 @@ class GateDecision:
     #: "uncalibrated" (loaded because the prefill side is not known yet) |
     #: "explore" (loaded to sample the disk although recompute looked faster)
     reason: str
+    #: Leading chunks of the prefix whose disk chunks the caller reads in the
+    #: background to sample the device (0: none); the request itself follows
+    #: ``load_chunks`` (decision 0071).
+    sample_chunks: int = 0
 
     @property
     def recompute(self) -> bool:
@@ -89,7 +95,7 @@ GATE_COUNTERS = {
     "gate_tokens_recomputed": "Loadable prefix tokens the gate chose to recompute instead.",
     "gate_est_saved_ms": "Estimated prefill milliseconds saved by the gate's load decisions.",
     "gate_est_lost_ms": "Estimated milliseconds lost by loads slower than recompute (gate disabled, or exploring).",
-    "gate_decisions_explore": "Requests whose prefix the gate loaded to sample the disk although it estimated recompute faster.",
+    "gate_decisions_explore": "Requests for which the gate sampled the disk although it estimated recompute faster: by loading their prefix, or by reading part of it in the background while they recompute.",
     "gate_loads_forgotten": "Loads the gate had learnt from and forgot: a storage directory's circuit breaker opened soon after, or two explored loads in a row showed the device had changed.",
     "gate_loads_ignored": "Finished loads not learnt from: they overlapped a circuit-breaker outage or were the first after one.",
 }
@@ -161,10 +167,14 @@ class AdmissionGate:
         return self.current_model().break_even_tokens(queued_bytes=queued_bytes)
 
     def decide(self, states: Sequence[ChunkState], *, start_tokens: int = 0,
-               queued_bytes: int = 0, waiting_requests: int = 0, now: float | None = None) -> GateDecision:
+               queued_bytes: int = 0, waiting_requests: int = 0, now: float | None = None,
+               sample_in_background: bool = False) -> GateDecision:
         """``waiting_requests``: requests waiting to be scheduled after this one
         (each would wait for a recompute's compute; see the module docstring).
-        ``now``: monotonic seconds, for the exploration's interval."""
+        ``now``: monotonic seconds, for the exploration's interval.
+        ``sample_in_background``: the caller reads ``sample_chunks`` without
+        the request waiting; an exploration then leaves the request's own
+        choice as it is."""
         model = self.current_model()
         load, prefill = model.load, model.prefill
         chunk_bytes = self.chunk_bytes
@@ -208,6 +218,7 @@ class AdmissionGate:
                 best_k, best_net, best_load, best_staged = k, net, load_s, staged
         available = k
         reason = None
+        sample_chunks = 0
         ex = self.exploration
         if ex is not None and not load_always and first_disk > best_k and load is not self.model.load:
             # Nothing chosen comes from disk, so no load would teach the model
@@ -218,9 +229,12 @@ class AdmissionGate:
             if ex.due(now) and self._best_prefix(states, available, self.model.load, prefill, start_tokens,
                                                  queued_bytes, margin) >= first_disk:
                 ex.started(now)
-                best_k, best_load, best_staged = self._explored_prefix(states, first_disk, available, model,
-                                                                       start_tokens, queued_bytes)
-                reason = "explore"
+                if sample_in_background:
+                    sample_chunks = self._sample_prefix(states, first_disk, available, load)
+                else:
+                    best_k, best_load, best_staged = self._explored_prefix(states, first_disk, available, model,
+                                                                           start_tokens, queued_bytes)
+                    reason = "explore"
         if best_k:
             reason = reason or ("gate_disabled" if not self.enabled else "uncalibrated" if uncalibrated else "load")
             recompute_s = prefill.compute_cost(start_tokens, start_tokens + best_k * self.chunk_tokens)
@@ -238,6 +252,7 @@ class AdmissionGate:
             est_load_s=best_load if best_k else 0.0,
             est_recompute_s=recompute_s,
             reason=reason,
+            sample_chunks=sample_chunks,
         )
         self._count(decision)
         return decision
@@ -287,6 +302,22 @@ class AdmissionGate:
                 chosen = (k, load_s, staged)
         return chosen
 
+    def _sample_prefix(self, states: Sequence[ChunkState], first_disk: int, available: int, load) -> int:
+        """Chunks of the prefix (from the start) that hold a background sample:
+        disk chunks from ``first_disk`` on, until their estimated read at the
+        learnt speed reaches the exploration's ``min_sample_s`` or they are
+        ``max_sample_chunks`` (decision 0071)."""
+        ex = self.exploration
+        read_per_chunk = self.chunk_bytes / load.disk_bytes_per_s
+        disk = 0
+        k = first_disk - 1
+        for k in range(first_disk - 1, available):
+            if states[k] == ChunkState.DISK:
+                disk += 1
+                if disk >= ex.max_sample_chunks or load.fixed_s + disk * read_per_chunk >= ex.min_sample_s:
+                    break
+        return k + 1
+
     def _inc(self, name: str, value: float) -> None:
         self.totals[name] += value
         self._pending[name] = self._pending.get(name, 0) + value
@@ -294,6 +325,8 @@ class AdmissionGate:
     def _count(self, d: GateDecision) -> None:
         if d.available_chunks == 0:
             return
+        if d.sample_chunks:
+            self._inc("gate_decisions_explore", 1)
         if d.reason == "explore":
             self._inc("gate_decisions_explore", 1)
             self._inc("gate_tokens_loaded", d.load_tokens)

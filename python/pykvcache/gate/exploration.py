@@ -31,6 +31,22 @@ is bounded twice:
 
 A circuit breaker that closes again (:meth:`reset`) says the device may now
 be anything: the interval starts over and the next eligible request explores.
+
+**In the background** (where the caller can read without a request, the
+standalone manager; decision 0071) the explored request does not load at
+all: it recomputes, and the gate reads a sample of its prefix's disk chunks
+at preload priority, which no request waits for. At 25 MB/s an exploration
+in the request itself queued its one-chunk sample behind 36 MB of demand
+reads: 1.6 s to save 19 ms, the slowest request of most runs (decision
+0069). The sample is timed by the device's busy period that holds it (its
+own latency includes its wait behind demand reads submitted after it), and
+is sized to outlast a throttle's or cache's burst: its disk chunks until
+their estimated read at the learnt speed reaches ``min_sample_s`` (at most
+``max_sample_chunks``, within the loadable prefix). On an idle device whose
+reads are capped at 25 MB/s, a lone 2 MB read is served from the cgroup
+throttle's 100 ms slice allowance at the disk's full speed: a one-chunk
+sample there was "surprising" every time and made the gate forget a window
+that was right.
 """
 
 from __future__ import annotations
@@ -40,15 +56,20 @@ import time
 
 class Exploration:
     def __init__(self, *, min_interval_s: float = 5.0, max_interval_s: float = 30.0, surprise: float = 2.0,
-                 max_load_ratio: float = 2.0) -> None:
+                 max_load_ratio: float = 2.0, min_sample_s: float = 0.5, max_sample_chunks: int = 16) -> None:
         if not 0 < min_interval_s <= max_interval_s:
             raise ValueError(f"need 0 < min_interval_s <= max_interval_s (got {min_interval_s}, {max_interval_s})")
         if not (surprise > 1 and max_load_ratio >= 1):
             raise ValueError(f"need surprise > 1 and max_load_ratio >= 1 (got {surprise}, {max_load_ratio})")
+        if not (min_sample_s >= 0 and max_sample_chunks >= 1):
+            raise ValueError(f"need min_sample_s >= 0 and max_sample_chunks >= 1 "
+                             f"(got {min_sample_s}, {max_sample_chunks})")
         self.min_interval_s = min_interval_s
         self.max_interval_s = max_interval_s
         self.surprise = surprise
         self.max_load_ratio = max_load_ratio
+        self.min_sample_s = min_sample_s
+        self.max_sample_chunks = max_sample_chunks
         self.interval_s = min_interval_s
         # The first recompute of a loadable prefix may explore at once: nothing
         # was sampled before it.

@@ -20,6 +20,13 @@ Around a storage outage the plan's loads are filtered before they are learnt
 breakers by :meth:`GateWiring.watch_breakers`): what a dying or reconnecting
 link took to read is not the device's speed (decision 0054).
 
+An exploration (the gate samples a device it learnt as too slow to load
+from) is read in the background where the owner can (:meth:`GateWiring.set_sampler`,
+the standalone manager): the explored request recomputes, and the busy period
+holding the sample's reads is the measurement (decision 0071). Without a
+sampler (vLLM's tiering framework owns the tier's reads) the request loads
+its explored prefix, as before.
+
 The prefill side is learnt from the engine's own steps (:class:`StepTimer`):
 the connector reports each step's scheduled work when it builds the step's
 metadata and the step's end when its output comes back (or the next step is
@@ -169,6 +176,9 @@ class NoGating:
     def read_started(self, at: float) -> None:
         pass
 
+    def set_sampler(self, sampler: Callable[[Sequence[bytes]], Sequence[bytes]]) -> None:
+        pass
+
     def read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int) -> int:
         return 0
 
@@ -232,6 +242,18 @@ class GateWiring:
         # Every read, preloads included, times the device (decision 0066):
         # periods cut at 16 chunks, so a saturated device still teaches it.
         self.busy = DeviceBusyPeriods(cut_bytes=BUSY_PERIOD_CHUNKS * chunk_bytes)
+        # Reads explorations in the background (decision 0071); None: the
+        # explored request loads its sample itself.
+        self._sampler: Callable[[Sequence[bytes]], Sequence[bytes]] | None = None
+        self._sample_keys: set[bytes] = set()  # sample reads not ended yet
+        self.sample_reads = 0
+
+    def set_sampler(self, sampler: Callable[[Sequence[bytes]], Sequence[bytes]]) -> None:
+        """``sampler(keys)`` starts background reads of ``keys`` (disk chunks)
+        into staging and returns the keys it started (each then ends in
+        :meth:`read_ended`); from now on an exploration is read by it while
+        its request recomputes (decision 0071)."""
+        self._sampler = sampler
 
     # -- lookups -------------------------------------------------------------
     def allows(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> bool:
@@ -295,7 +317,8 @@ class GateWiring:
         # before this decision.
         self.poll_breakers(now)
         decision = self.gate.decide(states, start_tokens=start, queued_bytes=queued,
-                                    waiting_requests=inputs.waiting_requests, now=now)
+                                    waiting_requests=inputs.waiting_requests, now=now,
+                                    sample_in_background=self._sampler is not None)
         allowed = keys[: decision.load_chunks]
         plan = Plan(considered=frozenset(keys), allowed=frozenset(allowed), decision=decision,
                     started=now, queued_bytes=queued)
@@ -305,6 +328,11 @@ class GateWiring:
                 self._awaited_by.setdefault(k, set()).add(req_id)
         plan.disk_bytes = len(plan.awaiting) * self.chunk_bytes
         self._plans.setdefault(req_id, {})[group] = plan
+        if decision.sample_chunks and self._sampler is not None:
+            sample = [k for k, state in zip(keys[: decision.sample_chunks], states) if state is ChunkState.DISK]
+            started = self._sampler(sample)
+            self._sample_keys.update(started)
+            self.sample_reads += len(started)
         if self.admission is not None:
             self.admission.sighted(req_id, keys)
         return plan
@@ -370,8 +398,12 @@ class GateWiring:
         """The read of ``key`` submitted at ``started_at`` ended after
         ``latency_s``, serving ``nbytes`` (called before :meth:`read_finished`);
         returns 1 when that ended (or cut) a busy period the gate learnt from
-        (decision 0066)."""
-        period = self.busy.read_ended(started_at, latency_s, nbytes, timed_elsewhere=key in self._awaited_by)
+        (decision 0066). A period holding an exploration's sample is that
+        exploration's measurement (decision 0071)."""
+        sample = key in self._sample_keys
+        self._sample_keys.discard(key)
+        period = self.busy.read_ended(started_at, latency_s, nbytes, timed_elsewhere=key in self._awaited_by,
+                                      sample=sample)
         if period is None:
             return 0
         now = self.clock()
@@ -379,7 +411,7 @@ class GateWiring:
         if not self.outages.learnable(period[2]):
             self.gate.ignore_load()
             return 0
-        self.gate.observe_load(period[0], period[1], now=now)
+        self.gate.observe_load(period[0], period[1], now=now, explored=period[3])
         self.observations += 1
         return 1
 
@@ -439,3 +471,4 @@ class GateWiring:
         self._awaited_by.clear()
         self.steps.clear()
         self.busy.clear()
+        self._sample_keys.clear()

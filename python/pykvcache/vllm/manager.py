@@ -150,6 +150,9 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self.in_flight_hits = False
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
+        # The gate's explorations are read here in the background; the
+        # explored request recomputes (decision 0071).
+        self.gating.set_sampler(self._sample_reads)
 
     def enable_in_flight_hits(self) -> None:
         """Answer HIT for a chunk whose disk read is in flight. The caller
@@ -608,6 +611,24 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             self.cache.remove(key)
             return None
         return entry
+
+    def _sample_reads(self, keys) -> list[bytes]:
+        """Start the background reads of an exploration's sample (decision
+        0071): preload priority, no owner (a later request may load them),
+        into at most half the slots staging could give now, so that a sample
+        never takes the room a lookup needs."""
+        room = self.cache.allocatable() // 2
+        started = []
+        for key in keys:
+            if len(started) >= room:
+                break
+            if key in self.cache or not self.on_disk(key):
+                continue
+            if self._start_read(key, background=True) is None:
+                break
+            started.append(key)
+        self.metrics.inc("gate_sample_reads", len(started))
+        return started
 
     def _promote(self, key: bytes) -> None:
         """A preload still queued is needed now: raise it to demand priority,

@@ -44,6 +44,7 @@ COUNTERS = {
     # Gate wiring (the gate's own decision counters are merged in below).
     "gate_limited_lookups": "Lookups answered MISS because the gate chose to recompute from that chunk on.",
     "gate_load_observations": "Finished loads fed back to the gate's online load model.",
+    "gate_sample_reads": "Chunk reads the gate started in the background to sample the device (an exploration: no request waits for them).",
     "lookup_waited_requests": "Requests whose lookups had to wait for a disk read (HIT_PENDING, or HIT with the worker's copy waiting for the read).",
     "lookup_ready_requests": "Requests whose whole gated prefix was already staged at their first lookup.",
     "lookup_hold_cap_retries": "Lookups answered RETRY because waiting requests already hold their staging share.",
