@@ -761,3 +761,50 @@ def test_an_exploration_is_read_in_the_background_while_its_request_recomputes(t
         assert gate.totals["gate_decisions_explore"] == 2
     finally:
         h.close()
+
+
+def test_a_restarted_manager_starts_from_the_device_model_the_last_one_learnt(tmp_path):
+    """Decision 0073: the learnt device model is saved beside the namespace at
+    shutdown and replayed at the next start; without it a restart prices reads
+    at the prior until two loads end."""
+    from pykvcache.gate import OnlineLoadModel, device_memory
+
+    fast = LoadCost(fixed_s=1e-7, disk_bytes_per_s=1e15, h2d_bytes_per_s=1e15)
+
+    def gate():
+        return AdmissionGate(CostModel(PrefillCurve(0.0, 1.0, 0.0), fast, CHUNK / CT), chunk_tokens=CT,
+                             online=OnlineLoadModel(fast, max_factor=1e12))
+
+    first = gate()
+    h = Harness(tmp_path / "kv", num_slots=16, gate=first)
+    keys = [_key(i) for i in range(8)]
+    try:
+        h.on_disk_only(keys)
+        for rid, part in (("r1", keys[:4]), ("r2", keys[4:])):
+            h.probe(rid, part)
+            h.settle()
+        assert first.online.samples == 2 and first.online.disk_bytes_per_s < 1e15
+        saved = h.store_obj.namespace_dir[0]
+    finally:
+        h.close()
+    assert (Path(saved) / device_memory.FILE_NAME).exists()
+    second = gate()
+    h = Harness(tmp_path / "kv", num_slots=16, gate=second)
+    try:
+        assert second.online.samples == 2
+        assert second.online.disk_bytes_per_s == pytest.approx(first.online.disk_bytes_per_s)
+        assert h.m.gating.device_bytes_per_s() == pytest.approx(first.online.disk_bytes_per_s)
+    finally:
+        h.close()
+    # A file that cannot be read (here: a directory in its place) is ignored, and so is failing to save.
+    (Path(saved) / device_memory.FILE_NAME).unlink()
+    (Path(saved) / device_memory.FILE_NAME).mkdir()
+    third = gate()
+    h = Harness(tmp_path / "kv", num_slots=16, gate=third)
+    try:
+        assert third.online.samples == 0
+        h.probe("r3", keys[:4])
+        h.settle()
+        assert third.online.samples == 1
+    finally:
+        h.close()

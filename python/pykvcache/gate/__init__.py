@@ -5,6 +5,7 @@ faster than recomputing it.
 * :mod:`~pykvcache.gate.profile`     the profile ``pykvcache calibrate`` writes
 * :mod:`~pykvcache.gate.decision`    per-request decision (a prefix, in chunks)
 * :mod:`~pykvcache.gate.online`      refinement from observed load and prefill times
+* :mod:`~pykvcache.gate.device_memory`  the learnt device model kept for the next start
 * :mod:`~pykvcache.gate.exploration` sampling a load now and then while recomputing
 * :mod:`~pykvcache.gate.outages`     what not to learn around a storage outage (circuit breakers)
 * :mod:`~pykvcache.gate.store_admission`  skipping stores that cannot pay off
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+from pykvcache.gate import device_memory
 from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
 from pykvcache.gate.decision import GATE_COUNTERS, GATE_GAUGES, AdmissionGate, ChunkState, GateDecision
 from pykvcache.gate.exploration import Exploration
@@ -55,6 +57,7 @@ __all__ = [
     "StoreAdmission",
     "build_gate",
     "default_cost_model",
+    "device_memory",
     "hardware_id",
     "load_cost_model",
     "request_keys_from",

@@ -94,6 +94,11 @@ class OnlineLoadModel:
         self.samples += 1
         self._refit()
 
+    def window(self) -> list[tuple[float, float]]:
+        """The loads the estimate is fitted from, oldest first: ``(bytes
+        including the queue ahead, seconds)``."""
+        return [(x, y) for x, y, _ in self._points]
+
     def forget_since(self, since: float) -> int:
         """Drops the loads observed at or after ``since`` (monotonic seconds) and
         fits the device from the others (the calibrated value once none is

@@ -15,8 +15,9 @@ the disk side of both is, is said here once:
 * :func:`build_gating`: the break-even gate and store admission;
 * :class:`DiskTier`: what a finished read or write means for the metrics, the
   log of unusable chunks and the presence index (one answer for both:
-  :mod:`~pykvcache.vllm.disk_presence`), the engine's stats as gauges, and
-  shutdown.
+  :mod:`~pykvcache.vllm.disk_presence`), the engine's stats as gauges, the
+  device model the gate learnt kept beside the namespace (restored at start,
+  saved at most once a minute and at shutdown: decision 0073), and shutdown.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+from pykvcache.gate import device_memory
 from pykvcache.vllm.config import MAX_STAGING_SLOTS, ConfigError, PykvcacheConfig, store_keywords
 from pykvcache.vllm.disk_presence import DiskPresence
 from pykvcache.vllm.logs import ChunkTroubleLog
@@ -168,6 +171,11 @@ def build_gating(settings: PykvcacheConfig, *, model: str, dtype: str, chunk_byt
                       admission=admission, store_min_tokens=s.store_min_tokens)
 
 
+#: The learnt device model is saved at most this often while serving (and at
+#: shutdown): a server killed without one keeps what it learnt up to a minute before.
+DEVICE_SAVE_EVERY_S = 60.0
+
+
 # -- serving -------------------------------------------------------------------
 class DiskTier:
     """The disk side of a scheduler: the store, its staging pool, the gate
@@ -200,6 +208,16 @@ class DiskTier:
         # lambda: the manager's reset_cache replaces the store.
         gating.watch_breakers(lambda: self.store.breaker_health(),
                               io_deadline_s=store.stats()["io_deadline_s"])
+        # A restart starts from what the last server on this namespace learnt
+        # of the device, not from the prior (decision 0073).
+        self._device_file = Path(store.namespace_dir[0]) / device_memory.FILE_NAME
+        restored, why_not = gating.restore_device(self._device_file)
+        if restored:
+            mbps = gating.device_bytes_per_s()
+            log.info("%s: the gate starts from the device model saved in %s (%d loads: %.0f MB/s)",
+                     label, self._device_file, restored, (mbps or 0) / 1e6)
+        else:
+            log.debug("%s: no saved device model used (%s)", label, why_not)
 
     def on_disk(self, key: bytes) -> bool:
         """In the index, or published since by another engine sharing the
@@ -228,8 +246,10 @@ class DiskTier:
                                                int(result.length or 0) if ok else 0)
         observed += self.gating.read_finished(key, ok, result.latency_s or 0.0)
         self.metrics.inc("gate_load_observations", observed)
-        if observed and self._on_learnt is not None:
-            self._on_learnt()
+        if observed:
+            if self._on_learnt is not None:
+                self._on_learnt()
+            self._save_device_model(every_s=DEVICE_SAVE_EVERY_S)
         if ok:
             self._count_io("read", result)
             return True
@@ -238,6 +258,13 @@ class DiskTier:
             self._unusable.report(key, result.status, result.message)
         self.presence.read_failed(key, result.miss_kind)
         return False
+
+    def _save_device_model(self, every_s: float = 0.0) -> None:
+        try:
+            self.gating.save_device(self._device_file, every_s=every_s)
+        except OSError as exc:  # a hint for the next start, never a failure of this one
+            self._log.warning("%s: could not save the gate's device model to %s: %s",
+                              self._label, self._device_file, exc)
 
     def write_finished(self, key: bytes, result) -> bool:
         """Counts a finished write; True when the chunk is on disk. Each kind
@@ -288,6 +315,7 @@ class DiskTier:
         try:
             drain()
         finally:
+            self._save_device_model()
             self._unusable.flush()
             self.store.close()
             try:

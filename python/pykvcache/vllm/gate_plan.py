@@ -41,7 +41,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
-from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter, StoreAdmission
+from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter, StoreAdmission, device_memory
 from pykvcache.gate.busy_periods import DeviceBusyPeriods
 from pykvcache.gate.request_keys import request_keys_from
 
@@ -188,6 +188,12 @@ class NoGating:
     def device_bytes_per_s(self) -> float | None:
         return None
 
+    def restore_device(self, path) -> tuple[int, str | None]:
+        return 0, "no gate"
+
+    def save_device(self, path, *, every_s: float = 0.0) -> bool:
+        return False
+
     def poll_breakers(self) -> None:
         pass
 
@@ -247,6 +253,9 @@ class GateWiring:
         self._sampler: Callable[[Sequence[bytes]], Sequence[bytes]] | None = None
         self._sample_keys: set[bytes] = set()  # sample reads not ended yet
         self.sample_reads = 0
+        # When the device model was last saved, and how many loads it had then.
+        self._device_saved_at = float("-inf")
+        self._device_saved_samples = 0
 
     def set_sampler(self, sampler: Callable[[Sequence[bytes]], Sequence[bytes]]) -> None:
         """``sampler(keys)`` starts background reads of ``keys`` (disk chunks)
@@ -269,6 +278,27 @@ class GateWiring:
         if online is None or not online.samples:
             return None
         return online.disk_bytes_per_s
+
+    def restore_device(self, path) -> tuple[int, str | None]:
+        """Replay the device model a previous server saved at ``path``
+        (decision 0073); ``(loads restored, why none were)``."""
+        online = self.gate.online
+        if online is None:
+            return 0, "the gate does not learn the device (gate_online: false)"
+        if online.samples:
+            return 0, "the gate has learnt the device already"
+        return device_memory.restore(path, online)
+
+    def save_device(self, path, *, every_s: float = 0.0) -> bool:
+        """Save the learnt device model at ``path`` (decision 0073), unless it
+        was saved less than ``every_s`` ago or nothing new was learnt since."""
+        online = self.gate.online
+        now = self.clock()
+        if online is None or online.samples == self._device_saved_samples or now - self._device_saved_at < every_s:
+            return False
+        saved = device_memory.save(path, online)
+        self._device_saved_at, self._device_saved_samples = now, online.samples
+        return saved
 
     def watch_breakers(self, health: Callable[[], tuple[int, int, int]], *, io_deadline_s: float) -> None:
         """Follow the store's circuit breakers (``BlockStore.breaker_health``).
