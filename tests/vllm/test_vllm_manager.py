@@ -104,6 +104,7 @@ def test_store_is_hit_pending_then_hit_and_written_once_per_step(harness):
     assert out.keys_to_store == [_key(1), _key(2)]
     # Slot being filled by a worker: pending, never a HIT before the copy completes.
     assert harness.manager.lookup(_key(1), ctx) is LookupResult.HIT_PENDING
+    assert harness.manager.metrics.totals["lookups_deferred_storing"] == 1
     for key, slot in zip(out.keys_to_store, out.store_spec.block_ids):
         view = harness.pool.view(int(slot))
         view[:] = _payload(int.from_bytes(key[:32], "big"))
@@ -144,6 +145,7 @@ def test_chunk_evicted_from_staging_is_read_back_verified(harness):
     assert harness.manager.staged_state(_key(1)) is None
     result, seen = harness.lookup_until_final(_key(1))
     assert result is LookupResult.HIT and seen[0] is LookupResult.HIT_PENDING
+    assert harness.manager.metrics.totals["lookups_deferred_storing"] == 0, "a read, not a store"
     spec = harness.manager.prepare_load([_key(1)], ReqContext(req_id="r"))
     assert harness.slot_bytes(spec.block_ids[0]) == _payload(1)
     assert harness.manager.metrics.totals["disk_read_bytes"] >= LAYOUT.payload_bytes

@@ -329,6 +329,10 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             self._hit_in_flight.add(key)
         elif result is not LookupResult.HIT:
             self.metrics.inc("lookups_deferred")
+            if self.cache.get(key).state is EntryState.STORING:
+                # Stored by a worker this step or the last: readable once its
+                # copy completes (what is left of deferrals with in-flight hits).
+                self.metrics.inc("lookups_deferred_storing")
         if result is LookupResult.HIT_PENDING:
             # The request waits for a disk read: a scheduler step (deferred)
             # or, in flight, its worker's copy.
