@@ -120,8 +120,8 @@ def test_serve_part_tiny(tmp_path, tiny_model_cache):
         assert all(rows[name][col[c]] != "-" for c in ("queue ms (mean)", "prefill ms (mean)", "preemptions"))
     assert rows["recompute"][col["deferred lookups"]] == "-"
     assert rows["pykvcache"][col["deferred lookups"]] != "-"
-    assert rows["recompute"][col["lookups of chunks being stored (deferred)"]] == "-"
-    assert rows["pykvcache"][col["lookups of chunks being stored (deferred)"]] != "-"
+    assert rows["recompute"][col["pykvcache's own deferred lookups (HIT_PENDING / RETRY)"]] == "-"
+    assert rows["pykvcache"][col["pykvcache's own deferred lookups (HIT_PENDING / RETRY)"]] != "-"
     assert rows["pykvcache"][col["preloaded MB wasted"]] != "-"
     assert rows["pykvcache"][col["gate: disk MB/s learnt"]] != "-"
     assert rows["pykvcache"][col["gate: loads forgotten"]] != "-"

@@ -797,7 +797,7 @@ def _time_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
             per_run("vllm:num_preemptions_total"),
             per_run("vllm:kv_offload_lookup_async_delay_seconds_count") if pyk else "-",
             per_run_mean("vllm:kv_offload_lookup_async_delay_seconds") if pyk else "-",
-            per_run("vllm:pykvcache_lookups_deferred_storing_total") if pyk else "-",
+            per_run("vllm:pykvcache_lookups_deferred_total") if pyk else "-",
             per_run("vllm:pykvcache_lookup_ready_requests_total") if pyk else "-",
             per_run("vllm:pykvcache_lookup_hold_cap_retries_total") if pyk else "-",
             per_run("vllm:pykvcache_staging_full_misses_total") if pyk else "-",
@@ -816,7 +816,7 @@ def _time_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
     return Table(
         title=f"Where the time to first token goes ({top} users; server-side, per run: median (min–max) over repeats)",
         header=["configuration", "queue ms (mean)", "prefill ms (mean)", "preemptions", "deferred lookups",
-                "deferred ms (mean)", "lookups of chunks being stored (deferred)",
+                "deferred ms (mean)", "pykvcache's own deferred lookups (HIT_PENDING / RETRY)",
                 "requests all staged at first lookup", "lookup RETRYs (staging held by others)",
                 "staging-full misses", "stores deferred", "preloaded MB", "lookahead budget stops",
                 "preloaded MB wasted", "gate: load / recompute / explore decisions", "gate: loads forgotten",
@@ -825,8 +825,10 @@ def _time_table(ok_cfg: dict[str, list], configs: list[str], top: int) -> Table:
         note="queue = vLLM's request_queue_time (arrival -> first scheduled; a deferred lookup keeps a request "
              "queued); prefill = first scheduled -> first token; preemptions: vLLM's (a request whose KV blocks were "
              "taken back, to be recomputed or loaded again). Deferred lookups: vLLM's "
-             "kv_offload_lookup_async_delay (a lookup answered 'not yet' until its reads landed or staging had room); "
-             "of pykvcache's own deferred lookups, those of chunks a worker was still storing. "
+             "kv_offload_lookup_async_delay: requests whose lookup was deferred, by pykvcache (HIT_PENDING or "
+             "RETRY: a chunk still being stored, staging held by others) or by vLLM itself, which delays a request "
+             "while another request's load of the same chunks is in flight; pykvcache's own deferred lookups "
+             "(lookups_deferred) beside it. "
              "Gate: its decisions per run, the loads it forgot (two explored loads well faster than its model, or "
              "a storage outage: it fell back to its prior) and the disk bandwidth it had learnt at the end (gauge).")
 
