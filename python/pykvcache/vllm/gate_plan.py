@@ -252,14 +252,13 @@ class GateWiring:
         # explored request loads its sample itself.
         self._sampler: Callable[[Sequence[bytes]], Sequence[bytes]] | None = None
         self._sample_keys: set[bytes] = set()  # sample reads not ended yet
-        self.sample_reads = 0
         # When the device model was last saved, and how many loads it had then.
         self._device_saved_at = float("-inf")
         self._device_saved_samples = 0
 
     def set_sampler(self, sampler: Callable[[Sequence[bytes]], Sequence[bytes]]) -> None:
-        """``sampler(keys)`` starts background reads of ``keys`` (disk chunks)
-        into staging and returns the keys it started (each then ends in
+        """``sampler(keys)`` starts background reads of ``keys`` (chunks this
+        plan just found on disk and not staged) into staging and returns the keys it started (each then ends in
         :meth:`read_ended`); from now on an exploration is read by it while
         its request recomputes (decision 0071)."""
         self._sampler = sampler
@@ -360,9 +359,7 @@ class GateWiring:
         self._plans.setdefault(req_id, {})[group] = plan
         if decision.sample_chunks and self._sampler is not None:
             sample = [k for k, state in zip(keys[: decision.sample_chunks], states) if state is ChunkState.DISK]
-            started = self._sampler(sample)
-            self._sample_keys.update(started)
-            self.sample_reads += len(started)
+            self._sample_keys.update(self._sampler(sample))
         if self.admission is not None:
             self.admission.sighted(req_id, keys)
         return plan

@@ -620,14 +620,10 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         """Start the background reads of an exploration's sample (decision
         0071): preload priority, no owner (a later request may load them),
         into at most half the slots staging could give now, so that a sample
-        never takes the room a lookup needs."""
-        room = self.cache.allocatable() // 2
+        never takes the room a lookup needs. ``keys`` are chunks the gate plan
+        found on disk and not staged in this same call."""
         started = []
-        for key in keys:
-            if len(started) >= room:
-                break
-            if key in self.cache or not self.on_disk(key):
-                continue
+        for key in keys[: self.cache.allocatable() // 2]:
             if self._start_read(key, background=True) is None:
                 break
             started.append(key)
