@@ -34,12 +34,13 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ from .contention import CpuContention
 from .read_throttle import ReadThrottle
 from .read_throttle import unavailable as read_throttle_unavailable
 from .parts import BenchContext, Figure, Part, PartOutput, Step, Table, register_part
+from .serve_calibrate import CALIBRATED, calibrate
+from .serve_calibrate import summary as calibration_summary
 from .serve_server import Server, ServerConfig, ServerFailed, log_tail
 from .serve_workload import Workload, run_sessions
 
@@ -58,13 +61,16 @@ ALL_CONFIGS = ("recompute", "pykvcache", "gate_off", "lookahead_off", "verify_he
 #: two code versions side by side in the same rounds, as ratios in one run.
 #: Never in the defaults: it needs that tree.
 VARIANT = "variant"
-KNOWN_CONFIGS = (*ALL_CONFIGS, VARIANT)
+#: pykvcache's defaults with a gate profile calibrated before the first round
+#: on the run's disk and read cap (serve_calibrate.py). Not in the defaults.
+KNOWN_CONFIGS = (*ALL_CONFIGS, VARIANT, CALIBRATED)
 PYKVCACHE_CONFIGS = {
     "pykvcache": {},
     "gate_off": {"gate": False},
     "lookahead_off": {"lookahead_bytes": 0},
     "verify_header": {"verify": "header"},
     VARIANT: {},  # pykvcache's defaults, from variant_path (server_config)
+    CALIBRATED: {},  # pykvcache's defaults with calibrated_profile (server_config)
 }
 #: Reused-prefix buckets of the TTFT split (tokens; lower bounds).
 BUCKETS = (0, 1, 256, 1024, 2048)
@@ -136,6 +142,11 @@ class ServeOptions:
     # Python changed): configuration "variant" serves pykvcache's defaults
     # from it, in the same rounds as the others.
     variant_path: str | None = None
+    # The gate profile configuration "calibrated" serves with. None: `pykvcache
+    # calibrate --quick` measures one before the first round, on this run's
+    # storage disk under this run's read cap (serve_calibrate.py); a path
+    # reuses a profile.
+    calibrated_profile: str | None = None
 
     def check(self) -> list[str]:
         problems = []
@@ -173,6 +184,9 @@ def check_configs(opts: ServeOptions) -> list[str]:
         problems.append(f"unknown configuration(s) {', '.join(unknown)}; known: {', '.join(KNOWN_CONFIGS)}")
     if VARIANT in opts.configs and (why := variant_problem(opts.variant_path)):
         problems.append(f"configuration {VARIANT}: {why}")
+    if CALIBRATED in opts.configs and opts.calibrated_profile and not Path(opts.calibrated_profile).is_file():
+        problems.append(f"configuration {CALIBRATED}: calibrated_profile={opts.calibrated_profile} is not a file "
+                        "(leave it unset to calibrate before the first round)")
     return problems
 
 
@@ -285,7 +299,8 @@ def steps_for(opts: ServeOptions) -> int:
 
         return sweep_steps(opts)
     per_server = 2 + len(opts.concurrency) + (1 if opts.pr_prompts else 0)
-    return opts.repeats * len(opts.configs) * per_server
+    calibrating = CALIBRATED in opts.configs and not opts.calibrated_profile
+    return opts.repeats * len(opts.configs) * per_server + int(calibrating)
 
 
 def steps(cfg: BenchConfig) -> int:
@@ -355,6 +370,9 @@ def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: in
             cfg.python_path = [str(Path(opts.variant_path).resolve())]
         if opts.gate_profile:
             extra["gate_profile"] = opts.gate_profile
+        if name == CALIBRATED:
+            assert opts.calibrated_profile, "run_with calibrates before the first round"
+            extra["gate_profile"] = opts.calibrated_profile
         cfg.kv_transfer_config = {"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm",
                                   "kv_role": "kv_both", "kv_connector_extra_config": extra}
     elif name == "lmcache":
@@ -962,8 +980,13 @@ def _notes(opts: ServeOptions, mi: dict[str, Any]) -> list[str]:
         f"{opts.max_model_len}, device KV cache {opts.kv_cache_tokens} tokens "
         f"({opts.kv_cache_tokens * mi['bytes_per_token'] / 2**20:.0f} MiB), max_num_seqs {opts.max_num_seqs}, "
         f"block 32, prefix caching on; pykvcache chunk {opts.chunk_tokens} tokens, staging "
-        f"{opts.staging_bytes / 2**20:.0f} MiB, no gate profile (the gate's conservative default, break-even 256 "
-        "tokens).",
+        f"{opts.staging_bytes / 2**20:.0f} MiB, "
+        + (f"gate profile {Path(opts.gate_profile).name}." if opts.gate_profile
+           else "no gate profile (the gate's conservative default, break-even 256 tokens).")
+        + (f" Configuration {CALIBRATED}: the gate profile `pykvcache calibrate --quick` measured before the first "
+           f"round on the same disk{' under the same read cap' if opts.read_mbps else ''} ("
+           f"{calibration_summary(opts.calibrated_profile)})." if CALIBRATED in opts.configs
+           and opts.calibrated_profile else ""),
         f"Workload (ours, `serve_workload.py`): {opts.sessions} sessions x {opts.turns} turns over {opts.documents} "
         f"shared documents of ~{opts.doc_tokens} tokens; each turn adds a {opts.question_tokens}-token question to "
         f"the conversation so far (with {opts.answer_tokens}-token fixed answers); {opts.output_tokens} output "
@@ -1020,6 +1043,13 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
         write_crossover(out, Path(ctx.config.out))
         _keep_logs(runs, Path(ctx.config.out))
         return out
+    calibration = None
+    if CALIBRATED in opts.configs and not opts.calibrated_profile:
+        step.advance("calibrating the gate")
+        calibration = calibrate(model, opts, work, Path(ctx.config.out) / "serve-logs" / "calibrate.log")
+        kept = Path(ctx.config.out) / "serve-gate-profile-calibrated.json"
+        shutil.copyfile(calibration["profile"], kept)
+        opts = replace(opts, calibrated_profile=str(kept))
     runs = []
     for rep in range(opts.repeats):
         order = opts.configs[rep % len(opts.configs):] + opts.configs[:rep % len(opts.configs)]
@@ -1028,6 +1058,10 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
             runs.append(entry)
             ctx.unreaped_cpu_s += entry.get("unreaped_cpu_s", 0.0)
     out = analyse(runs, opts, model_info)
+    if calibration:
+        out.raw["calibration"] = calibration
+        out.notes.append(f"Calibration for configuration {CALIBRATED}: {calibration['seconds']:.0f} s "
+                         f"(`{calibration['command']}`), profile serve-gate-profile-calibrated.json.")
     _keep_logs(runs, Path(ctx.config.out))
     return out
 

@@ -48,6 +48,7 @@ from .serve_part import (
     run_server,
     run_stats,
 )
+from .serve_calibrate import CALIBRATED
 from .serve_server import Server, ServerFailed, log_tail
 from .serve_workload import ReuseIndex, Workload, run_sessions
 
@@ -123,6 +124,9 @@ def without_unavailable_caps(opts: ServeOptions) -> tuple[ServeOptions, str | No
 def check_sweep(opts: ServeOptions) -> list[str]:
     problems = []
     problems += check_configs(opts)
+    if CALIBRATED in opts.configs:
+        problems.append(f"configuration {CALIBRATED}: the session workload only (the sweep would need a profile per "
+                        "read cap and context range); pass gate_profile=PATH to give the sweep's pykvcache one")
     if "recompute" not in opts.configs:
         problems.append("the long-context sweep needs the recompute configuration (every ratio is against it)")
     if not opts.phases or any(p not in PHASES for p in opts.phases):
