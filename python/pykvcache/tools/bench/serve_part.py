@@ -51,6 +51,8 @@ from .read_throttle import unavailable as read_throttle_unavailable
 from .parts import BenchContext, Figure, Part, PartOutput, Step, Table, register_part
 from .serve_calibrate import CALIBRATED, calibrate
 from .serve_calibrate import summary as calibration_summary
+from .serve_restart import RESTARTED, run_predecessor
+from .serve_restart import restored as restored_device
 from .serve_server import Server, ServerConfig, ServerFailed, log_tail
 from .serve_workload import Workload, run_sessions
 
@@ -63,7 +65,9 @@ ALL_CONFIGS = ("recompute", "pykvcache", "gate_off", "lookahead_off", "verify_he
 VARIANT = "variant"
 #: pykvcache's defaults with a gate profile calibrated before the first round
 #: on the run's disk and read cap (serve_calibrate.py). Not in the defaults.
-KNOWN_CONFIGS = (*ALL_CONFIGS, VARIANT, CALIBRATED)
+#: pykvcache's defaults on a server started where a predecessor of the same
+#: configuration stopped (serve_restart.py). Not in the defaults.
+KNOWN_CONFIGS = (*ALL_CONFIGS, VARIANT, CALIBRATED, RESTARTED)
 PYKVCACHE_CONFIGS = {
     "pykvcache": {},
     "gate_off": {"gate": False},
@@ -71,6 +75,7 @@ PYKVCACHE_CONFIGS = {
     "verify_header": {"verify": "header"},
     VARIANT: {},  # pykvcache's defaults, from variant_path (server_config)
     CALIBRATED: {},  # pykvcache's defaults with calibrated_profile (server_config)
+    RESTARTED: {},  # pykvcache's defaults, after a predecessor on the same storage (run_server)
 }
 #: Reused-prefix buckets of the TTFT split (tokens; lower bounds).
 BUCKETS = (0, 1, 256, 1024, 2048)
@@ -300,7 +305,8 @@ def steps_for(opts: ServeOptions) -> int:
         return sweep_steps(opts)
     per_server = 2 + len(opts.concurrency) + (1 if opts.pr_prompts else 0)
     calibrating = CALIBRATED in opts.configs and not opts.calibrated_profile
-    return opts.repeats * len(opts.configs) * per_server + int(calibrating)
+    predecessors = opts.repeats * (RESTARTED in opts.configs)
+    return opts.repeats * len(opts.configs) * per_server + int(calibrating) + predecessors
 
 
 def steps(cfg: BenchConfig) -> int:
@@ -444,6 +450,13 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
     busy: CpuContention | None = None
     throttle: ReadThrottle | None = None
     entry["command"] = " ".join(server.command())
+    if name == RESTARTED:
+        step.advance(f"{name} #{rep + 1}: its predecessor")
+        try:
+            entry["predecessor"] = run_predecessor(cfg, model, opts, storage, work / "logs" / f"{tag}-predecessor.log",
+                                                   str(Path(model) / "tokenizer.json"))
+        except ServerFailed as e:
+            return {**entry, "error": f"predecessor: {e}"}
     step.advance(f"{name} #{rep + 1}: starting")
     try:
         server.start()
@@ -451,6 +464,8 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
         return {**entry, "error": str(e)}
     try:
         entry["startup_s"] = round(server.startup_s or 0.0, 1)
+        if name == RESTARTED:
+            entry["predecessor"]["restored"] = restored_device(log)
         if name == "lmcache" and (why := lmcache_degraded(log)):
             # LMCache answers requests even when it cannot move KV (it says it
             # falls back to recompute); measuring that would be measuring nothing.
@@ -1062,6 +1077,13 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
         out.raw["calibration"] = calibration
         out.notes.append(f"Calibration for configuration {CALIBRATED}: {calibration['seconds']:.0f} s "
                          f"(`{calibration['command']}`), profile serve-gate-profile-calibrated.json.")
+    if preds := [r["predecessor"] for r in runs if r["config"] == RESTARTED and "predecessor" in r]:
+        out.notes.append(
+            f"Configuration {RESTARTED}: before each of its servers a predecessor with the same settings served "
+            f"{preds[0]['requests']} requests on other documents on the same storage and was stopped cleanly; "
+            "the gate's device model it saved (decision 0073): "
+            + "; ".join(f"learnt {p['learnt_mbps'] or 0:.0f} MB/s, restored by the measured server: "
+                        f"{'yes' if p.get('restored') else 'NO'}" for p in preds) + ".")
     _keep_logs(runs, Path(ctx.config.out))
     return out
 
@@ -1070,9 +1092,10 @@ def _keep_logs(runs: list[dict[str, Any]], out_dir: Path) -> None:
     """Every server's log goes into the report directory (the work directory is removed)."""
     logs = out_dir / "serve-logs"
     for r in runs:
-        if Path(r["log"]).exists():
-            logs.mkdir(parents=True, exist_ok=True)
-            (logs / Path(r["log"]).name).write_text(Path(r["log"]).read_text(errors="replace"))
+        for log in (Path(r["log"]), Path(r.get("predecessor", {}).get("log") or r["log"])):
+            if log.exists():
+                logs.mkdir(parents=True, exist_ok=True)
+                (logs / log.name).write_text(log.read_text(errors="replace"))
 
 
 def run(ctx: BenchContext) -> PartOutput:

@@ -49,6 +49,7 @@ from .serve_part import (
     run_stats,
 )
 from .serve_calibrate import CALIBRATED
+from .serve_restart import RESTARTED
 from .serve_server import Server, ServerFailed, log_tail
 from .serve_workload import ReuseIndex, Workload, run_sessions
 
@@ -124,9 +125,11 @@ def without_unavailable_caps(opts: ServeOptions) -> tuple[ServeOptions, str | No
 def check_sweep(opts: ServeOptions) -> list[str]:
     problems = []
     problems += check_configs(opts)
-    if CALIBRATED in opts.configs:
-        problems.append(f"configuration {CALIBRATED}: the session workload only (the sweep would need a profile per "
-                        "read cap and context range); pass gate_profile=PATH to give the sweep's pykvcache one")
+    for name in (CALIBRATED, RESTARTED):
+        if name not in opts.configs:
+            continue
+        problems.append(f"configuration {name}: the session workload only (the sweep would need a profile per "
+                        "read cap and context range, or a predecessor per point)")
     if "recompute" not in opts.configs:
         problems.append("the long-context sweep needs the recompute configuration (every ratio is against it)")
     if not opts.phases or any(p not in PHASES for p in opts.phases):

@@ -1,0 +1,86 @@
+"""Configuration ``restarted`` of the serving part: pykvcache's defaults on a
+server that starts where an earlier server of the same configuration stopped.
+
+Why: every other configuration starts a fresh server on empty storage, so its
+gate prices its first reads at its prior (1 GB/s without a profile) until
+two loads end; under a read cap the slowest requests of a run were there
+(session 17). A production server restarts on its own directories, and the
+gate keeps what it learnt of the device beside the namespace (decision 0073).
+This configuration measures that at serving level: before the measured
+server, a predecessor with the same settings and storage serves a short
+workload on other documents (so nothing it stored is reused by the measured
+sessions), under the same read cap, and is stopped cleanly (SIGINT: vLLM's
+shutdown, where the tier saves the device model). The measured server then
+starts on those directories.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .read_throttle import ReadThrottle
+from .serve_server import Server, ServerConfig, ServerFailed, log_tail
+from .serve_workload import Workload, run_sessions
+
+if TYPE_CHECKING:
+    from .serve_part import ServeOptions
+
+RESTARTED = "restarted"
+#: The line the tier logs when it starts from a saved device model (disk_tier.py).
+RESTORED_MARK = "the gate starts from the device model saved in"
+DEVICE_FILE = "gate-device.json"
+#: Documents of the predecessor's workload come from their own seed: none of
+#: them is among the measured workload's.
+PREDECESSOR_SEED = 77_777
+
+
+def predecessor_workload(opts: ServeOptions) -> Workload:
+    """A few sessions over two documents, several turns each: enough loads
+    for the gate to learn the device (it needs two), about half a minute."""
+    return Workload(sessions=6, turns=3, documents=2, doc_tokens=opts.doc_tokens,
+                    question_tokens=opts.question_tokens, answer_tokens=opts.answer_tokens,
+                    output_tokens=opts.output_tokens, concurrency=3, think_s=opts.think_s,
+                    seed=opts.seed + PREDECESSOR_SEED, block_tokens=32)
+
+
+def run_predecessor(cfg: ServerConfig, model: str, opts: ServeOptions, storage: Path, log: Path,
+                    tokenizer_json: str) -> dict[str, Any]:
+    """Serves :func:`predecessor_workload` on ``storage`` and stops cleanly.
+    Raises ServerFailed when the predecessor cannot start or dies, or when it
+    left no device model behind (the measurement would then be of a fresh
+    server under another name)."""
+    server = Server(replace(cfg), log, opts.start_timeout_s)
+    started = time.monotonic()
+    server.start()
+    throttle: ReadThrottle | None = None
+    try:
+        if opts.read_mbps and server.proc is not None:
+            throttle = ReadThrottle(server.proc.pid, storage, int(opts.read_mbps * 1e6))
+            throttle.__enter__()
+        w = predecessor_workload(opts)
+        records, wall = run_sessions(server.url, model, w, tokenizer_json)
+        learnt = next((v for k, v in server.metrics().items()
+                       if k.startswith("vllm:pykvcache_gate_disk_bandwidth_mbps")), None)
+        if not server.alive():
+            raise ServerFailed(f"the predecessor died during its workload:\n{log_tail(log)}")
+    finally:
+        if throttle is not None:
+            throttle.__exit__(None, None, None)
+        server.stop()
+    saved = sorted(storage.glob(f"*/{DEVICE_FILE}"))
+    if not saved:
+        raise ServerFailed(f"the predecessor left no {DEVICE_FILE} under {storage}:\n{log_tail(log)}")
+    return {"requests": len(records), "errors": sum(r.error is not None for r in records),
+            "workload_s": round(wall, 1), "seconds": round(time.monotonic() - started, 1),
+            "learnt_mbps": learnt, "device_file": str(saved[0]), "log": str(log)}
+
+
+def restored(log: Path) -> bool:
+    """Whether the measured server's tier started from the saved model."""
+    try:
+        return RESTORED_MARK in log.read_text(errors="replace")
+    except OSError:
+        return False
