@@ -289,11 +289,18 @@ class GateWiring:
         return device_memory.restore(path, online)
 
     def save_device(self, path, *, every_s: float = 0.0) -> bool:
-        """Save the learnt device model at ``path`` (decision 0073), unless it
-        was saved less than ``every_s`` ago or nothing new was learnt since."""
+        """Save the learnt device model at ``path`` (decision 0073), unless
+        nothing new was learnt since the last save, or it was saved less than
+        ``every_s`` ago and the window already outweighs the prior. Until it
+        does, every load is saved: those are the loads that move the model
+        most, and vLLM's OpenAI server stops its engine without a teardown
+        (``--shutdown-timeout 0``, its default, force-kills it), so the save
+        at shutdown may never run (decision 0074)."""
         online = self.gate.online
         now = self.clock()
-        if online is None or online.samples == self._device_saved_samples or now - self._device_saved_at < every_s:
+        if online is None or online.samples == self._device_saved_samples:
+            return False
+        if now - self._device_saved_at < every_s and online.samples > online.prior_weight + 1:
             return False
         saved = device_memory.save(path, online)
         self._device_saved_at, self._device_saved_samples = now, online.samples

@@ -453,7 +453,8 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
     if name == RESTARTED:
         step.advance(f"{name} #{rep + 1}: its predecessor")
         try:
-            entry["predecessor"] = run_predecessor(cfg, model, opts, storage, work / "logs" / f"{tag}-predecessor.log",
+            entry["predecessor"] = run_predecessor(cfg, model, opts, bytes_per_token, storage,
+                                                   work / "logs" / f"{tag}-predecessor.log",
                                                    str(Path(model) / "tokenizer.json"))
         except ServerFailed as e:
             return {**entry, "error": f"predecessor: {e}"}
@@ -1082,8 +1083,9 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
             f"Configuration {RESTARTED}: before each of its servers a predecessor with the same settings served "
             f"{preds[0]['requests']} requests on other documents on the same storage and was stopped cleanly; "
             "the gate's device model it saved (decision 0073): "
-            + "; ".join(f"learnt {p['learnt_mbps'] or 0:.0f} MB/s, restored by the measured server: "
-                        f"{'yes' if p.get('restored') else 'NO'}" for p in preds) + ".")
+            + "; ".join(f"learnt {p['learnt_mbps'] or 0:.0f} MB/s from {p['saved_loads']} loads saved, "
+                        + (f"restored: {p['restored'][0]} loads at {p['restored'][1]:.0f} MB/s" if p.get("restored")
+                           else "NOT restored by the measured server") for p in preds) + ".")
     _keep_logs(runs, Path(ctx.config.out))
     return out
 

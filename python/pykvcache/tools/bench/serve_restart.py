@@ -16,6 +16,9 @@ starts on those directories.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -37,17 +40,21 @@ DEVICE_FILE = "gate-device.json"
 PREDECESSOR_SEED = 77_777
 
 
-def predecessor_workload(opts: ServeOptions) -> Workload:
-    """A few sessions over two documents, several turns each: enough loads
-    for the gate to learn the device (it needs two), about half a minute."""
-    return Workload(sessions=6, turns=3, documents=2, doc_tokens=opts.doc_tokens,
+def predecessor_workload(opts: ServeOptions, bytes_per_token: int) -> Workload:
+    """Two sessions per document, over more documents than staging holds:
+    the second session on a document finds it on disk, not in staging, so the
+    gate learns the device from real reads (it needs three loads to outweigh
+    its prior). About half a minute at 25 MB/s."""
+    held = opts.staging_bytes / max(1, opts.doc_tokens * bytes_per_token)
+    documents = max(2, math.ceil(1.5 * held) + 1)
+    return Workload(sessions=2 * documents, turns=2, documents=documents, doc_tokens=opts.doc_tokens,
                     question_tokens=opts.question_tokens, answer_tokens=opts.answer_tokens,
                     output_tokens=opts.output_tokens, concurrency=3, think_s=opts.think_s,
                     seed=opts.seed + PREDECESSOR_SEED, block_tokens=32)
 
 
-def run_predecessor(cfg: ServerConfig, model: str, opts: ServeOptions, storage: Path, log: Path,
-                    tokenizer_json: str) -> dict[str, Any]:
+def run_predecessor(cfg: ServerConfig, model: str, opts: ServeOptions, bytes_per_token: int, storage: Path,
+                    log: Path, tokenizer_json: str) -> dict[str, Any]:
     """Serves :func:`predecessor_workload` on ``storage`` and stops cleanly.
     Raises ServerFailed when the predecessor cannot start or dies, or when it
     left no device model behind (the measurement would then be of a fresh
@@ -60,7 +67,7 @@ def run_predecessor(cfg: ServerConfig, model: str, opts: ServeOptions, storage: 
         if opts.read_mbps and server.proc is not None:
             throttle = ReadThrottle(server.proc.pid, storage, int(opts.read_mbps * 1e6))
             throttle.__enter__()
-        w = predecessor_workload(opts)
+        w = predecessor_workload(opts, bytes_per_token)
         records, wall = run_sessions(server.url, model, w, tokenizer_json)
         learnt = next((v for k, v in server.metrics().items()
                        if k.startswith("vllm:pykvcache_gate_disk_bandwidth_mbps")), None)
@@ -73,14 +80,23 @@ def run_predecessor(cfg: ServerConfig, model: str, opts: ServeOptions, storage: 
     saved = sorted(storage.glob(f"*/{DEVICE_FILE}"))
     if not saved:
         raise ServerFailed(f"the predecessor left no {DEVICE_FILE} under {storage}:\n{log_tail(log)}")
+    try:
+        points = len(json.loads(saved[0].read_text())["points"])
+    except (OSError, ValueError, KeyError, TypeError):
+        points = 0
     return {"requests": len(records), "errors": sum(r.error is not None for r in records),
             "workload_s": round(wall, 1), "seconds": round(time.monotonic() - started, 1),
-            "learnt_mbps": learnt, "device_file": str(saved[0]), "log": str(log)}
+            "learnt_mbps": learnt, "saved_loads": points, "device_file": str(saved[0]), "log": str(log)}
 
 
-def restored(log: Path) -> bool:
-    """Whether the measured server's tier started from the saved model."""
+_RESTORED = re.compile(re.escape(RESTORED_MARK) + r" \S+ \((\d+) loads: (\d+) MB/s\)")
+
+
+def restored(log: Path) -> tuple[int, float] | None:
+    """``(loads, MB/s)`` the measured server's tier started from, as it logged
+    them; None when it started from its prior."""
     try:
-        return RESTORED_MARK in log.read_text(errors="replace")
+        m = _RESTORED.search(log.read_text(errors="replace"))
     except OSError:
-        return False
+        return None
+    return (int(m.group(1)), float(m.group(2))) if m else None
