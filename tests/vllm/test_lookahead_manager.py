@@ -701,9 +701,10 @@ def test_the_preload_byte_budget_follows_the_device_speed_the_gate_learns(tmp_pa
     try:
         keys = [_key(i) for i in range(8)]
         h.on_disk_only(keys)
-        # Nothing learnt yet: the engine's default bound.
-        assert h.store_obj.background_budget is None
-        assert h.m.metrics.gauges.get("disk_background_budget_bytes", 0) == 0
+        # Nothing learnt yet: one chunk (decision 0075; before, no byte bound at all).
+        assert h.store_obj.background_budget == chunk_file_bytes(CHUNK)
+        h.m.get_stats()
+        assert h.m.metrics.gauges["disk_background_budget_bytes"] == chunk_file_bytes(CHUNK)
         h.probe("r", keys[:4])
         h.settle()
         assert gate.online.samples == 1
@@ -711,6 +712,12 @@ def test_the_preload_byte_budget_follows_the_device_speed_the_gate_learns(tmp_pa
         assert h.store_obj.background_budget == expected
         h.m.get_stats()
         assert h.m.metrics.gauges["disk_background_budget_bytes"] == expected
+    finally:
+        h.close()
+    # A manager whose gate does not learn the device keeps the engine's own bound.
+    h = Harness(tmp_path / "kv2", num_slots=16)
+    try:
+        assert h.store_obj.background_budget is None
     finally:
         h.close()
 
@@ -795,6 +802,12 @@ def test_a_restarted_manager_starts_from_the_device_model_the_last_one_learnt(tm
         assert second.online.samples == 2
         assert second.online.disk_bytes_per_s == pytest.approx(first.online.disk_bytes_per_s)
         assert h.m.gating.device_bytes_per_s() == pytest.approx(first.online.disk_bytes_per_s)
+        # Its preload byte bound comes from the restored speed from the start (0075).
+        from pykvcache._core import chunk_file_bytes
+        from pykvcache.vllm.manager import PRELOAD_YIELD_S
+
+        assert h.store_obj.background_budget == max(chunk_file_bytes(CHUNK),
+                                                     int(second.online.disk_bytes_per_s * PRELOAD_YIELD_S))
     finally:
         h.close()
     # A file that cannot be read (here: a directory in its place) is ignored, and so is failing to save.

@@ -188,6 +188,9 @@ class NoGating:
     def device_bytes_per_s(self) -> float | None:
         return None
 
+    def learns_device(self) -> bool:
+        return False
+
     def restore_device(self, path) -> tuple[int, str | None]:
         return 0, "no gate"
 
@@ -277,6 +280,10 @@ class GateWiring:
         if online is None or not online.samples:
             return None
         return online.disk_bytes_per_s
+
+    def learns_device(self) -> bool:
+        """Whether reads teach this gate the device (an online load model)."""
+        return self.gate.online is not None
 
     def restore_device(self, path) -> tuple[int, str | None]:
         """Replay the device model a previous server saved at ``path``

@@ -123,7 +123,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         # Keys a lookup answered HIT while their read was in flight, until the read ends.
         self._hit_in_flight: set[bytes] = set()
         self._prefetching: set[bytes] = set()  # keys of _reads submitted at background priority
-        self._background_budget: int | None = None  # the engine's prefetch byte bound, once learnt
+        self._background_budget: int | None = None  # the engine's prefetch byte bound (None: its default)
         self._writes: dict[bytes, object] = {}
         self._write_queue: list[bytes] = []  # stored in staging, not yet submitted
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -153,6 +153,9 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         # The gate's explorations are read here in the background; the
         # explored request recomputes (decision 0071).
         self.gating.set_sampler(self._sample_reads)
+        # The preload byte bound from the start: what a restored device model
+        # says (0073), or one chunk until the gate has timed a read.
+        self._update_background_budget()
 
     def enable_in_flight_hits(self) -> None:
         """Answer HIT for a chunk whose disk read is in flight. The caller
@@ -641,11 +644,19 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
     def _update_background_budget(self) -> None:
         """Bound what preloads have at the device to ``PRELOAD_YIELD_S`` of the
         device speed the gate learnt (at least one chunk), so that a load
-        waits at most about that long behind them."""
+        waits at most about that long behind them. Before the gate has timed
+        a read (and restored none, 0073), one chunk: the engine's own bound
+        counts reads, not bytes, and on a disk capped at 25 MB/s the preloads
+        a server started with kept its first demand reads seconds behind them
+        (decision 0075). A gate that does not learn keeps the engine's bound."""
         speed = self.gating.device_bytes_per_s()
+        floor = chunk_file_bytes(self.layout.payload_bytes)
         if speed is None:
-            return
-        budget = max(chunk_file_bytes(self.layout.payload_bytes), int(speed * PRELOAD_YIELD_S))
+            if not self.gating.learns_device():
+                return
+            budget = floor
+        else:
+            budget = max(floor, int(speed * PRELOAD_YIELD_S))
         if budget != self._background_budget:
             self._background_budget = budget
             self.store.set_background_budget(budget)
