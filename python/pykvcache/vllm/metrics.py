@@ -79,7 +79,7 @@ GAUGES = {
     "disk_filler_chunks": "Filler chunks (preformat: true) not yet overwritten by real chunks.",
     "disk_recycled_files": "Puts since start that overwrote an evicted chunk's or a filler's file instead of allocating one.",
     "disk_recycle_skipped": "Puts since start whose evicted or filler file was locked or taken when claimed (a reader, a scan, another node): they wrote a fresh file.",
-    "disk_background_budget_bytes": "Bytes preloads may have in flight at the device: the device speed the gate learnt times 3 ms, at least one chunk (0: not learnt yet, the engine's default bound).",
+    "disk_background_budget_bytes": "Bytes preloads may have in flight at the device: the device speed the gate learnt times 3 ms, at least one chunk; one chunk until the gate has timed a read (0: a gate that does not learn the device, the engine's own count bound).",
     "disk_capacity_bytes": "Capacity eviction enforces: capacity_bytes, or lower once the filesystem filled up first (ENOSPC).",
     "disk_other_namespace_bytes": "Bytes of other namespaces' chunks in the storage directories (other models or configurations): they count against capacity_bytes and are evicted when stalest.",
     "disk_other_writers": "Other processes (or stores) writing the storage directories now, by their writer leases: while any, the index is refreshed (refresh_interval_s: auto).",
