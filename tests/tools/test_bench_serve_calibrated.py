@@ -63,3 +63,13 @@ def test_a_failed_calibration_raises_with_its_output(tmp_path):
         calibrate(str(tmp_path / "model"), opts, tmp_path / "work", log)
     assert log.read_text() and str(tmp_path / "model") in str(err.value)
     assert not (tmp_path / "work" / "calibrate" / "kv").exists(), "its storage directory is removed"
+
+
+def test_gate_trace_gives_every_pykvcache_server_a_trace_beside_its_storage(tmp_path):
+    opts = ServeOptions(configs=["recompute", "pykvcache", CALIBRATED], calibrated_profile=__file__,
+                        gate_trace=True)
+    for name in ("pykvcache", CALIBRATED):
+        extra = server_config(name, "m", opts, BPT, tmp_path / name / "kv").kv_transfer_config[
+            "kv_connector_extra_config"]
+        assert extra["gate_trace"] == str(tmp_path / name / "gate-trace.jsonl")
+    assert server_config("recompute", "m", opts, BPT, tmp_path / "r" / "kv").kv_transfer_config is None

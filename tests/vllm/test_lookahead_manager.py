@@ -822,3 +822,52 @@ def test_a_restarted_manager_starts_from_the_device_model_the_last_one_learnt(tm
         assert third.online.samples == 1
     finally:
         h.close()
+
+
+def test_the_gate_trace_records_decisions_reads_and_lessons(tmp_path, caplog):
+    """``gate_trace``: a preload's and a lookup's decisions with the states
+    they saw, each read, and the busy period learnt, one JSON line each; a
+    trace that cannot be written stops with one warning and serving goes on
+    (here: /dev/full, every write ENOSPC)."""
+    import json
+    import logging
+
+    from pykvcache.gate import OnlineLoadModel
+    from pykvcache.gate.trace import DecisionTrace
+
+    prior = LoadCost(fixed_s=1e-4, disk_bytes_per_s=1e9, h2d_bytes_per_s=1e15)
+    gate = AdmissionGate(CostModel(PrefillCurve(0.0, 10.0 / CT, 0.0), prior, CHUNK / CT), chunk_tokens=CT,
+                         online=OnlineLoadModel(prior))
+    h = Harness(tmp_path / "kv", num_slots=16, gate=gate, lookahead_slots=8, window=4)
+    path = tmp_path / "trace.jsonl"
+    h.m.gating.set_trace(DecisionTrace(path))
+    try:
+        keys = [_key(i) for i in range(8)]
+        h.on_disk_only(keys)
+        h.queue("waiting", keys[:4], arrival=0.0)
+        h.step()
+        h.settle()
+        h.probe("r", keys[4:])
+        h.settle()
+    finally:
+        h.close()
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert records[0]["ev"] == "start"
+    first = {}
+    for r in records:
+        if r["ev"] == "decide":
+            first.setdefault(r["role"], r)
+    assert (first["preload"]["req"], first["preload"]["disk"], first["preload"]["load"]) == ("waiting", 4, 4)
+    lookup = first["lookup"]
+    assert (lookup["req"], lookup["disk"], lookup["load"], lookup["reason"]) == ("r", 4, 4, "load")
+    reads = [r for r in records if r["ev"] == "read"]
+    assert len(reads) == 8 and all(r["latency_s"] >= 0 and r["mb"] > 0 for r in reads)
+    assert any(r["ev"] == "learn" and r["mbps"] for r in records)
+    assert [r["t"] for r in records] == sorted(r["t"] for r in records)
+
+    with caplog.at_level(logging.WARNING, logger="pykvcache.gate.trace"):
+        full = DecisionTrace("/dev/full")
+        for _ in range(3):
+            full.read(0.0, 0.1, CHUNK, sample=False)
+    said = [r.getMessage() for r in caplog.records if "/dev/full" in r.getMessage()]
+    assert len(said) == 1 and "the trace stops" in said[0], said

@@ -314,6 +314,9 @@ class PykvcacheConfig:
     gate: bool = key(True, check=flag)
     gate_margin: float = key(1.0, check=number("a number > 0", above=0))
     gate_online: bool = key(True, check=flag)
+    # A JSON-lines trace of every gate decision, read and learnt period
+    # (pykvcache.gate.trace; for diagnosing a run, not for production).
+    gate_trace: str | None = key(None, check=file_path, null_is_default=True)
     # 0 = off, a token count, or "break_even".
     store_min_tokens: int | str = key(0, check=either('0 (off), a token count or "break_even"',
                                                       count(0, math.inf), literal("break_even")))

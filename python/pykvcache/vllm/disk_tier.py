@@ -167,8 +167,17 @@ def build_gating(settings: PykvcacheConfig, *, model: str, dtype: str, chunk_byt
                 "never" if be == float("inf") else f"{be:.0f}",
                 f", store admission min_tokens={s.store_min_tokens} "
                 f"second_sighting={s.store_second_sighting}" if admission else "")
-    return GateWiring(gate, chunk_tokens=chunk_tokens, chunk_bytes=chunk_bytes,
-                      admission=admission, store_min_tokens=s.store_min_tokens)
+    wiring = GateWiring(gate, chunk_tokens=chunk_tokens, chunk_bytes=chunk_bytes,
+                        admission=admission, store_min_tokens=s.store_min_tokens)
+    if s.gate_trace:
+        from pykvcache.gate.trace import DecisionTrace
+
+        try:
+            wiring.set_trace(DecisionTrace(s.gate_trace))
+            logger.info("pykvcache gate: tracing decisions, reads and learnt periods to %s", s.gate_trace)
+        except OSError as exc:  # a diagnostic: serving goes on without it
+            logger.warning("pykvcache gate: cannot open gate_trace %s (%s); not tracing", s.gate_trace, exc)
+    return wiring
 
 
 #: The learnt device model is saved at most this often while serving (and at
@@ -316,6 +325,7 @@ class DiskTier:
             drain()
         finally:
             self._save_device_model()
+            self.gating.close_trace()
             self._unusable.flush()
             self.store.close()
             try:

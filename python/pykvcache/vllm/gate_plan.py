@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter, StoreAdmission, device_memory
 from pykvcache.gate.busy_periods import DeviceBusyPeriods
 from pykvcache.gate.request_keys import request_keys_from
+from pykvcache.gate.trace import DecisionTrace
 
 #: Requests whose loads are still timed after they were scheduled (each
 #: holds its plans until its reads end; the oldest are let go beyond this).
@@ -191,6 +192,15 @@ class NoGating:
     def learns_device(self) -> bool:
         return False
 
+    def set_trace(self, trace) -> None:
+        pass
+
+    def trace_decision(self, role: str, req_id: Hashable, inputs: GateInputs, decision: GateDecision) -> None:
+        pass
+
+    def close_trace(self) -> None:
+        pass
+
     def restore_device(self, path) -> tuple[int, str | None]:
         return 0, "no gate"
 
@@ -258,6 +268,21 @@ class GateWiring:
         # When the device model was last saved, and how many loads it had then.
         self._device_saved_at = float("-inf")
         self._device_saved_samples = 0
+        self.trace: DecisionTrace | None = None  # gate_trace: every decision, read and lesson
+
+    def set_trace(self, trace: DecisionTrace | None) -> None:
+        """Write every decision, read and learnt busy period to ``trace`` (pykvcache.gate.trace)."""
+        self.trace = trace
+
+    def trace_decision(self, role: str, req_id: Hashable, inputs: GateInputs, decision: GateDecision) -> None:
+        """A decision made elsewhere (the preloader's) into the trace."""
+        if self.trace is not None:
+            self.trace.decided(role, req_id, inputs.states, decision, queued_bytes=inputs.queued_bytes,
+                               waiting=inputs.waiting_requests, bytes_per_s=self.device_bytes_per_s())
+
+    def close_trace(self) -> None:
+        if self.trace is not None:
+            self.trace.close()
 
     def set_sampler(self, sampler: Callable[[Sequence[bytes]], Sequence[bytes]]) -> None:
         """``sampler(keys)`` starts background reads of ``keys`` (chunks this
@@ -362,6 +387,8 @@ class GateWiring:
         decision = self.gate.decide(states, start_tokens=start, queued_bytes=queued,
                                     waiting_requests=inputs.waiting_requests, now=now,
                                     sample_in_background=self._sampler is not None)
+        if self.trace is not None:
+            self.trace_decision("lookup", req_id, inputs, decision)
         allowed = keys[: decision.load_chunks]
         plan = Plan(considered=frozenset(keys), allowed=frozenset(allowed), decision=decision,
                     started=now, queued_bytes=queued)
@@ -443,6 +470,8 @@ class GateWiring:
         exploration's measurement (decision 0071)."""
         sample = key in self._sample_keys
         self._sample_keys.discard(key)
+        if self.trace is not None:
+            self.trace.read(started_at, latency_s, nbytes, sample=sample)
         period = self.busy.read_ended(started_at, latency_s, nbytes, timed_elsewhere=key in self._awaited_by,
                                       sample=sample)
         if period is None:
@@ -454,6 +483,8 @@ class GateWiring:
             return 0
         self.gate.observe_load(period[0], period[1], now=now, explored=period[3])
         self.observations += 1
+        if self.trace is not None:
+            self.trace.learnt(period[0], period[1], explored=period[3], bytes_per_s=self.device_bytes_per_s())
         return 1
 
     def _stop_timing(self, req_id: Hashable, plan: Plan) -> None:

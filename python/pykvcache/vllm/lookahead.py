@@ -35,7 +35,7 @@ from typing import Protocol
 
 from vllm.v1.kv_offload.base import LookupResult
 
-from pykvcache.gate import AdmissionGate, ChunkState
+from pykvcache.gate import AdmissionGate, ChunkState, GateDecision
 from pykvcache.vllm.gate_plan import GateInputs
 from pykvcache.vllm.staging_cache import LOOKAHEAD, LOOKUP, EntryState, StagingCache, owner
 
@@ -49,6 +49,10 @@ class PreloadHost(Protocol):
 
     def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False) -> LookupResult:
         """Start reading ``key`` into staging, held for ``owner``; MISS when it cannot."""
+        ...
+
+    def trace_decision(self, role: str, req_id: Hashable, inputs: GateInputs, decision: GateDecision) -> None:
+        """Record a preload's decision in the gate's trace (``gate_trace``), if any."""
         ...
 
 
@@ -270,6 +274,7 @@ class Preloader:
                                         queued_bytes=inputs.queued_bytes,
                                         waiting_requests=inputs.waiting_requests)
             self.gate.take_counters()  # a gate of its own: lookups count decisions, preloads not
+            self.host.trace_decision("preload", req_id, inputs, decision)
             wanted = decision.load_chunks
             self.metrics.inc("lookahead_gate_skipped_chunks", decision.available_chunks - wanted)
         else:

@@ -240,6 +240,10 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         waiting += sum(1 for handle in self._writes.values() if not handle.done())
         return waiting * self.layout.payload_bytes
 
+    def trace_decision(self, role, req_id, inputs, decision) -> None:
+        """The preloader's decisions into the gate's trace (``gate_trace``)."""
+        self.gating.trace_decision(role, req_id, inputs, decision)
+
     def waiting_behind(self, req_id) -> int:
         """Requests waiting to be scheduled after ``req_id`` (the ones its
         recompute would delay; waiting_queue.py)."""

@@ -152,6 +152,9 @@ class ServeOptions:
     # storage disk under this run's read cap (serve_calibrate.py); a path
     # reuses a profile.
     calibrated_profile: str | None = None
+    # Every pykvcache server writes the gate's trace (gate_trace: each
+    # decision, read and learnt period) next to its log in serve-logs/.
+    gate_trace: bool = False
 
     def check(self) -> list[str]:
         problems = []
@@ -379,6 +382,8 @@ def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: in
         if name == CALIBRATED:
             assert opts.calibrated_profile, "run_with calibrates before the first round"
             extra["gate_profile"] = opts.calibrated_profile
+        if opts.gate_trace:
+            extra["gate_trace"] = str(storage.parent / "gate-trace.jsonl")
         cfg.kv_transfer_config = {"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm",
                                   "kv_role": "kv_both", "kv_connector_extra_config": extra}
     elif name == "lmcache":
@@ -1098,6 +1103,11 @@ def _keep_logs(runs: list[dict[str, Any]], out_dir: Path) -> None:
             if log.exists():
                 logs.mkdir(parents=True, exist_ok=True)
                 (logs / log.name).write_text(log.read_text(errors="replace"))
+        # The gate's trace (gate_trace) sits beside the server's storage.
+        trace = Path(r["log"]).parent.parent / Path(r["log"]).stem / "gate-trace.jsonl"
+        if trace.exists():
+            logs.mkdir(parents=True, exist_ok=True)
+            (logs / f"{Path(r['log']).stem}.gate-trace.jsonl").write_bytes(trace.read_bytes())
 
 
 def run(ctx: BenchContext) -> PartOutput:
