@@ -161,7 +161,16 @@ class LoadCost:
 
     @staticmethod
     def fit_disk(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
-        """``(fixed_s, bytes_per_s)`` from measured ``(bytes, seconds)`` reads."""
+        """``(fixed_s, bytes_per_s)`` from measured ``(bytes, seconds)`` reads.
+
+        Relative error, so that short reads (the fixed cost) count as much as
+        long ones, unless the fit then misses the longest read by more than
+        half: a device that serves a burst at a faster rate (a cgroup
+        throttle's slice allowance, a cloud disk's burst credits) made short
+        reads look 14x faster than the 100 MB/s it sustained, and that fit
+        priced every load in service at the burst (session 18). Then only the
+        reads of at least a quarter of the longest count, by absolute error,
+        and the fixed cost is what the burst leaves (at least 0)."""
         pts = [(float(b), float(t)) for b, t in points if b > 0 and t > 0 and math.isfinite(t)]
         if len({b for b, _ in pts}) < 2:
             raise ValueError("a load fit needs reads of two or more sizes")
@@ -170,6 +179,15 @@ class LoadCost:
         )
         if per_byte <= 0:
             raise ValueError("read time does not grow with size in these measurements")
+        longest = max(b for b, _ in pts)
+        slowest = max(t for b, t in pts if b == longest)
+        if fixed + per_byte * longest < slowest / 1.5:
+            long_reads = [(b, t) for b, t in pts if b >= longest / 4]
+            if len({b for b, _ in long_reads}) >= 2:
+                fixed, per_byte = nonneg_least_squares([(1.0, b) for b, _ in long_reads],
+                                                       [t for _, t in long_reads], [1.0] * len(long_reads))
+            if per_byte <= 0 or len({b for b, _ in long_reads}) < 2:
+                fixed, per_byte = 0.0, slowest / longest
         return fixed, 1.0 / per_byte
 
 
