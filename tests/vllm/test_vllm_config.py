@@ -181,7 +181,7 @@ def test_the_helper_rejects_bad_settings_when_called(tmp_path):
 #: Keys whose ``null`` means "not given" (the default); every other key refuses it.
 NULL_IS_DEFAULT = {"block_size", "blocks_per_chunk", "queue_depth", "max_inflight_writes",
                    "min_free_bytes", "min_free_fraction", "io_deadline_s", "model_id",
-                   "namespace_salt", "gate_profile", "lookahead_bytes", "lookup_hold_bytes"}
+                   "namespace_salt", "gate_profile", "gate_trace", "lookahead_bytes", "lookup_hold_bytes"}
 
 
 def _blockstore_keywords() -> list[str]:
