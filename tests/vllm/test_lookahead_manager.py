@@ -862,7 +862,7 @@ def test_the_gate_trace_records_decisions_reads_and_lessons(tmp_path, caplog):
     assert (lookup["req"], lookup["disk"], lookup["load"], lookup["reason"]) == ("r", 4, 4, "load")
     reads = [r for r in records if r["ev"] == "read"]
     assert len(reads) == 8 and all(r["latency_s"] >= 0 and r["mb"] > 0 for r in reads)
-    assert any(r["ev"] == "learn" and r["mbps"] for r in records)
+    assert any(r["ev"] == "learn" and r["mbps"] and r["from"] in ("period", "load") for r in records)
     assert [r["t"] for r in records] == sorted(r["t"] for r in records)
 
     with caplog.at_level(logging.WARNING, logger="pykvcache.gate.trace"):

@@ -16,7 +16,8 @@ stops, serving goes on. Records:
   "missing", "first_disk", "queued_mb", "waiting", "load", "disk_load", "reason",
   "sample", "est_load_s", "est_recompute_s", "mbps"}``
 * ``{"t", "ev": "read", "started", "latency_s", "mb", "sample"}``
-* ``{"t", "ev": "learn", "mb", "s", "explored", "mbps"}`` (a busy period learnt)
+* ``{"t", "ev": "learn", "from": "period"|"load", "mb", "s", "explored", "mbps"}``
+  (a busy period or a request's load learnt; ``mbps``: the model after it)
 """
 
 from __future__ import annotations
@@ -68,9 +69,12 @@ class DecisionTrace:
         self._write({"ev": "read", "started": round(started_at - self._t0, 4), "latency_s": round(latency_s, 4),
                      "mb": round(nbytes / 1e6, 3), "sample": sample})
 
-    def learnt(self, nbytes: float, seconds: float, *, explored: bool, bytes_per_s: float | None) -> None:
-        self._write({"ev": "learn", "mb": round(nbytes / 1e6, 2), "s": round(seconds, 4), "explored": explored,
-                     "mbps": None if bytes_per_s is None else round(bytes_per_s / 1e6, 1)})
+    def learnt(self, nbytes: float, seconds: float, *, explored: bool, bytes_per_s: float | None,
+               source: str) -> None:
+        """``source``: ``"period"`` (a busy period, 0066) or ``"load"`` (a
+        request's load timed to its last read, queue ahead included)."""
+        self._write({"ev": "learn", "from": source, "mb": round(nbytes / 1e6, 2), "s": round(seconds, 4),
+                     "explored": explored, "mbps": None if bytes_per_s is None else round(bytes_per_s / 1e6, 1)})
 
     def close(self) -> None:
         out, self._out = self._out, None

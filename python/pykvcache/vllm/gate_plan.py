@@ -447,6 +447,10 @@ class GateWiring:
                                                queued_bytes=plan.queued_bytes, now=now,
                                                explored=plan.decision.reason == "explore")
                         observed += 1
+                        if self.trace is not None:
+                            self.trace.learnt(plan.disk_bytes + plan.queued_bytes, plan.longest_read_s,
+                                              explored=plan.decision.reason == "explore",
+                                              bytes_per_s=self.device_bytes_per_s(), source="load")
                     else:
                         self.gate.ignore_load()
                     plan.disk_bytes = 0
@@ -484,7 +488,8 @@ class GateWiring:
         self.gate.observe_load(period[0], period[1], now=now, explored=period[3])
         self.observations += 1
         if self.trace is not None:
-            self.trace.learnt(period[0], period[1], explored=period[3], bytes_per_s=self.device_bytes_per_s())
+            self.trace.learnt(period[0], period[1], explored=period[3], bytes_per_s=self.device_bytes_per_s(),
+                              source="period")
         return 1
 
     def _stop_timing(self, req_id: Hashable, plan: Plan) -> None:
