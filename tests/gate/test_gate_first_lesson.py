@@ -1,0 +1,106 @@
+"""How a gate without a profile learns its device (decision 0079).
+
+The default prior (1 GB/s) knows nothing of the device, so it gives way to
+the first lesson; and that lesson must cover a throttle's slice (0.1 s) of
+the device's time, because a throttled disk serves its first reads at full
+speed: a fresh server on a disk capped at 25 MB/s learnt one chunk read in
+3 ms as its first lesson (session 18).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pykvcache.gate import (
+    FIRST_LESSON_S,
+    GateProfile,
+    LoadCost,
+    OnlineLoadModel,
+    ProfileExpectation,
+    build_gate,
+    device_memory,
+    hardware_id,
+)
+
+BPT = 12 * 1024
+CT = 64
+PRIOR = LoadCost(0.0, 1e9, 10e9)
+CHUNK = 2_100_000  # bytes: one chunk of the serving benchmark's model
+
+
+def _expect() -> ProfileExpectation:
+    return ProfileExpectation(model="tiny-llama", dtype="torch.float32", kv_bytes_per_token=BPT, chunk_tokens=CT)
+
+
+def test_a_burst_served_read_alone_teaches_nothing_and_is_averaged_with_the_throttled_reads_after_it():
+    online = OnlineLoadModel(PRIOR, max_factor=100.0, prior_weight=0, first_lesson_s=FIRST_LESSON_S)
+    online.observe(CHUNK, 0.003)  # from the throttle's slice allowance: 700 MB/s
+    assert online.samples == 0 and online.pooled == 1
+    assert online.disk_bytes_per_s == PRIOR.disk_bytes_per_s
+    online.observe(2 * CHUNK, 2 * CHUNK / 25e6)  # then the cap: 25 MB/s
+    assert online.samples == 1 and online.pooled == 0
+    # Three chunks in 0.171 s: 37 MB/s, where the burst alone said 700.
+    assert online.disk_bytes_per_s == pytest.approx(3 * CHUNK / (0.003 + 2 * CHUNK / 25e6))
+    assert online.disk_bytes_per_s < 40e6
+    # From then on every load counts as it comes.
+    online.observe(CHUNK, 0.003)
+    assert online.samples == 2
+
+
+def test_a_fast_device_is_learnt_once_its_loads_cover_the_slice_at_its_own_speed():
+    online = OnlineLoadModel(PRIOR, max_factor=100.0, prior_weight=0, first_lesson_s=FIRST_LESSON_S)
+    load = 16 * CHUNK  # 33.6 MB in 11.2 ms at 3 GB/s
+    loads = 0
+    while not online.samples:
+        online.observe(load, load / 3e9)
+        loads += 1
+    assert loads == 9  # the first nine loads' 0.101 s
+    assert online.disk_bytes_per_s == pytest.approx(3e9)
+    # Learnt as one load of the loads' mean size, not as their sum: a line
+    # fitted later still sees loads of this size.
+    assert online.window() == [pytest.approx((load, load / 3e9))]
+
+
+def test_a_saved_window_is_replayed_as_it_was_learnt(tmp_path):
+    before = OnlineLoadModel(PRIOR, max_factor=100.0)
+    for _ in range(3):
+        before.observe(CHUNK, 0.004)  # 525 MB/s, each well under the slice
+    path = tmp_path / device_memory.FILE_NAME
+    assert device_memory.save(path, before)
+    after = OnlineLoadModel(PRIOR, max_factor=100.0, prior_weight=0, first_lesson_s=FIRST_LESSON_S)
+    assert device_memory.restore(path, after) == (3, None)
+    assert after.pooled == 0 and after.disk_bytes_per_s == pytest.approx(CHUNK / 0.004)
+
+
+def test_the_default_gate_takes_one_slow_load_where_a_profiled_one_needs_two(tmp_path):
+    slow = 25e6
+    load, seconds = 8 * CHUNK, 8 * CHUNK / slow  # 0.67 s: longer than the slice
+    default, source = build_gate(None, _expect())
+    assert source.startswith("default")
+    default.observe_load(load, seconds)
+    assert default.online.disk_bytes_per_s == pytest.approx(slow, rel=0.01)
+
+    profile = GateProfile(
+        model="/models/tiny-llama", dtype="float32", block_size=32, chunk_tokens=CT,
+        kv_bytes_per_token=BPT, world_size=1, hardware=hardware_id(),
+        storage={"dir": "/data", "device": "nvme0n1", "fstype": "ext4"},
+        prefill={"a": 0.004, "b": 2e-5, "c": 1e-9, "points": []},
+        load={"fixed_s": 0.0, "disk_bytes_per_s": 100e6, "h2d_bytes_per_s": 2e10, "points": []},
+        break_even_tokens=30.0, created="2025-01-01T00:00:00+00:00", pykvcache_version="0.1.0",
+    )
+    expect = ProfileExpectation(model=profile.model, dtype=profile.dtype, kv_bytes_per_token=BPT, chunk_tokens=CT)
+    profiled, source = build_gate(profile.save(tmp_path / "p.json"), expect)
+    assert source == "profile"
+    # A measured device outvotes one surprising load (prior_weight 2)...
+    profiled.observe_load(load, seconds)
+    assert profiled.online.disk_bytes_per_s == pytest.approx(100e6)
+    # ...and gives way to two that agree; it also takes short loads at once.
+    profiled.observe_load(CHUNK, CHUNK / slow)
+    assert profiled.online.disk_bytes_per_s == pytest.approx(slow, rel=0.01)
+    assert profiled.online.pooled == 0
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("inf"), float("nan")])
+def test_a_first_lesson_must_be_a_finite_time(bad):
+    with pytest.raises(ValueError, match="first_lesson_s"):
+        OnlineLoadModel(PRIOR, first_lesson_s=bad)
