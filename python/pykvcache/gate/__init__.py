@@ -22,7 +22,7 @@ from pykvcache.gate import device_memory
 from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
 from pykvcache.gate.decision import GATE_COUNTERS, GATE_GAUGES, AdmissionGate, ChunkState, GateDecision
 from pykvcache.gate.exploration import Exploration
-from pykvcache.gate.online import FIRST_LESSON_S, OnlineLoadModel, OnlinePrefillModel
+from pykvcache.gate.online import MIN_LESSON_S, OnlineLoadModel, OnlinePrefillModel
 from pykvcache.gate.outages import OutageFilter
 from pykvcache.gate.profile import (
     DEFAULT_BREAK_EVEN_TOKENS,
@@ -38,7 +38,6 @@ from pykvcache.gate.store_admission import STORE_COUNTERS, StoreAdmission
 
 __all__ = [
     "DEFAULT_BREAK_EVEN_TOKENS",
-    "FIRST_LESSON_S",
     "GATE_COUNTERS",
     "GATE_GAUGES",
     "STORE_COUNTERS",
@@ -49,6 +48,7 @@ __all__ = [
     "GateDecision",
     "GateProfile",
     "LoadCost",
+    "MIN_LESSON_S",
     "OnlineLoadModel",
     "OnlinePrefillModel",
     "OutageFilter",
@@ -83,14 +83,16 @@ def build_gate(
     # 8x of it. The default prior (1 GB/s) knows nothing of the device, which
     # may be a network filesystem at tens of MB/s or an NVMe array at tens of
     # GB/s: 100x either way (a 25 MB/s device was pinned at 125 MB/s by 8x).
-    # A profile counts as two loads until two agree with each other; the
-    # default prior gives way to the first lesson, pooled over a throttle's
-    # slice so that a burst cannot teach it (decision 0079).
-    if source == "profile":
-        refine = OnlineLoadModel(model.load, max_factor=8.0) if online else None
+    # Every lesson covers a throttle's slice of the device's time, so that a
+    # burst cannot teach the gate (decision 0079). A profile counts as two
+    # loads until two agree with it no longer; the default prior gives way to
+    # the first lesson.
+    if not online:
+        refine = None
+    elif source == "profile":
+        refine = OnlineLoadModel(model.load, max_factor=8.0, min_lesson_s=MIN_LESSON_S)
     else:
-        refine = OnlineLoadModel(model.load, max_factor=100.0, prior_weight=0,
-                                 first_lesson_s=FIRST_LESSON_S) if online else None
+        refine = OnlineLoadModel(model.load, max_factor=100.0, prior_weight=0, min_lesson_s=MIN_LESSON_S)
     # The prefill side is learnt only over the default prior: a profile timed
     # prefill on this host through vLLM and stays authoritative (its load side
     # is refined as before). Without online refinement nothing could ever be

@@ -362,12 +362,14 @@ class AdmissionGate:
             if self.exploration.sampled(predicted, seconds, now):
                 # Two explored loads in a row beat the model: the device
                 # changed; what was learnt before them is stale.
-                self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes, now=now)
+                self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes, now=now, whole=True)
                 forgotten = self.online.forget_before(self.exploration.streak_since)
                 if forgotten:
                     self._inc("gate_loads_forgotten", forgotten)
                 return
-        self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes, now=now)
+        # An exploration is sized to outlast a throttle's burst (0071): a
+        # lesson however short, so that a disk fast again is seen at once.
+        self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes, now=now, whole=explored)
 
     def ignore_load(self) -> None:
         """A finished load that timed a storage outage, not the device (see

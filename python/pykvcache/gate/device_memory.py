@@ -83,6 +83,6 @@ def restore(path: str | os.PathLike[str], online: OnlineLoadModel, *, wall_now: 
     before = online.samples
     for point in points:
         if isinstance(point, list) and len(point) == 2 and all(isinstance(v, (int, float)) for v in point):
-            online.observe(float(point[0]), float(point[1]), replayed=True)  # a bad value is rejected and counted
+            online.observe(float(point[0]), float(point[1]), whole=True)  # a bad value is rejected and counted
     restored = online.samples - before
     return restored, None if restored else "no usable loads in it"

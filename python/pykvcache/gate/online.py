@@ -21,16 +21,18 @@ stay within ``[1/max_factor, max_factor]`` of the calibrated value. A slower
 SSD lowers the bandwidth estimate, which raises the break-even: longer
 prefixes are then needed before loading pays.
 
-A default prior knows nothing of the device (decision 0079): it gives way to
-the first lesson at once (``prior_weight`` 0), and that lesson must cover at
-least ``first_lesson_s`` of the device's time. Shorter observations are
-pooled until their seconds add up to it, and learnt as one load: their mean. A disk behind a throttle
-(a cgroup's io.max, a cloud volume's burst credits) serves its first reads at
-full speed: a fresh server's first busy period on a disk capped at 25 MB/s
-was one chunk, 2.1 MB in 2-4 ms, and priced every load 300x too fast. A
-throttle's slice is 0.1 s; pooled past it, the burst is averaged with the
-throttled reads after it, and a fast device reaches it after its first few
-hundred MB, its speed unchanged by pooling.
+Every lesson covers at least ``min_lesson_s`` of the device's time
+(decision 0079): shorter observations are pooled until their seconds add up
+to it, and learnt as one load, their mean. A disk behind a throttle (a
+cgroup's io.max, a cloud volume's burst credits) serves the first reads after
+an idle spell at full speed: on a disk capped at 25 MB/s a fresh server's
+first busy period was one chunk, 2.1 MB in 2-4 ms (700 MB/s), and so was a
+later one. A throttle's slice is 0.1 s; pooled past it, a burst is averaged
+with the throttled reads after it. A fast device's loads are pooled too, and
+their mean is its speed. An exploration (sized to outlast a burst, decision
+0071) and a load replayed from a saved window are lessons in themselves.
+A default prior knows nothing of the device and gives way to the first
+lesson (``prior_weight`` 0).
 
 Each point remembers when it was observed, so that what was learnt while the
 storage was failing can be forgotten (:meth:`OnlineLoadModel.forget_since`,
@@ -48,21 +50,20 @@ from collections.abc import Iterable, Sequence
 
 from pykvcache.gate.cost_model import LoadCost, PrefillCurve
 
-#: What a default prior's first lesson must cover of the device's time: the
-#: slice of Linux's blk-throttle (io.max), within which a throttled disk
-#: serves at full speed.
-FIRST_LESSON_S = 0.1
+#: What a lesson must cover of the device's time: the slice of Linux's
+#: blk-throttle (io.max), within which a throttled disk serves at full speed.
+MIN_LESSON_S = 0.1
 
 
 class OnlineLoadModel:
     def __init__(self, base: LoadCost, *, window: int = 16, prior_weight: int = 2, max_factor: float = 8.0,
-                 min_fixed_s: float = 1e-3, first_lesson_s: float = 0.0) -> None:
+                 min_fixed_s: float = 1e-3, min_lesson_s: float = 0.0) -> None:
         if window < 3:
             raise ValueError(f"window must be >= 3 (got {window})")
         if prior_weight < 0:
             raise ValueError(f"prior_weight must be >= 0 (got {prior_weight})")
-        if not (first_lesson_s >= 0 and math.isfinite(first_lesson_s)):
-            raise ValueError(f"first_lesson_s must be finite and >= 0 (got {first_lesson_s})")
+        if not (min_lesson_s >= 0 and math.isfinite(min_lesson_s)):
+            raise ValueError(f"min_lesson_s must be finite and >= 0 (got {min_lesson_s})")
         if not max_factor >= 1:
             raise ValueError(f"max_factor must be >= 1 (got {max_factor})")
         self.base = base
@@ -80,10 +81,11 @@ class OnlineLoadModel:
         self.samples = 0
         self.rejected = 0
         self.forgotten = 0
-        self.first_lesson_s = first_lesson_s
-        self.pooled = 0  # observations pooled into the first lesson, not learnt yet
+        self.min_lesson_s = min_lesson_s
+        self.pooled = 0  # observations pooled into the next lesson, not learnt yet
         self._pool_bytes = 0.0
         self._pool_s = 0.0
+        self._pool_since = 0.0  # when the first of them was observed
         self._current = base
 
     @property
@@ -104,32 +106,37 @@ class OnlineLoadModel:
         return self._fixed + (disk_bytes + queued_bytes) / self._bw
 
     def observe(self, disk_bytes: float, seconds: float, *, queued_bytes: float = 0.0,
-                now: float | None = None, replayed: bool = False) -> None:
+                now: float | None = None, whole: bool = False) -> None:
         """One finished load: ``disk_bytes`` read in ``seconds`` (first submit to
         last completion) with ``queued_bytes`` of I/O already ahead of it,
         finished at ``now`` (monotonic seconds; default: the current time).
-        ``replayed``: a load learnt before (a saved window, decision 0073),
-        never pooled into a first lesson."""
+        ``whole``: a lesson however short (an exploration sized to outlast a
+        burst, or a load replayed from a saved window), never pooled."""
         if not (disk_bytes > 0 and seconds > 0 and math.isfinite(seconds)
                 and queued_bytes >= 0 and math.isfinite(queued_bytes)):
             self.rejected += 1
             return
+        now = time.monotonic() if now is None else now
         nbytes = disk_bytes + queued_bytes
-        if not replayed and self.samples == 0 and self._pool_s + seconds < self.first_lesson_s:
+        if not whole and self._pool_s + seconds < self.min_lesson_s:
+            if not self.pooled:
+                self._pool_since = now
             self._pool_bytes += nbytes
             self._pool_s += seconds
             self.pooled += 1
             return
-        if not replayed and self.pooled:
+        if not whole and self.pooled:
             # The pooled loads' mean: their throughput at a load's size (their
             # sum would look like one big load and skew the fixed cost's fit).
             n = self.pooled + 1
             nbytes, seconds = (nbytes + self._pool_bytes) / n, (seconds + self._pool_s) / n
-            self.pooled = 0
-        self._pool_bytes = self._pool_s = 0.0
-        self._points.append((nbytes, seconds, time.monotonic() if now is None else now))
+            self._drop_pool()
+        self._points.append((nbytes, seconds, now))
         self.samples += 1
         self._refit()
+
+    def _drop_pool(self) -> None:
+        self.pooled, self._pool_bytes, self._pool_s = 0, 0.0, 0.0
 
     def window(self) -> list[tuple[float, float]]:
         """The loads the estimate is fitted from, oldest first: ``(bytes
@@ -147,6 +154,8 @@ class OnlineLoadModel:
         return self._keep(lambda t: t >= since)
 
     def _keep(self, keep) -> int:
+        if self.pooled and not keep(self._pool_since):
+            self._drop_pool()  # not learnt yet: not counted as forgotten
         kept = [p for p in self._points if keep(p[2])]
         dropped = len(self._points) - len(kept)
         if dropped:
