@@ -74,7 +74,7 @@ def test_a_fast_device_that_slows_down_is_followed_lesson_by_lesson():
     assert online.samples == 26 and online.disk_bytes_per_s == pytest.approx(1e9)
 
 
-def test_an_exploration_is_a_lesson_however_short_and_a_forgotten_spell_takes_its_pool_along():
+def test_a_requests_exploration_is_a_lesson_in_itself_and_a_forgotten_spell_takes_its_pool_along():
     gate, _ = build_gate(None, _expect())
     online = gate.online
     gate.observe_load(8 * CHUNK, 8 * CHUNK / 25e6, now=10.0)  # learnt: 25 MB/s

@@ -262,7 +262,10 @@ def test_a_sample_sized_to_outlast_a_throttles_burst_does_not_unlearn_a_slow_dis
     """A cgroup-v1 read throttle serves a 100 ms slice's allowance at once
     after idling (2.5 MB at 25 MB/s): a one-chunk sample there looks 2x+
     faster than the device, twice in a row, and the gate forgot a window that
-    was right (decision 0069). A sample of 0.5 s at the learnt speed does not."""
+    was right (decision 0069). A sample of 0.5 s at the learnt speed does not;
+    one cut short (``min_sample_s`` 0 here; in service, staging with room for
+    one chunk) is less than two slices' worth and proves nothing either way
+    (decision 0079): it is learnt as an ordinary lesson, pooled."""
     s = Serving()
     s.gate.exploration.min_sample_s = min_sample_s
     s.sample_in_background(SLOW, burst_bytes=int(SLOW * 0.1) + CHUNK // 2)
@@ -271,11 +274,9 @@ def test_a_sample_sized_to_outlast_a_throttles_burst_does_not_unlearn_a_slow_dis
         s.request(SLOW)
     decisions = [s.request(SLOW) for _ in range(90)]
     assert s.sampled, "no exploration"
-    if min_sample_s:
-        assert s.totals.get("gate_loads_forgotten", 0) == 0
-        assert all(d.recompute for d in decisions)
-    else:
-        assert all(len(keys) == 1 for keys in s.sampled)
-        assert s.totals["gate_loads_forgotten"] > 0
-        assert any(d.load_chunks for d in decisions), "the burst taught the gate a fast disk"
-
+    assert min_sample_s or all(len(keys) == 1 for keys in s.sampled)
+    assert s.totals.get("gate_loads_forgotten", 0) == 0
+    assert all(d.recompute for d in decisions)
+    if not min_sample_s:
+        assert s.gate.exploration.surprises == 0, "a cut-short sample is no verdict on the device"
+        assert s.gate.online.disk_bytes_per_s < 2 * SLOW

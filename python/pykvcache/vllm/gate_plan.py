@@ -485,10 +485,19 @@ class GateWiring:
         if not self.outages.learnable(period[2]):
             self.gate.ignore_load()
             return 0
-        self.gate.observe_load(period[0], period[1], now=now, explored=period[3])
+        nbytes, seconds, _, sampled = period
+        online = self.gate.online
+        if sampled and online is not None and nbytes < 2 * online.disk_bytes_per_s * online.min_lesson_s:
+            # A sample cut short (staging had room for one chunk) is less than
+            # two throttle slices' worth at the learnt speed: an idle
+            # throttle's allowance could serve all of it (one chunk in 2.4 ms
+            # on a disk capped at 25 MB/s), so it says nothing of a faster
+            # device. An ordinary lesson, pooled (decision 0079).
+            sampled = False
+        self.gate.observe_load(nbytes, seconds, now=now, explored=sampled)
         self.observations += 1
         if self.trace is not None:
-            self.trace.learnt(period[0], period[1], explored=period[3], bytes_per_s=self.device_bytes_per_s(),
+            self.trace.learnt(nbytes, seconds, explored=sampled, bytes_per_s=self.device_bytes_per_s(),
                               source="period")
         return 1
 
