@@ -280,3 +280,15 @@ def test_a_sample_sized_to_outlast_a_throttles_burst_does_not_unlearn_a_slow_dis
     if not min_sample_s:
         assert s.gate.exploration.surprises == 0, "a cut-short sample is no verdict on the device"
         assert s.gate.online.disk_bytes_per_s < 2 * SLOW
+
+
+def test_a_read_pooled_into_a_lesson_counts_as_timed_for_the_preload_bound():
+    """Before its first lesson the default gate holds the prior; a read pooled
+    into that lesson has timed the device all the same, so the preload bound
+    (0075) follows the prior's speed from then on, as it did when the prior
+    outvoted a first load, instead of one chunk until 0.1 s of reads are in."""
+    s = Serving()
+    assert s.wiring.device_bytes_per_s() is None
+    s.request(FAST)  # 11 ms: pooled
+    assert s.gate.online.samples == 0 and s.gate.online.pooled == 1
+    assert s.wiring.device_bytes_per_s() == s.gate.online.base.disk_bytes_per_s

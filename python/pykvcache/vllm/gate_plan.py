@@ -299,10 +299,13 @@ class GateWiring:
         return key in self.plan_for(key, req_context, gate_inputs).allowed
 
     def device_bytes_per_s(self) -> float | None:
-        """The device's read speed the online load model learnt; None before
-        its first observed load (or without an online model)."""
+        """The device's read speed the online load model holds; None before
+        it has timed a read (or without an online model). A read pooled into a
+        lesson not learnt yet (decision 0079) counts as timed: the speed is
+        then still the prior's, as it was after a first load the prior
+        outvoted, and the preload bound (0075) follows it."""
         online = self.gate.online
-        if online is None or not online.samples:
+        if online is None or not (online.samples or online.pooled):
             return None
         return online.disk_bytes_per_s
 
