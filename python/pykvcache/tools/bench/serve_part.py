@@ -455,6 +455,8 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
     busy: CpuContention | None = None
     throttle: ReadThrottle | None = None
     entry["command"] = " ".join(server.command())
+    if trace := (cfg.kv_transfer_config or {}).get("kv_connector_extra_config", {}).get("gate_trace"):
+        entry["trace"] = trace  # kept with the logs (_keep_logs)
     if name == RESTARTED:
         step.advance(f"{name} #{rep + 1}: its predecessor")
         try:
@@ -1103,9 +1105,8 @@ def _keep_logs(runs: list[dict[str, Any]], out_dir: Path) -> None:
             if log.exists():
                 logs.mkdir(parents=True, exist_ok=True)
                 (logs / log.name).write_text(log.read_text(errors="replace"))
-        # The gate's trace (gate_trace) sits beside the server's storage.
-        trace = Path(r["log"]).parent.parent / Path(r["log"]).stem / "gate-trace.jsonl"
-        if trace.exists():
+        # The gate's trace (gate_trace), named after its server's log.
+        if r.get("trace") and (trace := Path(r["trace"])).exists():
             logs.mkdir(parents=True, exist_ok=True)
             (logs / f"{Path(r['log']).stem}.gate-trace.jsonl").write_bytes(trace.read_bytes())
 
