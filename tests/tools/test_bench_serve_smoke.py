@@ -93,12 +93,16 @@ def test_serve_part_tiny(tmp_path, tiny_model_cache):
         assert len(recs) == opts.sessions * opts.turns and all(r["error"] is None for r in recs)
         assert all(r["ttft_s"] and r["output_tokens"] == opts.output_tokens for r in recs)
     assert "holds no lmcache package" in runs["lmcache"]["unavailable"]
-    # pykvcache served prefixes from disk, counted by the server itself, or its
-    # gate chose to recompute them: with a core busy beside the server a load
-    # can cost more than twice its recompute, which it never takes (0070).
+    # pykvcache served prefixes from disk, counted by the server itself, or from
+    # staging (under a loaded CI host each reused prefix can still be staged when
+    # it is asked for: a clean-clone run read nothing from disk), or its gate
+    # chose to recompute them: with a core busy beside the server a load can
+    # cost more than twice its recompute, which it never takes (0070).
     m = runs["pykvcache"]["metrics"]
-    assert (m["vllm:pykvcache_disk_read_bytes_total"] > 0
-            or m.get("vllm:pykvcache_gate_decisions_recompute_total", 0) > 0), m
+    served = {k: m.get(f"vllm:pykvcache_{k}_total", 0.0)
+              for k in ("disk_read_bytes", "staging_hits", "gate_decisions_recompute")}
+    assert any(v > 0 for v in served.values()), {k: v for k, v in m.items() if "pykvcache" in k and v}
+    assert "vllm:pykvcache_staging_hits_total" in m and "vllm:pykvcache_disk_read_bytes_total" in m
     assert m["vllm:pykvcache_disk_write_bytes_total"] > 0
     # Identical greedy outputs, request by request.
     ref = {(r["session"], r["turn"]): r["text"] for lv in runs["recompute"]["levels"] for r in lv["records"]}
