@@ -367,8 +367,10 @@ class AdmissionGate:
                 if forgotten:
                     self._inc("gate_loads_forgotten", forgotten)
                 return
-        # An exploration is sized to outlast a throttle's burst (0071): a
-        # lesson however short, so that a disk fast again is seen at once.
+        # A request's own exploration (one chunk, loaded by the request) is a
+        # lesson however short: pooled, a gate that learnt a slow disk would
+        # not see it fast again (decision 0079). Background samples cut short
+        # of a burst come here as ordinary lessons (GateWiring.read_ended).
         self.online.observe(disk_bytes, seconds, queued_bytes=queued_bytes, now=now, whole=explored)
 
     def ignore_load(self) -> None:

@@ -138,6 +138,12 @@ class OnlineLoadModel:
     def _drop_pool(self) -> None:
         self.pooled, self._pool_bytes, self._pool_s = 0, 0.0, 0.0
 
+    def beyond_a_burst(self, nbytes: float) -> bool:
+        """Whether ``nbytes`` is more than two lessons' worth at the current
+        speed: an idle throttle's allowance (one slice) cannot have served it
+        all, so its timing can tell a faster device from a burst."""
+        return nbytes >= 2 * self._bw * self.min_lesson_s
+
     def window(self) -> list[tuple[float, float]]:
         """The loads the estimate is fitted from, oldest first: ``(bytes
         including the queue ahead, seconds)``."""

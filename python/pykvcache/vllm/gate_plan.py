@@ -490,9 +490,8 @@ class GateWiring:
             return 0
         nbytes, seconds, _, sampled = period
         online = self.gate.online
-        if sampled and online is not None and nbytes < 2 * online.disk_bytes_per_s * online.min_lesson_s:
-            # A sample cut short (staging had room for one chunk) is less than
-            # two throttle slices' worth at the learnt speed: an idle
+        if sampled and online is not None and not online.beyond_a_burst(nbytes):
+            # A sample cut short (staging had room for one chunk): an idle
             # throttle's allowance could serve all of it (one chunk in 2.4 ms
             # on a disk capped at 25 MB/s), so it says nothing of a faster
             # device. An ordinary lesson, pooled (decision 0079).
