@@ -1,20 +1,21 @@
 #!/usr/bin/env bash
-# `make develop`: builds the Rust extension (release) into .venv as an editable install,
-# unless nothing it is built from changed since the last build of this clone into this
-# environment (maturin develop took 12-30 s even then: every `make test-quick`).
+# `make develop`: builds the Rust extension (release) into this clone's .venv as an editable
+# install, unless nothing it is built from changed since the last build of this clone (maturin
+# develop took 12-30 s even then: every `make test-quick`).
 #
-# The build has a target directory of its own (target/maturin): `cargo test` builds the same
-# crate without the `python` feature into target/, and sharing one directory made each of
+# The build has a target directory of its own (target/maturin; PYKVCACHE_MATURIN_TARGET names
+# another, e.g. a second clone reusing a first one's dependency builds): `cargo test` builds the
+# same crate without the `python` feature into target/, and sharing one directory made each of
 # them rebuild the crate after the other (the cdylib's output file is shared: ~40 s of every
 # inner loop).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
-export CARGO_TARGET_DIR=target/maturin
-stamp=$CARGO_TARGET_DIR/develop-stamp
-# What the stamp vouches for: this environment (its real path: .venv may be a link into
-# the environment cache that other clones share) holding this clone's build.
-want="$(readlink -f .venv) $(pwd)"
+export CARGO_TARGET_DIR=${PYKVCACHE_MATURIN_TARGET:-target/maturin}
+# The stamp lives in the clone's own environment (tools/env_cache.sh), so it vouches for this
+# environment holding this clone's build whatever target directory built it.
+stamp=.venv/.pykvcache-develop-stamp
+want="$(pwd)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
    && [ -z "$(find rust Cargo.toml Cargo.lock pyproject.toml -newer "$stamp" -print -quit)" ] \
    && ls python/pykvcache/_core*.so >/dev/null 2>&1 \
@@ -24,5 +25,4 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
 fi
 rm -f "$stamp" python/pykvcache/_core.cpython-*.so  # pre-abi3 builds would shadow the new one
 "$PY" -m maturin develop --release --quiet
-mkdir -p "$(dirname "$stamp")"
 echo "$want" > "$stamp"

@@ -1,42 +1,83 @@
-# Sourced by tools/setup_venv*.sh: environments are built once per machine, not per clone.
+# Sourced by tools/setup_venv*.sh: third-party packages are installed once per machine, the
+# project once per clone.
 #
-# An environment is defined by the files that install it (its setup script, its pins) and
-# the switches that change what it holds; their hash names a directory under
-# PYKVCACHE_ENV_CACHE (default ~/.cache/pykvcache/envs) and the clone's .venv* becomes a link
-# to it. A clean clone on a machine that built the same environment before links it in
-# seconds; a fresh machine (or a changed pin) builds it, exactly as before. The environment
-# is marked complete only after its install succeeded, and built under a lock, so an
-# interrupted or concurrent build is never reused half-made.
-# PYKVCACHE_ENV_CACHE=none keeps the environment inside the clone (the old layout).
+# An environment of third-party packages ("deps") is defined by the files that install it (its
+# install script, its pins) and the switches that change what it holds; their hash names a
+# directory under PYKVCACHE_ENV_CACHE (default ~/.cache/pykvcache/envs; `none` keeps it inside
+# the clone, under .env-cache/). It is marked complete only after its install succeeded, and
+# built under a lock, so an interrupted or concurrent build is never reused half-made. It never
+# holds pykvcache: a shared environment that held an editable install would point every clone
+# at the tree that installed it last.
 #
-# The editable install of pykvcache (`make develop`) points the environment at the clone
-# that ran it last: every `make` target that runs tests runs `develop` first, so the
-# environment always tests the clone it was called from (one clone at a time per machine).
+# The clone's own .venv is a small virtual environment of its own (no packages but the
+# clone's pykvcache) whose site-packages adds the deps environment's through a .pth file: a
+# clean clone on a machine that built the same deps before is set up in about a second, and
+# two clones on one machine each import their own tree.
 
-# env_cache_link VENV KEY: on return, VENV is either a directory of the clone's own (left
-# as it is: an existing in-clone environment keeps working) or a link to the cached
-# environment for KEY. Sets ENV_CACHE_TARGET to the real path and holds the build lock
-# (fd 9) until the sourcing script exits.
-env_cache_link() {
-  local venv=$1 key=$2
+env_cache_dir() {
   local cache=${PYKVCACHE_ENV_CACHE:-$HOME/.cache/pykvcache/envs}
-  ENV_CACHE_TARGET=$venv
-  if [ "$cache" = none ] || { [ -e "$venv" ] && [ ! -L "$venv" ]; }; then
-    return 0
-  fi
-  mkdir -p "$cache"
-  local name
-  name="$(basename "$venv" | sed 's/^\.//')-$key"
-  ENV_CACHE_TARGET="$cache/$name"
-  exec 9>"$cache/$name.lock"
-  flock 9
-  if [ ! -f "$ENV_CACHE_TARGET/.pykvcache-complete" ]; then
-    rm -rf "$ENV_CACHE_TARGET"  # half-made by an interrupted build: start over
-  fi
-  ln -sfn "$ENV_CACHE_TARGET" "$venv"
+  if [ "$cache" = none ]; then cache=$PWD/.env-cache; fi
+  echo "$cache"
 }
 
-# env_cache_done: the environment's install succeeded; later clones may reuse it.
-env_cache_done() {
-  touch "$ENV_CACHE_TARGET/.pykvcache-complete"
+# env_cache_deps NAME KEY INSTALL_CMD...: on return, DEPS_ENV names a complete deps environment
+# for NAME-KEY; INSTALL_CMD (given the environment's path as its last argument) ran only if none
+# existed. The build lock (fd 9) is held until the sourcing script exits.
+env_cache_deps() {
+  local name=$1 key=$2; shift 2
+  local cache
+  cache=$(env_cache_dir)
+  mkdir -p "$cache"
+  DEPS_ENV="$cache/$name-$key"
+  exec 9>"$DEPS_ENV.lock"
+  flock 9
+  if [ -f "$DEPS_ENV/.pykvcache-complete" ]; then
+    return 0
+  fi
+  rm -rf "$DEPS_ENV"  # half-made by an interrupted build: start over
+  local start
+  start=$(date +%s)
+  "$@" "$DEPS_ENV"
+  touch "$DEPS_ENV/.pykvcache-complete"
+  echo "env_cache: built $DEPS_ENV in $(( $(date +%s) - start )) s" >&2
+}
+
+# env_layer VENV DEPS: makes VENV a virtual environment of the clone's own over DEPS's packages.
+# An old-layout VENV (a link into the cache, or an environment that holds the packages itself)
+# is replaced; a layer over the same DEPS is kept as it is.
+env_layer() {
+  local venv=$1 deps=$2
+  local marker="$venv/.pykvcache-deps"
+  if [ -L "$venv" ]; then
+    rm -f "$venv"  # the link only, never what it points to
+  fi
+  if [ -x "$venv/bin/python" ] && [ "$(cat "$marker" 2>/dev/null)" = "$deps" ]; then
+    return 0
+  fi
+  # From the deps environment's interpreter: venv creates the layer from the same base Python.
+  "$deps/bin/python" -m venv --clear --without-pip "$venv"
+  local site deps_site
+  site=$("$venv/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+  deps_site=$("$deps/bin/python" -c "import sysconfig; print(sysconfig.get_path('purelib'))")
+  # addsitedir (not a plain path line) so the deps' own .pth files are processed too; the
+  # name sorts after pykvcache's editable .pth, so the clone's tree always comes first.
+  printf 'import site; site.addsitedir(%s)\n' "$(printf '%s' "$deps_site" | "$venv/bin/python" -c 'import sys; print(repr(sys.stdin.read()))')" \
+    > "$site/zz_pykvcache_deps.pth"
+  # The deps' commands, run by the layer's interpreter (so `.venv/bin/pytest` sees this clone's
+  # pykvcache): Python scripts are copied with their first line pointing here, native ones
+  # (maturin, ruff) linked; `python -m maturin` looks for its binary in the layer's bin/.
+  local f name first
+  for f in "$deps"/bin/*; do
+    name=$(basename "$f")
+    case "$name" in python*|activate*|Activate*) continue ;; esac
+    { [ -f "$f" ] && [ ! -e "$venv/bin/$name" ]; } || continue
+    first=$(head -c 256 "$f" | head -n 1 | tr -d '\0')
+    if [ "$first" = "#!$deps/bin/python" ] || [ "$first" = "#!$deps/bin/python3" ]; then
+      { echo "#!$PWD/$venv/bin/python"; tail -n +2 "$f"; } > "$venv/bin/$name"
+      chmod +x "$venv/bin/$name"
+    else
+      ln -s "$f" "$venv/bin/$name"
+    fi
+  done
+  echo "$deps" > "$marker"
 }
