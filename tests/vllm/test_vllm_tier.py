@@ -321,3 +321,140 @@ def test_every_refused_key_is_a_key_of_the_standalone_spec():
     from pykvcache.vllm.tier import STANDALONE_ONLY
 
     assert set(STANDALONE_ONLY) <= PykvcacheConfig.keys()
+
+
+# -- jobs the tier must refuse, one at a time --------------------------------------------
+
+
+def _job(s, keys, chunk_ids, *, load: bool, job_id: int):
+    from vllm.v1.kv_offload.base import ReqContext
+    from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    return TransferJob(job_id=job_id, keys=list(keys), chunk_ids=np.asarray(chunk_ids),
+                       is_promotion=load, req_context=ReqContext(req_id=f"direct-{job_id}"))
+
+
+def _finish(tier, job_ids, timeout=20.0) -> dict:
+    """Polls the tier as the framework does until the jobs have reported."""
+    results: dict = {}
+    deadline = time.monotonic() + timeout
+    while not set(job_ids) <= set(results):
+        assert time.monotonic() < deadline, f"jobs never finished: {sorted(set(job_ids) - set(results))}"
+        for result in tier.get_finished_jobs():
+            assert result.job_id not in results, f"job {result.job_id} reported twice"
+            results[result.job_id] = result
+        time.sleep(0.002)
+    return results
+
+
+@pytest.mark.parametrize("cpu_tier_io", ["copy", "direct"])
+def test_a_store_job_naming_rows_outside_the_cpu_tier_fails_alone(tmp_path, cpu_tier_io):
+    """A chunk id of -1 stored the CPU tier's last row under the key (numpy wraps it); 2 keys
+    with 1 chunk id answered success having stored one. Each such job now fails as a whole,
+    stores nothing, and the jobs after it work."""
+    s = Scheduler(_spec(tmp_path, engine_id=f"tier-rows-{cpu_tier_io}", cpu_tier_io=cpu_tier_io, gate=False))
+    tier, rows = s.tier, s.primary.shape[0]
+    free = tier.pool.free_slots
+    keys = _keys("bad-rows", 4)
+    s.primary[rows - 1] = _payload(b"last row", s.primary.shape[1])
+    # -1 (numpy's last row), one past the end, 2 keys for 1 chunk id, a float chunk id.
+    bad = {1: ([keys[0]], [-1]), 2: ([keys[1]], [rows]), 3: (keys[2:4], [0]), 4: ([keys[3]], [0.5])}
+    for job_id, (job_keys, chunks) in bad.items():
+        tier.submit_store(_job(s, job_keys, chunks, load=False, job_id=job_id))
+    results = _finish(tier, list(bad))
+    assert all(not r.success for r in results.values()), results
+    assert len(tier.store) == 0, "a refused store job wrote a chunk"
+    good = _keys("good-rows", 2)
+    s.store(good)  # the framework's own jobs still work
+    assert len(tier.store) == 2 and tier.pool.free_slots == free
+    s.close()
+
+
+@pytest.mark.parametrize("cpu_tier_io", ["copy", "direct"])
+def test_a_promotion_into_rows_outside_the_cpu_tier_fails_alone(tmp_path, cpu_tier_io):
+    """A promotion into a row past the end used to make every later get_finished_jobs()
+    raise IndexError and keep its staging slot; -1 read into the last row."""
+    s = Scheduler(_spec(tmp_path, engine_id=f"tier-load-rows-{cpu_tier_io}", cpu_tier_io=cpu_tier_io, gate=False))
+    tier, rows = s.tier, s.primary.shape[0]
+    free = tier.pool.free_slots
+    good = _keys("good-rows", 2)
+    s.store(good)
+    s.primary[rows - 1] = _payload(b"last row", s.primary.shape[1])
+    # -1, one past the end, 2 keys for 1 chunk id, two keys read into one row.
+    loads = {5: ([good[0]], [-1]), 6: ([good[0]], [rows]), 7: (good, [2]), 8: (good, [3, 3])}
+    for job_id, (job_keys, chunks) in loads.items():
+        tier.submit_load(_job(s, job_keys, chunks, load=True, job_id=job_id))
+    results = _finish(tier, list(loads))
+    for job_id, r in results.items():
+        assert not r.success and not r.successful_keys, (job_id, r)
+    assert np.array_equal(s.primary[rows - 1], _payload(b"last row", s.primary.shape[1])), \
+        "a refused load wrote into a row"
+    tier.submit_load(_job(s, good, [5, 6], load=True, job_id=9))
+    [ok] = _finish(tier, [9]).values()
+    assert ok.success
+    for key, row in zip(good, (5, 6)):
+        assert np.array_equal(s.primary[row], _payload(key, s.primary.shape[1]))
+    assert not tier.has_pending_work()
+    assert tier.pool.free_slots == free, "a staging slot leaked"
+    s.close()
+
+
+def test_concurrent_callers_of_one_tier_are_serialized(tmp_path):
+    """vLLM 0.33 calls a tier under its manager's lock, from the scheduler's thread or its
+    tier-poll thread; 4 threads at once used to break the tier's queue ("pop from an empty
+    deque", "slot N is not acquired"). Every job of every thread ends, each exactly once,
+    with its bytes, and no slot leaks."""
+    import threading
+
+    from vllm.v1.kv_offload.base import ReqContext
+
+    threads, per_thread = 4, 12
+    s = Scheduler(_spec(tmp_path, engine_id="tier-threads", num_chunks=threads * per_thread,
+                        staging_bytes=4 * 36864, gate=False))
+    tier, width = s.tier, s.primary.shape[1]
+    free = tier.pool.free_slots
+    keys = {t: _keys(f"thread{t}-", per_thread) for t in range(threads)}
+    row = {key: t * per_thread + i for t in range(threads) for i, key in enumerate(keys[t])}
+    for key, r in row.items():
+        s.primary[r] = _payload(key, width)  # written before the threads start: stores only read rows
+    done: list = []
+    errors: list = []
+
+    def caller(t: int, load: bool) -> None:
+        try:
+            for i, key in enumerate(keys[t]):
+                job_id = (2 if load else 1) * 10000 + 100 * t + i
+                job = _job(s, [key], [row[key]], load=load, job_id=job_id)
+                (tier.submit_load if load else tier.submit_store)(job)
+                tier.lookup(key, ReqContext(req_id=f"lookup-{t}-{i}"))
+                done.extend(tier.get_finished_jobs())
+                tier.get_stats()
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    def run(load: bool) -> None:
+        workers = [threading.Thread(target=caller, args=(t, load)) for t in range(threads)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        assert not errors, errors
+        deadline = time.monotonic() + 20
+        while len(done) < threads * per_thread:
+            assert time.monotonic() < deadline, f"{len(done)} of {threads * per_thread} jobs reported"
+            done.extend(tier.get_finished_jobs())
+            time.sleep(0.002)
+        ids = sorted(r.job_id for r in done)
+        assert ids == sorted((2 if load else 1) * 10000 + 100 * t + i
+                             for t in range(threads) for i in range(per_thread)), ids
+        assert all(r.success for r in done), [r for r in done if not r.success]
+        done.clear()
+
+    run(load=False)
+    assert len(tier.store) == threads * per_thread
+    s.primary[:] = 0
+    run(load=True)
+    for key, r in row.items():
+        assert np.array_equal(s.primary[r], _payload(key, width)), r
+    assert not tier.has_pending_work() and tier.pool.free_slots == free
+    s.close()

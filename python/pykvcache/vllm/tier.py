@@ -36,7 +36,9 @@ once and copies instead.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable
@@ -116,6 +118,20 @@ TIER_ROW_LAYOUT = "vllm-tiering-primary-chunk-v1"
 CPU_TIER_IO = ("copy", "direct")
 
 
+def _serialized(method):
+    """One caller at a time: vLLM 0.33 calls a tier under its manager's lock but
+    from more than one thread (the scheduler's and its tier-poll thread), and a
+    direct user may call from several; the job queue, the staging slots and
+    the operation table are one state. Re-entrant: shutdown drains through
+    the same methods. Uncontended, a lock costs well under a microsecond per
+    call, against milliseconds of disk I/O per chunk."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 def tier_settings(options: dict[str, Any]):
     """The tier's keys validated as the spec's are, with the keys that only the
     standalone spec has refused, all problems in one :class:`ConfigError`."""
@@ -164,6 +180,8 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
                  backpressure_detector=None, locality=None, **options: Any) -> None:
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
                          tier_type=tier_type, backpressure_detector=backpressure_detector)
+        self._lock = threading.RLock()
+        self._refusal_logged = False
         from pykvcache._core import StagingPool
 
         self.settings = tier_settings(options)
@@ -248,6 +266,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         queued = (len(self._ops) + sum(len(j.todo) for j in self._jobs)) * self.chunk_bytes
         return GateInputs([ChunkState.DISK if self._on_disk(k) else ChunkState.MISSING for k in keys], queued)
 
+    @_serialized
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if not self.gating.allows(key, req_context, self._gate_inputs):
             self.metrics.inc("gate_limited_lookups")
@@ -257,20 +276,62 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    @_serialized
     def on_request_finished(self, req_context: ReqContext) -> None:
         self.gating.drop(req_context.req_id)
 
     # -- jobs --------------------------------------------------------------------
+    @_serialized
     def submit_store(self, job_metadata: TransferJob) -> None:
-        todo = deque((key, int(chunk)) for key, chunk in zip(job_metadata.keys, job_metadata.chunk_ids)
-                     if not self.store.contains(key))
-        self._jobs.append(_Job(job_metadata, load=False, todo=todo))
+        self._submit(job_metadata, load=False)
+
+    @_serialized
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        self._submit(job_metadata, load=True)
+
+    def _submit(self, job_metadata: TransferJob, load: bool) -> None:
+        try:
+            pairs = self._job_rows(job_metadata, load)
+            if not load:
+                pairs = [(key, row) for key, row in pairs if not self.store.contains(key)]
+        except (TypeError, ValueError) as exc:
+            self._refuse(job_metadata, load, str(exc))
+            return
+        self._jobs.append(_Job(job_metadata, load=load, todo=deque(pairs)))
         self._pump()
 
-    def submit_load(self, job_metadata: TransferJob) -> None:
-        todo = deque((key, int(chunk)) for key, chunk in zip(job_metadata.keys, job_metadata.chunk_ids))
-        self._jobs.append(_Job(job_metadata, load=True, todo=todo))
-        self._pump()
+    def _job_rows(self, job_metadata: TransferJob, load: bool) -> list[tuple[bytes, int]]:
+        """The job's (key, CPU-tier row) pairs, or ValueError saying why there
+        are none: one chunk id per key, each a row of the CPU tier (numpy would
+        wrap -1 to the last row and a float to its floor), and no row read into
+        twice by one promotion. The region transfers check their byte range in
+        the engine too; the copy mode has only this."""
+        keys = list(job_metadata.keys)
+        chunks = np.asarray(job_metadata.chunk_ids)
+        rows = self._primary.shape[0]
+        if chunks.ndim != 1 or len(chunks) != len(keys):
+            raise ValueError(f"{len(keys)} key(s) but chunk ids of shape {chunks.shape}: one chunk id per key")
+        if len(chunks) and chunks.dtype.kind not in "iu":
+            raise ValueError(f"chunk ids must be integers (got dtype {chunks.dtype})")
+        outside = [int(c) for c in chunks if not 0 <= c < rows]
+        if outside:
+            raise ValueError(f"chunk id(s) {outside[:4]} lie outside the CPU tier's {rows} chunks")
+        if load and len(set(chunks.tolist())) != len(chunks):
+            raise ValueError("a promotion names one CPU-tier chunk for two keys")
+        if not all(isinstance(key, bytes) for key in keys):
+            raise TypeError("keys must be bytes (vLLM's OffloadKey)")
+        return list(zip(keys, (int(c) for c in chunks)))
+
+    def _refuse(self, job_metadata: TransferJob, load: bool, why: str) -> None:
+        """A job this tier cannot run fails alone: its result is a failure (for
+        a promotion, no key read), nothing is queued, started or held."""
+        (logger.warning if not self._refusal_logged else logger.debug)(
+            "pykvcache tier: %s job %s refused, none of its chunks moved: %s%s", "promotion" if load else "store",
+            job_metadata.job_id, why, "" if self._refusal_logged else " (further refusals are logged at debug level)")
+        self._refusal_logged = True
+        job = _Job(job_metadata, load=load, todo=deque(), queued=False)
+        job.failed = max(1, len(job_metadata.keys))
+        self._maybe_finish(job)
 
     def _pump(self) -> None:
         """Collect finished I/O, then start queued chunks (in order) while fewer
@@ -377,29 +438,36 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
             transfer_time=time.monotonic() - job.started,
             transfer_bytes=job.transfer_bytes))
 
+    @_serialized
     def get_finished_jobs(self) -> Iterable[JobResult]:
         self._pump()
         done, self._finished = self._finished, []
         return done
 
+    @_serialized
     def has_pending_work(self) -> bool:
-        return bool(self._ops or self._jobs)
+        # Results not yet collected (a refused job's) need a step too.
+        return bool(self._ops or self._jobs or self._finished)
 
+    @_serialized
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self._pump()
 
+    @_serialized
     def drain_jobs(self) -> None:
         while self._ops or self._jobs:
             self._pump()
             self._poll(wait=True)
         self._pump()
 
+    @_serialized
     def get_stats(self):
         self._pump()
         # With the region, the gauges count chunks in flight against the limit.
         total = self.pool.num_slots if self._region is None else self._limit
         return self.disk.take_stats(staging_used=len(self._ops), staging_total=total)
 
+    @_serialized
     def shutdown(self) -> None:
         """Finish what was submitted (stores persist), then close the store."""
         try:
