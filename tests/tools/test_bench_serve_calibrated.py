@@ -9,10 +9,9 @@ import argparse
 import json
 
 import pytest
-
-from pykvcache.tools.bench.serve_calibrate import CALIBRATED, calibrate, calibrate_command
-from pykvcache.tools.bench.serve_part import ServeOptions, server_config, steps_for
-from pykvcache.tools.bench.serve_sweep import check_sweep
+from pykvcache.tools.bench.serve_calibrate import calibrate, calibrate_command
+from pykvcache.tools.bench.serve_options import CALIBRATED, ServeOptions, check_sweep, steps_for
+from pykvcache.tools.bench.serve_run import server_config
 from pykvcache.tools.calibrate.cli import add_arguments
 
 BPT = 32 * 1024

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pykvcache.tools.bench.serve_part import ServeOptions, _keep_logs, server_config
+from pykvcache.tools.bench.serve_options import ServeOptions
+from pykvcache.tools.bench.serve_part import _keep_logs
+from pykvcache.tools.bench.serve_run import server_config
 
 BPT = 32 * 1024
 

@@ -9,10 +9,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
-from pykvcache.tools.bench.serve_part import ServeOptions, server_config, steps_for
-from pykvcache.tools.bench.serve_restart import RESTARTED, RESTORED_MARK, predecessor_workload, restored
-from pykvcache.tools.bench.serve_sweep import check_sweep
+from pykvcache.tools.bench.serve_options import RESTARTED, ServeOptions, check_sweep, steps_for
+from pykvcache.tools.bench.serve_restart import RESTORED_MARK, predecessor_workload, restored
+from pykvcache.tools.bench.serve_run import server_config
 from pykvcache.tools.bench.serve_workload import Workload, build_sessions
 
 BPT = 32 * 1024

@@ -11,14 +11,15 @@ import importlib.util
 import json
 
 import pytest
-
 from pykvcache.tools.bench.cold_cache import DiskCounter
 from pykvcache.tools.bench.config import BenchConfig
 from pykvcache.tools.bench.machine import describe_machine
 from pykvcache.tools.bench.parts import PARTS, BenchContext, NoProgress, resolve_parts
 from pykvcache.tools.bench.report import write_report
-from pykvcache.tools.bench.serve_part import bucket_of, pct, quick_options, run_with, tier_shares
+from pykvcache.tools.bench.serve_options import quick_options
+from pykvcache.tools.bench.serve_part import run_with
 from pykvcache.tools.bench.serve_server import parse_metrics
+from pykvcache.tools.bench.serve_stats import bucket_of, pct, tier_shares
 from pykvcache.tools.bench.serve_workload import ReuseIndex
 
 pytestmark = [

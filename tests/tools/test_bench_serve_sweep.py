@@ -9,31 +9,23 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pykvcache.tools.bench.config import BenchConfig
 from pykvcache.tools.bench.parts import Figure
-from pykvcache.tools.bench.serve_part import (
+from pykvcache.tools.bench.serve_options import (
     PRESETS,
     VARIANT,
     ServeOptions,
+    advised_staging_bytes,
+    check_sweep,
     long_context_options,
     options_from,
-    paired_ratios,
     set_option,
-)
-from pykvcache.tools.bench.serve_sweep import (
-    BREAK_EVEN_GAUGE,
-    CROSSOVER_MD,
-    DEFERRED,
-    advised_staging_bytes,
-    analyse_sweep,
-    check_sweep,
-    crossover,
     sized_for,
     sweep_points,
     sweep_steps,
-    write_crossover,
 )
+from pykvcache.tools.bench.serve_stats import paired_ratios
+from pykvcache.tools.bench.serve_sweep import BREAK_EVEN_GAUGE, CROSSOVER_MD, DEFERRED, analyse_sweep, crossover, write_crossover
 
 BPT = 32 * 1024  # llama3-geometry: 32 KiB of KV per token
 
@@ -91,7 +83,7 @@ def test_check_sweep():
 
 def test_read_caps_the_host_cannot_apply_are_dropped_not_fatal(monkeypatch):
     from pykvcache.tools.bench import read_throttle
-    from pykvcache.tools.bench.serve_sweep import without_unavailable_caps
+    from pykvcache.tools.bench.serve_options import without_unavailable_caps
 
     opts = long_context_options()
     monkeypatch.setattr(read_throttle, "unavailable", lambda: "needs root (a blkio cgroup)")
@@ -229,7 +221,7 @@ def test_the_variants_server_imports_the_other_tree(tmp_path):
     a real interpreter, as the server would start)."""
     import subprocess
 
-    from pykvcache.tools.bench.serve_part import server_config
+    from pykvcache.tools.bench.serve_run import server_config
     from pykvcache.tools.bench.serve_server import Server
 
     variant = _variant_tree(tmp_path / "tree")

@@ -91,7 +91,7 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
                         help="serve part: concurrent users per level, e.g. 2,6")
     parser.add_argument("--serve-repeats", type=int, default=None, help="serve part: repeats per configuration")
     parser.add_argument("--serve-set", action="append", default=None, metavar="KEY=VALUE",
-                        help="serve part: set any of its options (ServeOptions in serve_part.py), e.g. "
+                        help="serve part: set any of its options (ServeOptions in serve_options.py), e.g. "
                              "staging_bytes=48MiB or doc_tokens=1024; repeatable")
     parser.add_argument("--serve-busy-cores", type=int, default=None,
                         help="serve part: busy-loop processes running while every configuration is measured "
@@ -162,7 +162,7 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
         config.serve_busy_cores = args.serve_busy_cores
         config.serve_set = list(args.serve_set or [])
         if config.serve_set or args.serve_busy_cores is not None or args.serve_preset:
-            from .bench.serve_part import options_from
+            from .bench.serve_options import options_from
 
             try:  # a typo fails here, not after the other parts have run
                 problems = options_from(config).check()

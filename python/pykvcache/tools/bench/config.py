@@ -70,16 +70,16 @@ class BenchConfig:
     argv: list[str] | None = None
     # Set by the quick preset; parts with their own quick sizes read it.
     quick: bool = False
-    # The serve part (serve_part.py; None = its defaults): a model spec name
+    # The serve part (serve_options.py; None = its defaults): a model spec name
     # or directory, configurations, concurrency levels, repeats.
     serve_model: str | None = None
-    # serve_part.PRESETS: "sessions" (default), "long-context", "quick" (--quick).
+    # serve_options.PRESETS: "sessions" (default), "long-context", "quick" (--quick).
     serve_preset: str | None = None
     serve_configs: list[str] | None = None
     serve_concurrency: list[int] | None = None
     serve_repeats: int | None = None
     serve_busy_cores: int | None = None
-    # "key=value" overrides of any serve option (serve_part.ServeOptions).
+    # "key=value" overrides of any serve option (serve_options.ServeOptions).
     serve_set: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:

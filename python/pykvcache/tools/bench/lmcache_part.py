@@ -29,7 +29,7 @@ from .engine_bench import BenchDataError
 from .lmcache_disk import BYTES_PER_TOKEN
 from .parts import BenchContext, Part, PartOutput, Table, register_part
 from .results import PhaseResult
-from .serve_part import LMCACHE_PATH_ENV
+from .serve_options import LMCACHE_PATH_ENV
 from .storage_part import engine_unavailable
 
 NAME = "lmcache_disk"

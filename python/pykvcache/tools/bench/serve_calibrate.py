@@ -24,14 +24,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .read_throttle import ReadThrottle
+from .serve_options import ServeOptions
 
-if TYPE_CHECKING:
-    from .serve_part import ServeOptions
-
-CALIBRATED = "calibrated"
 #: A calibration that takes longer has hung (it takes 1-2 min with the bench's models).
 CALIBRATE_TIMEOUT_S = 1200.0
 

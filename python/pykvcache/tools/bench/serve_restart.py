@@ -22,16 +22,13 @@ import re
 import time
 from dataclasses import replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .read_throttle import ReadThrottle
+from .serve_options import ServeOptions
 from .serve_server import Server, ServerConfig, ServerFailed, log_tail
 from .serve_workload import Workload, run_sessions
 
-if TYPE_CHECKING:
-    from .serve_part import ServeOptions
-
-RESTARTED = "restarted"
 #: The line the tier logs when it starts from a saved device model (disk_tier.py).
 RESTORED_MARK = "the gate starts from the device model saved in"
 DEVICE_FILE = "gate-device.json"

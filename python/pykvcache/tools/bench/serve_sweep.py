@@ -30,33 +30,14 @@ from __future__ import annotations
 import json
 import re
 import statistics
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from .parts import BenchContext, Figure, PartOutput, Step, Table
-from .serve_part import (
-    NAME,
-    TITLE,
-    VARIANT,
-    ServeOptions,
-    _delta,
-    _ok,
-    _spread,
-    check_configs,
-    output_mismatches,
-    run_server,
-    run_stats,
-)
-from .serve_calibrate import CALIBRATED
-from .serve_restart import RESTARTED
-from .serve_server import Server, ServerFailed, log_tail
-from .serve_workload import ReuseIndex, Workload, run_sessions
+from .serve_options import NAME, TITLE, VARIANT, ServeOptions, point_name, regime, sized_for, sweep_points
+from .serve_run import run_server
+from .serve_stats import output_mismatches, ran_ok, run_stats, spread
 
-PHASES = ("cold", "steady")
-#: Prompt tokens beyond the document: "Document N.", the question and answer
-#: headers, word pieces overshooting their token count by up to a word.
-_PROMPT_SLACK = 32
 DEFERRED = "vllm:pykvcache_lookups_deferred_total"
 BREAK_EVEN_GAUGE = "vllm:pykvcache_gate_break_even_tokens"
 CROSSOVER_MD = "serve_crossover.md"
@@ -67,128 +48,11 @@ _ADVICE = re.compile(r"pykvcache: (staging holds .*|lookahead's budget .*)")
 # ----------------------------------------------------------------------
 # Options and sizing
 # ----------------------------------------------------------------------
-def longest_prompt(opts: ServeOptions, context: int) -> int:
-    """Tokens of the workload's longest request (last turn, with its output)."""
-    return (context + opts.turns * (opts.question_tokens + opts.answer_tokens + 8) + opts.output_tokens
-            + _PROMPT_SLACK)
-
-
-def advised_staging_bytes(max_model_len: int, chunk_tokens: int, bytes_per_token: int) -> int:
-    """What pykvcache's start-up check recommends for this engine (its own
-    ``staging_sizing``: 3 full-length prefixes of chunk-file-sized slots)."""
-    from pykvcache import HEADER_BYTES
-    from pykvcache.vllm.staging_sizing import staging_sizing
-
-    payload = chunk_tokens * bytes_per_token
-    slot = HEADER_BYTES + -(-payload // 4096) * 4096
-    sizing = staging_sizing(slots=0, slot_bytes=slot, lookahead_slots=0, max_model_len=max_model_len,
-                            chunk_tokens=chunk_tokens, groups=1)
-    return sizing.recommended_bytes
-
-
-def sized_for(opts: ServeOptions, context: int, read_mbps: float, bytes_per_token: int) -> ServeOptions:
-    """The options of one sweep point: derived sizes where the preset left 0."""
-    max_len = opts.max_model_len or -(-longest_prompt(opts, context) // 32) * 32
-    return replace(opts, doc_tokens=context, read_mbps=read_mbps, max_model_len=max_len,
-                   kv_cache_tokens=opts.kv_cache_tokens or max_len,
-                   staging_bytes=opts.staging_bytes or advised_staging_bytes(max_len, opts.chunk_tokens,
-                                                                            bytes_per_token))
-
-
-def sweep_points(opts: ServeOptions) -> list[tuple[int, float]]:
-    return [(c, cap) for c in opts.contexts for cap in (opts.read_caps or [opts.read_mbps])]
-
-
-def point_name(context: int, cap: float) -> str:
-    return f"ctx{context}" + (f"-read{cap:g}" if cap else "")
-
-
-def regime(cap: float) -> str:
-    return f"reads capped {cap:g} MB/s" if cap else "quiet"
-
-
-def without_unavailable_caps(opts: ServeOptions) -> tuple[ServeOptions, str | None]:
-    """The options without the read caps this host cannot apply (the throttle
-    needs root and cgroup-v1 blkio), and why they were dropped: ``make
-    bench-serve`` then still runs the quiet sweep where the capped one cannot."""
-    from . import read_throttle
-
-    caps = opts.read_caps or [opts.read_mbps]
-    why = read_throttle.unavailable() if max(caps) > 0 else None
-    if why is None:
-        return opts, None
-    kept = [c for c in caps if c == 0]
-    dropped = ", ".join(f"{c:g} MB/s" for c in caps if c > 0)
-    return replace(opts, read_caps=kept or [0.0], read_mbps=0.0), f"read caps {dropped} not run: {why}"
-
-
-def check_sweep(opts: ServeOptions) -> list[str]:
-    problems = []
-    problems += check_configs(opts)
-    for name in (CALIBRATED, RESTARTED):
-        if name not in opts.configs:
-            continue
-        problems.append(f"configuration {name}: the session workload only (the sweep would need a profile per "
-                        "read cap and context range, or a predecessor per point)")
-    if "recompute" not in opts.configs:
-        problems.append("the long-context sweep needs the recompute configuration (every ratio is against it)")
-    if not opts.phases or any(p not in PHASES for p in opts.phases):
-        problems.append(f"phases must be one or more of {', '.join(PHASES)}")
-    if min(opts.contexts) <= 0:
-        problems.append("contexts must be positive token counts")
-    if min(opts.read_caps or [opts.read_mbps]) < 0:
-        problems.append("read caps must be >= 0 MB/s")  # one the host cannot apply is dropped at run time
-    if opts.max_model_len and opts.max_model_len < longest_prompt(opts, max(opts.contexts)):
-        problems.append(f"max_model_len {opts.max_model_len} is below the longest prompt "
-                        f"(~{longest_prompt(opts, max(opts.contexts))} tokens); 0 sizes it per context")
-    if opts.kv_cache_tokens and opts.kv_cache_tokens < (opts.max_model_len or longest_prompt(opts, max(opts.contexts))):
-        problems.append("kv_cache_tokens must be >= max_model_len (vLLM refuses to start otherwise); 0 = max_model_len")
-    if opts.chunk_tokens % 32:
-        problems.append("chunk_tokens must be a multiple of vLLM's CPU block size (32)")
-    if opts.repeats <= 0 or not opts.concurrency or min(opts.concurrency) <= 0:
-        problems.append("repeats and concurrency must be positive")
-    if opts.busy_cores < 0:
-        problems.append("busy_cores must be >= 0")
-    return problems
-
-
-def sweep_steps(opts: ServeOptions) -> int:
-    per_server = 2 + len(opts.phases) + (0 if "cold" in opts.phases else 1)
-    return opts.repeats * len(sweep_points(opts)) * len(opts.configs) * per_server
 
 
 # ----------------------------------------------------------------------
 # Running
 # ----------------------------------------------------------------------
-def _workload(opts: ServeOptions, **over: Any) -> Workload:
-    base = dict(sessions=opts.sessions, turns=opts.turns, documents=opts.documents, doc_tokens=opts.doc_tokens,
-                question_tokens=opts.question_tokens, answer_tokens=opts.answer_tokens,
-                output_tokens=opts.output_tokens, concurrency=max(opts.concurrency), think_s=opts.think_s,
-                seed=opts.seed, block_tokens=32)
-    return Workload(**{**base, **over})
-
-
-def run_phases(server: Server, model: str, opts: ServeOptions, tokenizer_json: str, entry: dict[str, Any],
-               step: Step, log: Path) -> None:
-    """The sweep's phases against one server, each a level of ``entry`` with its ``phase``."""
-    index = ReuseIndex(32)
-    if "cold" not in opts.phases:
-        # Each document computed once, not measured: the steady state's premise.
-        step.advance(f"{entry['config']}: computing each document once")
-        prime = _workload(opts, sessions=opts.documents, turns=1, output_tokens=1, think_s=0.0,
-                          question_seed=opts.seed + 50)
-        records, wall = run_sessions(server.url, model, prime, tokenizer_json, index=index)
-        entry["prime"] = {"wall_s": wall, "errors": sum(r.error is not None for r in records)}
-    for i, phase in enumerate(opts.phases):
-        step.advance(f"{entry['config']}: {phase}")
-        w = _workload(opts, question_seed=opts.seed + 100 * (i + 1))
-        before, c0 = server.metrics(), server.cpu_seconds()
-        records, wall = run_sessions(server.url, model, w, tokenizer_json, index=index)
-        after, c1 = server.metrics(), server.cpu_seconds()
-        entry["levels"].append({"phase": phase, "concurrency": w.concurrency, "wall_s": wall, "cpu_s": c1 - c0,
-                                "metrics": _delta(after, before), "records": [r.to_dict() for r in records]})
-        if not server.alive():
-            raise ServerFailed(f"the server died during the {phase} phase:\n{log_tail(log)}")
 
 
 def staging_advice(log: Path) -> list[str]:
@@ -243,7 +107,7 @@ def phase_metric(entry: dict[str, Any], phase: str, name: str) -> float | None:
 
 def _cell(entries: dict[tuple, dict[str, Any]], context: int, cap: float, config: str, rep: int) -> dict | None:
     e = entries.get((context, cap, config, rep))
-    return e if e is not None and _ok(e) else None
+    return e if e is not None and ran_ok(e) else None
 
 
 def crossover(runs: list[dict[str, Any]], opts: ServeOptions) -> list[dict[str, Any]]:
@@ -335,7 +199,7 @@ def load_vs_prefill(runs: list[dict[str, Any]], opts: ServeOptions, bytes_per_to
     for context, cap in sweep_points(opts):
         prefill = []
         for r in runs:
-            if r["config"] == "recompute" and r["context_tokens"] == context and r["read_mbps"] == cap and _ok(r):
+            if r["config"] == "recompute" and r["context_tokens"] == context and r["read_mbps"] == cap and ran_ok(r):
                 for lv in r["levels"]:
                     m = lv.get("metrics", {})
                     n = m.get("vllm:request_prefill_time_seconds_count", 0.0)
@@ -361,7 +225,7 @@ def configured_break_even(opts: ServeOptions) -> tuple[float | None, str]:
 
 
 def _sp(xs: list[float], fmt: str = "{:.2f}") -> str:
-    return _spread(list(xs), fmt)
+    return spread(list(xs), fmt)
 
 
 def crossover_table(rows: list[dict[str, Any]], phase: str, title: str) -> Table:
@@ -533,7 +397,7 @@ def analyse_sweep(runs: list[dict[str, Any]], opts: ServeOptions, model_info: di
                                       "per repeat)", variant, "> 1: the variant is faster."))
     out.tables += [_regime_table(lvp), _sizing_table(runs, opts, bpt)]
     failures = [[r["config"], point_name(r["context_tokens"], r["read_mbps"]), str(r["repeat"] + 1),
-                 (r.get("unavailable") or r.get("error", "")).replace("\n", "<br>")[:2000]] for r in runs if not _ok(r)]
+                 (r.get("unavailable") or r.get("error", "")).replace("\n", "<br>")[:2000]] for r in runs if not ran_ok(r)]
     if failures:
         out.tables.append(Table(title="Servers that did not run (error text, server log tail)",
                                 header=["configuration", "point", "repeat", "why"], rows=failures))
