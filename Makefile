@@ -82,7 +82,7 @@ bench: develop
 # The serving benchmark: real vLLM OpenAI servers (docs/performance.md, "Serving"),
 # both presets: sessions (every configuration, ~30-40 min on 2 cores) into
 # bench-serve-out/sessions, then long-context (TTFT gain vs context length 1k-16k,
-# quiet and read-capped, the crossover plot; hours on 2 cores, see decisions/0060)
+# quiet and read-capped, the crossover plot; hours on 2 cores, see decisions/0039)
 # into bench-serve-out/long-context. bench-serve-long runs the second alone.
 bench-serve: develop
 	$(PY) -m pykvcache.cli bench --parts serve --serve-preset sessions --out bench-serve-out/sessions

@@ -8,8 +8,7 @@ QD), fio writing fresh chunk files and over them, and the engine case
 (fresh write, read, writes into the full store with and without recycling) for
 every variant below. Prints medians of GB/s and each figure's ratio to the
 best fio figure of the same round. This is the measurement behind the
-write-path decisions (docs/decisions/0013-recycled-files.md,
-0014-whole-chunk-writes.md, 0015-preallocation.md); `pykvcache bench --parts
+write-path decision (docs/decisions/0013-writes-into-files-that-exist.md); `pykvcache bench --parts
 storage` gives the same ratios with fewer repeats.
 """
 

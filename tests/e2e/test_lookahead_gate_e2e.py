@@ -133,7 +133,7 @@ def scenario_result(tmp_path_factory, tiny_model, slow_device):
                 "kv_transfer_params_each": [None, None if lookahead else off],
             }]
     # One short prompt per generate(): none waits behind another. Co-queued at arrival, the
-    # preloader weighs a recompute by the requests waiting behind it (decision 0048) and may
+    # preloader weighs a recompute by the requests waiting behind it (decision 0079) and may
     # preload what the lookup's gate then recomputes: a known disagreement (docs/roadmap.md,
     # issue 22 item 2), hit in a clean-clone CI run when the engine received all three before
     # its first step; this test's subject is the gate below the break-even.
@@ -155,7 +155,7 @@ def scenario_result(tmp_path_factory, tiny_model, slow_device):
     # Multi-process: the subject is what a request meets on arrival at an engine that runs
     # beside its client. In-process, generate() queues every prompt before the first step,
     # so the short prompts all wait behind each other; the preloader, which weighs a
-    # recompute by the requests waiting behind it (decision 0048), then preloaded the chunks
+    # recompute by the requests waiting behind it (decision 0079), then preloaded the chunks
     # of 3 prompts the lookup's gate recomputes (3 wasted preload reads, seen in this run).
     env = driver_env(multiprocess=True)
     proc = subprocess.run([sys.executable, str(DRIVER), str(path)], capture_output=True,

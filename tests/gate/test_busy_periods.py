@@ -1,4 +1,4 @@
-"""The device's speed from its busy periods (decision 0066): pure arithmetic
+"""The device's speed from its busy periods (decision 0079): pure arithmetic
 on submit times and latencies."""
 
 from __future__ import annotations

@@ -177,7 +177,7 @@ def test_waiting_requests_weigh_a_recompute_by_everyone_it_delays():
 
 
 def test_a_load_costs_its_request_at_most_twice_its_recompute_whoever_waits():
-    """Decision 0070: the requests behind weigh a recompute (0048, 0064) up to
+    """Decision 0070: the requests behind weigh a recompute (0079, 0070) up to
     ``behind_weight_cap`` (2) times: measured at 25 MB/s, the unbounded
     weighting chose loads up to 3.9x slower than their own recompute, and
     pykvcache's p99 was 0.80-1.09x recompute's while its p50 was 1.3-1.6x."""

@@ -83,7 +83,7 @@ def test_a_requests_exploration_is_a_lesson_in_itself_and_a_forgotten_spell_take
     # A breaker opened at 10.5 s: what was observed since timed a dying link.
     online.forget_since(10.5)
     assert online.pooled == 0 and online.samples == 1 and online.forgotten == 0
-    gate.observe_load(CHUNK, 0.002, now=12.0, explored=True)  # sized to outlast a burst (0071)
+    gate.observe_load(CHUNK, 0.002, now=12.0, explored=True)  # sized to outlast a burst (0054)
     assert online.samples == 2 and online.pooled == 0
 
 

@@ -212,7 +212,7 @@ def test_two_nodes_opening_one_fresh_store_at_once_both_start(gluster_default):
     a name can return EEXIST while neither creates it (with client caching,
     ~1 in 100), and a store that took EEXIST at its word failed to start
     ("creating .../00: File exists"; 92 of 100 rounds here, and once in CI
-    under strict consistency). The engine retries such a mkdir (decision 0049)."""
+    under strict consistency). The engine retries such a mkdir (decision 0035)."""
     rounds, failures = 6, []
     for i in range(rounds):
         a_dir, b_dir = gluster_default.mounts["a"] / f"fresh-{i}", gluster_default.mounts["b"] / f"fresh-{i}"

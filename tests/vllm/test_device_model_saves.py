@@ -1,4 +1,4 @@
-"""When the gate's learnt device model is written (decisions 0073, 0074):
+"""When the gate's learnt device model is written (decisions 0073):
 every load until the window outweighs the prior, then at most once per
 interval. vLLM's OpenAI server force-kills its engine on SIGINT by default
 (``--shutdown-timeout 0``), so the save at shutdown may never run: a server

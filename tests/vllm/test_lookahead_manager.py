@@ -374,7 +374,7 @@ def test_online_refinement_observes_disk_loads(tmp_path):
 
 
 def test_preloaded_loads_teach_the_gate_the_device(tmp_path):
-    """Decision 0066: a request whose chunks the preloader read finds them
+    """Decision 0079: a request whose chunks the preloader read finds them
     staged at its lookup, so no plan times its load; with lookahead on every
     load can be such a one (the 8k benchmark at 50 MB/s observed none in a
     run and kept the prior). The device's busy periods time the preloads."""
@@ -627,7 +627,7 @@ def test_co_queued_requests_are_preloaded_only_where_their_lookup_then_loads(tmp
     step_s = 1e-3
     load = LoadCost(fixed_s=0.0, disk_bytes_per_s=1e15, h2d_bytes_per_s=1e15, step_s=step_s)
     b = 0.5 * step_s / (2 * CT)  # a 2-chunk prefix's prefill: half a step
-    # Uncapped weight: this is about who is counted (0064); with the default cap
+    # Uncapped weight: this is about who is counted (0070); with the default cap
     # (0070) one and two requests behind weigh the same.
     gate = AdmissionGate(CostModel(PrefillCurve(0.0, b, 0.0), load, CHUNK / CT), chunk_tokens=CT, online=None,
                          behind_weight_cap=math.inf)
@@ -701,7 +701,7 @@ def test_the_preload_byte_budget_follows_the_device_speed_the_gate_learns(tmp_pa
     try:
         keys = [_key(i) for i in range(8)]
         h.on_disk_only(keys)
-        # Nothing learnt yet: one chunk (decision 0075; before, no byte bound at all).
+        # Nothing learnt yet: one chunk (decision 0061; before, no byte bound at all).
         assert h.store_obj.background_budget == chunk_file_bytes(CHUNK)
         h.m.get_stats()
         assert h.m.metrics.gauges["disk_background_budget_bytes"] == chunk_file_bytes(CHUNK)
@@ -723,7 +723,7 @@ def test_the_preload_byte_budget_follows_the_device_speed_the_gate_learns(tmp_pa
 
 
 def test_an_exploration_is_read_in_the_background_while_its_request_recomputes(tmp_path):
-    """Decision 0071: a gate that learnt a disk far slower than the real one
+    """Decision 0054: a gate that learnt a disk far slower than the real one
     samples it without making a request wait: the explored request misses,
     the sample's chunks are read at preload priority into staging (a later
     request loads them), and two samples faster than learnt bring the loads back."""
@@ -802,7 +802,7 @@ def test_a_restarted_manager_starts_from_the_device_model_the_last_one_learnt(tm
         assert second.online.samples == 2
         assert second.online.disk_bytes_per_s == pytest.approx(first.online.disk_bytes_per_s)
         assert h.m.gating.device_bytes_per_s() == pytest.approx(first.online.disk_bytes_per_s)
-        # Its preload byte bound comes from the restored speed from the start (0075).
+        # Its preload byte bound comes from the restored speed from the start (0061).
         from pykvcache._core import chunk_file_bytes
         from pykvcache.vllm.manager import PRELOAD_YIELD_S
 

@@ -6,7 +6,7 @@ gate that recomputes sees no loads, so it never learnt that the disk was fast
 again. These tests drive the manager's gate wiring (``GateWiring``: plans,
 finished reads, the store's breaker counters) as the manager does, with a
 scripted clock, disk and circuit breaker, and no engine. With a sampler (the
-standalone manager, decision 0071) an exploration is read in the background
+standalone manager, decision 0054) an exploration is read in the background
 while its request recomputes; the last tests script that device too.
 """
 
@@ -230,7 +230,7 @@ def test_timed_loads_of_scheduled_requests_are_bounded():
 
 
 def test_background_samples_cost_their_request_nothing_and_bring_the_loads_back():
-    """Decision 0071: the explored request recomputes; the sample is read
+    """Decision 0054: the explored request recomputes; the sample is read
     beside it and its busy period is the measurement."""
     s = Serving()
     s.sample_in_background(SLOW)
@@ -262,7 +262,7 @@ def test_a_sample_sized_to_outlast_a_throttles_burst_does_not_unlearn_a_slow_dis
     """A cgroup-v1 read throttle serves a 100 ms slice's allowance at once
     after idling (2.5 MB at 25 MB/s): a one-chunk sample there looks 2x+
     faster than the device, twice in a row, and the gate forgot a window that
-    was right (decision 0069). A sample of 0.5 s at the learnt speed does not;
+    was right (decision 0054). A sample of 0.5 s at the learnt speed does not;
     one cut short (``min_sample_s`` 0 here; in service, staging with room for
     one chunk) is less than two slices' worth and proves nothing either way
     (decision 0079): it is learnt as an ordinary lesson, pooled."""
@@ -285,7 +285,7 @@ def test_a_sample_sized_to_outlast_a_throttles_burst_does_not_unlearn_a_slow_dis
 def test_a_read_pooled_into_a_lesson_counts_as_timed_for_the_preload_bound():
     """Before its first lesson the default gate holds the prior; a read pooled
     into that lesson has timed the device all the same, so the preload bound
-    (0075) follows the prior's speed from then on, as it did when the prior
+    (0061) follows the prior's speed from then on, as it did when the prior
     outvoted a first load, instead of one chunk until 0.1 s of reads are in."""
     s = Serving()
     assert s.wiring.device_bytes_per_s() is None

@@ -1,5 +1,5 @@
 """The device's read speed from the periods it was busy reading
-(:class:`DeviceBusyPeriods`, decision 0066).
+(:class:`DeviceBusyPeriods`, decision 0079).
 
 The gate learns the device from timed loads: a request's reads from the
 moment its plan was made (``vllm/gate_plan.py``). A load that the preloader
@@ -28,7 +28,7 @@ returned only when at least one of its reads was timed by nothing else: a
 preload, or a read whose plan stopped timing it.
 
 A period that holds a read the gate started to sample the device
-(``sample``: an exploration read in the background, decision 0071) is
+(``sample``: an exploration read in the background, decision 0054) is
 returned flagged: it is the exploration's measurement. Timing the sample
 alone would time its wait in the background queue, behind every demand read
 submitted after it; its period times what the device delivered meanwhile,

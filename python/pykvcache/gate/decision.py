@@ -21,7 +21,7 @@ a load waits on the disk and staging and lets the engine compute for the
 others meanwhile. The recompute side is then worth ``1 + waiting`` times its
 compute. Measured: with the server's reads capped at 25 MB/s a 1.5k-token
 prefix reads in ~2 s against ~1.8 s of prefill, and loading it gave 2.51x
-recompute's p50 TTFT and 2.07x its throughput at 6 users (decision 0048,
+recompute's p50 TTFT and 2.07x its throughput at 6 users (decision 0079,
 docs/perf/serve-read25).
 
 That weight is capped (``behind_weight_cap``, 2): a load makes its own
@@ -35,7 +35,7 @@ now and then a prefix it would recompute (reason ``explore``), within that
 policy's bounds: without loads it could never learn that a disk it learnt as
 slow got fast again (decision 0054). Where its caller can read in the
 background (``sample_in_background``) the request recomputes instead and the
-decision names the chunks to sample (``sample_chunks``, decision 0071).
+decision names the chunks to sample (``sample_chunks``, decision 0054).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class GateDecision:
     reason: str
     #: Leading chunks of the prefix whose disk chunks the caller reads in the
     #: background to sample the device (0: none); the request itself follows
-    #: ``load_chunks`` (decision 0071).
+    #: ``load_chunks`` (decision 0054).
     sample_chunks: int = 0
 
     @property
@@ -306,7 +306,7 @@ class AdmissionGate:
         """Chunks of the prefix (from the start) that hold a background sample:
         disk chunks from ``first_disk`` on, until their estimated read at the
         learnt speed reaches the exploration's ``min_sample_s`` or they are
-        ``max_sample_chunks`` (decision 0071)."""
+        ``max_sample_chunks`` (decision 0054)."""
         ex = self.exploration
         read_per_chunk = self.chunk_bytes / load.disk_bytes_per_s
         disk = 0

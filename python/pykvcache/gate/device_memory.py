@@ -5,7 +5,7 @@ until two loads agree it prices reads at its prior, the calibrated or default
 speed (1 GB/s). A restarted server forgot everything: on a disk capped at
 25 MB/s it priced its first loads 40x too fast for 4-7 s, and the loads and
 preloads it chose then queued the next requests behind seconds of reads
-(decision 0069). The window of ``(bytes, seconds)`` loads is the state worth
+(decision 0054). The window of ``(bytes, seconds)`` loads is the state worth
 keeping: a restart replays it as observations, so the first decision after a
 restart is priced as the last one before it.
 

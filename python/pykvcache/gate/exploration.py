@@ -33,12 +33,12 @@ A circuit breaker that closes again (:meth:`reset`) says the device may now
 be anything: the interval starts over and the next eligible request explores.
 
 **In the background** (where the caller can read without a request, the
-standalone manager; decision 0071) the explored request does not load at
+standalone manager; decision 0054) the explored request does not load at
 all: it recomputes, and the gate reads a sample of its prefix's disk chunks
 at preload priority, which no request waits for. At 25 MB/s an exploration
 in the request itself queued its one-chunk sample behind 36 MB of demand
 reads: 1.6 s to save 19 ms, the slowest request of most runs (decision
-0069). The sample is timed by the device's busy period that holds it (its
+0054). The sample is timed by the device's busy period that holds it (its
 own latency includes its wait behind demand reads submitted after it), and
 is sized to outlast a throttle's or cache's burst: its disk chunks until
 their estimated read at the learnt speed reaches ``min_sample_s`` (at most

@@ -30,7 +30,7 @@ first busy period was one chunk, 2.1 MB in 2-4 ms (700 MB/s), and so was a
 later one. A throttle's slice is 0.1 s; pooled past it, a burst is averaged
 with the throttled reads after it. A fast device's loads are pooled too, and
 their mean is its speed. An exploration (sized to outlast a burst, decision
-0071) and a load replayed from a saved window are lessons in themselves.
+0054) and a load replayed from a saved window are lessons in themselves.
 A default prior knows nothing of the device and gives way to the first
 lesson (``prior_weight`` 0).
 

@@ -2,8 +2,8 @@
 
 Why: a serving run's counters say how many loads and recomputes the gate
 chose, not which request was priced how, when, behind what. The first
-seconds of a fresh server on a slow disk were its slowest (decisions 0074,
-0075), and neither counters nor timings could say why. With a trace file a
+seconds of a fresh server on a slow disk were its slowest (decisions 0073,
+0061), and neither counters nor timings could say why. With a trace file a
 run can be replayed: every decision (a request's first lookup, or a
 preload), the chunk states and queue it saw, and every read and busy period
 the device model learnt from, on one monotonic clock.
@@ -71,7 +71,7 @@ class DecisionTrace:
 
     def learnt(self, nbytes: float, seconds: float, *, explored: bool, bytes_per_s: float | None,
                source: str) -> None:
-        """``source``: ``"period"`` (a busy period, 0066) or ``"load"`` (a
+        """``source``: ``"period"`` (a busy period, 0079) or ``"load"`` (a
         request's load timed to its last read, queue ahead included)."""
         self._write({"ev": "learn", "from": source, "mb": round(nbytes / 1e6, 2), "s": round(seconds, 4),
                      "explored": explored, "mbps": None if bytes_per_s is None else round(bytes_per_s / 1e6, 1)})

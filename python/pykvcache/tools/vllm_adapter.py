@@ -59,7 +59,7 @@ def use_gates(manager: Any, request_gate: Any, preload_gate: Any) -> None:
     """Swap the gates of requests and of the lookahead preloader. The
     device's busy period so far is forgotten: what it timed belongs to the
     gate swapped out (an emulated slow device's reads must not teach the
-    next mode's gate; decision 0066)."""
+    next mode's gate; decision 0079)."""
     manager.gating.gate = request_gate
     manager.preloader.gate = preload_gate
     busy = getattr(manager.gating, "busy", None)

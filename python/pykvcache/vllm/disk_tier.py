@@ -7,7 +7,7 @@ the disk side of both is, is said here once:
 
 * :func:`open_store`: the engine's ``BlockStore`` on the configured
   directories. The engine creates a missing storage root itself (mode 0o700,
-  a concurrent mkdir on a shared filesystem retried: decision 0049); a root
+  a concurrent mkdir on a shared filesystem retried: decision 0035); a root
   it cannot create is a :class:`~pykvcache.vllm.config.ConfigError` naming
   the ``storage_dirs`` entry;
 * :func:`model_identity_digest` and :func:`chunk_namespace`: where the chunks
@@ -249,7 +249,7 @@ class DiskTier:
         observed = 0
         if started_at is not None:
             # Submitted at ``started_at`` (monotonic s): the device's busy
-            # periods, preloads included (decision 0066). Before
+            # periods, preloads included (decision 0079). Before
             # read_finished, which ends the plans timing this read.
             observed += self.gating.read_ended(key, started_at, result.latency_s or 0.0,
                                                int(result.length or 0) if ok else 0)

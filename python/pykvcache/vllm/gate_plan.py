@@ -23,7 +23,7 @@ link took to read is not the device's speed (decision 0054).
 An exploration (the gate samples a device it learnt as too slow to load
 from) is read in the background where the owner can (:meth:`GateWiring.set_sampler`,
 the standalone manager): the explored request recomputes, and the busy period
-holding the sample's reads is the measurement (decision 0071). Without a
+holding the sample's reads is the measurement (decision 0054). Without a
 sampler (vLLM's tiering framework owns the tier's reads) the request loads
 its explored prefix, as before.
 
@@ -50,7 +50,7 @@ from pykvcache.gate.trace import DecisionTrace
 #: holds its plans until its reads end; the oldest are let go beyond this).
 MAX_TIMED_REQUESTS = 256
 #: A busy period of the device is cut (and learnt from) after this many
-#: chunks were read in it (decision 0066).
+#: chunks were read in it (decision 0079).
 BUSY_PERIOD_CHUNKS = 16
 
 
@@ -258,10 +258,10 @@ class GateWiring:
         # A step worth timing prefilled at least one chunk: shorter ones are
         # dominated by per-step overhead, and a chunk is what the gate decides on.
         self.steps = StepTimer(gate.observe_prefill, min_prefill_tokens=chunk_tokens)
-        # Every read, preloads included, times the device (decision 0066):
+        # Every read, preloads included, times the device (decision 0079):
         # periods cut at 16 chunks, so a saturated device still teaches it.
         self.busy = DeviceBusyPeriods(cut_bytes=BUSY_PERIOD_CHUNKS * chunk_bytes)
-        # Reads explorations in the background (decision 0071); None: the
+        # Reads explorations in the background (decision 0054); None: the
         # explored request loads its sample itself.
         self._sampler: Callable[[Sequence[bytes]], Sequence[bytes]] | None = None
         self._sample_keys: set[bytes] = set()  # sample reads not ended yet
@@ -288,7 +288,7 @@ class GateWiring:
         """``sampler(keys)`` starts background reads of ``keys`` (chunks this
         plan just found on disk and not staged) into staging and returns the keys it started (each then ends in
         :meth:`read_ended`); from now on an exploration is read by it while
-        its request recomputes (decision 0071)."""
+        its request recomputes (decision 0054)."""
         self._sampler = sampler
 
     # -- lookups -------------------------------------------------------------
@@ -303,7 +303,7 @@ class GateWiring:
         it has timed a read (or without an online model). A read pooled into a
         lesson not learnt yet (decision 0079) counts as timed: the speed is
         then still the prior's, as it was after a first load the prior
-        outvoted, and the preload bound (0075) follows it."""
+        outvoted, and the preload bound (0061) follows it."""
         online = self.gate.online
         if online is None or not (online.samples or online.pooled):
             return None
@@ -330,7 +330,7 @@ class GateWiring:
         does, every load is saved: those are the loads that move the model
         most, and vLLM's OpenAI server stops its engine without a teardown
         (``--shutdown-timeout 0``, its default, force-kills it), so the save
-        at shutdown may never run (decision 0074)."""
+        at shutdown may never run (decision 0073)."""
         online = self.gate.online
         now = self.clock()
         if online is None or online.samples == self._device_saved_samples:
@@ -473,8 +473,8 @@ class GateWiring:
         """The read of ``key`` submitted at ``started_at`` ended after
         ``latency_s``, serving ``nbytes`` (called before :meth:`read_finished`);
         returns 1 when that ended (or cut) a busy period the gate learnt from
-        (decision 0066). A period holding an exploration's sample is that
-        exploration's measurement (decision 0071)."""
+        (decision 0079). A period holding an exploration's sample is that
+        exploration's measurement (decision 0054)."""
         sample = key in self._sample_keys
         self._sample_keys.discard(key)
         if self.trace is not None:

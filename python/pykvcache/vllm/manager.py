@@ -151,7 +151,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
         # The gate's explorations are read here in the background; the
-        # explored request recomputes (decision 0071).
+        # explored request recomputes (decision 0054).
         self.gating.set_sampler(self._sample_reads)
         # The preload byte bound from the start: what a restored device model
         # says (0073), or one chunk until the gate has timed a read.
@@ -625,7 +625,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
 
     def _sample_reads(self, keys) -> list[bytes]:
         """Start the background reads of an exploration's sample (decision
-        0071): preload priority, no owner (a later request may load them),
+        0054): preload priority, no owner (a later request may load them),
         into at most half the slots staging could give now, so that a sample
         never takes the room a lookup needs. ``keys`` are chunks the gate plan
         found on disk and not staged in this same call."""
@@ -652,7 +652,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         a read (and restored none, 0073), one chunk: the engine's own bound
         counts reads, not bytes, and on a disk capped at 25 MB/s the preloads
         a server started with kept its first demand reads seconds behind them
-        (decision 0075). A gate that does not learn keeps the engine's bound."""
+        (decision 0061). A gate that does not learn keeps the engine's bound."""
         speed = self.gating.device_bytes_per_s()
         floor = chunk_file_bytes(self.layout.payload_bytes)
         if speed is None:

@@ -5,7 +5,7 @@ A load handed out with in-flight reads (decision 0055) used to wait for
 them inside ``submit_load``, which vLLM calls in the engine step: on the
 CPU platform every other request's prefill and decode stood still for the
 whole read (2 s for a 48 MiB prefix at 25 MB/s), so loading cost the other
-requests exactly what the gate (decision 0064) assumes it does not. Now the
+requests exactly what the gate (decision 0070) assumes it does not. Now the
 worker polls each pending load's ready words without waiting, once per step
 (``get_finished``, which vLLM calls every step, also steps with nothing to
 compute while a request waits for its KV), and the chunks whose reads have

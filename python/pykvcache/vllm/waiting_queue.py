@@ -1,12 +1,12 @@
 """Who waits behind whom: the requests vLLM has not scheduled yet, in its order.
 
-The gate weighs a recompute by the requests it delays (decision 0048). Those
+The gate weighs a recompute by the requests it delays (decision 0079). Those
 are the requests scheduled after it, not every request waiting: the ones
 ahead of it are scheduled first whatever it costs. Counting every other
 waiting request made the preloader and the lookup disagree about the same
 request: a request that arrived third of three was preloaded with two others
 "waiting", and when its turn came the two ahead had been scheduled, its
-lookup counted none and recomputed what had just been read (decision 0064).
+lookup counted none and recomputed what had just been read (decision 0070).
 Counted behind it, the number can only grow between the preload and the
 lookup (later arrivals join the tail), and staged chunks cost less than the
 reads the preload priced, so a lookup never recomputes a prefix its
