@@ -29,6 +29,8 @@ pub struct Layout {
     roots: Vec<PathBuf>,
     ns_dirs: Vec<PathBuf>,
     ns_hex: String,
+    /// The `NAMESPACE` label's text (what this namespace holds, for people).
+    label: String,
     /// Other namespace directories found under the roots: (root, directory);
     /// the id of one is its position + 1 (`OWN` is 0). Only grows.
     others: Mutex<Vec<(usize, PathBuf)>>,
@@ -94,7 +96,36 @@ impl Layout {
             }
             ns_dirs.push(ns_dir);
         }
-        Ok(Layout { roots: resolved, ns_dirs, ns_hex, others: Mutex::new(Vec::new()) })
+        Ok(Layout { roots: resolved, ns_dirs, ns_hex, label: namespace_text.to_owned(), others: Mutex::new(Vec::new()) })
+    }
+
+    /// Re-creates this namespace's directory and its shards under root `root`
+    /// where they went missing (a cleanup job emptied the root), never the
+    /// root itself nor anything above it: a missing root stays missing (it
+    /// may be an unmounted filesystem's mountpoint). True when the namespace
+    /// directory itself had to be created.
+    pub fn ensure_tree(&self, root: usize, perms: &Permissions) -> std::io::Result<bool> {
+        let ns_dir = &self.ns_dirs[root];
+        let created = match std::fs::symlink_metadata(ns_dir) {
+            Ok(m) if m.is_dir() => false,
+            Ok(_) => return Err(std::io::Error::other(format!("{} is not a directory", ns_dir.display()))),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                create_dir_in(ns_dir, perms.dir_mode)?;
+                true
+            }
+            Err(e) => return Err(e),
+        };
+        for sub in 0..=255u8 {
+            let d = ns_dir.join(format!("{sub:02x}"));
+            create_dir_in(&d, perms.dir_mode)?;
+            require_real_dir(&d).map_err(|e| std::io::Error::other(e.to_string()))?;
+        }
+        let label = ns_dir.join("NAMESPACE");
+        if created && !label.exists() {
+            let _ = std::fs::write(&label, &self.label);
+            let _ = std::fs::set_permissions(&label, std::fs::Permissions::from_mode(perms.file_mode));
+        }
+        Ok(created)
     }
 
     pub fn ns_dirs(&self) -> &[PathBuf] {
@@ -227,8 +258,23 @@ pub(crate) fn create_dir_shared(dir: &Path, mode: u32) -> std::io::Result<()> {
     create_dir_shared_with(dir, DIR_CREATE_WAIT, &|p| std::fs::DirBuilder::new().mode(mode).create(p))
 }
 
+/// `create_dir_shared` for a directory whose parent must exist already: a
+/// missing parent is an error (ENOENT), never created.
+pub(crate) fn create_dir_in(dir: &Path, mode: u32) -> std::io::Result<()> {
+    create_dir_shared_with_parents(dir, DIR_CREATE_WAIT, false, &|p| std::fs::DirBuilder::new().mode(mode).create(p))
+}
+
 /// `create_dir_shared` with the wait and the mkdir call as parameters, for tests.
 fn create_dir_shared_with(dir: &Path, wait: Duration, mkdir: &dyn Fn(&Path) -> std::io::Result<()>) -> std::io::Result<()> {
+    create_dir_shared_with_parents(dir, wait, true, mkdir)
+}
+
+fn create_dir_shared_with_parents(
+    dir: &Path,
+    wait: Duration,
+    parents: bool,
+    mkdir: &dyn Fn(&Path) -> std::io::Result<()>,
+) -> std::io::Result<()> {
     if dir.as_os_str().is_empty() {
         return Ok(());
     }
@@ -238,7 +284,7 @@ fn create_dir_shared_with(dir: &Path, wait: Duration, mkdir: &dyn Fn(&Path) -> s
         let exists = match mkdir(dir) {
             Ok(()) => return Ok(()),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => match dir.parent() {
-                Some(parent) if Instant::now() < deadline => {
+                Some(parent) if parents && Instant::now() < deadline => {
                     create_dir_shared_with(parent, wait, mkdir)?;
                     continue;
                 }

@@ -7,5 +7,6 @@ pub mod files;
 pub mod format;
 pub mod index;
 pub mod layout;
+pub mod roots;
 pub mod scan;
 pub mod writers;

@@ -52,6 +52,8 @@ pub fn collect(layout: &Layout, stop: &AtomicBool) -> Result<Vec<Found>> {
                     }
                 }
             }
+            // A root that went away holds nothing now (`store::recovery`).
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(EngineError::io(format!("scanning {}", root_dir.display()), e)),
         }
         for (ns, ns_dir) in namespaces {

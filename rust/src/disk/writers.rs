@@ -18,7 +18,7 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
-use crate::disk::layout::create_dir_shared;
+use crate::disk::layout::create_dir_in;
 
 /// The directory of the leases in each root (not a namespace's name: never scanned as one).
 pub const LEASE_DIR: &str = ".writers";
@@ -42,7 +42,8 @@ impl WriterLease {
         for root in roots {
             let dir = root.join(LEASE_DIR);
             let path = dir.join(&name);
-            let made = create_dir_shared(&dir, dir_mode).and_then(|()| {
+            // Never the root itself: a store whose root went away does not make it again.
+            let made = create_dir_in(&dir, dir_mode).and_then(|()| {
                 std::fs::OpenOptions::new()
                     .read(true)
                     .write(true)

@@ -425,10 +425,7 @@ pub(super) fn dir_worker(core: &Core, backend: &dyn Backend, root: usize) {
                 *reply.found.lock().unwrap_or_else(|e| e.into_inner()) = Some(unlinked);
                 reply.ready.notify_all();
             }
-            DirJob::Probe { number } => {
-                let result = files::probe_health(&core.layout.ns_dirs()[root]);
-                core.health.probe_result(root, number, result, std::time::Instant::now());
-            }
+            DirJob::Probe { number } => core.probe_dir(root, number),
         }
     }
 }

@@ -51,6 +51,11 @@ pub const ASSUMED_BANDWIDTH: f64 = 100e6;
 /// How long `probe(key)` (an lstat, on the caller's thread in vLLM's
 /// scheduler) waits for its answer before saying "not there".
 pub const PROBE_WAIT: Duration = Duration::from_millis(250);
+/// How often the probe of a directory found gone (deleted, moved away, its
+/// filesystem unmounted) looks again: such a probe answers at once (ENOENT),
+/// holds no worker, and the directory should work again within seconds of
+/// its return, so it never backs off like a stalled one.
+pub const GONE_RETRY: Duration = Duration::from_secs(1);
 const MAX_NOTICES: usize = 256;
 
 pub fn default_deadline(chunk_bytes: usize) -> Duration {
@@ -116,6 +121,9 @@ struct Breaker {
     /// The probe in flight: its number and when it was queued.
     probe: Option<(u64, Instant)>,
     probes: u64,
+    /// Opened because the directory is gone (`Health::gone`): probed every
+    /// `GONE_RETRY`, each probe counted but not logged.
+    gone: bool,
 }
 
 /// One storage directory's health: its breaker, its progress clock and the
@@ -169,7 +177,15 @@ impl Health {
             .iter()
             .map(|p| DirHealth {
                 path: p.clone(),
-                breaker: Mutex::new(Breaker { state: BreakerState::Closed, failures: 0, backoff, reopen_at: now, probe: None, probes: 0 }),
+                breaker: Mutex::new(Breaker {
+                    state: BreakerState::Closed,
+                    failures: 0,
+                    backoff,
+                    reopen_at: now,
+                    probe: None,
+                    probes: 0,
+                    gone: false,
+                }),
                 last_progress_ns: AtomicU64::new(0),
                 stuck: AtomicU64::new(0),
             })
@@ -263,6 +279,42 @@ impl Health {
         }
     }
 
+    /// `root`'s directory is gone (`what`): the breaker opens at once, not
+    /// after `BREAKER_THRESHOLD` failures (every operation there would fail),
+    /// and its probe looks again every `GONE_RETRY` until the directory is
+    /// back. One notice, however long it stays gone.
+    pub fn gone(&self, root: usize, what: &str, now: Instant) {
+        let mut b = self.breaker(root);
+        if b.gone {
+            return;
+        }
+        b.gone = true;
+        let from = b.state;
+        match from {
+            BreakerState::Closed => {
+                b.state = BreakerState::Open;
+                b.reopen_at = now + GONE_RETRY;
+                self.counters.breaker_opens.fetch_add(1, Ordering::Relaxed);
+            }
+            BreakerState::Open => b.reopen_at = b.reopen_at.min(now + GONE_RETRY),
+            // The probe in flight answers (or times out) and decides.
+            BreakerState::HalfOpen => {}
+        }
+        self.notice(Notice::warning(format!(
+            "storage directory {}: {what}: circuit breaker {} -> open; gets are misses and puts are skipped there, \
+             checked every {:.1} s until it is back (the store never creates its storage directory again: it may be \
+             an unmounted filesystem's mountpoint)",
+            self.dirs[root].path.display(),
+            from.name(),
+            GONE_RETRY.as_secs_f64()
+        )));
+    }
+
+    /// Whether `root`'s breaker is open because its directory is gone.
+    pub fn is_gone(&self, root: usize) -> bool {
+        self.breaker(root).gone
+    }
+
     /// The watchdog's look at `root`: time for a probe, or a probe that did
     /// not answer within the deadline (the breaker opens again).
     pub fn tick(&self, root: usize, now: Instant) -> Due {
@@ -273,15 +325,19 @@ impl Health {
                 b.probes += 1;
                 b.probe = Some((b.probes, now));
                 self.counters.probes.fetch_add(1, Ordering::Relaxed);
-                self.notice(Notice::info(format!(
-                    "storage directory {}: circuit breaker open -> half-open (probing)",
-                    self.dirs[root].path.display()
-                )));
+                if !b.gone {
+                    self.notice(Notice::info(format!(
+                        "storage directory {}: circuit breaker open -> half-open (probing)",
+                        self.dirs[root].path.display()
+                    )));
+                }
                 Due::Probe(b.probes)
             }
             BreakerState::HalfOpen => {
                 if let Some((_, queued)) = b.probe {
                     if now.saturating_duration_since(queued) >= self.deadline {
+                        // A directory that stops answering is stalled, not gone: back off.
+                        b.gone = false;
                         self.reopen(&mut b, root, now, "no answer within the deadline");
                     }
                 }
@@ -300,6 +356,7 @@ impl Health {
         }
         match result {
             Ok(()) => {
+                let was_gone = std::mem::take(&mut b.gone);
                 b.state = BreakerState::Closed;
                 b.failures = 0;
                 b.backoff = first_backoff(self.deadline);
@@ -307,8 +364,9 @@ impl Health {
                 drop(b);
                 self.counters.breaker_closes.fetch_add(1, Ordering::Relaxed);
                 self.progress(root);
+                let how = if was_gone { "the directory is back" } else { "probe succeeded" };
                 self.notice(Notice::info(format!(
-                    "storage directory {}: circuit breaker half-open -> closed (probe succeeded)",
+                    "storage directory {}: circuit breaker half-open -> closed ({how})",
                     self.dirs[root].path.display()
                 )));
             }
@@ -320,6 +378,11 @@ impl Health {
         self.counters.probe_failures.fetch_add(1, Ordering::Relaxed);
         b.state = BreakerState::Open;
         b.probe = None;
+        if b.gone {
+            // Still gone: look again soon, quietly (the `gone` notice said so).
+            b.reopen_at = now + GONE_RETRY;
+            return;
+        }
         b.backoff = (b.backoff * 2).min(BACKOFF_CAP.max(first_backoff(self.deadline)));
         b.reopen_at = now + b.backoff;
         self.notice(Notice::warning(format!(

@@ -69,7 +69,8 @@ use crate::backend::Backend;
 use crate::disk::files::{self, FsSupport, PendingFile};
 use crate::disk::format::{self, Fingerprint, HEADER_BYTES, MAX_KEY_BYTES};
 use crate::disk::index::ChunkIndex;
-use crate::disk::layout::Layout;
+use crate::disk::layout::{Layout, Permissions};
+use crate::disk::roots::RootIdentity;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
 use crate::disk::writers::WriterLease;
 use crate::error::{EngineError, Result};
@@ -88,6 +89,7 @@ mod jobs;
 mod lifecycle;
 mod open;
 mod read;
+mod recovery;
 mod refresh;
 mod region;
 mod snapshot;
@@ -168,6 +170,12 @@ struct Core {
     segment_bytes: usize,
     write_segment_bytes: usize,
     file_mode: u32,
+    /// Modes and root checks, for a directory made again after it went (`recovery`).
+    permissions: Permissions,
+    /// Each root's identity as last seen usable (None: unknown at open).
+    root_ids: Mutex<Vec<Option<RootIdentity>>>,
+    /// A directory came back: the refresh thread rebuilds the index (`recovery`).
+    rebuild: AtomicBool,
     support: Vec<FsSupport>,
     direct_active: Vec<bool>,
     index: Mutex<ChunkIndex>,

@@ -16,6 +16,7 @@ use crate::disk::files::{self, DirectIoPolicy};
 use crate::disk::format;
 use crate::disk::index::ChunkIndex;
 use crate::disk::layout::Layout;
+use crate::disk::roots::RootIdentity;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
 use crate::disk::writers::WriterLease;
 use crate::error::{EngineError, Result};
@@ -32,6 +33,7 @@ impl BlockStore {
         let namespace = format::namespace_fingerprint(&config.namespace);
         let layout = Layout::open(&config.dirs, &namespace, &config.namespace, &config.permissions)?;
         let stats = Stats::default();
+        let root_ids = layout.roots().iter().map(|r| RootIdentity::of(r).ok()).collect();
 
         let mut support = Vec::new();
         let mut direct_active = Vec::new();
@@ -97,6 +99,9 @@ impl BlockStore {
             segment_bytes: config.segment_bytes,
             write_segment_bytes: config.write_segment_bytes,
             file_mode: config.permissions.file_mode,
+            permissions: config.permissions,
+            root_ids: Mutex::new(root_ids),
+            rebuild: AtomicBool::new(false),
             support,
             direct_active,
             index: Mutex::new(index),

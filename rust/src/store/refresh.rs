@@ -107,7 +107,11 @@ impl Core {
                 }
                 next_beat = now + LEASE_BEAT;
             }
+            if self.rebuild.swap(false, Ordering::AcqRel) {
+                self.rebuild_after_return();
+            }
             if now >= next_check {
+                self.watch_roots();
                 let (n, now_stamp) = self.check_writers();
                 // A lease created or removed since the last check (the stamp moved;
                 // removing a dead one of ours moves it too: one walk more) while none

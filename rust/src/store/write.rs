@@ -60,6 +60,9 @@ impl Core {
             Ok(f) => ctx.write_file = Some(f),
             Err(e) => {
                 let shard = self.layout.shard_dir(hash);
+                if e.raw_os_error() == Some(libc::ENOENT) && self.check_tree(root, &shard) {
+                    return self.skip_gone(id, ctx);
+                }
                 let msg = format!("creating chunk file in {}: {e}", shard.display());
                 return self.fail_early(id, ctx, e.raw_os_error(), msg);
             }
@@ -165,6 +168,14 @@ impl Core {
         }
     }
 
+    /// A put whose directory turned out gone: skipped and counted, as the
+    /// puts after it are while the breaker is open.
+    fn skip_gone(&self, id: OpId, ctx: OpContext) {
+        Stats::add(&self.health.counters.skipped_puts, 1);
+        let why = self.health.refusal(ctx.root).unwrap_or_else(|| "storage directory gone".into());
+        self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(libc::EAGAIN), format!("{why}: put skipped")));
+    }
+
     pub(super) fn finish_put(&self, id: OpId, mut ctx: OpContext, error: Option<SegmentError>, backend: &dyn Backend) {
         if let Some(err) = error {
             let errno = match err {
@@ -219,6 +230,9 @@ impl Core {
             Err(e) => {
                 if let Some(temp) = &file.temp_path {
                     let _ = std::fs::remove_file(temp);
+                }
+                if e.raw_os_error() == Some(libc::ENOENT) && self.check_tree(ctx.root, &self.layout.shard_dir(ctx.hash)) {
+                    return self.skip_gone(id, ctx);
                 }
                 let msg = format!("publishing {}: {e}", path.display());
                 self.finish(id, ctx, Outcome::new(Status::Error, 0, e.raw_os_error(), msg))
