@@ -259,3 +259,98 @@ def test_the_vllm_layer_reads_the_limits_from_the_engine(tmp_path):
         for number in ("4096", "65535", "65536", "1 << 16"):
             assert not re.search(rf"(?<![\w.]){re.escape(number)}(?![\w.])", source), \
                 f"{name} repeats the engine limit {number}"
+
+
+# ---- first contact: every problem in one error, the host's included
+
+
+def _problems(extra) -> list[str]:
+    from pykvcache.vllm.config import validate_extra_config
+
+    with pytest.raises(ConfigError) as info:
+        validate_extra_config(extra)
+    assert str(info.value).count("invalid pykvcache settings") == 1, str(info.value)
+    return info.value.problems
+
+
+def test_a_misspelt_key_does_not_hide_the_other_problems(tmp_path):
+    """A misspelt key used to be reported alone (the storage, the host and the values against
+    each other were checked only once the keys parsed): one start per problem."""
+    from pykvcache.vllm.config_checks import host_memory_bytes
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    too_much = 2 * host_memory_bytes()
+    problems = _problems({"storage_dirs": [str(a_file / "kv")], "capacity_bytes": 1, "capacty": "1GiB",
+                          "staging_bytes": too_much, "lookahead_bytes": too_much + 1,
+                          "model_id": "../../etc", "gate_trace": "/proc/pykvcache-trace"})
+    text = "\n".join(problems)
+    for fragment in ("unknown key(s) 'capacty'", "capacity_bytes (1 bytes) is smaller than the smallest chunk file",
+                     f"staging_bytes ({too_much} bytes", "more than this host's memory",
+                     "lookahead_bytes", "more than staging_bytes", "model_id must be a label",
+                     "gate_trace /proc/pykvcache-trace is on a proc filesystem",
+                     f"{a_file} is not a writable directory"):
+        assert fragment in text, (fragment, text)
+    assert len(problems) == 7, problems
+
+
+def test_shares_of_staging_larger_than_staging_are_refused(tmp_path):
+    from pykvcache.vllm.config import validate_extra_config
+
+    for name in ("lookahead_bytes", "lookup_hold_bytes"):
+        [problem] = _problems(_base(tmp_path, staging_bytes="64MiB", **{name: "65MiB"}))
+        assert problem.startswith(f"{name} ({65 << 20} bytes) is more than staging_bytes ({64 << 20} bytes)")
+        # Against the default staging (1 GiB) when staging_bytes is not given.
+        assert _problems(_base(tmp_path, **{name: "2GiB"}))[0].startswith(name)
+        assert getattr(validate_extra_config(_base(tmp_path, staging_bytes="64MiB", **{name: "64MiB"})), name) == 64 << 20
+    # A staging_bytes refused on its own is not compared with (its own problem says it).
+    [problem] = _problems(_base(tmp_path, staging_bytes="lots", lookahead_bytes="1GiB"))
+    assert problem.startswith("staging_bytes must be")
+
+
+def test_model_id_is_a_label_not_a_path(tmp_path):
+    for good in ("llama-3b@rev7", "meta-llama/Llama-3-8B", "qwen2.5:7b"):
+        assert parse_extra_config(_base(tmp_path, model_id=good)).model_id == good
+    for bad in ("../../etc", "..", "/etc/passwd", "a//b", "org/", "./x", "a\\b", "a\nb", "a\x00b", "  "):
+        with pytest.raises(ConfigError, match="model_id must be a"):
+            parse_extra_config(_base(tmp_path, model_id=bad))
+
+
+def test_gate_trace_must_be_a_file_this_process_can_append_to(tmp_path):
+    import subprocess
+
+    from pykvcache.vllm.config import validate_extra_config
+
+    good = tmp_path / "trace.jsonl"
+    assert validate_extra_config(_base(tmp_path, gate_trace=str(good))).gate_trace == str(good)
+    good.write_text("")  # appended to when it exists
+    assert validate_extra_config(_base(tmp_path, gate_trace=str(good))).gate_trace == str(good)
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)], check=False)
+    try:
+        cases = {"/proc/sys/vm/drop_caches": "on a proc filesystem",  # exists: a kernel setting
+                 "/sys/kernel/pykvcache-trace": "on a sysfs filesystem",
+                 str(tmp_path): "exists and is not a regular file",
+                 str(tmp_path / "missing" / "trace.jsonl"): "is not an existing directory"}
+        if os.path.ismount(read_only):
+            cases[str(read_only / "trace.jsonl")] = "is not writable by this process"
+        for path, fragment in cases.items():
+            [problem] = _problems(_base(tmp_path, gate_trace=path))
+            assert problem.startswith(f"gate_trace {path}") and fragment in problem, (path, problem)
+    finally:
+        subprocess.run(["umount", str(read_only)], check=False, capture_output=True)
+    assert not os.path.exists(tmp_path / "missing"), "nothing is created by the check"
+
+
+def test_staging_more_than_the_host_has_is_refused_before_anything_starts(tmp_path):
+    from pykvcache.vllm.config import kv_transfer_config
+    from pykvcache.vllm.config_checks import host_memory_bytes
+
+    memory = host_memory_bytes()
+    with open("/proc/meminfo") as f:
+        total = int(next(line for line in f if line.startswith("MemTotal:")).split()[1]) * 1024
+    assert 0 < memory <= total
+    with pytest.raises(ConfigError, match=r"staging_bytes \(\d+ bytes, [\d.]+ GiB\) is more than this host's memory"):
+        kv_transfer_config([str(tmp_path / "kv")], "1GiB", staging_bytes=memory + 1)
+    kv_transfer_config([str(tmp_path / "kv")], "1GiB", staging_bytes=64 << 20)

@@ -153,3 +153,19 @@ def test_verify_key_is_checked(tmp_path):
 
     with pytest.raises(ConfigError, match="verify must be one of full, header"):
         _spec(tmp_path, verify="none")
+
+
+def test_the_chunk_size_checks_come_with_every_other_problem(tmp_path):
+    """Where the chunk size is first known (the spec), what it makes of capacity_bytes and
+    staging_bytes is reported with the keys' own problems, not one start after them."""
+    from pykvcache.vllm.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        _spec(tmp_path, capacity_bytes=8192, staging_bytes=2 * (4096 + 2 * BYTES_PER_BLOCK), capacty="1GiB",
+              model_id="../x")
+    text = "\n".join(info.value.problems)
+    for fragment in ("unknown key(s) 'capacty'", "model_id must be a label",
+                     "capacity_bytes=8192 is smaller than one chunk file",
+                     "staging_bytes=270336 holds 2 chunk(s)"):
+        assert fragment in text, (fragment, text)
+    assert len(info.value.problems) == 4 and str(info.value).count("invalid pykvcache") == 1, str(info.value)

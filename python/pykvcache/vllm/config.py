@@ -21,6 +21,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from pykvcache import _core
+from pykvcache.vllm.config_checks import appendable_file_problems, staging_memory_problems
 
 #: Keys that vLLM itself reads from the same dict; accepted and left to vLLM
 #: (``block_size``/``blocks_per_chunk`` are also validated here, because
@@ -218,6 +219,22 @@ def text(*, empty: bool) -> Check:
     return check
 
 
+def label(name: str, value: Any) -> str:
+    """A name for the model, as a hub id or a directory name is written
+    ("llama-3-8b", "meta-llama/Llama-3-8B"): not a path to climb out of
+    ("..", "/etc"), no control characters. It only labels the namespace (a
+    digest names the directories), but a value that looks like a path is a
+    mistake to report, not to file chunks under."""
+    if not isinstance(value, str) or not value.strip():
+        return _refuse(name, "a non-empty label such as 'llama-3-8b' or 'org/model'", value)
+    parts = value.split("/")
+    if any(p in ("", ".", "..") for p in parts) or "\\" in value \
+            or any(not c.isprintable() for c in value):
+        return _refuse(name, "a label such as 'llama-3-8b' or 'org/model' (no '.' or '..' parts, no leading, "
+                             "trailing or double '/', no backslash or control characters)", value)
+    return value
+
+
 def file_path(name: str, value: Any) -> str:
     # A missing or foreign profile is not an error: the gate warns and falls
     # back to a conservative default when the engine starts.
@@ -297,7 +314,7 @@ class PykvcacheConfig:
     register_buffers: bool = key(True, check=flag, store="register_buffers")
     max_inflight_writes: int = key(64, check=count(1, MAX_COUNT), null_is_default=True)
     offload_prompt_only: bool = key(False, check=flag)
-    model_id: str | None = key(None, check=text(empty=False), null_is_default=True)
+    model_id: str | None = key(None, check=label, null_is_default=True)
     namespace_salt: str = key("", check=text(empty=True), null_is_default=True)
     # Content digest of the weights in the namespace (pykvcache.vllm.model_identity).
     fingerprint_weights: bool = key(True, check=flag)
@@ -369,6 +386,15 @@ def _problems_error(problems: Sequence[str]) -> ConfigError:
 def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
     """Validate ``kv_connector_extra_config`` against the key table; raise one
     :class:`ConfigError` listing every problem found."""
+    values, problems = _parse(extra)
+    if problems:
+        raise _problems_error(problems)
+    return PykvcacheConfig(**values)
+
+
+def _parse(extra: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    """The valid values given (a key refused is left out) and every problem:
+    each key's own, then the keys against each other."""
     extra = dict(extra or {})
     problems: list[str] = []
     known = PykvcacheConfig.keys() | VLLM_KEYS
@@ -390,9 +416,27 @@ def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
             problems += invalid.problems
     if extra.get("block_size") is not None and extra.get("blocks_per_chunk") is not None:
         problems.append("give only one of block_size (tokens per chunk) and blocks_per_chunk")
-    if problems:
-        raise _problems_error(problems)
-    return PykvcacheConfig(**values)
+    problems += _between_keys(values, extra)
+    return values, problems
+
+
+def _between_keys(values: dict[str, Any], extra: Mapping[str, Any]) -> list[str]:
+    """What no key's own check sees: a share of staging larger than staging,
+    a capacity that holds no chunk whatever its size. A key refused on its
+    own is not compared (its problem is reported already)."""
+    problems: list[str] = []
+    staging = values.get("staging_bytes", PykvcacheConfig.staging_bytes) if "staging_bytes" in values \
+        or "staging_bytes" not in extra else None
+    for name, what in (("lookahead_bytes", "preloads"), ("lookup_hold_bytes", "lookups of waiting requests")):
+        share = values.get(name)
+        if staging is not None and share and share > staging:
+            problems.append(f"{name} ({share} bytes) is more than staging_bytes ({staging} bytes): the staging "
+                            f"that {what} may hold is a part of staging_bytes; lower it or raise staging_bytes")
+    smallest = _core.chunk_file_bytes(1)
+    if "capacity_bytes" in values and values["capacity_bytes"] < smallest:
+        problems.append(f"capacity_bytes ({values['capacity_bytes']} bytes) is smaller than the smallest chunk "
+                        f"file ({smallest} bytes: a header and one page of KV); nothing could be stored")
+    return problems
 
 
 def store_keywords(config: PykvcacheConfig) -> dict[str, Any]:
@@ -450,14 +494,30 @@ def storage_problems(config: PykvcacheConfig) -> list[str]:
     return problems
 
 
-def validate_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
-    """:func:`parse_extra_config` plus :func:`storage_problems`: everything that
-    can be checked before a model loads, reported in one :class:`ConfigError`."""
-    config = parse_extra_config(extra)
-    problems = storage_problems(config)
+def validate_extra_config(extra: Mapping[str, Any] | None, *,
+                          more: Callable[[dict[str, Any]], list[str]] | None = None) -> PykvcacheConfig:
+    """:func:`parse_extra_config` plus what the values mean on this host (the
+    storage directories: :func:`storage_problems`; ``gate_trace``'s file;
+    ``staging_bytes`` against the host's memory) and ``more(values)`` (a
+    caller's checks, e.g. against the chunk size once vLLM has given it; it
+    gets the values in effect, a key refused on its own left out): everything that can be checked before a
+    model loads, all reported in one :class:`ConfigError`, also when some
+    keys are refused on their own."""
+    values, problems = _parse(extra)
+    if "storage_dirs" in values:  # a placeholder capacity when it was refused: not used there
+        problems += storage_problems(PykvcacheConfig(**{"capacity_bytes": 1, **values}))
+    if values.get("gate_trace"):
+        problems += appendable_file_problems("gate_trace", values["gate_trace"])
+    if "staging_bytes" in values:
+        problems += staging_memory_problems(values["staging_bytes"])
+    if more is not None:
+        # The values in effect: defaults for the keys not given, none for a key refused.
+        given = set(extra or {})
+        problems += more({**{f.name: f.default for f in fields(PykvcacheConfig)
+                             if f.default is not MISSING and f.name not in given}, **values})
     if problems:
         raise _problems_error(problems)
-    return config
+    return PykvcacheConfig(**values)
 
 
 def filesystem_type(path: str) -> str:

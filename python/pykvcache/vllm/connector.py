@@ -58,6 +58,31 @@ def _default_spec(vllm_config) -> None:
         kv.kv_connector_extra_config.setdefault(name, value)
 
 
+def chunk_size_problems(vllm_config, kv_cache_config) -> list[str]:
+    """``block_size`` (tokens per chunk) against vLLM's KV block size. vLLM
+    refuses one that is not a whole number of blocks while it builds the
+    offloading config, before pykvcache's spec sees the settings, so its
+    error would come alone and the others one start later. Several block
+    sizes (hybrid models) or context parallelism: left to vLLM."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    try:
+        tokens = int(extra.get("block_size"))  # as vLLM reads it
+    except (TypeError, ValueError):
+        return []
+    groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
+    sizes = {getattr(g.kv_cache_spec, "block_size", None) for g in groups} \
+        or {vllm_config.cache_config.block_size}
+    if len(sizes) != 1 or None in sizes or vllm_config.parallel_config.decode_context_parallel_size != 1:
+        return []
+    (size,) = sizes
+    if tokens <= 0 or tokens % size == 0:
+        return []
+    lower, upper = tokens // size * size, (tokens // size + 1) * size
+    return [f"block_size={tokens} (tokens per chunk) is not a multiple of vLLM's KV cache block size "
+            f"({size} tokens, --block-size): give {upper}" + (f" or {lower}" if lower else "")
+            + " (or blocks_per_chunk, in blocks)"]
+
+
 #: Longest a step that computes nothing sleeps on the reads its worker's
 #: loads wait for (a request that arrives meanwhile waits at most this long).
 IDLE_STEP_WAIT_S = 0.02
@@ -66,6 +91,10 @@ IDLE_STEP_WAIT_S = 0.02
 class PyKvCacheConnector(OffloadingConnector):
     def __init__(self, vllm_config, role, kv_cache_config=None):
         _default_spec(vllm_config)
+        chunk_problems = chunk_size_problems(vllm_config, kv_cache_config)
+        if chunk_problems:  # with every other problem of the settings, in one error
+            validate_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config,
+                                  more=lambda _values: chunk_problems)
         with publishing(vllm_config):  # the spec fingerprints the model from it
             super().__init__(vllm_config, role, kv_cache_config)
         self._manager = None

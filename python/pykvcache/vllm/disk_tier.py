@@ -102,34 +102,46 @@ class StagingSlots:
 
 def size_staging(settings: PykvcacheConfig, payload_bytes: int, *, min_slots: int,
                  clamp: bool = False) -> StagingSlots:
-    """The staging slots ``staging_bytes`` holds for chunks of ``payload_bytes``:
-    at least ``min_slots``, at most :data:`MAX_STAGING_SLOTS` (more is refused,
-    or with ``clamp`` cut to it), and a ``capacity_bytes`` of at least one
-    chunk file (the engine would start and then refuse every write)."""
+    """The staging slots ``staging_bytes`` holds for chunks of ``payload_bytes``
+    (:func:`staging_size_problems` says what is refused, all at once)."""
     from pykvcache._core import chunk_file_bytes
 
-    staging = settings.staging_bytes
+    problems = staging_size_problems(settings.staging_bytes, settings.capacity_bytes, payload_bytes,
+                                     min_slots=min_slots, clamp=clamp)
+    if problems:
+        raise ConfigError("\n".join(problems), problems)
     footprint = chunk_file_bytes(payload_bytes)
-    num_slots = staging // footprint
+    return StagingSlots(num_slots=min(settings.staging_bytes // footprint, MAX_STAGING_SLOTS), slot_footprint=footprint)
+
+
+def staging_size_problems(staging: int | None, capacity: int | None, payload_bytes: int, *, min_slots: int,
+                          clamp: bool = False) -> list[str]:
+    """What the chunk size makes of ``staging_bytes`` and ``capacity_bytes``
+    (None: not checked, e.g. refused on its own): at least ``min_slots``
+    slots, at most :data:`MAX_STAGING_SLOTS` (more is refused, or with
+    ``clamp`` cut to it), and a capacity of at least one chunk file (the
+    engine would start and then refuse every write)."""
+    from pykvcache._core import chunk_file_bytes
+
+    problems = []
+    footprint = chunk_file_bytes(payload_bytes)
+    num_slots = staging // footprint if staging is not None else min_slots
     if num_slots < min_slots:
-        raise ConfigError(
+        problems.append(
             f"staging_bytes={staging} holds {num_slots} chunk(s) of {payload_bytes} bytes; give at least "
             f"{min_slots * footprint} bytes or use a smaller block_size")
-    if num_slots > MAX_STAGING_SLOTS:
-        if clamp:
-            num_slots = MAX_STAGING_SLOTS
-        else:
-            most = MAX_STAGING_SLOTS * footprint
-            raise ConfigError(
-                f"staging_bytes={staging} would hold {num_slots} staging slots of {footprint} bytes, more "
-                f"than the {MAX_STAGING_SLOTS} the engine supports; give staging_bytes at most {most} "
-                f"({most / (1 << 30):.1f} GiB) or a larger block_size")
-    if settings.capacity_bytes < footprint:
-        raise ConfigError(
-            f"capacity_bytes={settings.capacity_bytes} is smaller than one chunk file ({footprint} bytes: "
+    if num_slots > MAX_STAGING_SLOTS and not clamp:
+        most = MAX_STAGING_SLOTS * footprint
+        problems.append(
+            f"staging_bytes={staging} would hold {num_slots} staging slots of {footprint} bytes, more "
+            f"than the {MAX_STAGING_SLOTS} the engine supports; give staging_bytes at most {most} "
+            f"({most / (1 << 30):.1f} GiB) or a larger block_size")
+    if capacity is not None and capacity < footprint:
+        problems.append(
+            f"capacity_bytes={capacity} is smaller than one chunk file ({footprint} bytes: "
             f"{payload_bytes} bytes of KV per chunk plus its header); give at least {footprint} bytes "
             "(many chunks' worth to be useful) or use a smaller block_size")
-    return StagingSlots(num_slots=num_slots, slot_footprint=footprint)
+    return problems
 
 
 def build_gating(settings: PykvcacheConfig, *, model: str, dtype: str, chunk_bytes: int,

@@ -80,8 +80,6 @@ class NvmeOffloadingSpec(OffloadingSpec):
 
     def __init__(self, config) -> None:
         super().__init__(config)
-        self.settings: PykvcacheConfig = validate_extra_config(self.extra_config)
-        self.offload_prompt_only = self.settings.offload_prompt_only
         # Found now, while vLLM is constructing the spec; read in get_manager.
         self._vllm_config = find_vllm_config()
         self.parallelism_agnostic = parallelism_agnostic(config, self._vllm_config)
@@ -101,6 +99,13 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 bytes_per_block=config.worker_kv_bytes_per_block,
                 world_size=config.parallel.world_size,
             )
+        # Every problem at once: the keys, the host, and what the chunk size
+        # makes of staging_bytes and capacity_bytes (the first moment it is known).
+        self.settings: PykvcacheConfig = validate_extra_config(
+            self.extra_config, more=lambda values: disk_tier.staging_size_problems(
+                values.get("staging_bytes"), values.get("capacity_bytes"), self.layout.payload_bytes,
+                min_slots=MIN_STAGING_SLOTS))
+        self.offload_prompt_only = self.settings.offload_prompt_only
         self._namespace: str | None = None
         # The staging region belongs to this engine only: its name needs the
         # engine id, not the model's identity (which workers never compute).

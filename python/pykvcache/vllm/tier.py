@@ -67,6 +67,7 @@ from pykvcache.vllm.disk_tier import (
     model_identity_digest,
     open_store,
     size_staging,
+    staging_size_problems,
 )
 from pykvcache.vllm.gate_plan import GateInputs
 from pykvcache.vllm.host_config import find_vllm_config
@@ -132,9 +133,10 @@ def _serialized(method):
     return locked
 
 
-def tier_settings(options: dict[str, Any]):
+def tier_settings(options: dict[str, Any], chunk_bytes: int | None = None):
     """The tier's keys validated as the spec's are, with the keys that only the
-    standalone spec has refused, all problems in one :class:`ConfigError`."""
+    standalone spec has refused and, given the CPU tier's ``chunk_bytes``,
+    what that chunk size makes of the sizes: all problems in one :class:`ConfigError`."""
     problems = [f"{k!r}: {STANDALONE_ONLY[k]} (standalone NvmeOffloadingSpec only)"
                 for k in sorted(options) if k in STANDALONE_ONLY]
     if options.get("cpu_tier_io", CPU_TIER_IO[0]) not in CPU_TIER_IO:
@@ -142,8 +144,10 @@ def tier_settings(options: dict[str, Any]):
                         f"(got {options['cpu_tier_io']!r})")
     values = {k: v for k, v in options.items() if k not in STANDALONE_ONLY and k != "cpu_tier_io"}
     values.setdefault("staging_bytes", TIER_STAGING_BYTES)
+    sizes = None if chunk_bytes is None else (lambda v: staging_size_problems(
+        v.get("staging_bytes"), v.get("capacity_bytes"), chunk_bytes, min_slots=MIN_TIER_SLOTS, clamp=True))
     try:
-        config = validate_extra_config(values)
+        config = validate_extra_config(values, more=sizes)
     except ConfigError as exc:
         # The rest is checked even when keys were refused: every problem in one error.
         problems += exc.problems
@@ -184,13 +188,13 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         self._refusal_logged = False
         from pykvcache._core import StagingPool
 
-        self.settings = tier_settings(options)
         config = offloading_spec.config
         # The CPU tier as chunk rows (its stride is one chunk of every rank).
         self._primary = np.asarray(primary_kv_view).view(np.uint8)
         if self._primary.ndim != 2:
             self._primary = self._primary.reshape(self._primary.shape[0], -1)
         self.chunk_bytes = int(self._primary.shape[1])
+        self.settings = tier_settings(options, self.chunk_bytes)
         # Chunks in flight at once: what staging_bytes holds (it bounded the
         # slots that bounced chunks before the region path, and still does on
         # the fallback), within the engine's operation table.

@@ -1,0 +1,92 @@
+"""Checks of the configuration against the host, beyond each key's own value.
+
+:mod:`pykvcache.vllm.config` checks each key's type and bounds and the keys
+against each other; what a value means on this host (is there that much
+memory, can this file be written) is asked here, without creating or writing
+anything, so that it can run in the caller's process before any engine starts
+and again in the engine before anything is allocated. Each function returns
+the problems it found (an empty list: none), to be reported with all others
+in one error.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+#: Filesystems whose files are kernel interfaces, not storage: a trace
+#: appended to one of them (``/proc/sys/...``, ``/sys/...``) would be written
+#: into a kernel setting, or fail on the first line.
+PSEUDO_FS_TYPES = frozenset({
+    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
+    "configfs", "bpf", "pstore", "efivarfs", "fusectl", "mqueue", "hugetlbfs", "binfmt_misc", "autofs",
+})
+
+
+def host_memory_bytes() -> int | None:
+    """The most memory this process could ever get: the host's (MemTotal),
+    lowered to its cgroup v2 limit (a container's ``--memory``); None when
+    unknown. A bound, not what is free: it runs before the model loads, when
+    what will be free is not known yet (the engine checks MemAvailable when it
+    reserves the staging region)."""
+    try:
+        with open("/proc/meminfo") as f:
+            line = next((l for l in f if l.startswith("MemTotal:")), "")
+        total = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    try:
+        with open("/proc/self/cgroup") as f:
+            path = next((l.strip()[3:] for l in f if l.startswith("0::")), None)
+        if path is not None:
+            with open(f"/sys/fs/cgroup{path}/memory.max") as f:
+                limit = f.read().strip()
+            if limit.isdigit():  # "max": no limit
+                total = min(total, int(limit))
+    except OSError:
+        pass
+    return total
+
+
+def staging_memory_problems(staging_bytes: int) -> list[str]:
+    """``staging_bytes`` is reserved in full at start-up: more than the host
+    (or the container) has can never be."""
+    memory = host_memory_bytes()
+    if memory is not None and staging_bytes > memory:
+        return [f"staging_bytes ({staging_bytes} bytes, {staging_bytes / (1 << 30):.1f} GiB) is more than this "
+                f"host's memory ({memory} bytes, {memory / (1 << 30):.1f} GiB, container limit included): "
+                "it is reserved in full at start-up"]
+    return []
+
+
+def _filesystem_type(path: str) -> str:
+    # Late import: config imports this module.
+    from pykvcache.vllm.config import filesystem_type
+
+    return filesystem_type(path)
+
+
+def appendable_file_problems(name: str, path: str) -> list[str]:
+    """``path`` can be appended to by this process: an existing regular file,
+    or a new one in an existing, writable directory, on a filesystem that
+    stores files (not /proc, /sys, /dev)."""
+    existing = path if os.path.lexists(path) else os.path.dirname(path)
+    kind = _filesystem_type(existing)
+    if kind in PSEUDO_FS_TYPES:
+        return [f"{name} {path} is on a {kind} filesystem (kernel interfaces, not files to write a trace to)"]
+    if os.path.lexists(path):
+        try:
+            mode = os.stat(path).st_mode
+        except OSError as exc:
+            return [f"{name} {path} cannot be used: {exc.strerror}"]
+        if not stat.S_ISREG(mode):
+            return [f"{name} {path} exists and is not a regular file"]
+        if not os.access(path, os.W_OK):
+            return [f"{name} {path} is not writable by this process (uid {os.geteuid()})"]
+        return []
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        return [f"{name} {path} cannot be created: {parent} is not an existing directory"]
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return [f"{name} {path} cannot be created: {parent} is not writable by this process (uid {os.geteuid()})"]
+    return []
