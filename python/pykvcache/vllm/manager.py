@@ -332,8 +332,11 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         if in_flight:
             # The read started (now or earlier) at once; the worker's copy
             # waits for it (prepare_load hands over the ready word's generation).
-            self.metrics.inc("lookup_in_flight_hits")
-            self._hit_in_flight.add(key)
+            # Counted once per read: vLLM looks a waiting request's chunks up
+            # again at every scheduling attempt until it is admitted.
+            if key not in self._hit_in_flight:
+                self.metrics.inc("lookup_in_flight_hits")
+                self._hit_in_flight.add(key)
         elif result is not LookupResult.HIT:
             self.metrics.inc("lookups_deferred")
             if self.cache.get(key).state is EntryState.STORING:

@@ -50,7 +50,7 @@ COUNTERS = {
     "lookup_hold_cap_retries": "Lookups answered RETRY because waiting requests already hold their staging share.",
     "lookups_deferred": "Lookups answered HIT_PENDING or RETRY: each defers its request to a later scheduler step.",
     "lookups_deferred_storing": "Deferred lookups of chunks a worker was still copying into staging (a store in progress).",
-    "lookup_in_flight_hits": "Lookups answered HIT while the chunk's disk read was in flight (the worker's copy waits for it).",
+    "lookup_in_flight_hits": "Chunks answered HIT while their disk read was in flight (the worker's copy waits for it); each read once, however often it is looked up.",
     "in_flight_read_failures": "Chunks answered HIT in flight whose read then failed (missing, corrupt, error or past the deadline): their load is recomputed.",
     "failed_loads": "Loads the workers reported failed (a chunk not ready in time or its read failed); vLLM recomputed those requests (their later lookups miss).",
     # Lookahead preloading.
