@@ -127,7 +127,7 @@ fn injected_eio_fails_the_operation_and_nothing_else() {
 
 #[test]
 fn a_failed_ring_fails_pending_operations_and_refuses_new_ones() {
-    // issue 11 item 3: a fatal io_uring_enter error panicked the ring thread
+    // A fatal io_uring_enter error panicked the ring thread
     // (every later operation hung). Now what is pending fails with an error,
     // the backend reports itself dead, and new work is refused.
     let dir = tempfile::tempdir().unwrap();
@@ -785,7 +785,7 @@ fn a_flipped_payload_byte_is_caught_wherever_it_lies() {
 
 #[test]
 fn every_get_that_serves_nothing_names_the_fate_of_its_file() {
-    // issue 21: the store alone decides what becomes of a chunk file after a
+    // The store alone decides what becomes of a chunk file after a
     // failed read, and says so where it decides; callers never delete one.
     for backend in [BackendChoice::IoUring, BackendChoice::Threads] {
         let dir = tempfile::tempdir().unwrap();

@@ -52,7 +52,7 @@ def fill_past_full(kv, store_dir) -> dict:
         r = put_bytes(store, pool, slot, key, payload_for(key, PAYLOAD, PAYLOAD))
         assert r.ok, (key, r.status, r.errno, r.message)
         assert store.used_bytes <= store.capacity_bytes
-    store.log_notices()  # the ENOSPC notice: logged outside put/wait (issue 21 item 5)
+    store.log_notices()  # the ENOSPC notice: logged outside put/wait
     logging.getLogger("pykvcache").removeHandler(records)
     s = store.stats()
     assert s["write_enospc"] == 0 and s["write_errors"] == 0 and s["writes"] == len(keys)

@@ -1,5 +1,4 @@
-"""A second writer of a storage directory a vLLM engine is serving from (issue 24,
-finding 3): opens its own BlockStore with the engine's defaults (no refresh interval
+"""A second writer of a storage directory a vLLM engine is serving from: opens its own BlockStore with the engine's defaults (no refresh interval
 given), writes COUNT chunks of PAYLOAD bytes in its own namespace, closes, and
 prints what it wrote as JSON. Run by a driver's ``shell`` phase while the engine lives.
 

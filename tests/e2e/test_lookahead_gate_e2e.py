@@ -134,8 +134,8 @@ def scenario_result(tmp_path_factory, tiny_model, slow_device):
             }]
     # One short prompt per generate(): none waits behind another. Co-queued at arrival, the
     # preloader weighs a recompute by the requests waiting behind it (decision 0079) and may
-    # preload what the lookup's gate then recomputes: a known disagreement (docs/roadmap.md,
-    # issue 22 item 2), hit in a clean-clone CI run when the engine received all three before
+    # preload what the lookup's gate then recomputes: a disagreement since
+    # fixed (decision 0070), hit in a clean-clone CI run when the engine received all three before
     # its first step; this test's subject is the gate below the break-even.
     phases += [reset] + [{"op": "generate", "name": f"short_{i}", "prompts": [s]} for i, s in enumerate(shorts)]
     storage = (dev.mount if dev is not None else work) / "store"
@@ -304,7 +304,7 @@ def test_gate_recomputes_below_break_even_and_loads_above(scenario_result):
 
 
 def test_a_load_that_times_out_on_a_slow_disk_is_recomputed_in_a_small_kv_cache(tmp_path, tiny_model, slow_device):
-    """Found by the serving benchmark at 25 MB/s (session 13): a load whose
+    """Found by the serving benchmark at 25 MB/s: a load whose
     reads outlived the worker's wait (io_deadline_s) failed, vLLM re-queued its
     request, whose next lookup found the chunks read meanwhile and answered
     HIT. (Since decision 0065 a load fails only when its reads stop making

@@ -168,7 +168,7 @@ def other_model(models, workdir, store_dir, restart):
     return result
 
 
-#: Two writers of one local directory (issue 24 finding 3): each has this capacity, in chunk files.
+#: Two writers of one local directory: each has this capacity, in chunk files.
 SHARED_CAPACITY_CHUNKS = 20
 
 
@@ -291,7 +291,7 @@ def test_other_model_on_same_directory_gets_no_hits(other_model):
 
 
 def test_a_new_model_makes_room_in_the_old_namespace_within_one_capacity(other_model):
-    """Issue 24 finding 2 through vLLM: the first model's chunks count against
+    """Through vLLM: the first model's chunks count against
     the other model's capacity_bytes and the stalest go, so the new namespace
     stores its own and the directory holds one capacity in total."""
     before, after = other_model["disk_before"], other_model["disk_after"]
@@ -309,7 +309,7 @@ def test_a_new_model_makes_room_in_the_old_namespace_within_one_capacity(other_m
 
 
 def test_two_writers_of_one_local_directory_share_one_capacity_and_the_metrics_stay_true(two_writers):
-    """Issue 24 finding 3 through vLLM: capacity_bytes bounds the directory in total
+    """Through vLLM: capacity_bytes bounds the directory in total
     with the default refresh ("auto"), and the engine's gauges say what is on disk."""
     stored, after = two_writers["by_name"]["stored"], two_writers["by_name"]["after"]
     writer = two_writers["by_name"]["second_writer"]

@@ -1,4 +1,4 @@
-"""A real vLLM whose storage directory stalls in the middle of serving (issue 12).
+"""A real vLLM whose storage directory stalls in the middle of serving.
 
 The store lives on a FUSE passthrough (tests/helpers/stall_fs.py); the driver SIGSTOPs its
 daemon between two requests, so every open, read and write on the mount hangs in the kernel

@@ -1,5 +1,4 @@
-"""The direct API as a hostile first-time user met it (issue 24, findings 5, 7
-and the slot items of 8): one store awaited from two event loops, one handle
+"""The direct API as a hostile first-time user met it: one store awaited from two event loops, one handle
 waited for from many threads, negative slot indices, and the slot size that a
 too-large chunk's miss names.
 

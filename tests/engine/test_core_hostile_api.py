@@ -1,4 +1,4 @@
-"""The direct API under hostile arguments and races (issue 14, items 5-9).
+"""The direct API under hostile arguments and races.
 
 Each test replays the reported scenario. Those that hung before the fix run
 in a subprocess with a timeout, so that a regression fails instead of hanging

@@ -1,4 +1,4 @@
-"""The engine's limits (issue 21, item 3): defined once in Rust, exported as
+"""The engine's limits: defined once in Rust, exported as
 ``_core.ENGINE_LIMITS`` beside ``ENGINE_DEFAULTS`` and enforced by one
 ``StoreConfig::validate`` (the vLLM layer reads them: tests/vllm/test_vllm_config.py). And
 ``io_deadline`` above ``FOREVER_S`` means what every other timeout means."""

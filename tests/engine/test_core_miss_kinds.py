@@ -1,5 +1,5 @@
 """Every read result says what became of its chunk file (``IoResult.miss_kind``), decided by the
-engine where it judged the file; the callers above it never delete one (issue 21, decision 0050).
+engine where it judged the file; the callers above it never delete one (decision 0050).
 
 - ``absent``: no chunk file there; the index forgot the key.
 - ``corrupt``: it failed verification; the engine removed it.

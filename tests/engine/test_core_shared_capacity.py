@@ -1,5 +1,5 @@
 """`capacity_bytes` bounds a local storage directory in total, whatever
-processes and namespaces write it (issue 24, decision 0053): two processes
+processes and namespaces write it (decision 0053): two processes
 opened with the engine's defaults (no refresh interval given) write one
 directory at once; within a few seconds the directory is back within one
 capacity and each process's index (its stats) holds what is on disk of its

@@ -3,7 +3,7 @@
 Every lesson covers a throttle's slice (0.1 s) of the device's time, because
 a throttled disk serves the first reads after an idle spell at full speed: a
 server on a disk capped at 25 MB/s learnt one chunk read in 2-3 ms, as its
-first lesson and again as a later one (sessions 18 and 19). The default prior
+first lesson and again as a later one. The default prior
 (1 GB/s) knows nothing of the device and gives way to the first lesson.
 """
 
@@ -33,7 +33,7 @@ def _expect() -> ProfileExpectation:
 
 
 def test_a_burst_served_read_alone_teaches_nothing_and_is_averaged_with_the_throttled_reads_after_it():
-    online = OnlineLoadModel(PRIOR, max_factor=100.0, prior_weight=0, min_lesson_s=MIN_LESSON_S)
+    online = OnlineLoadModel(PRIOR, prior_weight=0, min_lesson_s=MIN_LESSON_S)
     online.observe(CHUNK, 0.003)  # from the throttle's slice allowance: 700 MB/s
     assert online.samples == 0 and online.pooled == 1
     assert online.disk_bytes_per_s == PRIOR.disk_bytes_per_s
@@ -50,7 +50,7 @@ def test_a_burst_served_read_alone_teaches_nothing_and_is_averaged_with_the_thro
 
 
 def test_a_fast_device_is_learnt_once_its_loads_cover_the_slice_at_its_own_speed():
-    online = OnlineLoadModel(PRIOR, max_factor=100.0, prior_weight=0, min_lesson_s=MIN_LESSON_S)
+    online = OnlineLoadModel(PRIOR, prior_weight=0, min_lesson_s=MIN_LESSON_S)
     load = 16 * CHUNK  # 33.6 MB in 11.2 ms at 3 GB/s
     loads = 0
     while not online.samples:
@@ -64,7 +64,7 @@ def test_a_fast_device_is_learnt_once_its_loads_cover_the_slice_at_its_own_speed
 
 
 def test_a_fast_device_that_slows_down_is_followed_lesson_by_lesson():
-    online = OnlineLoadModel(PRIOR, max_factor=100.0, prior_weight=0, min_lesson_s=MIN_LESSON_S)
+    online = OnlineLoadModel(PRIOR, prior_weight=0, min_lesson_s=MIN_LESSON_S)
     load = 16 * CHUNK
     for _ in range(90):
         online.observe(load, load / 3e9)  # 11.2 ms: nine loads a lesson
@@ -88,41 +88,55 @@ def test_a_requests_exploration_is_a_lesson_in_itself_and_a_forgotten_spell_take
 
 
 def test_a_saved_window_is_replayed_as_it_was_learnt(tmp_path):
-    before = OnlineLoadModel(PRIOR, max_factor=100.0)
+    before = OnlineLoadModel(PRIOR)
     for _ in range(3):
         before.observe(CHUNK, 0.004)  # 525 MB/s, each well under the slice
     path = tmp_path / device_memory.FILE_NAME
     assert device_memory.save(path, before)
-    after = OnlineLoadModel(PRIOR, max_factor=100.0, prior_weight=0, min_lesson_s=MIN_LESSON_S)
+    after = OnlineLoadModel(PRIOR, prior_weight=0, min_lesson_s=MIN_LESSON_S)
     assert device_memory.restore(path, after) == (3, None)
     assert after.pooled == 0 and after.disk_bytes_per_s == pytest.approx(CHUNK / 0.004)
 
 
-def test_the_default_gate_takes_one_slow_load_where_a_profiled_one_needs_two(tmp_path):
+def _profile(tmp_path, disk_bytes_per_s: float):
+    profile = GateProfile(
+        model="/models/tiny-llama", dtype="float32", block_size=32, chunk_tokens=CT,
+        kv_bytes_per_token=BPT, world_size=1, hardware=hardware_id(),
+        storage={"dir": "/data", "device": "nvme0n1", "fstype": "ext4"},
+        prefill={"a": 0.004, "b": 2e-5, "c": 1e-9, "points": []},
+        load={"fixed_s": 0.0, "disk_bytes_per_s": disk_bytes_per_s, "h2d_bytes_per_s": 2e10, "points": []},
+        break_even_tokens=30.0, created="2025-01-01T00:00:00+00:00", pykvcache_version="0.1.0",
+    )
+    expect = ProfileExpectation(model=profile.model, dtype=profile.dtype, kv_bytes_per_token=BPT, chunk_tokens=CT)
+    gate, source = build_gate(profile.save(tmp_path / "p.json"), expect)
+    assert source == "profile"
+    return gate
+
+
+def test_a_profile_gives_way_to_the_first_lesson_as_the_default_prior_does(tmp_path):
     slow = 25e6
     load, seconds = 8 * CHUNK, 8 * CHUNK / slow  # 0.67 s: longer than the slice
     default, source = build_gate(None, _expect())
     assert source.startswith("default")
     default.observe_load(load, seconds)
     assert default.online.disk_bytes_per_s == pytest.approx(slow, rel=0.01)
-
-    profile = GateProfile(
-        model="/models/tiny-llama", dtype="float32", block_size=32, chunk_tokens=CT,
-        kv_bytes_per_token=BPT, world_size=1, hardware=hardware_id(),
-        storage={"dir": "/data", "device": "nvme0n1", "fstype": "ext4"},
-        prefill={"a": 0.004, "b": 2e-5, "c": 1e-9, "points": []},
-        load={"fixed_s": 0.0, "disk_bytes_per_s": 100e6, "h2d_bytes_per_s": 2e10, "points": []},
-        break_even_tokens=30.0, created="2025-01-01T00:00:00+00:00", pykvcache_version="0.1.0",
-    )
-    expect = ProfileExpectation(model=profile.model, dtype=profile.dtype, kv_bytes_per_token=BPT, chunk_tokens=CT)
-    profiled, source = build_gate(profile.save(tmp_path / "p.json"), expect)
-    assert source == "profile"
-    # A measured device outvotes one surprising load (prior_weight 2)...
-    profiled.observe_load(load, seconds)
-    assert profiled.online.disk_bytes_per_s == pytest.approx(100e6)
-    # ...and gives way to two that agree.
+    # A profile timed a device, maybe another one or this one before a throttle:
+    # what this server's reads take replaces it as soon as they make a lesson.
+    profiled = _profile(tmp_path, 100e6)
     profiled.observe_load(load, seconds)
     assert profiled.online.disk_bytes_per_s == pytest.approx(slow, rel=0.01)
+
+
+@pytest.mark.parametrize("bytes_per_s", [0.26e6, 1e12])
+def test_a_profile_is_corrected_however_far_the_device_is_from_it(tmp_path, bytes_per_s):
+    # A profile calibrated on a fast disk, then served from one capped at
+    # 0.26 MB/s, ~4,000x slower (an 8x bound held the estimate at 1/8 of the
+    # profile's speed and the gate kept loading); or from a far faster array.
+    gate = _profile(tmp_path, 1139e6)
+    lesson_s = 1.0
+    while gate.online.samples < 3:
+        gate.observe_load(bytes_per_s * lesson_s, lesson_s)
+    assert gate.online.disk_bytes_per_s == pytest.approx(bytes_per_s, rel=0.01)
 
 
 @pytest.mark.parametrize("bad", [-0.1, float("inf"), float("nan")])

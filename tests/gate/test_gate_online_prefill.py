@@ -1,6 +1,6 @@
 """Online prefill learning: the gate learns how fast this host computes.
 
-Issue 15: without a profile the default prior priced a 1k-token prefill at
+Without a profile the default prior priced a 1k-token prefill at
 milliseconds on a 2-core CPU where it takes seconds, and the gate recomputed
 prefixes that loading served much faster.
 """
@@ -71,7 +71,7 @@ def test_a_profile_bounds_the_scale_and_is_trusted_from_the_start():
 
 
 def _slow_disk(gate, bw=2e8):
-    """The online load side under CPU contention learnt a slow disk (issue 15)."""
+    """The online load side under CPU contention learnt a slow disk."""
     for i in range(200):
         nbytes = (4 + 12 * (i % 2)) * CT * BPT
         gate.observe_load(nbytes, 0.001 + nbytes / bw)

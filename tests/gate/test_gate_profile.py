@@ -163,13 +163,13 @@ def test_storage_info_names_the_filesystem(tmp_path):
 @pytest.mark.parametrize(
     "content,why",
     [
-        (b"\xff\xfe\x00binary\x80\x81", "not UTF-8 text"),  # issue 24 finding 6: UnicodeDecodeError
+        (b"\xff\xfe\x00binary\x80\x81", "not UTF-8 text"),  # UnicodeDecodeError
         (b"[" * 200_000, "not valid JSON"),  # nested past the parser's recursion limit
         (b"\x00" * 64, "not valid JSON"),
     ],
 )
 def test_a_profile_that_is_not_text_is_one_warning_and_the_default(tmp_path, caplog, content, why):
-    # Issue 24, finding 6: a binary gate_profile crashed start-up with a
+    # A binary gate_profile crashed start-up with a
     # UnicodeDecodeError that named neither the file nor gate_profile.
     path = tmp_path / "p.json"
     path.write_bytes(content)

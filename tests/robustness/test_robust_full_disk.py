@@ -124,7 +124,7 @@ def test_free_space_reserve_leaves_room_for_another_writer(mounted, tmp_path):
 
 
 def test_a_new_namespace_evicts_old_namespaces_at_the_reserve_and_the_log_names_them(mounted, caplog):
-    """Issue 24 finding 2: every configuration change starts a namespace; the
+    """Every configuration change starts a namespace; the
     old ones filled the filesystem to its reserve and the new namespace then
     stored nothing (each put refused, naming only min_free_bytes). Capacity
     and the reserve span every namespace in the directory: the new one evicts

@@ -141,7 +141,7 @@ def test_two_nodes_writing_at_once_serve_no_wrong_byte_and_share_one_capacity(gl
     # The capacity was under pressure: the pair evicted. Not each node: the faster node can do all
     # of it (it evicts the stalest chunks, the slower node's among them, and the slower node's
     # refresh then drops those from its index, which stays under the capacity). Seen once in a
-    # clean-clone run here, after walks stopped counting a put in flight twice (session 10).
+    # clean-clone run here, after walks stopped counting a put in flight twice.
     assert sum(s["evictions"] for s in seen.values()) > 0, ("capacity was under pressure", seen)
     # Without the shared capacity each node fills its own: the brick reaches ~2x.
     slack = capacity * 2 // 5

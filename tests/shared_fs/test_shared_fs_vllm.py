@@ -14,7 +14,7 @@ node B (mount B) then
   3. with the link back up (once the breaker's probe closed it) serves S and
      then Q from the disk again, without a restart;
   4. takes the link down and up twice more, each time as in 2 and 3: disk
-     hits resume after every recovery, well inside a minute (issue 24: the
+     hits resume after every recovery, well inside a minute (the
      gate learnt the reconnect's slow first loads as the disk's speed and
      recomputed from then on; decision 0054);
   5. with its FUSE client killed (every call ENOTCONN) serves U: misses,

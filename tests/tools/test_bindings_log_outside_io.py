@@ -1,4 +1,4 @@
-"""The PyO3 glue logs in one place, never on the I/O path (issue 21 item 5).
+"""The PyO3 glue logs in one place, never on the I/O path.
 
 The engine hands typed notices (level, text) to its caller; `rust/src/python/report.rs`
 logs them, called from `stats()`, `log_notices()`, `close()` and opening a store. Put, get,

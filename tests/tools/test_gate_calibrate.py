@@ -35,7 +35,7 @@ def test_bad_arguments_fail_before_starting_anything(tmp_path, capsys):
 
 
 def test_a_missing_storage_dir_is_created_as_the_server_creates_it(tmp_path, capsys):
-    # Issue 24, finding 8: calibrate refused a --storage-dir that did not
+    # Calibrate refused a --storage-dir that did not
     # exist yet, while the server (the engine) creates it.
     target = tmp_path / "new" / "kv"
     rc = cli.main(["--storage-dir", str(target), "--repeats", "0", "--out", str(tmp_path / "p.json")])
@@ -50,7 +50,7 @@ def test_a_missing_storage_dir_is_created_as_the_server_creates_it(tmp_path, cap
 
 
 def test_the_default_dtype_on_cpu_is_the_cpu_servers_float32():
-    # Issue 24, finding 8: on CPU calibrate ran the model in vLLM's default
+    # On CPU calibrate ran the model in vLLM's default
     # bfloat16, and the README's float32 CPU server rejected the profile.
     assert cli.calibration_dtype("auto", on_gpu=False) == "float32"
     assert cli.calibration_dtype("auto", on_gpu=True) == "auto"  # the model's own, as vLLM serves it
@@ -58,7 +58,7 @@ def test_the_default_dtype_on_cpu_is_the_cpu_servers_float32():
 
 
 def test_the_summary_names_the_dtype_and_what_each_column_shows(tmp_path, capsys, monkeypatch):
-    # Issue 24, finding 8: the column "TTFT fit ms" showed the fitted prefix
+    # The column "TTFT fit ms" showed the fitted prefix
     # compute, and nothing said which dtype the profile is valid for.
     monkeypatch.setenv("COLUMNS", "250")  # one line per header
     from pykvcache.gate import hardware_id
@@ -313,3 +313,23 @@ def test_gate_from_the_profile_recomputes_below_and_loads_above_break_even(calib
     assert d.load_chunks == above and d.est_load_s < d.est_recompute_s
     # The same short prefix already in staging memory is worth loading.
     assert gate.decide([ChunkState.STAGED] * below, queued_bytes=queued).load_chunks == below
+
+
+def test_chunk_tokens_that_are_not_whole_blocks_are_refused_once_in_the_commands_terms(tmp_path, capfd):
+    """--chunk-tokens 48 used to start vLLM and end in 227 log lines naming block_size=48, a
+    key the user never typed; now one line, before anything starts (the CPU backend's blocks
+    are 32 tokens; --block-size when given)."""
+    started = time.monotonic()
+    for argv, words in ((["--chunk-tokens", "48"], "the CPU backend's KV block size, 32 tokens: give 64 or 32"),
+                        (["--block-size", "64", "--chunk-tokens", "96"], "the --block-size KV block size, 64 tokens: give 128 or 64")):
+        if argv[0] == "--chunk-tokens" and importlib.util.find_spec("torch") is None:
+            continue
+        rc = cli.main(["--storage-dir", str(tmp_path), "--out", str(tmp_path / "p.json"), "--no-progress", *argv])
+        captured = capfd.readouterr()
+        lines = [line for line in (captured.out + captured.err).splitlines() if line.strip()]
+        assert rc == 2 and len(lines) == 1, lines
+        assert lines[0] == f"pykvcache calibrate: --chunk-tokens {argv[-1]} is not a multiple of {words}" \
+            + (" (or set --block-size)" if argv[0] == "--chunk-tokens" else ""), lines
+        assert "block_size" not in lines[0]
+    assert time.monotonic() - started < 60, "no engine started"
+    assert not (tmp_path / "p.json").exists()

@@ -1,4 +1,4 @@
-"""`make lint` runs the four lint gates (issue 21 item 6), and `make test` runs it as a stage.
+"""`make lint` runs the four lint gates, and `make test` runs it as a stage.
 
 Cheap: reads the Makefile, tools/test_stages.sh, the pins and the stubtest allowlist; the
 gates themselves run in the lint stage, which is what fails on a finding.

@@ -176,7 +176,7 @@ def test_the_helper_rejects_bad_settings_when_called(tmp_path):
         kv_transfer_config([str(tmp_path / "kv")], "infGiB")
 
 
-# ---- one table (issue 21, item 3)
+# ---- one table
 
 #: Keys whose ``null`` means "not given" (the default); every other key refuses it.
 NULL_IS_DEFAULT = {"block_size", "blocks_per_chunk", "queue_depth", "max_inflight_writes",

@@ -192,7 +192,7 @@ def test_lookahead_stages_a_waiting_request_at_arrival(tiny_model, extra):
 
 
 def test_pykvcache_connector_times_steps_for_the_gate(tiny_model, extra):
-    """PyKvCacheConnector connects the gate's prefill side (issue 15): without a
+    """PyKvCacheConnector connects the gate's prefill side: without a
     profile the gate does not deny loads until steps are timed, and every step
     vLLM builds reaches the manager's step timer."""
     from vllm.v1.core.sched.output import SchedulerOutput

@@ -1,4 +1,4 @@
-"""A gate that learnt a slow disk comes back to it (issue 24, finding 4; issue 22).
+"""A gate that learnt a slow disk comes back to it.
 
 On the two-node GlusterFS fixture the first loads after a partition healed
 taught the gate 20.7 MB/s, and it recomputed every request from then on: a
@@ -23,7 +23,7 @@ BPT = 12 * 1024
 CHUNK = CT * BPT  # 768 KiB
 CHUNKS = 14  # a ~900-token prompt, as in the Gluster e2e test
 FAST = 1e9  # bytes/s
-SLOW = 20e6  # bytes/s (what the gate learnt in issue 24): 14 chunks in ~0.5 s, against ~0.2 s of prefill
+SLOW = 20e6  # bytes/s (what the gate learnt on the GlusterFS fixture): 14 chunks in ~0.5 s, against ~0.2 s of prefill
 
 
 class Serving:
@@ -208,7 +208,7 @@ def test_reads_that_end_after_their_request_was_scheduled_still_teach_the_gate()
     """With lookups answering HIT for reads in flight (decision 0055) vLLM
     schedules a request before its reads end, and its plan was dropped then:
     the gate kept its prior (1000 MB/s) on a disk capped at 25 MB/s and loaded
-    every prefix at 0.54x recompute's p50 (serving benchmark, session 13)."""
+    every prefix at 0.54x recompute's p50 (serving benchmark, 2026-12-05)."""
     s = Serving()
     decisions = [s.request(SLOW, scheduled_before_reads_end=True) for _ in range(8)]
     loads = sum(bool(d.load_chunks) for d in decisions)

@@ -1,4 +1,4 @@
-"""The gate's prefill side is fed from vLLM's scheduler steps (issue 15)."""
+"""The gate's prefill side is fed from vLLM's scheduler steps."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_the_manager_wiring_teaches_a_default_gate_how_slow_this_host_computes()
     assert gate.decide([ChunkState.DISK] * 2).recompute  # no step source yet: the prior gates
     wiring.enable_step_timing()  # what PyKvCacheConnector does
     assert gate.decide([ChunkState.DISK] * 2).reason == "uncalibrated"
-    for _ in range(200):  # a disk learnt slow under CPU contention (issue 15)
+    for _ in range(200):  # a disk learnt slow under CPU contention
         gate.observe_load(16 * CT * BPT, 0.001 + 16 * CT * BPT / 2e8)
     clock = [0.0]
     wiring.steps.clock = lambda: clock[0]

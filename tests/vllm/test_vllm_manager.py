@@ -367,7 +367,7 @@ def _chunk_files(directory) -> dict[str, bytes]:
 
 
 def test_a_verify_header_writers_chunks_survive_a_full_verifying_manager(tmp_path):
-    """issue 21: a verify="full" engine sharing the directory with a verify="header" writer
+    """A verify="full" engine sharing the directory with a verify="header" writer
     cannot serve the writer's chunks (no payload checksum); the manager then evicted, so
     deleted, every one it read. The engine keeps them (miss kind ``kept``): the files stay,
     the next lookups miss without a read, and the writer still serves them."""
@@ -437,7 +437,7 @@ def test_a_corrupt_chunk_is_removed_once_by_the_engine(harness, tmp_path):
 
 
 def test_many_corrupt_chunks_log_one_warning_then_a_summary(harness, tmp_path, caplog):
-    # Issue 24, finding 8: one WARNING line per corrupt chunk (65 for one
+    # One WARNING line per corrupt chunk (65 for one
     # attack). Now: the first in full, the rest counted into one summary.
     import logging
 

@@ -193,7 +193,7 @@ def _chunk_files(root) -> dict:
 
 
 def test_a_verify_header_writers_chunks_survive_a_full_verifying_tier(tmp_path):
-    """issue 21: the tier evicted (deleted) every chunk a promotion could not read, also the
+    """The tier evicted (deleted) every chunk a promotion could not read, also the
     sound chunks of a verify="header" writer sharing the directory, which a verify="full"
     engine does not serve. The engine keeps them now; the tier does not read them again soon,
     and the writer still serves them."""
@@ -221,7 +221,7 @@ def test_a_verify_header_writers_chunks_survive_a_full_verifying_tier(tmp_path):
 
 
 def test_a_stalled_directory_under_the_tier_deletes_no_chunk(tmp_path):
-    """issue 21: a promotion timed out on a stalled mount before the breaker opened, the tier
+    """A promotion timed out on a stalled mount before the breaker opened, the tier
     evicted the chunk, and the unlink, queued behind the stalled work, deleted the good chunk
     once the mount answered again. A miss of kind ``unavailable`` now only keeps the key from
     being read again for a moment."""
@@ -282,7 +282,7 @@ def test_standalone_only_keys_are_refused_with_the_reason(tmp_path):
 
 
 def test_refused_misspelt_and_invalid_tier_keys_are_reported_in_one_error(tmp_path):
-    # Issue 24, finding 8: the refused (standalone-only) keys were reported
+    # The refused (standalone-only) keys were reported
     # alone; the misspelt and invalid ones only after those were fixed.
     from pykvcache.vllm.config import ConfigError
     from pykvcache.vllm.tier import tier_settings

@@ -168,7 +168,7 @@ class LoadCost:
         half: a device that serves a burst at a faster rate (a cgroup
         throttle's slice allowance, a cloud disk's burst credits) made short
         reads look 14x faster than the 100 MB/s it sustained, and that fit
-        priced every load in service at the burst (session 18). Then only the
+        priced every load in service at the burst. Then only the
         reads of at least a quarter of the longest count, by absolute error,
         and the fixed cost is what the burst leaves (at least 0)."""
         pts = [(float(b), float(t)) for b, t in points if b > 0 and t > 0 and math.isfinite(t)]

@@ -3,7 +3,7 @@
 The online load model learns only from loads, and a gate that chose to
 recompute makes none: once it has learnt a slow disk (a busy device, a network
 filesystem reconnecting after a partition) nothing can teach it that the disk
-got fast again. Measured on the two-node GlusterFS fixture (issue 24): the
+got fast again. Measured on the two-node GlusterFS fixture: the
 first loads after a reconnect taught the gate 20.7 MB/s, and it recomputed
 every lookup for the next 92 s and more (84 decisions, 0 disk reads).
 

@@ -3,7 +3,7 @@ circuit breakers (decision 0031).
 
 A load timed while a directory was failing measures the failure, not the
 device, and the gate must not carry it into the healthy time after: measured
-on the two-node GlusterFS fixture (issue 24), the first loads after a
+on the two-node GlusterFS fixture, the first loads after a
 partition healed took long enough to teach the gate 20.7 MB/s (the link's
 steady state moved 0.3 GB/s), and the gate recomputed from then on.
 :class:`OutageFilter` follows the breakers through

@@ -48,7 +48,7 @@ class ChunkTroubleLog:
     line per ``interval_s`` with the counts per status and the latest case.
 
     An attack or a failing disk makes every chunk of a prefix unusable at
-    once: one line per chunk (65 for one corrupted prefix in issue 24) buries
+    once: one line per chunk (65 for one corrupted prefix in a hostile run) buries
     the rest of the log, while the counters (``corrupt_chunks``,
     ``read_errors``) already count each one. What was counted since the last
     line is summarised by the next report after the interval, or by

@@ -12,7 +12,7 @@ fn ok() -> Outcome {
 
 #[test]
 fn a_refused_submission_gives_its_entry_back() {
-    // issue 14 item 6: `release` of an entry that was never started
+    // `release` of an entry that was never started
     // marked it detached and it stayed busy for good.
     let ops = Table::new(2).unwrap();
     for _ in 0..10 {
@@ -29,7 +29,7 @@ fn a_refused_submission_gives_its_entry_back() {
 
 #[test]
 fn close_wakes_waiters_and_refuses_unstarted_operations() {
-    // issue 14 item 8: a caller waiting for an entry while the store
+    // A caller waiting for an entry while the store
     // closes must fail, not take an entry after the drain.
     let ops = Arc::new(Table::new(1).unwrap());
     let held = ops.allocate(None).unwrap();

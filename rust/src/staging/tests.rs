@@ -21,7 +21,7 @@ fn slots_are_aligned_and_budget_is_hard() {
 
 #[test]
 fn sizes_that_would_wrap_or_overflow_are_refused() {
-    // issue 14 item 5: 2**64-1 wrapped the stride to 4096, 2**64-4097 to 0.
+    // 2**64-1 wrapped the stride to 4096, 2**64-4097 to 0.
     let cases = [(usize::MAX, 2), (usize::MAX - 4096, 2), (isize::MAX as usize, 1), (1 << 62, 4), (0, 1), (4096, 0), (4096, MAX_SLOTS + 1)];
     for (slot_bytes, num_slots) in cases {
         let err = StagingPool::create(slot_bytes, num_slots, None).err();

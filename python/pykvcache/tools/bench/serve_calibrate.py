@@ -5,7 +5,7 @@ round, on the run's storage disk and under the run's read cap.
 Why: the other pykvcache configurations start every fresh server with the
 gate's default prior (a 1 GB/s disk). Under a read cap the first loads are
 priced at that prior until two of them end, and on a 25 MB/s disk they are
-where the slowest requests were (session 17). A user is told to calibrate on
+where the slowest requests were. A user is told to calibrate on
 their device; this configuration measures what that buys, in the same rounds
 as the uncalibrated tier.
 

@@ -3,8 +3,8 @@ server that starts where an earlier server of the same configuration stopped.
 
 Why: every other configuration starts a fresh server on empty storage, so its
 gate prices its first reads at its prior (1 GB/s without a profile) until
-two loads end; under a read cap the slowest requests of a run were there
-(session 17). A production server restarts on its own directories, and the
+two loads end; under a read cap the slowest requests of a run were there.
+A production server restarts on its own directories, and the
 gate keeps what it learnt of the device beside the namespace (decision 0073).
 This configuration measures that at serving level: before the measured
 server, a predecessor with the same settings and storage serves a short

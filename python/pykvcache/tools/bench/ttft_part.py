@@ -47,7 +47,7 @@ NAME = "ttft"
 TITLE = "End to end with vLLM: time to first token vs prefix length"
 BASE_MODES = ("recompute", "disk", "staging", "gated")
 SLOW_MODES = ("slow_disk", "slow_gated")
-#: Targets (issue 4): gated within 10% of the better path; break-even within 20%.
+#: Targets: gated within 10% of the better path; break-even within 20%.
 GATED_TOLERANCE = 1.10
 BREAK_EVEN_TOLERANCE = 0.20
 
