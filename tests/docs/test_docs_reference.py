@@ -469,7 +469,7 @@ def test_every_repository_path_named_exists(doc):
 
 def test_the_readme_sends_users_to_the_one_key_table_and_stays_a_front_page():
     """Keys live in one table, docs/vllm.md's (checked against the code above); the README
-    (a front page of at most 150 lines, issue 21) links to it instead of keeping a copy
+    (a front page of at most 150 lines) links to it instead of keeping a copy
     that could drift, and names the two required keys."""
     assert tables(VLLM_DOC, ["Key", "Default", "Meaning"]), "docs/vllm.md lost its key table"
     assert not re.search(r"^\| *Key *\| *Default *\|", README.read_text(), flags=re.M), "a second key table in the README"
@@ -482,7 +482,7 @@ def test_the_readme_sends_users_to_the_one_key_table_and_stays_a_front_page():
 
 def test_every_decision_record_is_in_the_index():
     """docs/decisions/README.md lists every record (a record nobody can find
-    from the index is a decision the next session re-makes)."""
+    from the index is a decision made again)."""
     index = (DOCS / "decisions" / "README.md").read_text()
     records = sorted(p.name for p in (DOCS / "decisions").glob("[0-9][0-9][0-9][0-9]-*.md"))
     missing = [name for name in records if f"]({name})" not in index]
@@ -497,7 +497,7 @@ def _user_docs() -> list[Path]:
 
 
 def test_docs_that_tell_users_to_reset_give_the_servers_endpoint_and_its_dev_mode():
-    """Issue 24, finding 8: ``POST /reset_prefix_cache`` answers only when
+    """``POST /reset_prefix_cache`` answers only when
     the server runs with ``VLLM_SERVER_DEV_MODE=1``; the docs told users to
     reset without saying so."""
     telling = [p for p in _user_docs() if "reset_prefix_cache" in p.read_text()]
