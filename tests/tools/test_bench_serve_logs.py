@@ -1,6 +1,6 @@
 """The serve part keeps every server's log and, with ``gate_trace``, the
 gate's trace in the report's ``serve-logs/`` (the work directory is removed
-after the run): the traces are how decisions 0076-0079 were diagnosed."""
+after the run): the traces are how the gate's device model was diagnosed (decision 0079)."""
 
 from __future__ import annotations
 

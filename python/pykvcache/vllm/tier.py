@@ -23,7 +23,7 @@ with that reason (docs/vllm.md, "pykvcache inside vLLM's tiering").
 
 Every method runs in the scheduler process and returns without waiting: the
 engine's I/O is asynchronous. By default (``cpu_tier_io: "copy"``, decision
-0044) each chunk is copied between its CPU-tier row and one of the engine's
+0062) each chunk is copied between its CPU-tier row and one of the engine's
 staging slots. With ``cpu_tier_io: "direct"`` the CPU tier's region is
 registered with the engine once (decision 0062): each chunk's payload moves
 between its row and the disk by the engine's own transfers (no copy, no
