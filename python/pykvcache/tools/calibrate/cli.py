@@ -144,6 +144,21 @@ def calibration_dtype(requested: str, on_gpu: bool) -> str:
     return requested
 
 
+#: vLLM's KV block size calibrate gives the CPU backend (its attention needs multiples of 32).
+CPU_BLOCK_SIZE = 32
+
+
+def chunk_tokens_problem(chunk_tokens: int | None, block_size: int | None, whose: str) -> str | None:
+    """``--chunk-tokens`` must be whole KV blocks; said in the command's terms
+    before vLLM starts (vLLM's own refusal names a ``block_size`` the user
+    never typed, repeated by every process it started)."""
+    if not chunk_tokens or not block_size or chunk_tokens <= 0 or block_size <= 0 or chunk_tokens % block_size == 0:
+        return None
+    lower, upper = chunk_tokens // block_size * block_size, (chunk_tokens // block_size + 1) * block_size
+    return (f"--chunk-tokens {chunk_tokens} is not a multiple of {whose} KV block size, {block_size} tokens: "
+            f"give {upper}" + (f" or {lower}" if lower else ""))
+
+
 def _check_args(args: argparse.Namespace) -> list[str]:
     problems = []
     for d in args.storage_dir:
@@ -164,6 +179,8 @@ def _check_args(args: argparse.Namespace) -> list[str]:
         problems.append("--tensor-parallel-size, --queue-depth and --storage-budget must be > 0")
     if args.kv_bytes_per_token is not None and not args.kv_bytes_per_token > 0:
         problems.append("--kv-bytes-per-token must be > 0")
+    if (chunks := chunk_tokens_problem(args.chunk_tokens, args.block_size, "the --block-size")) is not None:
+        problems.append(chunks)
     out_dir = args.out.resolve().parent
     if out_dir.exists() and not os.access(out_dir, os.W_OK):
         problems.append(f"cannot write the profile into {out_dir}")
@@ -179,12 +196,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.monotonic()
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # no binding fights on small hosts
-    model, tiny = _prepare_model(args)
-
     import torch
-    from transformers import AutoConfig
 
     on_gpu = torch.cuda.is_available()
+    if not on_gpu and not args.block_size:
+        chunks = chunk_tokens_problem(args.chunk_tokens, CPU_BLOCK_SIZE, "the CPU backend's")
+        if chunks is not None:
+            print(f"pykvcache calibrate: {chunks} (or set --block-size)", file=sys.stderr)
+            return 2
+    model, tiny = _prepare_model(args)
+    from transformers import AutoConfig
+
     # The tiny model is float32 on GPUs too (its KV size is tested as such).
     args.dtype = calibration_dtype(args.dtype, on_gpu and not tiny)
     hf_config = AutoConfig.from_pretrained(model)
@@ -215,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
     if args.block_size:
         llm_kwargs["block_size"] = args.block_size
     elif not on_gpu:
-        llm_kwargs["block_size"] = 32  # the CPU attention backend needs multiples of 32
+        llm_kwargs["block_size"] = CPU_BLOCK_SIZE
     if args.kv_cache_memory:
         llm_kwargs["kv_cache_memory_bytes"] = args.kv_cache_memory
     elif not on_gpu:
