@@ -14,7 +14,7 @@ CHUNK = 2 << 20
 
 
 def _learnt(bytes_per_s: float = 25e6, loads: int = 6) -> OnlineLoadModel:
-    online = OnlineLoadModel(PRIOR, max_factor=100.0)
+    online = OnlineLoadModel(PRIOR)
     for i in range(loads):
         nbytes = (i % 3 + 1) * 8 * CHUNK
         online.observe(nbytes, 2e-3 + nbytes / bytes_per_s)
@@ -25,7 +25,7 @@ def test_a_restarted_gate_prices_reads_as_the_last_one_learnt(tmp_path):
     before = _learnt()
     path = tmp_path / device_memory.FILE_NAME
     assert device_memory.save(path, before)
-    after = OnlineLoadModel(PRIOR, max_factor=100.0)
+    after = OnlineLoadModel(PRIOR)
     assert after.disk_bytes_per_s == 1e9
     assert device_memory.restore(path, after) == (6, None)
     assert after.disk_bytes_per_s == pytest.approx(before.disk_bytes_per_s, rel=1e-6)

@@ -26,7 +26,7 @@ BASE = LoadCost(0.02, 1e9)
 
 def _gate(**explore) -> AdmissionGate:
     model = CostModel(PREFILL, BASE, BPT)
-    return AdmissionGate(model, chunk_tokens=CT, online=OnlineLoadModel(BASE, max_factor=100.0),
+    return AdmissionGate(model, chunk_tokens=CT, online=OnlineLoadModel(BASE),
                          exploration=Exploration(**explore))
 
 
@@ -108,7 +108,7 @@ def test_two_explored_loads_faster_than_predicted_forget_the_slow_window():
 
 
 def test_forgetting_keeps_the_loads_outside_the_interval_and_falls_back_to_the_calibration():
-    m = OnlineLoadModel(BASE, max_factor=100.0)
+    m = OnlineLoadModel(BASE)
     for t in range(4):
         m.observe(14 * CHUNK, 0.02 + 14 * CHUNK / 500e6, now=float(t))
     for t in range(10, 16):

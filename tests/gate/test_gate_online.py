@@ -41,16 +41,15 @@ def test_a_busy_ssd_raises_the_break_even():
     assert after > 1.5 * before
 
 
-def test_estimates_stay_within_bounds():
-    online = OnlineLoadModel(BASE, max_factor=4.0)
+def test_estimates_follow_the_device_however_far_it_is_from_the_prior():
+    # No bound to the prior: a profile may have timed another device.
+    online = OnlineLoadModel(BASE)
     for _ in range(20):
-        online.observe(1 << 30, 1000.0)  # absurdly slow
-    assert online.disk_bytes_per_s == pytest.approx(BASE.disk_bytes_per_s / 4)
-    assert online.fixed_s <= 4 * max(BASE.fixed_s, 1e-3) + 1e-12
+        online.observe(1 << 30, 1000.0)  # ~1 MB/s: 2,000x slower than the prior
+    assert online.disk_bytes_per_s == pytest.approx((1 << 30) / (1000.0 - BASE.fixed_s), rel=1e-6)
     for _ in range(20):
-        online.observe(1 << 30, 1e-6)  # absurdly fast
-    assert online.disk_bytes_per_s == pytest.approx(BASE.disk_bytes_per_s * 4)
-    assert online.fixed_s >= BASE.fixed_s / 4 - 1e-12
+        online.observe(1 << 30, 1e-6)  # faster than the fixed cost: fast, not infinitely fast
+    assert 1e3 * BASE.disk_bytes_per_s < online.disk_bytes_per_s < float("inf")
 
 
 def test_one_outlier_moves_the_estimate_only_a_little():

@@ -733,7 +733,7 @@ def test_an_exploration_is_read_in_the_background_while_its_request_recomputes(t
     # Recompute priced at 10 s per chunk, learnt loads at 100 s (16 KiB in 100 s): the
     # choices do not depend on how fast this machine's real reads are (a busy CI host).
     prefill = PrefillCurve(0.0, 10.0 / CT, 0.0)
-    online = OnlineLoadModel(calibrated, max_factor=1e6)
+    online = OnlineLoadModel(calibrated)
     gate = AdmissionGate(CostModel(prefill, calibrated, CHUNK / CT), chunk_tokens=CT, online=online,
                          exploration=Exploration(min_sample_s=250.0))
     for _ in range(3):
@@ -781,7 +781,7 @@ def test_a_restarted_manager_starts_from_the_device_model_the_last_one_learnt(tm
 
     def gate():
         return AdmissionGate(CostModel(PrefillCurve(0.0, 1.0, 0.0), fast, CHUNK / CT), chunk_tokens=CT,
-                             online=OnlineLoadModel(fast, max_factor=1e12))
+                             online=OnlineLoadModel(fast))
 
     first = gate()
     h = Harness(tmp_path / "kv", num_slots=16, gate=first)

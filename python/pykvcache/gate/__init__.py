@@ -79,20 +79,15 @@ def build_gate(
     ``steps``: engine steps will be timed for the prefill side (also set later
     through ``gate.prefill_online.fed``)."""
     model, source = load_cost_model(profile_path, expected, gating=enabled)
-    # A profile measured this host's device: the online estimate stays within
-    # 8x of it. The default prior (1 GB/s) knows nothing of the device, which
-    # may be a network filesystem at tens of MB/s or an NVMe array at tens of
-    # GB/s: 100x either way (a 25 MB/s device was pinned at 125 MB/s by 8x).
-    # Every lesson covers a throttle's slice of the device's time, so that a
-    # burst cannot teach the gate (decision 0079). A profile counts as two
-    # loads until two agree with it no longer; the default prior gives way to
-    # the first lesson.
-    if not online:
-        refine = None
-    elif source == "profile":
-        refine = OnlineLoadModel(model.load, max_factor=8.0, min_lesson_s=MIN_LESSON_S)
-    else:
-        refine = OnlineLoadModel(model.load, max_factor=100.0, prior_weight=0, min_lesson_s=MIN_LESSON_S)
+    # The load side of a profile is a prior, as the default's is: it timed a
+    # device (maybe another one, or this one before a throttle or a
+    # replacement), and what this server's reads take overrides it whatever
+    # it said: the first lesson replaces it and nothing bounds the estimate
+    # to it (an 8x bound held a profile's 1426 MB/s at 178 MB/s or more on a
+    # disk capped at 0.26 MB/s). Every
+    # lesson covers a throttle's slice of the device's time, so that a burst
+    # cannot teach the gate (decision 0079).
+    refine = OnlineLoadModel(model.load, prior_weight=0, min_lesson_s=MIN_LESSON_S) if online else None
     # The prefill side is learnt only over the default prior: a profile timed
     # prefill on this host through vLLM and stays authoritative (its load side
     # is refined as before). Without online refinement nothing could ever be

@@ -14,10 +14,12 @@ changes, within a few loads: an exponential average with a small step
 (what this was before) needed tens of loads to move, and a serving engine
 with long prefixes sees only a few loads a minute (a server whose reads were
 capped at 200 MB/s still believed 478-1159 MB/s after a run). The
-calibrated value first counts as ``prior_weight`` observations, one fewer
-with each load seen: the first load alone cannot swing the gate, two that
-agree do. Both estimates
-stay within ``[1/max_factor, max_factor]`` of the calibrated value. A slower
+prior first counts as ``prior_weight`` observations, one fewer with each load
+seen (``build_gate`` gives every prior 0: the first lesson replaces it).
+Nothing bounds the estimates to the prior: a profile may have timed another
+device, or this one before a throttle, a cloud volume's spent burst credits or
+a replacement (an 8x bound held a profile's 1426 MB/s at 178 MB/s or more on a
+disk capped at 0.26 MB/s, where a chunk costs more than its recompute). A slower
 SSD lowers the bandwidth estimate, which raises the break-even: longer
 prefixes are then needed before loading pays.
 
@@ -56,24 +58,16 @@ MIN_LESSON_S = 0.1
 
 
 class OnlineLoadModel:
-    def __init__(self, base: LoadCost, *, window: int = 16, prior_weight: int = 2, max_factor: float = 8.0,
-                 min_fixed_s: float = 1e-3, min_lesson_s: float = 0.0) -> None:
+    def __init__(self, base: LoadCost, *, window: int = 16, prior_weight: int = 2,
+                 min_lesson_s: float = 0.0) -> None:
         if window < 3:
             raise ValueError(f"window must be >= 3 (got {window})")
         if prior_weight < 0:
             raise ValueError(f"prior_weight must be >= 0 (got {prior_weight})")
         if not (min_lesson_s >= 0 and math.isfinite(min_lesson_s)):
             raise ValueError(f"min_lesson_s must be finite and >= 0 (got {min_lesson_s})")
-        if not max_factor >= 1:
-            raise ValueError(f"max_factor must be >= 1 (got {max_factor})")
         self.base = base
         self.prior_weight = prior_weight
-        self.max_factor = max_factor
-        # The calibration timed raw reads; in service a load also waits for a
-        # scheduler step and the copy into KV pages. A calibrated fixed cost
-        # of ~0 must not pin the upper bound at ~0, so it is at least
-        # max_factor * min_fixed_s.
-        self._fixed_floor = max(base.fixed_s, min_fixed_s)
         self._fixed = base.fixed_s
         self._bw = base.disk_bytes_per_s
         # (bytes incl. queued, seconds, observed at (monotonic s))
@@ -99,6 +93,13 @@ class OnlineLoadModel:
     def current(self) -> LoadCost:
         """The refined load cost (the same object until the next observation)."""
         return self._current
+
+    @property
+    def timed(self) -> bool:
+        """Whether the estimate rests on a read of this device: a lesson in the
+        window, or a read pooled into the next one. False at start and once
+        every lesson was forgotten (an outage): the estimate is the prior's."""
+        return bool(self._points) or self.pooled > 0
 
     def predict_s(self, disk_bytes: float, queued_bytes: float = 0.0) -> float:
         """What the current estimate says reading ``disk_bytes`` behind
@@ -178,10 +179,8 @@ class OnlineLoadModel:
         return dropped
 
     def _refit(self) -> None:
-        fixed, bw = self._fit()
+        self._fixed, self._bw = self._fit()
         b = self.base
-        self._bw = min(b.disk_bytes_per_s * self.max_factor, max(b.disk_bytes_per_s / self.max_factor, bw))
-        self._fixed = min(self._fixed_floor * self.max_factor, max(b.fixed_s / self.max_factor, fixed))
         self._current = LoadCost(self._fixed, self._bw, b.h2d_bytes_per_s, b.step_s, b.disk_step_s)
 
     def _fit(self) -> tuple[float, float]:
