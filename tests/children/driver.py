@@ -7,7 +7,11 @@ several phases against one engine. Usage::
 
 The scenario holds ``model``, ``llm`` (extra ``vllm.LLM`` keyword arguments,
 e.g. ``kv_transfer_config``) and ``phases``. The last stdout line is
-``RESULT <json>`` with one entry per phase.
+``RESULT <json>`` with one entry per phase. ``replace_on_log`` ({"pattern",
+"src", "dst"}) renames ``src`` over ``dst`` in the logging call of vLLM's
+default loader's first message containing ``pattern`` (e.g. "Loading weights took": the
+weights are replaced the moment vLLM has loaded them, before anything else runs).
+A prompt given as a dict may name a LoRA adapter: ``"lora": [name, id, path]``.
 
 Phase ops:
   generate            prompts -> token ids, num_cached_tokens, metrics after
@@ -63,6 +67,47 @@ def _prompt(spec, tokenizer):
     if "salt" in spec:
         prompt["cache_salt"] = spec["salt"]  # vLLM mixes it into the block hashes
     return prompt
+
+
+def _lora(spec):
+    if isinstance(spec, dict) and spec.get("lora"):
+        from vllm.lora.request import LoRARequest
+
+        name, int_id, path = spec["lora"]
+        return LoRARequest(name, int_id, path)
+    return None
+
+
+#: The logger of vLLM's default loader ("Loading weights took ...").
+_LOADER_LOGGER = "vllm.model_executor.model_loader.default_loader"
+
+
+def _replace_on_log(pattern: str, src: str, dst: str):
+    """A filter on the default loader's logger that renames ``src`` over
+    ``dst`` once, in the logging call of its first message containing
+    ``pattern``. A filter on the logger that logs, not a handler: vLLM's
+    logging setup may run again while an engine starts, which drops the
+    handlers of "vllm" and its children but keeps filters."""
+    import logging
+
+    class Replace(logging.Filter):
+        done = False
+
+        def filter(self, record):
+            if not self.done and pattern in record.getMessage():
+                self.done = True
+                os.replace(src, dst)
+                print(f"driver: replaced {dst} on {pattern!r}", file=sys.stderr, flush=True)
+            return True
+
+    replace = Replace()
+    logging.getLogger(_LOADER_LOGGER).addFilter(replace)
+    # vLLM logs its load time with info_once: an earlier engine in this
+    # process must not have used up the message.
+    from vllm.logger import _print_info_once
+
+    _print_info_once.cache_clear()
+    return replace
 
 
 def _corrupt_files(directory: str) -> int:
@@ -187,6 +232,8 @@ def run_scenario(scenario: dict, report) -> None:
 
         extra_llm["kv_events_config"] = KVEventsConfig(**scenario["kv_events"])
 
+    swap = scenario.get("replace_on_log")
+    swapper = _replace_on_log(swap["pattern"], swap["src"], swap["dst"]) if swap else None
     started = time.monotonic()
     llm = LLM(
         model=scenario["model"],
@@ -200,6 +247,12 @@ def run_scenario(scenario: dict, report) -> None:
         seed=0,
         **extra_llm,
     )
+    if swapper is not None:
+        import logging
+
+        logging.getLogger(_LOADER_LOGGER).removeFilter(swapper)
+        if not swapper.done:
+            raise RuntimeError(f"vLLM never logged {swap['pattern']!r}: nothing was replaced")
     subscriber = _EventSubscriber(scenario["kv_events"]["endpoint"]) if scenario.get("kv_events") else None
     tokenizer = llm.get_tokenizer()
     startup_s = time.monotonic() - started
@@ -215,7 +268,9 @@ def run_scenario(scenario: dict, report) -> None:
             params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 24),
                                     ignore_eos=True)
             prompts = [_prompt(p, tokenizer) for p in phase["prompts"]]
-            outs = llm.generate(prompts, params, use_tqdm=False)
+            loras = [_lora(p) for p in phase["prompts"]]
+            outs = llm.generate(prompts, params, use_tqdm=False,
+                                lora_request=loras if any(loras) else None)
             entry["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
             entry["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
             entry["prompt_lens"] = [len(p["prompt_token_ids"]) for p in prompts]

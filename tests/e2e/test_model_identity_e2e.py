@@ -18,6 +18,20 @@ both read the stored chunks and generated other tokens. ``again`` shows the
 identity is stable across processes and that the chunks were loadable all along.
 ``override`` finds the weights' digest in the node's digest cache (written by
 ``stored``): a second start on unchanged weights reads none of them.
+
+Four more engines (``startup``) on another copy, all with LoRA enabled, then
+one engine on the files as they are at the end, which must answer as vLLM
+alone for every prompt:
+
+* swapped   the weights file is renamed over with other weights the moment
+            vLLM logs that it has loaded them; stores X1 (old weights' KV);
+* dummy     ``load_format="dummy"`` (random weights) on the same directory;
+            stores X2;
+* adapted   the real weights; stores X3 with adapter "a", X4 without one and
+            X5 with adapter "b"; then "a" is retrained and saved under the
+            same name and path;
+* after     X1..X5 salted (vLLM alone), then unsalted: X1, X2 and X3 (new
+            "a") load nothing; X4 and X5 (unchanged "b") load their chunks.
 """
 
 from __future__ import annotations
@@ -36,6 +50,9 @@ from vllm_marks import VLLM_ENGINE
 from test_vllm_e2e import _kv_config, _run, _texts
 
 pytestmark = VLLM_ENGINE
+
+#: Longer than loaded_weights' margin below an engine's start.
+SETTLE_S = 0.2
 
 ROPE_OVERRIDE = {"rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"}}
 
@@ -79,6 +96,34 @@ def _edit_embedding_rows(weights: Path, token_ids: set[int], rows: int = 200) ->
     return chosen
 
 
+def _write_adapter(dest: Path, seed: int, rank: int = 8) -> None:
+    """A LoRA adapter (PEFT layout) for the tiny model's q_proj and v_proj,
+    written to a temporary directory renamed over ``dest``'s files (a
+    retrained adapter saved under the same name and path)."""
+    from pykvcache.testing.tiny_model import TinyModelSpec
+    from safetensors.numpy import save_file
+
+    spec = TinyModelSpec()
+    rng = np.random.default_rng(seed)
+    outs = {"q_proj": spec.num_attention_heads * spec.head_dim, "v_proj": spec.num_key_value_heads * spec.head_dim}
+    tensors = {}
+    for layer in range(spec.num_hidden_layers):
+        for module, out in outs.items():
+            name = f"base_model.model.model.layers.{layer}.self_attn.{module}"
+            tensors[f"{name}.lora_A.weight"] = (rng.standard_normal((rank, spec.hidden_size)) * 0.3).astype(np.float32)
+            tensors[f"{name}.lora_B.weight"] = (rng.standard_normal((out, rank)) * 0.3).astype(np.float32)
+    dest.mkdir(parents=True, exist_ok=True)
+    tmp = dest.parent / f".{dest.name}.new"
+    tmp.mkdir(exist_ok=True)
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    (tmp / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": sorted(outs),
+        "bias": "none", "task_type": "CAUSAL_LM"}))
+    for f in tmp.iterdir():
+        os.replace(f, dest / f.name)
+    tmp.rmdir()
+
+
 def _token_ids(model: Path, text: str) -> set[int]:
     from tokenizers import Tokenizer
 
@@ -120,8 +165,13 @@ def runs(tmp_path_factory, tiny_model):
         out["override"] = run("override", reference=True, hf_overrides=ROPE_OVERRIDE)
         edited_rows = _edit_embedding_rows(weights, _token_ids(model, x))
         assert len(edited_rows) == 200
+        # Files changed right before an engine's configuration is made count as
+        # changed while it loaded (loaded_weights.FINE_MARGIN_NS): these
+        # engines are to identify the files, so they start a little later.
+        time.sleep(SETTLE_S)
         out["edited"] = run("edited", reference=True)
         shutil.copyfile(original / "model.safetensors", weights)
+        time.sleep(SETTLE_S)
         out["again"] = run("again", reference=False)
     finally:
         mp.undo()
@@ -149,6 +199,9 @@ def test_a_changed_model_at_the_same_path_loads_nothing_and_matches_vllm_alone(r
 
 
 def test_the_same_model_again_loads_the_stored_prefix(runs):
+    # Identified by their digests, not refused as changed while loading.
+    for name in ("edited", "again"):
+        assert "changed while this engine started" not in runs[name]["log"], name
     x = runs["again"]["by_name"]["x"]
     assert x["num_cached_tokens"][0] >= 800
     assert _metric(x, "disk_reads") >= 12
@@ -170,3 +223,80 @@ def test_a_second_start_on_unchanged_weights_reads_none_of_them(runs, tiny_model
     # The edit changed ctime (mtime was put back): that file was digested again.
     edited = _weights_log(runs["edited"])
     assert edited["hashed"] >= (Path(tiny_model) / "model.safetensors").stat().st_size
+
+
+LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
+
+
+@pytest.fixture(scope="module")
+def startup(tmp_path_factory, tiny_model, tiny_model_other_weights):
+    from pykvcache.testing.tiny_model import synthetic_text
+    from pykvcache.vllm.digest_cache import RACY_WINDOW_NS
+
+    work = tmp_path_factory.mktemp("identity-start-up")
+    model = work / "model"
+    shutil.copytree(tiny_model, model)
+    # Staged beside the model: renamed over its weights while the engine starts.
+    staged = work / "other.safetensors"
+    shutil.copyfile(Path(tiny_model_other_weights) / "model.safetensors", staged)
+    adapter_a, adapter_b = work / "adapter-a", work / "adapter-b"
+    _write_adapter(adapter_a, seed=1)
+    _write_adapter(adapter_b, seed=2)
+    time.sleep(RACY_WINDOW_NS / 1e9 + 0.2)  # the digest cache keeps only settled files
+    store = work / "store"
+    xs = [synthetic_text(250, seed=500 + i) for i in range(5)]
+    lora_a, lora_b = ["a", 1, str(adapter_a)], ["b", 2, str(adapter_b)]
+    prompts = [{"text": xs[0]}, {"text": xs[1]}, {"text": xs[2], "lora": lora_a}, {"text": xs[3]},
+               {"text": xs[4], "lora": lora_b}]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("XDG_CACHE_HOME", str(work / "xdg-cache"))
+
+    def run(name: str, phases: list[dict], **llm) -> dict:
+        scenario = {"model": str(model), "phases": phases, **llm.pop("scenario", {}),
+                    "llm": {"kv_transfer_config": _kv_config(store, 40), **LORA, **llm}}
+        result = _run(scenario, work, name)
+        result["log"] = (work / f"{name}.log").read_text()
+        return result
+
+    def gen(name: str, *which: int, salt: str | None = None) -> list[dict]:
+        return [{"op": "generate", "name": f"{name}{i}",
+                 "prompts": [{**prompts[i], **({"salt": salt} if salt else {})}]} for i in which]
+
+    out = {}
+    try:
+        out["swapped"] = run("swapped", gen("x", 0), scenario={"replace_on_log": {
+            "pattern": "Loading weights took", "src": str(staged), "dst": str(model / "model.safetensors")}})
+        out["dummy"] = run("dummy", gen("x", 1), load_format="dummy")
+        out["adapted"] = run("adapted", gen("x", 2, 3, 4))
+        _write_adapter(adapter_a, seed=3)  # retrained, saved under the same name and path
+        out["after"] = run("after", gen("reference", 0, 1, 2, 3, 4, salt="alone") + gen("x", 0, 1, 2, 3, 4))
+    finally:
+        mp.undo()
+    return out
+
+
+@pytest.mark.parametrize("i, run", [(0, "swapped"), (1, "dummy")])
+def test_weights_replaced_during_start_up_and_dummy_weights_share_nothing(startup, i, run):
+    after = startup["after"]["by_name"]
+    x, reference = after[f"x{i}"], after[f"reference{i}"]
+    assert x["tokens"] == reference["tokens"], f"X{i + 1}: other tokens than vLLM alone after {run}"
+    assert x["num_cached_tokens"] == [0], f"X{i + 1}: {run}'s chunks were loaded"
+    # The weights differed: that engine's KV was not the last one's.
+    assert startup[run]["by_name"][f"x{i}"]["tokens"] != reference["tokens"]
+    said = {"swapped": "changed while this engine started", "dummy": "load_format=dummy"}[run]
+    assert said in startup[run]["log"]
+
+
+def test_a_retrained_adapter_loads_nothing(startup):
+    after, adapted = startup["after"]["by_name"], startup["adapted"]["by_name"]
+    assert after["x2"]["tokens"] == after["reference2"]["tokens"], "X3: other tokens than vLLM alone"
+    assert after["x2"]["num_cached_tokens"] == [0], "the retrained adapter's old chunks were loaded"
+    assert adapted["x2"]["tokens"] != after["reference2"]["tokens"]  # the retraining is real
+
+
+@pytest.mark.parametrize("i", [3, 4])
+def test_chunks_without_an_adapter_or_with_an_unchanged_one_are_loaded(startup, i):
+    after, adapted = startup["after"]["by_name"], startup["adapted"]["by_name"]
+    assert after[f"x{i}"]["tokens"] == after[f"reference{i}"]["tokens"]
+    assert after[f"x{i}"]["num_cached_tokens"][0] >= 800, f"X{i + 1} was not loaded"
+    assert after[f"x{i}"]["tokens"] == adapted[f"x{i}"]["tokens"]

@@ -349,3 +349,30 @@ def test_the_cost_script_measures_a_first_and_a_cached_start(tmp_path):
     assert results["cached"].bytes_hashed == 0 and results["cached"].files_cached == 3
     assert len({r.digest for r in results.values()}) == 1
     assert "16 GB in" in mod.describe("warm", results["warm"])
+
+
+@needs_vllm
+def test_loaders_that_read_the_files_share_a_namespace_and_others_get_their_own(engine_configs, tiny_model):
+    from pykvcache.vllm.model_identity import model_identity
+
+    def ident(**kw):
+        return identity_digest(model_identity(engine_configs(**kw), tiny_model))
+
+    real = ident()
+    assert ident(load_format="safetensors") == real  # the same files, the same weights
+    dummy = ident(load_format="dummy")
+    assert dummy != real
+    assert ident(load_format="dummy") != dummy  # random weights: never shared, even between dummies
+
+
+@needs_vllm
+def test_sliding_window_and_the_prefix_hash_are_part_of_the_identity(engine_configs):
+    base = identity_digest(config_identity(engine_configs()))
+    config = engine_configs()
+    hashed = copy.copy(config)
+    hashed.cache_config = copy.copy(config.cache_config)
+    object.__setattr__(hashed.cache_config, "prefix_caching_hash_algo", "xxhash")
+    windowed = copy.copy(config)
+    windowed.model_config = copy.copy(config.model_config)
+    object.__setattr__(windowed.model_config, "disable_sliding_window", True)
+    assert len({base, identity_digest(config_identity(hashed)), identity_digest(config_identity(windowed))}) == 3

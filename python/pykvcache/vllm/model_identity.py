@@ -19,6 +19,14 @@ Modification times and paths are not in the digest: nodes sharing a store
 each have their own copy of the weights, with their own mtimes and inodes, and
 must agree on the namespace (the namespace label still shows the model's
 directory name). Decision 0052.
+
+The digest is taken after vLLM has loaded the weights (nothing of ours runs
+earlier); :mod:`pykvcache.vllm.loaded_weights` confirms that no digested file
+changed since before the load. Weights that are not the files on disk (a
+file changed during the load, ``load_format="dummy"``'s random weights, a
+loader that reads elsewhere) get a namespace of this engine's own: it loads
+nothing another engine stored and stores nothing another engine will load.
+Decision 0081.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import secrets
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,13 +43,25 @@ from pathlib import Path
 from typing import Any
 
 from pykvcache.vllm.digest_cache import DigestCache, same_file_state
+from pykvcache.vllm.loaded_weights import DigestedFile, engine_started_ns, first_change
 from pykvcache.vllm.weights_digest import DIGEST_THREADS, PIECE_BYTES, file_digest
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
 #: Bump when what the digests cover changes (old stores then become misses).
 #: 2: every byte of the weights (1 sampled 4 KiB of each tensor).
-IDENTITY_VERSION = 2
+#: 3: the load format, the speculative draft, sliding window, hash and mamba
+#: state settings; weights not confirmed as loaded get a namespace of their own.
+IDENTITY_VERSION = 3
+
+#: Load formats whose loader reads the model's files (as digested): any of
+#: them loads the same weights from the same bytes, so they share a namespace.
+#: Every other one (``dummy``: random weights; ``tensorizer``, ``ipc_cache``,
+#: ``modelexpress``: weights from elsewhere; a loader registered by a plugin)
+#: gets a namespace of the engine's own.
+FILE_LOAD_FORMATS = frozenset({
+    "auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor", "mistral",
+    "sharded_state", "runai_streamer", "runai_streamer_sharded", "bitsandbytes", "gguf"})
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".npz")
 # Files that never change KV for given token ids (the tokenizer maps text to
@@ -64,6 +85,8 @@ class WeightsIdentity:
     files_cached: int  # files whose digest came from the node's digest cache (not read)
     bytes_hashed: int  # bytes read and digested this time
     seconds: float
+    #: Each file as its digest saw it (what :func:`confirm_loaded` checks).
+    digested: tuple[DigestedFile, ...] = ()
 
 
 def _config_dict(config: Any) -> Any:
@@ -106,8 +129,17 @@ def config_identity(vllm_config: Any) -> dict[str, Any]:
         "code_revision": str(getattr(mc, "code_revision", None)),
         "model_impl": str(getattr(mc, "model_impl", None)),
         "override_attention_dtype": str(getattr(mc, "override_attention_dtype", None)),
+        # Later layers' KV depends on what earlier layers attended to.
+        "disable_sliding_window": str(getattr(mc, "disable_sliding_window", None)),
+        "quantization_config": str(getattr(mc, "quantization_config", None)),
         "cache_dtype": str(cache.cache_dtype),
         "calculate_kv_scales": str(getattr(cache, "calculate_kv_scales", None)),
+        "kv_cache_dtype_skip_layers": str(getattr(cache, "kv_cache_dtype_skip_layers", None)),
+        # Hybrid models' state (offloaded with the KV) is kept in these dtypes.
+        "mamba_cache_dtype": str(getattr(cache, "mamba_cache_dtype", None)),
+        "mamba_ssm_cache_dtype": str(getattr(cache, "mamba_ssm_cache_dtype", None)),
+        # Another hash function gives the same tokens other keys: never share.
+        "prefix_caching_hash_algo": str(getattr(cache, "prefix_caching_hash_algo", None)),
         # LoRA adapters are keyed by name in vLLM's block hashes; these settings
         # change how adapted KV is computed.
         "lora": _fields(getattr(vllm_config, "lora_config", None),
@@ -116,19 +148,43 @@ def config_identity(vllm_config: Any) -> dict[str, Any]:
         # settings change the embeddings (and so the KV) of the same image.
         "multimodal": _fields(getattr(mc, "multimodal_config", None),
                               ("mm_processor_kwargs", "language_model_only")),
+        # A draft model (EAGLE, MTP, a small model) has KV layers of its own in
+        # the chunks; its weights are digested as the target's are.
+        "speculative": _speculative_identity(getattr(vllm_config, "speculative_config", None)),
     }
     return ident
 
 
-def resolve_weights(model: str, revision: str | None) -> Path | None:
-    """The local directory (or single file) vLLM loads ``model``'s weights from."""
+def _speculative_identity(spec: Any) -> dict[str, Any] | None:
+    if spec is None:
+        return None
+    out: dict[str, Any] = {"fields": _fields(spec, ("method", "model", "revision", "quantization",
+                                                     "kv_cache_dtype", "num_speculative_tokens"))}
+    draft = getattr(spec, "draft_model_config", None)
+    if draft is not None:
+        out["draft_hf_config"] = _config_dict(getattr(draft, "hf_config", None))
+        out["draft_dtype"] = str(getattr(draft, "dtype", None))
+    return out
+
+
+def load_format(vllm_config: Any) -> str:
+    """The engine's load format, lower case ("auto" when none is set)."""
+    fmt = getattr(getattr(vllm_config, "load_config", None), "load_format", None) or "auto"
+    return str(getattr(fmt, "value", fmt)).lower()
+
+
+def resolve_weights(model: str, revision: str | None, download_dir: str | None = None) -> Path | None:
+    """The local directory (or single file) vLLM loads ``model``'s weights
+    from (a hub id: its snapshot in ``download_dir``, vLLM's ``--download-dir``,
+    or the hub's cache)."""
     path = Path(model).expanduser()
     if path.exists():
         return path
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, revision=revision, local_files_only=True))
+        return Path(snapshot_download(model, revision=revision, local_files_only=True,
+                                      cache_dir=download_dir))
     except Exception:  # not a hub id, or not downloaded: nothing local to read
         return None
 
@@ -143,8 +199,9 @@ def _is_kv_relevant_file(name: str) -> bool:
     return False
 
 
-def _digest_file(path: Path, cache: DigestCache | None, pool: _LazyPool) -> tuple[int, str, bool]:
-    """(size, content digest, whether it came from the cache) of one file."""
+def _digest_file(path: Path, cache: DigestCache | None,
+                 pool: _LazyPool) -> tuple[os.stat_result, str, bool]:
+    """(the file's state, content digest, whether it came from the cache) of one file."""
     fd = os.open(path, os.O_RDONLY)
     try:
         st = os.fstat(fd)
@@ -152,7 +209,7 @@ def _digest_file(path: Path, cache: DigestCache | None, pool: _LazyPool) -> tupl
         if cache is not None:
             cached = cache.lookup(real, st)
             if cached is not None:
-                return st.st_size, cached, True
+                return st, cached, True
         started_ns = time.time_ns()
         digest = file_digest(fd, st.st_size, pool.get() if st.st_size > PIECE_BYTES else None)
         if not same_file_state(st, os.fstat(fd)):
@@ -161,7 +218,7 @@ def _digest_file(path: Path, cache: DigestCache | None, pool: _LazyPool) -> tupl
             logger.warning("pykvcache: %s changed while its digest was computed", path)
         elif cache is not None:
             cache.record(real, st, digest, started_ns)
-        return st.st_size, digest, False
+        return st, digest, False
     finally:
         os.close(fd)
 
@@ -197,10 +254,13 @@ def weights_identity(source: Path | None, cache: Any = _DEFAULT_CACHE) -> Weight
         files = [source]
     combined = hashlib.sha256()
     cached = hashed = 0
+    digested = []
     pool = _LazyPool()
     try:
         for path in files:
-            size, digest, from_cache = _digest_file(path, cache, pool)
+            st, digest, from_cache = _digest_file(path, cache, pool)
+            digested.append(DigestedFile(path, st))
+            size = st.st_size
             name = path.name.encode()
             combined.update(struct.pack("<Q", len(name)) + name + struct.pack("<Q", size))
             combined.update(bytes.fromhex(digest))
@@ -211,7 +271,26 @@ def weights_identity(source: Path | None, cache: Any = _DEFAULT_CACHE) -> Weight
     if cache is not None:
         cache.save()
     return WeightsIdentity(combined.hexdigest(), str(source), len(files), cached, hashed,
-                           time.perf_counter() - started)
+                           time.perf_counter() - started, tuple(digested))
+
+
+def own_namespace(reason: str) -> dict[str, str]:
+    """The weights entry of an engine whose weights are not the files on disk
+    (or not known to be): a nonce nobody else draws, so its chunks are its own."""
+    return {"own": reason, "nonce": secrets.token_hex(16)}
+
+
+def confirm_loaded(weights: WeightsIdentity, vllm_config: Any) -> str | None:
+    """Why the digested files may not be the bytes this engine loaded (a file,
+    link or directory changed since the engine's configuration was made), or
+    None when they are. No engine (``vllm_config`` None): nothing was loaded."""
+    if vllm_config is None or not weights.digest:
+        return None
+    since, origin = engine_started_ns(vllm_config)
+    if since is None:
+        return "no time before the load is known (neither the engine's configuration nor the process start)"
+    why = first_change(Path(weights.source), weights.digested, since)
+    return None if why is None else f"{why} (started: {origin})"
 
 
 def model_identity(vllm_config: Any | None, model: str, *, fingerprint_weights: bool = True) -> dict[str, Any]:
@@ -226,22 +305,50 @@ def model_identity(vllm_config: Any | None, model: str, *, fingerprint_weights: 
         logger.warning("pykvcache: the engine's VllmConfig was not found; the namespace covers the "
                        "model's files but not --hf-overrides, --revision or --quantization "
                        "(set namespace_salt when you change those)")
+    fmt = load_format(vllm_config)
+    if fmt not in FILE_LOAD_FORMATS:
+        # Checked before fingerprint_weights: with such a loader the files
+        # (or the model's name) say nothing about the weights in memory.
+        ident["weights"] = own_namespace(f"load_format={fmt}")
+        logger.warning("pykvcache: load_format=%s does not load the weights from the model's files "
+                       "(dummy: random weights); this engine's chunks get a namespace of its own: it "
+                       "loads nothing other engines stored, and they load nothing it stores", fmt)
+        return ident
     if not fingerprint_weights:
         ident["weights"] = "not fingerprinted (fingerprint_weights: false)"
         return ident
-    weights = weights_identity(resolve_weights(model, revision))
-    if weights.digest:
-        ident["weights"] = weights.digest
-        logger.info("pykvcache: weights identity of %s: %d file(s), %d from the digest cache, "
-                    "%d bytes hashed in %.2f s (%.0f MB/s)", weights.source, weights.files,
-                    weights.files_cached, weights.bytes_hashed, weights.seconds,
-                    weights.bytes_hashed / max(weights.seconds, 1e-9) / 1e6)
-    else:
+    download_dir = getattr(getattr(vllm_config, "load_config", None), "download_dir", None)
+    ident["weights"] = _weights_entry(vllm_config, model, revision, download_dir)
+    spec = getattr(vllm_config, "speculative_config", None)
+    draft = getattr(spec, "model", None)
+    if isinstance(draft, str) and draft and draft != model:
+        ident["draft_weights"] = _weights_entry(vllm_config, draft, getattr(spec, "revision", None),
+                                                download_dir)
+    return ident
+
+
+def _weights_entry(vllm_config: Any, model: str, revision: str | None, download_dir: str | None) -> Any:
+    """The digest of ``model``'s files; a namespace of the engine's own when
+    they changed since before the engine loaded them; the name and revision
+    when there are no local files."""
+    weights = weights_identity(resolve_weights(model, revision, download_dir))
+    if not weights.digest:
         # Nothing local to read (weights streamed from object storage, say):
         # the name and revision are all there is; a change under the same
         # name needs namespace_salt.
-        ident["weights"] = {"model": model, "revision": str(revision)}
         logger.warning("pykvcache: the weights of %s were not found locally; the namespace covers "
                        "the model name and revision only (set namespace_salt when the weights "
                        "behind that name change)", model)
-    return ident
+        return {"model": model, "revision": str(revision)}
+    logger.info("pykvcache: weights identity of %s: %d file(s), %d from the digest cache, "
+                "%d bytes hashed in %.2f s (%.0f MB/s)", weights.source, weights.files,
+                weights.files_cached, weights.bytes_hashed, weights.seconds,
+                weights.bytes_hashed / max(weights.seconds, 1e-9) / 1e6)
+    why = confirm_loaded(weights, vllm_config)
+    if why is None:
+        return weights.digest
+    logger.warning("pykvcache: the weights of %s changed while this engine started (%s): the weights "
+                   "it loaded may not be the files there now, so its chunks get a namespace of its "
+                   "own (it loads nothing other engines stored, and they load nothing it stores); "
+                   "restart it to share the store again", weights.source, why)
+    return own_namespace(why)

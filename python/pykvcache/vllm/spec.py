@@ -149,14 +149,15 @@ class NvmeOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             from pykvcache._core import StagingPool
 
-            from pykvcache.vllm.manager import NvmeOffloadingManager
+            # With LoRA, chunk keys carry each adapter's content digest.
+            from pykvcache.vllm.adapter_keys import manager_class
 
             pool = self._create_pool(StagingPool)
             # The engine creates missing roots (0o700; see disk_tier.open_store).
             store = self._open_store(pool, close_pool_on_failure=True)
             if self.settings.preformat is True:
                 self._preformat(store, pool)
-            self._manager = NvmeOffloadingManager(
+            self._manager = manager_class(self._vllm_config)(
                 pool=pool,
                 store=store,
                 layout=self.layout,
