@@ -3,7 +3,9 @@ start-up looked like. Usage: ``python driver_startup.py scenario.json``.
 
 ``mode`` "bad": builds ``kv_transfer_config`` with pykvcache's helper from
 ``helper_args`` and hands it to ``vllm.LLM``; prints the error and how long
-after the call it came. ``mode`` "start": ``vllm.LLM`` with ``kv`` as
+after the call it came. With ``json_kv``, then hands that dict to ``vllm.LLM``
+as it is (what ``--kv-transfer-config`` JSON gives vLLM: no helper), and
+prints how long the refused engine start took. ``mode`` "start": ``vllm.LLM`` with ``kv`` as
 ``kv_transfer_config``; prints the start-up time and the pykvcache metrics
 vLLM lists before any request, then runs one request.
 The last stdout line is ``RESULT <json>``.
@@ -14,6 +16,10 @@ from __future__ import annotations
 import json
 import sys
 import time
+
+
+#: Printed before the refused engine start of ``json_kv``.
+JSON_START = "-- the same kind of settings as JSON, no helper --"
 
 
 def _llm(model: str, kv: dict):
@@ -45,6 +51,16 @@ def main() -> int:
             result = {"error": str(exc), "seconds": round(time.monotonic() - started, 3)}
         else:
             result = {"error": None}
+        if scenario.get("json_kv"):
+            print(JSON_START, flush=True)  # the helper's part of the output ends here
+            started = time.monotonic()
+            try:
+                _llm(scenario["model"], scenario["json_kv"])
+            except Exception as exc:  # noqa: BLE001 - vLLM's engine start failure; its cause is in the log
+                result.update(json_error=f"{type(exc).__name__}: {exc}",
+                              json_seconds=round(time.monotonic() - started, 1))
+            else:
+                result.update(json_error=None)
         print("RESULT " + json.dumps(result), flush=True)
         return 0
     llm = _llm(scenario["model"], scenario["kv"])
