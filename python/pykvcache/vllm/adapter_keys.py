@@ -35,7 +35,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm.v1.kv_offload.base import LookupResult
+from vllm.v1.kv_offload.base import LookupResult, OffloadKey
 
 from pykvcache.vllm.digest_cache import same_file_state
 from pykvcache.vllm.loaded_weights import DigestedFile
@@ -116,15 +116,15 @@ class AdapterDigests:
                        "chunks until the engine restarts", key[1], key[0], key[2], known.why)
 
 
-def derived_key(key: bytes, tag: bytes) -> bytes:
+def derived_key(key: bytes, tag: bytes) -> OffloadKey:
     """The chunk key of ``key`` (block hash + 4-byte group index) for an adapter with digest ``tag``."""
     block_hash, group = key[:-4], key[-4:]
-    return hashlib.sha256(_DOMAIN + block_hash + tag).digest()[: len(block_hash)] + group
+    return OffloadKey(hashlib.sha256(_DOMAIN + block_hash + tag).digest()[: len(block_hash)] + group)
 
 
 def _find_request(req_id: str) -> Any | None:
     """vLLM's ``Request`` being registered (a local of the caller's frames)."""
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             return None
@@ -215,7 +215,7 @@ class AdapterKeyedManager(NvmeOffloadingManager):
     def _tag(self, adapter: _RequestAdapter) -> bytes:
         return adapter.tag if adapter.tag is not None else self._nonce
 
-    def _keys(self, keys: Collection[bytes], req_context) -> list[bytes]:
+    def _keys(self, keys: Collection[OffloadKey], req_context) -> list[OffloadKey]:
         adapter = self._adapter(req_context)
         if adapter is None:
             return list(keys)
