@@ -56,7 +56,7 @@ class StagingWorker(OffloadingWorker):
         self._failed_loads: set[int] = set()
         # Copy each chunk as its read ends (CPU platform; decision 0057). False:
         # wait for every read, then copy (the CUDA path's order): kept for the
-        # A/B of scripts/pipelined_copy_bench.py.
+        # A/B that decision 0057 records.
         self.copy_as_reads_end = True
         self._pending: PendingLoads | None = None
         self._failure: RuntimeError | None = None
