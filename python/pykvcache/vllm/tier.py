@@ -182,6 +182,14 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
 
     def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
                  backpressure_detector=None, locality=None, **options: Any) -> None:
+        vllm_config = find_vllm_config()
+        if getattr(vllm_config, "lora_config", None) is not None:
+            # vLLM keys a LoRA request's blocks by the adapter's name and path, and a tier sees
+            # keys, never requests: an adapter retrained under the same name would be served
+            # the old adapter's KV. The standalone spec keys such chunks by the adapter's content.
+            raise ValueError("pykvcache: PykvcacheTier cannot tell LoRA adapters apart by their content; with "
+                             "LoRA enabled use pykvcache's own spec (PyKvCacheConnector or spec_name "
+                             "NvmeOffloadingSpec), which keys an adapter's chunks by its files' digest")
         super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
                          tier_type=tier_type, backpressure_detector=backpressure_detector)
         self._lock = threading.RLock()
@@ -204,7 +212,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         why_not = self._region_refusal() if self.cpu_tier_io == "direct" else None
         direct = self.cpu_tier_io == "direct" and why_not is None
         num_slots = MIN_TIER_SLOTS if direct else budget
-        identity = model_identity_digest(find_vllm_config(), config.model.name, self.settings)
+        identity = model_identity_digest(vllm_config, config.model.name, self.settings)
         # The chunk is the CPU tier's (one chunk of every rank): its size, not
         # one worker's block, is what the bytes of a file depend on.
         self.namespace = chunk_namespace(config, self.settings, identity, lambda inputs: dataclasses.replace(
