@@ -2,7 +2,9 @@
 
 One engine process (``driver_lookahead.py``) with ``PyKvCacheConnector``,
 ``max_num_seqs=1`` and a gate profile written here whose break-even is about
-410 tokens. The chunk files live on a real slow device when the kernel
+450 tokens, 490 at the slow device's speed (the gate learns the device from
+its reads: the profile prices the copy high, so that the decisions do not
+hang on the speed it learns). The chunk files live on a real slow device when the kernel
 offers one (``slow_device.py``: a loop device whose reads the blkio throttle
 limits to ``SLOW_READ_BPS``; the driver runs in the throttled group), else on
 the temporary directory (then only the timing test is skipped):
@@ -52,8 +54,11 @@ HEAD_DECODE = 200  # tokens the head request generates while Q waits (~1 s here)
 #: Reads of the slow device: a 14-chunk prefix takes ~0.45 s.
 SLOW_READ_BPS = 4 << 20
 # Profile coefficients: recompute c*n^2, load per token = h2d copy (+ disk).
-PREFILL_C = 2.5e-7
-H2D_BYTES_PER_S = 2048 / 1e-4
+# The copy (5 ms per token) outweighs the disk's share even at SLOW_READ_BPS
+# (0.5 ms per token), so the break-even is ~450 tokens whatever the gate learns
+# of the device: queued prompts (~900 tokens) load, short ones (2-3 chunks) do not.
+PREFILL_C = 1.11e-5
+H2D_BYTES_PER_S = 2048 / 5e-3
 FIXED_S = 1e-4
 DISK_BYTES_PER_S = 1e9
 

@@ -385,19 +385,32 @@ def test_preloaded_loads_teach_the_gate_the_device(tmp_path):
                          chunk_tokens=CT, online=OnlineLoadModel(fast))
     h = Harness(tmp_path / "kv", num_slots=32, lookahead_slots=16, window=4, gate=gate)
     try:
-        keys = [_key(i) for i in range(6)]
+        keys = [_key(i) for i in range(9)]
         h.on_disk_only(keys)
-        for rid, part, arrival in (("r1", keys[:3], 1.0), ("r2", keys[3:], 2.0)):
+        m = h.m.metrics.totals
+        # First contact: before a read of the device is timed a preload reads
+        # none of it; the request is asked to retry while its first chunk is
+        # read in the background, and is decided again once that read timed
+        # the device (here: at once, a fast disk).
+        h.queue("r0", keys[6:], arrival=0.5)
+        ctx, hits = h.probe("r0", keys[6:])
+        assert hits is None and m["lookahead_preload_reads"] == 0 and m["gate_sample_reads"] == 1
+        h.settle()  # the sample's read ends: timed, and the preloader reads the rest
+        assert gate.online.timed and m["lookahead_preload_reads"] == 2
+        ctx, hits = h.probe("r0", keys[6:])
+        assert hits == 3
+        h.load(ctx, keys[6:])
+        h.step(scheduled=["r0"])
+        for rid, part, arrival in (("r1", keys[:3], 1.0), ("r2", keys[3:6], 2.0)):
             h.queue(rid, part, arrival=arrival)
             h.settle()
             ctx, hits = h.probe(rid, part)
             assert hits == 3 and all(h.m.chunk_state(k).name == "STAGED" for k in part)
             h.load(ctx, part)
             h.step(scheduled=[rid])
-        m = h.m.metrics.totals
-        assert m["lookahead_preload_reads"] == 6
-        assert gate.online.samples == 2 and m["gate_load_observations"] == 2
-        assert gate.online.disk_bytes_per_s < 1e15, "two preload periods agree: the real device"
+        assert m["lookahead_preload_reads"] == 8
+        assert gate.online.samples == 4 and m["gate_load_observations"] == 4
+        assert gate.online.disk_bytes_per_s < 1e15, "the preload periods agree: the real device"
     finally:
         h.close()
 
@@ -836,8 +849,10 @@ def test_the_gate_trace_records_decisions_reads_and_lessons(tmp_path, caplog):
     from pykvcache.gate.trace import DecisionTrace
 
     prior = LoadCost(fixed_s=1e-4, disk_bytes_per_s=1e9, h2d_bytes_per_s=1e15)
+    online = OnlineLoadModel(prior)
+    online.observe(CHUNK, CHUNK / 1e9)  # past first contact: the device timed once
     gate = AdmissionGate(CostModel(PrefillCurve(0.0, 10.0 / CT, 0.0), prior, CHUNK / CT), chunk_tokens=CT,
-                         online=OnlineLoadModel(prior))
+                         online=online)
     h = Harness(tmp_path / "kv", num_slots=16, gate=gate, lookahead_slots=8, window=4)
     path = tmp_path / "trace.jsonl"
     h.m.gating.set_trace(DecisionTrace(path))

@@ -234,6 +234,8 @@ def test_background_samples_cost_their_request_nothing_and_bring_the_loads_back(
     beside it and its busy period is the measurement."""
     s = Serving()
     s.sample_in_background(SLOW)
+    # Past first contact (tests/vllm/test_vllm_gate_first_contact.py): a read timed the device.
+    s.gate.observe_load(CHUNK, CHUNK / FAST)
     assert all(d.reason == "load" for d in s.learn(FAST, 3))
     learnt = [s.request(SLOW) for _ in range(5)]
     assert learnt[-1].recompute

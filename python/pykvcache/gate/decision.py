@@ -30,6 +30,17 @@ them. Unbounded, the gate chose loads up to 3.9x slower than their own
 recompute at 25 MB/s; capped, it read a third as much and gained 1.22x p50
 and 1.19x p99 (decision 0070).
 
+Before the gate has timed a read of the device (its online model is not
+``timed``: at start, or after every lesson was forgotten) a caller that reads
+in the background commits no request to the disk: the decision loads the
+staged head and names the first chunk on disk to read (``sample_chunks``;
+reason ``untimed``), and the caller decides again once that read is timed
+(``vllm/gate_plan.py``). The prior may be a profile of another device: a
+profile calibrated at 1426 MB/s served a disk capped at 0.26 MB/s, where the
+first requests committed to 15-24 chunk reads, each waited for the 2 s I/O
+deadline and then recomputed (2026-12-06, 2-core VM). Elsewhere (vLLM's tiering framework) the prior
+decides as before.
+
 A gate with an :class:`~pykvcache.gate.exploration.Exploration` policy loads
 now and then a prefix it would recompute (reason ``explore``), within that
 policy's bounds: without loads it could never learn that a disk it learnt as
@@ -71,7 +82,8 @@ class GateDecision:
     est_recompute_s: float  # of the same tokens, or of the whole available prefix when recomputing
     #: "load" | "below_break_even" | "nothing_available" | "gate_disabled" |
     #: "uncalibrated" (loaded because the prefill side is not known yet) |
-    #: "explore" (loaded to sample the disk although recompute looked faster)
+    #: "explore" (loaded to sample the disk although recompute looked faster) |
+    #: "untimed" (the device has not been timed: no read waited for; see the module docstring)
     reason: str
     #: Leading chunks of the prefix whose disk chunks the caller reads in the
     #: background to sample the device (0: none); the request itself follows
@@ -220,7 +232,17 @@ class AdmissionGate:
         reason = None
         sample_chunks = 0
         ex = self.exploration
-        if ex is not None and not load_always and first_disk > best_k and load is not self.model.load:
+        online = self.online
+        if (sample_in_background and self.enabled and online is not None and not online.timed
+                and best_k >= first_disk > 0):
+            # First contact: the prior may be another device's (see the module docstring).
+            reason = "untimed"
+            sample_chunks = first_disk
+            head = first_disk - 1
+            best_k = head if load_always else self._best_prefix(states, head, load, prefill, start_tokens,
+                                                                 queued_bytes, margin)
+            best_load, best_staged = self._prefix_load(states, best_k, load, queued_bytes)
+        elif ex is not None and not load_always and first_disk > best_k and load is not self.model.load:
             # Nothing chosen comes from disk, so no load would teach the model
             # anything, and the device as learnt is why: as calibrated it
             # would have been loaded. Now and then, sample it (Exploration).
@@ -239,7 +261,7 @@ class AdmissionGate:
             reason = reason or ("gate_disabled" if not self.enabled else "uncalibrated" if uncalibrated else "load")
             recompute_s = prefill.compute_cost(start_tokens, start_tokens + best_k * self.chunk_tokens)
         else:
-            reason = "nothing_available" if available == 0 else "below_break_even"
+            reason = reason or ("nothing_available" if available == 0 else "below_break_even")
             recompute_s = prefill.compute_cost(start_tokens, start_tokens + available * self.chunk_tokens)
         decision = GateDecision(
             load_chunks=best_k,
@@ -274,6 +296,20 @@ class AdmissionGate:
             if net > best_net:
                 best_k, best_net = k, net
         return best_k
+
+    def _prefix_load(self, states: Sequence[ChunkState], k: int, load, queued_bytes: int) -> tuple[float, int]:
+        """``(est_load_s, staged)`` of the first ``k`` chunks (outside the hot loop)."""
+        load_s = load.step_s if k else 0.0
+        staged = 0
+        for i, state in enumerate(states[:k]):
+            load_s += self.chunk_bytes / load.h2d_bytes_per_s
+            if state == ChunkState.DISK:
+                load_s += self.chunk_bytes / load.disk_bytes_per_s
+                if staged == i:  # the first chunk from disk
+                    load_s += load.fixed_s + load.disk_step_s + queued_bytes / load.disk_bytes_per_s
+            else:
+                staged += 1
+        return load_s, staged
 
     def _explored_prefix(self, states: Sequence[ChunkState], first_disk: int, available: int, model: CostModel,
                          start_tokens: int, queued_bytes: int) -> tuple[int, float, int]:
@@ -325,7 +361,7 @@ class AdmissionGate:
     def _count(self, d: GateDecision) -> None:
         if d.available_chunks == 0:
             return
-        if d.sample_chunks:
+        if d.sample_chunks and d.reason != "untimed":
             self._inc("gate_decisions_explore", 1)
         if d.reason == "explore":
             self._inc("gate_decisions_explore", 1)

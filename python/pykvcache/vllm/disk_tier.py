@@ -22,6 +22,7 @@ the disk side of both is, is said here once:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 from collections.abc import Callable
@@ -264,7 +265,8 @@ class DiskTier:
             # periods, preloads included (decision 0079). Before
             # read_finished, which ends the plans timing this read.
             observed += self.gating.read_ended(key, started_at, result.latency_s or 0.0,
-                                               int(result.length or 0) if ok else 0)
+                                               int(result.length or 0) if ok else 0,
+                                               timed_out=not ok and result.errno == errno.ETIMEDOUT)
         observed += self.gating.read_finished(key, ok, result.latency_s or 0.0)
         self.metrics.inc("gate_load_observations", observed)
         if observed:

@@ -83,6 +83,9 @@ class Plan:
     awaiting: set[bytes] = field(default_factory=set)
     disk_bytes: int = 0
     longest_read_s: float = 0.0
+    #: First contact (decision reason ``untimed``): the request is asked to
+    #: retry until the device's first read is timed, at most until then.
+    retry_until: float | None = None
 
 
 def step_work(scheduler_output) -> list[tuple[int, int]]:
@@ -162,7 +165,7 @@ class NoGating:
     admission = None
     chunk_tokens = 1
 
-    def allows(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> bool:
+    def allows(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> bool | None:
         return True
 
     def preload_gate(self) -> AdmissionGate | None:
@@ -180,7 +183,8 @@ class NoGating:
     def set_sampler(self, sampler: Callable[[Sequence[bytes]], Sequence[bytes]]) -> None:
         pass
 
-    def read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int) -> int:
+    def read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int, *,
+                   timed_out: bool = False) -> int:
         return 0
 
     def watch_breakers(self, health: Callable[[], tuple[int, int, int]], *, io_deadline_s: float) -> None:
@@ -292,11 +296,13 @@ class GateWiring:
         self._sampler = sampler
 
     # -- lookups -------------------------------------------------------------
-    def allows(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> bool:
-        """Whether this lookup's key is in the request's plan (decided at its first lookup).
+    def allows(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> bool | None:
+        """Whether this lookup's key is in the request's plan (decided at its first lookup);
+        None: ask again later (the device's first read is being timed).
         ``gate_inputs`` is asked only when a plan is made (once per request, not
         per key: counting queued I/O walks the I/O tables)."""
-        return key in self.plan_for(key, req_context, gate_inputs).allowed
+        plan = self.plan_for(key, req_context, gate_inputs)
+        return None if plan.retry_until is not None else key in plan.allowed
 
     def device_bytes_per_s(self) -> float | None:
         """The device's read speed the online load model holds; None before
@@ -374,15 +380,23 @@ class GateWiring:
         group = key[-4:]
         plans = self._plans.get(req_id)
         plan = plans.get(group) if plans is not None else None
+        again = plan is not None and plan.retry_until is not None
         if plan is not None and key in plan.considered:
-            return plan
+            if not again or not (self.gate.online.timed or self.clock() >= plan.retry_until):
+                return plan
         # First lookup of this request (or of a start the old plan did not
-        # cover, e.g. after a preemption): decide once for the whole prefix.
+        # cover, e.g. after a preemption, or after first contact): decide once
+        # for the whole prefix.
         if plan is not None:
             self._stop_timing(req_id, plan)
         keys, start = request_keys_from(req_context, key, self.chunk_tokens)
         inputs = gate_inputs(keys, req_id)
         states, queued = inputs.states, inputs.queued_bytes
+        if self._sample_keys:
+            # A chunk whose sample read is in flight has a staging slot but is
+            # not there yet: loading it would wait for that read.
+            states = [ChunkState.DISK if s is ChunkState.STAGED and k in self._sample_keys else s
+                      for k, s in zip(keys, states)]
         now = self.clock()
         # A breaker that closed since the last look restarts the exploration
         # before this decision.
@@ -395,14 +409,28 @@ class GateWiring:
         allowed = keys[: decision.load_chunks]
         plan = Plan(considered=frozenset(keys), allowed=frozenset(allowed), decision=decision,
                     started=now, queued_bytes=queued)
+        if decision.reason == "untimed" and decision.sample_chunks and not again:
+            # First contact: the request waits while its first chunk on disk
+            # is read in the background, then is decided again at the speed
+            # that read showed; it waits at most its recompute's time (a
+            # device too slow for one chunk in that long is not loaded from).
+            # On a fast device that is a scheduler step; a profile of a fast
+            # disk served from one capped at 0.26 MB/s committed requests to
+            # 15-24 chunk reads that each waited for the 2 s I/O deadline
+            # (2026-12-06, 2-core VM).
+            plan.retry_until = now + decision.est_recompute_s
         for k, state in zip(allowed, states):
             if state is ChunkState.DISK:
                 plan.awaiting.add(k)
                 self._awaited_by.setdefault(k, set()).add(req_id)
         plan.disk_bytes = len(plan.awaiting) * self.chunk_bytes
         self._plans.setdefault(req_id, {})[group] = plan
-        if decision.sample_chunks and self._sampler is not None:
-            sample = [k for k, state in zip(keys[: decision.sample_chunks], states) if state is ChunkState.DISK]
+        # One first-contact read at a time: reads that overlap keep the
+        # device's busy period, the lesson they make, from ending.
+        if decision.sample_chunks and self._sampler is not None and not (
+                decision.reason == "untimed" and self._sample_keys):
+            sample = [k for k, state in zip(keys[: decision.sample_chunks], states)
+                      if state is ChunkState.DISK and k not in self._sample_keys]
             self._sample_keys.update(self._sampler(sample))
         if self.admission is not None:
             self.admission.sighted(req_id, keys)
@@ -469,18 +497,30 @@ class GateWiring:
         """A disk read (demand or preload) was submitted at ``at`` (monotonic s)."""
         self.busy.read_started(at)
 
-    def read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int) -> int:
+    def read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int, *,
+                   timed_out: bool = False) -> int:
         """The read of ``key`` submitted at ``started_at`` ended after
         ``latency_s``, serving ``nbytes`` (called before :meth:`read_finished`);
         returns 1 when that ended (or cut) a busy period the gate learnt from
         (decision 0079). A period holding an exploration's sample is that
-        exploration's measurement (decision 0054)."""
+        exploration's measurement (decision 0054).
+
+        ``timed_out``: the read ran out of the I/O deadline and served
+        nothing. It still times the device, which did not deliver the chunk
+        in all that time: it counts as the chunk served when it was given up
+        (the device is at least that slow), and no plan times it (a failed
+        read ends their timing). On a disk capped at 0.26 MB/s no 2 MiB read
+        ended within the 2 s deadline, and a gate that learnt only from reads
+        that served their chunk timed nothing and kept its profile's 1426 MB/s
+        (2026-12-06, 2-core VM)."""
         sample = key in self._sample_keys
         self._sample_keys.discard(key)
+        if timed_out:
+            latency_s, nbytes = max(latency_s, self.clock() - started_at), self.chunk_bytes
         if self.trace is not None:
             self.trace.read(started_at, latency_s, nbytes, sample=sample)
-        period = self.busy.read_ended(started_at, latency_s, nbytes, timed_elsewhere=key in self._awaited_by,
-                                      sample=sample)
+        period = self.busy.read_ended(started_at, latency_s, nbytes,
+                                      timed_elsewhere=key in self._awaited_by and not timed_out, sample=sample)
         if period is None:
             return 0
         now = self.clock()

@@ -270,9 +270,12 @@ class Preloader:
         inputs = self.host.gate_inputs(keys, req_id)
         states = inputs.states
         if self.gate is not None:
+            # Background reading: before the device is timed, a preload reads
+            # none of it (the request's own plan samples it; a chunk read for a
+            # preload looks staged to that plan, which would wait for it).
             decision = self.gate.decide(states, start_tokens=start_tokens,
                                         queued_bytes=inputs.queued_bytes,
-                                        waiting_requests=inputs.waiting_requests)
+                                        waiting_requests=inputs.waiting_requests, sample_in_background=True)
             self.gate.take_counters()  # a gate of its own: lookups count decisions, preloads not
             self.host.trace_decision("preload", req_id, inputs, decision)
             wanted = decision.load_chunks

@@ -301,7 +301,13 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         if req_id in self._recomputing:
             return LookupResult.MISS
         mine = owner(LOOKUP, req_id)
-        if not self.gating.allows(key, req_context, self.gate_inputs):
+        allowed = self.gating.allows(key, req_context, self.gate_inputs)
+        if allowed is None:
+            # The gate times the device's first read before it decides
+            # (bounded by the request's recompute: gate_plan.py).
+            self.metrics.inc("lookups_deferred")
+            return LookupResult.RETRY
+        if not allowed:
             self.metrics.inc("gate_limited_lookups")
             return LookupResult.MISS
         entry_before = self.cache.get(key)
