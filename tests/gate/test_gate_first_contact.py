@@ -2,7 +2,7 @@
 
 A profile may come from another device (or from this one before a throttle):
 on its first contact with a disk capped at 0.26 MB/s, a gate with a fast
-device's profile committed its first requests to 15-24 chunk reads, each of
+device's profile committed its first requests to reads of up to 24 chunks, each of
 which waited for the I/O deadline before it was recomputed (2026-12-06,
 2-core VM). Until a read of
 the device is timed, a request loads only what is staged and its first chunk

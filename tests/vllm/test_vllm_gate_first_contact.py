@@ -3,7 +3,7 @@
 A profile calibrated on a fast disk (1426 MB/s), served from a disk capped at
 0.26 MB/s: a 2 MiB chunk takes 8 s there, four times the I/O deadline, so no
 read ever ends with its chunk. The gate committed its first requests to
-loads of 15-24 chunks, each waited for the deadline and was recomputed, and
+loads of up to 24 chunks, each waited for the deadline and was recomputed, and
 it learnt nothing (only reads that served their chunk taught it): the
 profile's 1426 MB/s stayed (2026-12-06, 2-core VM). These tests drive the manager's gate wiring
 (``GateWiring``: plans, a background sampler, read ends, a scripted clock)

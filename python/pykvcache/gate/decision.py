@@ -37,7 +37,7 @@ staged head and names the first chunk on disk to read (``sample_chunks``;
 reason ``untimed``), and the caller decides again once that read is timed
 (``vllm/gate_plan.py``). The prior may be a profile of another device: a
 profile calibrated at 1426 MB/s served a disk capped at 0.26 MB/s, where the
-first requests committed to 15-24 chunk reads, each waited for the 2 s I/O
+first requests committed to reads of up to 24 chunks, each waited for the 2 s I/O
 deadline and then recomputed (2026-12-06, 2-core VM). Elsewhere (vLLM's tiering framework) the prior
 decides as before.
 

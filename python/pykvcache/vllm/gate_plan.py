@@ -416,7 +416,7 @@ class GateWiring:
             # device too slow for one chunk in that long is not loaded from).
             # On a fast device that is a scheduler step; a profile of a fast
             # disk served from one capped at 0.26 MB/s committed requests to
-            # 15-24 chunk reads that each waited for the 2 s I/O deadline
+            # reads of up to 24 chunks that each waited for the 2 s I/O deadline
             # (2026-12-06, 2-core VM).
             plan.retry_until = now + decision.est_recompute_s
         for k, state in zip(allowed, states):
