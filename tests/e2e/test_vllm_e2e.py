@@ -471,7 +471,8 @@ def test_reads_in_flight_are_hits_and_a_failed_one_is_recomputed(baseline, offlo
     assert repeat["num_cached_tokens"][0] >= 800
     assert delta("disk_read_bytes") >= 12 * CHUNK_BYTES
     assert delta("lookup_in_flight_hits") >= 12
-    assert delta("lookups_deferred") == 0
+    # Nothing deferred but the gate's first contact with the device (one request, one step here).
+    assert delta("lookups_deferred") == delta("lookup_first_contact_retries")
     assert delta("lookup_waited_requests") == 1, "waited for its reads, in the worker's copy"
     assert _metric(repeat, "failed_loads") == 0
     # The same workload on the stock OffloadingConnector defers (HIT_PENDING).

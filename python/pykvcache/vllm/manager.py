@@ -305,6 +305,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         if allowed is None:
             # The gate times the device's first read before it decides
             # (bounded by the request's recompute: gate_plan.py).
+            self.metrics.inc("lookup_first_contact_retries")
             self.metrics.inc("lookups_deferred")
             return LookupResult.RETRY
         if not allowed:

@@ -48,6 +48,7 @@ COUNTERS = {
     "lookup_waited_requests": "Requests whose lookups had to wait for a disk read (HIT_PENDING, or HIT with the worker's copy waiting for the read).",
     "lookup_ready_requests": "Requests whose whole gated prefix was already staged at their first lookup.",
     "lookup_hold_cap_retries": "Lookups answered RETRY because waiting requests already hold their staging share.",
+    "lookup_first_contact_retries": "Lookups answered RETRY while the gate timed its first read of the device (at most the request's recompute).",
     "lookups_deferred": "Lookups answered HIT_PENDING or RETRY: each defers its request to a later scheduler step.",
     "lookups_deferred_storing": "Deferred lookups of chunks a worker was still copying into staging (a store in progress).",
     "lookup_in_flight_hits": "Chunks answered HIT while their disk read was in flight (the worker's copy waits for it); each read once, however often it is looked up.",
