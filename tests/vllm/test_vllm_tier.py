@@ -464,12 +464,14 @@ def test_the_tier_refuses_an_engine_with_lora_enabled(tmp_path):
     """The tier sees chunk keys, which for a LoRA request vLLM derives from the adapter's name
     and path: an adapter retrained under the same name would be served the old adapter's KV.
     With LoRA on, the tier refuses to start, naming the spec that keys adapters by content."""
-    from vllm.config import LoRAConfig, VllmConfig
+    from types import SimpleNamespace
+
+    from vllm.config import LoRAConfig
 
     from pykvcache.vllm.host_config import publishing
 
-    with_lora = VllmConfig()
-    with_lora.lora_config = LoRAConfig(max_lora_rank=8)
+    # The engine's config as the tier finds it (a whole VllmConfig needs a model and a device).
+    with_lora = SimpleNamespace(lora_config=LoRAConfig(max_lora_rank=8))
     with publishing(with_lora), pytest.raises(ValueError, match="LoRA adapters apart by their content"):
         _spec(tmp_path).get_manager()
     # Without LoRA the same tier starts.

@@ -21,7 +21,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from pykvcache import _core
-from pykvcache.vllm.config_checks import appendable_file_problems, staging_memory_problems
+from pykvcache.vllm.config_checks import appendable_file_problems, filesystem_type, staging_memory_problems
 
 #: Keys that vLLM itself reads from the same dict; accepted and left to vLLM
 #: (``block_size``/``blocks_per_chunk`` are also validated here, because
@@ -518,24 +518,6 @@ def validate_extra_config(extra: Mapping[str, Any] | None, *,
     if problems:
         raise _problems_error(problems)
     return PykvcacheConfig(**values)
-
-
-def filesystem_type(path: str) -> str:
-    """The type of the filesystem holding ``path`` (the longest mount point
-    that is a prefix of it, from /proc/self/mountinfo); "" when unknown."""
-    real = os.path.realpath(path)
-    best, kind = "", ""
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                mount_point = left.split()[4].replace("\\040", " ")
-                inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
-                if inside and len(mount_point) >= len(best):
-                    best, kind = mount_point, right.split()[0]
-    except (OSError, IndexError):
-        return ""
-    return kind
 
 
 def is_shared_filesystem(path: str) -> bool:

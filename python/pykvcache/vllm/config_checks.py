@@ -59,11 +59,22 @@ def staging_memory_problems(staging_bytes: int) -> list[str]:
     return []
 
 
-def _filesystem_type(path: str) -> str:
-    # Late import: config imports this module.
-    from pykvcache.vllm.config import filesystem_type
-
-    return filesystem_type(path)
+def filesystem_type(path: str) -> str:
+    """The type of the filesystem holding ``path`` (the longest mount point
+    that is a prefix of it, from /proc/self/mountinfo); "" when unknown."""
+    real = os.path.realpath(path)
+    best, kind = "", ""
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                mount_point = left.split()[4].replace("\\040", " ")
+                inside = real == mount_point or real.startswith(mount_point.rstrip("/") + "/")
+                if inside and len(mount_point) >= len(best):
+                    best, kind = mount_point, right.split()[0]
+    except (OSError, IndexError):
+        return ""
+    return kind
 
 
 def appendable_file_problems(name: str, path: str) -> list[str]:
@@ -71,7 +82,7 @@ def appendable_file_problems(name: str, path: str) -> list[str]:
     or a new one in an existing, writable directory, on a filesystem that
     stores files (not /proc, /sys, /dev)."""
     existing = path if os.path.lexists(path) else os.path.dirname(path)
-    kind = _filesystem_type(existing)
+    kind = filesystem_type(existing)
     if kind in PSEUDO_FS_TYPES:
         return [f"{name} {path} is on a {kind} filesystem (kernel interfaces, not files to write a trace to)"]
     if os.path.lexists(path):
