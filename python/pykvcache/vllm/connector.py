@@ -12,7 +12,7 @@ Select it with ``"kv_connector": "PyKvCacheConnector",
 "kv_connector_module_path": "pykvcache.vllm"``; ``spec_name`` and
 ``spec_module_path`` default to pykvcache's spec. A request can opt out with
 ``kv_transfer_params={"pykvcache_lookahead": false}``. It also times the
-engine's steps for the gate's prefill side (:class:`pykvcache.vllm.gate_plan.StepTimer`).
+engine's steps for the gate's prefill side (:class:`pykvcache.vllm.step_timer.StepTimer`).
 
 It also lets a lookup answer HIT for chunks whose disk reads are in flight
 (decision 0055): the worker copies each chunk once its slot's ready word
@@ -37,7 +37,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.kv_offload.base import make_offload_key
 
 from pykvcache.vllm.config import ConfigError, validate_extra_config
-from pykvcache.vllm.gate_plan import step_work
+from pykvcache.vllm.step_timer import step_work
 from pykvcache.vllm.host_config import publishing
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.lookahead import WaitingRequest

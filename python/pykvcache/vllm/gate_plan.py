@@ -27,7 +27,7 @@ holding the sample's reads is the measurement (decision 0054). Without a
 sampler (vLLM's tiering framework owns the tier's reads) the request loads
 its explored prefix, as before.
 
-The prefill side is learnt from the engine's own steps (:class:`StepTimer`):
+The prefill side is learnt from the engine's own steps (:class:`~pykvcache.vllm.step_timer.StepTimer`):
 the connector reports each step's scheduled work when it builds the step's
 metadata and the step's end when its output comes back (or the next step is
 built, whichever is first); a step that mostly prefilled is one observation
@@ -45,6 +45,7 @@ from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter
 from pykvcache.gate.busy_periods import DeviceBusyPeriods
 from pykvcache.gate.request_keys import request_keys_from
 from pykvcache.gate.trace import DecisionTrace
+from pykvcache.vllm.step_timer import StepTimer
 
 #: Requests whose loads are still timed after they were scheduled (each
 #: holds its plans until its reads end; the oldest are let go beyond this).
@@ -52,6 +53,9 @@ MAX_TIMED_REQUESTS = 256
 #: A busy period of the device is cut (and learnt from) after this many
 #: chunks were read in it (decision 0079).
 BUSY_PERIOD_CHUNKS = 16
+#: First contact waits at least this long for the device's first read (a FUSE or
+#: network filesystem's first read is tens of ms); past it the request recomputes.
+FIRST_CONTACT_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,76 +90,6 @@ class Plan:
     #: First contact (decision reason ``untimed``): the request is asked to
     #: retry until the device's first read is timed, at most until then.
     retry_until: float | None = None
-
-
-def step_work(scheduler_output) -> list[tuple[int, int]]:
-    """``(computed_tokens, scheduled_tokens)`` of every request a vLLM
-    ``SchedulerOutput`` schedules (new, resumed and running ones)."""
-    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-    work = []
-    for req in getattr(scheduler_output, "scheduled_new_reqs", None) or ():
-        n = scheduled.get(req.req_id, 0)
-        if n > 0:
-            work.append((int(req.num_computed_tokens), int(n)))
-    cached = getattr(scheduler_output, "scheduled_cached_reqs", None)
-    if cached is not None:
-        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
-            n = scheduled.get(req_id, 0)
-            if n > 0:
-                work.append((int(computed), int(n)))
-    return work
-
-
-class StepTimer:
-    """Times engine steps for the prefill side of the gate.
-
-    ``scheduled(work, now)`` when a step is built, ``finished(now)`` when its
-    output comes back; a step also ends when the next one is built (vLLM does
-    not report outputs with nothing in them), and is timed from whichever is
-    later, its build or the previous step's end. Only steps that
-    mostly prefilled are observations: at least ``min_prefill_tokens``
-    prefill tokens and at most one decode per ``decode_ratio`` of them (a
-    decode is priced as one token at its position, which is right for
-    compute and bounded in error by that share).
-    """
-
-    def __init__(self, observe: Callable[[Sequence[tuple[int, int]], float], bool], *,
-                 min_prefill_tokens: int, decode_ratio: int = 8, clock: Callable[[], float] = time.monotonic):
-        self._observe = observe
-        self.min_prefill_tokens = max(1, min_prefill_tokens)
-        self.decode_ratio = decode_ratio
-        self.clock = clock
-        self._pending: list[tuple[float, list[tuple[int, int]] | None]] = []  # oldest first
-        self._last_end = 0.0
-        self.observed = 0
-
-    def qualifies(self, work: Sequence[tuple[int, int]]) -> bool:
-        prefill = sum(n for _, n in work if n > 1)
-        decodes = sum(1 for _, n in work if n == 1)
-        return prefill >= self.min_prefill_tokens and decodes * self.decode_ratio <= prefill
-
-    def scheduled(self, work: Sequence[tuple[int, int]], now: float | None = None) -> None:
-        now = self.clock() if now is None else now
-        # A step still pending ends here at the latest: synchronously its
-        # output would have come back before this build; with asynchronous
-        # scheduling steps are pipelined, so the interval between builds is
-        # the step period either way.
-        while self._pending:
-            self.finished(now)
-        self._pending.append((now, list(work) if work and self.qualifies(work) else None))
-
-    def finished(self, now: float | None = None) -> None:
-        if not self._pending:
-            return
-        now = self.clock() if now is None else now
-        built, work = self._pending.pop(0)
-        began = max(built, self._last_end)
-        self._last_end = now
-        if work is not None and now > began and self._observe(work, now - began):
-            self.observed += 1
-
-    def clear(self) -> None:
-        self._pending.clear()
 
 
 class NoGating:
@@ -417,8 +351,9 @@ class GateWiring:
             # On a fast device that is a scheduler step; a profile of a fast
             # disk served from one capped at 0.26 MB/s committed requests to
             # reads of up to 24 chunks that each waited for the 2 s I/O deadline
-            # (2026-12-06, 2-core VM).
-            plan.retry_until = now + decision.est_recompute_s
+            # (2026-12-06, 2-core VM). The recompute estimate is a prior too (a
+            # few ms for a CPU host's 1k tokens): never less than FIRST_CONTACT_S.
+            plan.retry_until = now + max(decision.est_recompute_s, FIRST_CONTACT_S)
         for k, state in zip(allowed, states):
             if state is ChunkState.DISK:
                 plan.awaiting.add(k)
