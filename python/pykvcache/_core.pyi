@@ -104,6 +104,9 @@ class StoreStats(TypedDict):
     capacity_lowered: int
     reserve_evictions: int
     reserve_refused: int
+    #: Puts skipped because the capacity ledger showed the room held by other
+    #: writers' chunks this store had not walked yet (a walk follows at once).
+    shared_capacity_refused: int
     #: Anomalies the engine survived instead of panicking (each also on stderr).
     internal_errors: int
     read_latency_sum_us: int

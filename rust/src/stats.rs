@@ -42,6 +42,9 @@ pub struct Stats {
     pub reserve_evictions: AtomicU64,
     /// Puts refused because evicting everything could not keep the reserve.
     pub reserve_refused: AtomicU64,
+    /// Puts refused because the capacity ledger showed the room held by
+    /// chunks of other writers this store did not know yet (a walk follows).
+    pub shared_capacity_refused: AtomicU64,
     /// Directory walks that brought the index in line with a shared directory.
     pub refreshes: AtomicU64,
     /// Chunks a refresh found that another process or node wrote (now counted here).
@@ -130,6 +133,7 @@ impl Stats {
             ("capacity_lowered", g(&self.capacity_lowered)),
             ("reserve_evictions", g(&self.reserve_evictions)),
             ("reserve_refused", g(&self.reserve_refused)),
+            ("shared_capacity_refused", g(&self.shared_capacity_refused)),
             ("refreshes", g(&self.refreshes)),
             ("refresh_added", g(&self.refresh_added)),
             ("refresh_dropped", g(&self.refresh_dropped)),

@@ -96,7 +96,7 @@ fn a_deleted_root_is_unavailable_never_recreated_and_works_again_once_recreated(
     // 3 s of puts (a breaker probe every second or so meanwhile): none lands, nothing re-created.
     puts_while_gone(&store, &pool, &root, 30);
     let s = store.snapshot();
-    assert_eq!(s.dir_states, vec!["open"], "the directory's breaker watches it while it is gone");
+    assert_ne!(s.dir_states, vec!["closed"], "the directory's breaker watches it while it is gone (open, or half-open: probing)");
     assert!(health(&store, "breaker_skipped_puts") > 20, "{:?}", s.health);
     assert_eq!(get(&store, &pool, b"old-000"), Status::Miss);
 
@@ -127,7 +127,7 @@ fn a_root_moved_away_and_back_serves_its_chunks_again() {
     }
     std::fs::rename(&root, &aside).unwrap();
     puts_while_gone(&store, &pool, &root, 15);
-    assert_eq!(store.snapshot().dir_states, vec!["open"]);
+    assert_ne!(store.snapshot().dir_states, vec!["closed"]);
     assert!(health(&store, "breaker_skipped_puts") > 10);
     assert_eq!(get(&store, &pool, b"kept-000"), Status::Miss);
     std::fs::rename(&aside, &root).unwrap();

@@ -1,13 +1,20 @@
-"""Child process of tests/engine/test_core_shared_capacity.py: one of two
-writers of one local storage directory, opened with the engine's defaults
-(no refresh interval given). Writes its keys, then on "report" says what its
-index holds, as JSON.
+"""Child process of tests/engine/test_core_shared_capacity.py and
+tests/shared_fs/test_shared_fs_capacity.py: one of several writers of one
+storage directory, opened with the engine's defaults (no refresh interval
+given).
 
-usage: shared_capacity_worker.py STORE_DIR NAMESPACE PREFIX COUNT CAPACITY"""
+usage: shared_capacity_worker.py STORE_DIR NAMESPACE PREFIX COUNT CAPACITY [SECONDS RATE]
+
+Writes COUNT keys, or with SECONDS, keys for that long at RATE bytes/s (0: as
+fast as it can), counting the puts skipped while other writers hold the room.
+Prints "ready", waits for "go", writes, prints "written" (JSON with SECONDS),
+then answers each "report" with what its index holds (JSON) and closes at
+end of input, printing "closed"."""
 
 import json
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -15,25 +22,46 @@ import pykvcache as kv  # noqa: E402
 from robust_chunkfmt import put_bytes  # noqa: E402
 
 PAYLOAD = 60 << 10
+FILE_LEN = 4096 + PAYLOAD
 
 
 def main():
     store_dir, namespace, prefix, count, capacity = sys.argv[1:6]
+    seconds, rate = (float(sys.argv[6]), float(sys.argv[7])) if len(sys.argv) > 7 else (None, 0.0)
     pool = kv.StagingPool(PAYLOAD, 1)
     slot = pool.acquire()
     store = kv.BlockStore([store_dir], pool, namespace=namespace, capacity_bytes=int(capacity), min_free_bytes=0)
     print("ready", flush=True)
     assert sys.stdin.readline().strip() == "go"
-    errors = 0
-    for i in range(int(count)):
-        key = f"{prefix}-{i:03d}".encode()
-        errors += not put_bytes(store, pool, slot, key, bytes([i % 251]) * PAYLOAD).ok
-    print("written", flush=True)
-    while sys.stdin.readline().strip() == "report":
+    errors = skipped = i = 0
+    t0 = time.monotonic()
+    while (i < int(count)) if seconds is None else (time.monotonic() - t0 < seconds):
+        key = f"{prefix}-{i:06d}".encode()
+        r = put_bytes(store, pool, slot, key, bytes([i % 251]) * PAYLOAD)
+        if not r.ok:
+            # Skipped while the room is held by chunks this writer has not walked yet.
+            if r.errno == 11:
+                skipped += 1
+            else:
+                errors += 1
+                print(r.message, file=sys.stderr, flush=True)
+        i += 1
+        if rate:
+            ahead = i * FILE_LEN / rate - (time.monotonic() - t0)
+            if ahead > 0:
+                time.sleep(ahead)
+    if seconds is None:
+        print("written", flush=True)
+    else:
+        print(json.dumps({"puts": i, "errors": errors, "skipped": skipped}), flush=True)
+    for line in sys.stdin:
+        if line.strip() != "report":
+            break
         stats = store.stats()
         print(json.dumps({"errors": errors, "chunks": stats["chunks"], "used_bytes": stats["used_bytes"],
                           "ns_dir": os.path.basename(store.namespace_dir[0])}), flush=True)
     store.close()
+    print("closed", flush=True)
 
 
 if __name__ == "__main__":

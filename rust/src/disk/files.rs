@@ -160,13 +160,20 @@ fn lock_if_current(fd: RawFd, path: &Path, how: i32) -> std::io::Result<()> {
 /// its writer, so a crash leaves an orphan the next scan removes, never a
 /// half-written file under a chunk name. On failure the victim is gone from
 /// its chunk path either way (it was evicted) and the caller writes a fresh file.
-pub fn claim_for_reuse(victim: &Path, dir: &Path, file_len: usize, direct: bool) -> std::io::Result<PendingFile> {
+///
+/// The flag says whether this call took the victim off its path (renamed or
+/// unlinked it): false when another process had removed it first, whose
+/// removal the capacity ledger counted then.
+pub fn claim_for_reuse(victim: &Path, dir: &Path, file_len: usize, direct: bool) -> (std::io::Result<PendingFile>, bool) {
     let temp = temp_name(dir);
-    let (src, dst) = (cpath(victim)?, cpath(&temp)?);
+    let (src, dst) = match (cpath(victim), cpath(&temp)) {
+        (Ok(s), Ok(d)) => (s, d),
+        (Err(e), _) | (_, Err(e)) => return (Err(e), false),
+    };
     if unsafe { libc::rename(src.as_ptr(), dst.as_ptr()) } != 0 {
         let e = std::io::Error::last_os_error();
-        let _ = std::fs::remove_file(victim);
-        return Err(e);
+        let removed = std::fs::remove_file(victim).is_ok();
+        return (Err(e), removed);
     }
     let claimed = open_raw(&temp, libc::O_WRONLY | libc::O_NONBLOCK, 0).and_then(|fd| {
         let prepared = (|| {
@@ -191,10 +198,10 @@ pub fn claim_for_reuse(victim: &Path, dir: &Path, file_len: usize, direct: bool)
         }
     });
     match claimed {
-        Ok(fd) => Ok(PendingFile { fd, temp_path: Some(temp) }),
+        Ok(fd) => (Ok(PendingFile { fd, temp_path: Some(temp) }), true),
         Err(e) => {
             let _ = std::fs::remove_file(&temp);
-            Err(e)
+            (Err(e), true)
         }
     }
 }
@@ -235,16 +242,36 @@ pub fn temp_writer_gone(path: &Path, name: &str) -> bool {
 }
 
 /// Makes a completely written file visible under `final_path`.
-/// Returns Ok(false) when another writer published the same chunk first.
+/// Returns Ok(false) when another writer published the same chunk first: its
+/// file stays (a named temp file of ours is removed), or, where the filesystem
+/// cannot rename without replacing, ours replaced it (same content). Either
+/// way the chunk's bytes on disk did not grow: the capacity ledger relies on it.
 pub fn publish(file: &PendingFile, final_path: &Path) -> std::io::Result<bool> {
     let dst = cstring(final_path).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     if let Some(temp) = &file.temp_path {
         let src = cstring(temp).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-        // rename replaces an existing chunk of the same key: same content, harmless.
-        if unsafe { libc::rename(src.as_ptr(), dst.as_ptr()) } != 0 {
-            return Err(std::io::Error::last_os_error());
+        // SAFETY: both are NUL-terminated paths that live across the call.
+        let rc = unsafe { libc::renameat2(libc::AT_FDCWD, src.as_ptr(), libc::AT_FDCWD, dst.as_ptr(), libc::RENAME_NOREPLACE) };
+        if rc == 0 {
+            return Ok(true);
         }
-        return Ok(true);
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EEXIST) => {
+                let _ = std::fs::remove_file(temp);
+                return Ok(false);
+            }
+            // No RENAME_NOREPLACE here (some FUSE and network filesystems): a
+            // plain rename, which replaces an existing chunk of the same key.
+            Some(libc::EINVAL) | Some(libc::ENOSYS) | Some(libc::EOPNOTSUPP) => {
+                let existed = std::fs::symlink_metadata(final_path).is_ok();
+                if unsafe { libc::rename(src.as_ptr(), dst.as_ptr()) } != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                return Ok(!existed);
+            }
+            _ => return Err(e),
+        }
     }
     // linkat through /proc avoids needing CAP_DAC_READ_SEARCH for AT_EMPTY_PATH.
     let src = std::ffi::CString::new(format!("/proc/self/fd/{}", file.fd)).unwrap();

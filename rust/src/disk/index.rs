@@ -192,6 +192,11 @@ impl ChunkIndex {
         self.total_bytes
     }
 
+    /// Bytes of the chunks (any namespace) `pick` selects.
+    pub fn bytes_where(&self, pick: impl Fn(ChunkRef) -> bool) -> u64 {
+        self.entries.iter().filter(|(c, _)| pick(**c)).map(|(_, e)| e.file_len).sum()
+    }
+
     /// (namespace, chunks, bytes) of the other namespaces, most bytes first.
     pub fn other_namespaces(&self) -> Vec<(NsId, u64, u64)> {
         let mut v: Vec<(NsId, u64, u64)> =

@@ -7,6 +7,7 @@ pub mod files;
 pub mod format;
 pub mod index;
 pub mod layout;
+pub mod ledger;
 pub mod roots;
 pub mod scan;
 pub mod writers;

@@ -27,6 +27,9 @@ pub const LEASE_FRESH: Duration = Duration::from_secs(30);
 const LEASE_STALE: Duration = Duration::from_secs(600);
 
 pub struct WriterLease {
+    /// Identifies this store's leases (their names end in it) and its record
+    /// in the capacity ledger (`disk::ledger`).
+    id: u64,
     /// (lease directory, this store's lease file, its open file holding the lock).
     held: Vec<(PathBuf, PathBuf, File)>,
 }
@@ -36,7 +39,13 @@ impl WriterLease {
     /// full) is skipped and named in the returned notes: other stores do not
     /// see this one there.
     pub fn take(roots: &[PathBuf], dir_mode: u32, file_mode: u32) -> (Self, Vec<String>) {
-        let name = format!("{}-{:016x}", std::process::id(), nonce());
+        Self::take_as(roots, dir_mode, file_mode, nonce())
+    }
+
+    /// `take` under a given id: a store taking its leases again (after a
+    /// storage directory came back) keeps its id, and so its ledger records.
+    pub fn take_as(roots: &[PathBuf], dir_mode: u32, file_mode: u32, id: u64) -> (Self, Vec<String>) {
+        let name = format!("{}-{id:016x}", std::process::id());
         let mut held = Vec::new();
         let mut notes = Vec::new();
         for root in roots {
@@ -65,7 +74,11 @@ impl WriterLease {
                 )),
             }
         }
-        (WriterLease { held }, notes)
+        (WriterLease { id, held }, notes)
+    }
+
+    pub fn id(&self) -> u64 {
+        self.id
     }
 
     /// Renews this store's leases (their modification time).
@@ -113,6 +126,44 @@ impl Drop for WriterLease {
         for (_, path, _) in &self.held {
             let _ = std::fs::remove_file(path);
         }
+    }
+}
+
+/// Whether the writer `id` holds a live lease in `root`: a ledger record of
+/// a writer without one is a dead writer's. The ledger is only kept where
+/// `flock` works, so an unlocked lease is a dead writer's: unlike `others`,
+/// no grace for a recent renewal (a writer killed a second after its last
+/// one would count for `LEASE_FRESH` more). Looked at twice, `RELOOK` apart:
+/// a lease is created a moment before its writer locks it.
+pub fn is_live(root: &Path, id: u64) -> bool {
+    const RELOOK: Duration = Duration::from_millis(20);
+    let suffix = format!("-{id:016x}");
+    let Ok(entries) = std::fs::read_dir(root.join(LEASE_DIR)) else { return false };
+    for entry in entries.flatten() {
+        if entry.file_name().to_str().is_some_and(|n| n.ends_with(&suffix)) {
+            let path = entry.path();
+            return locked(&path).unwrap_or(true) || {
+                std::thread::sleep(RELOOK);
+                locked(&path).unwrap_or(true)
+            };
+        }
+    }
+    false
+}
+
+/// Whether someone holds `path`'s lock; Some(false) also when it is gone,
+/// None where locks cannot tell.
+fn locked(path: &Path) -> Option<bool> {
+    let Ok(file) = std::fs::OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC).open(path) else {
+        return Some(false);
+    };
+    // SAFETY: flock on a descriptor `file` owns and keeps open for the call.
+    if unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_SH | libc::LOCK_NB) } == 0 {
+        return Some(false); // released with `file`
+    }
+    match std::io::Error::last_os_error().raw_os_error() {
+        Some(libc::EWOULDBLOCK) => Some(true),
+        _ => None,
     }
 }
 

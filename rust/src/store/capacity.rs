@@ -36,11 +36,33 @@ impl Core {
     /// fails: within the capacity, and keeping the free-space reserve on the
     /// put's filesystem. Refused (a message) when even evicting every chunk on
     /// that root could not keep the reserve: other writers' space comes first.
-    pub(super) fn reserve_room(&self, ctx: &mut OpContext, reuse: Option<usize>) -> std::result::Result<Option<ChunkRef>, String> {
+    /// Where a victim's file can be reused (`reuse`), it is claimed here, into
+    /// `ctx.write_file`. With a capacity ledger on the root, all of it runs
+    /// under the ledger's lock (`reserve_shared`), which may evict more.
+    pub(super) fn reserve_room(&self, ctx: &mut OpContext, reuse: Option<usize>) -> std::result::Result<(), (i32, String)> {
         ctx.reserved = ctx.file_len as u64;
+        self.reserve_shared(ctx, reuse, |ctx| {
+            let victim = self.reserve_locally(ctx, reuse).map_err(|msg| (libc::ENOSPC, msg))?;
+            if let Some(v) = victim {
+                ctx.write_file = self.claim_victim(ctx, v);
+            }
+            Ok(())
+        })
+    }
+
+    /// `reserve_room` as this store's index sees the capacity, and the free-space reserve.
+    fn reserve_locally(&self, ctx: &mut OpContext, reuse: Option<usize>) -> std::result::Result<Option<(ChunkRef, u64)>, String> {
         let shortfall = self.free_space_shortfall(ctx.root, ctx.reserved);
         let (victim, unmet) = self.make_room(ctx.reserved, ctx.hash, reuse, shortfall.map(|s| (ctx.root, s)));
         if unmet > 0 {
+            if let Some((c, len)) = victim {
+                // Evicted (and counted) already: its file goes too, not left unindexed.
+                let root = self.layout.root_of_ref(c);
+                if std::fs::remove_file(self.layout.chunk_path_of(c)).is_ok() {
+                    self.ledgers.published(root, -(len as i64));
+                }
+                self.ledgers.evicting(root, -(len as i64));
+            }
             let dir = self.layout.roots()[ctx.root].display();
             let holders = self.space_holders();
             let space = files::fs_space(&self.layout.roots()[ctx.root])
@@ -110,6 +132,7 @@ impl Core {
     pub(super) fn release_reservation_locked(&self, index: &mut ChunkIndex, ctx: &mut OpContext) {
         if ctx.reserved > 0 {
             index.end_put(ctx.hash);
+            self.ledgers.end_put(ctx.root, ctx.reserved);
             self.reserved.fetch_sub(std::mem::take(&mut ctx.reserved), Ordering::Relaxed);
         }
     }
@@ -127,7 +150,7 @@ impl Core {
         keep: u128,
         reuse: Option<usize>,
         fs_short: Option<(usize, u64)>,
-    ) -> (Option<ChunkRef>, u64) {
+    ) -> (Option<(ChunkRef, u64)>, u64) {
         let capacity = self.capacity.load(Ordering::Relaxed);
         let mut unmet = 0;
         let victims = {
@@ -152,7 +175,7 @@ impl Core {
             }
             // Taken out where they are chosen: two puts choosing at once must
             // not both evict (and recycle) the same stalest chunk.
-            index.take(victims)
+            self.take_victims(&mut index, victims)
         };
         self.notice_other_namespaces(&victims);
         let mut victims = victims;
@@ -161,7 +184,7 @@ impl Core {
             self.count_eviction(chunk, len);
         }
         self.unlink_evicted(victims);
-        (kept.map(|(c, _)| c), unmet)
+        (kept, unmet)
     }
 
     /// Once per store, the first time another namespace's chunk is to go:
@@ -178,17 +201,37 @@ impl Core {
         }
     }
 
-    /// Unlinks and counts chunks already removed from the index (by whoever
-    /// chose them under its lock).
-    pub(super) fn unlink_evicted(&self, victims: Vec<(ChunkRef, u64)>) {
-        self.notice_other_namespaces(&victims);
-        for (chunk, len) in victims {
-            let _ = std::fs::remove_file(self.layout.chunk_path_of(chunk));
-            self.count_eviction(chunk, len);
+    /// Takes chosen victims out of the index (under its lock); until each is
+    /// unlinked (`unlink_evicted`) or claimed, the capacity ledger counts it
+    /// as going, as the index does: a put meanwhile evicts no second chunk.
+    pub(super) fn take_victims(&self, index: &mut ChunkIndex, chosen: Vec<(ChunkRef, u64)>) -> Vec<(ChunkRef, u64)> {
+        let taken = index.take(chosen);
+        for (c, len) in &taken {
+            self.ledgers.evicting(self.layout.root_of_ref(*c), *len as i64);
         }
+        taken
     }
 
-    fn count_eviction(&self, chunk: ChunkRef, len: u64) {
+    /// Unlinks and counts chunks already taken out of the index (by whoever
+    /// chose them under its lock, `take_victims`). Returns how many files were
+    /// gone already (another writer evicted them: the index is behind the directory).
+    pub(super) fn unlink_evicted(&self, victims: Vec<(ChunkRef, u64)>) -> usize {
+        self.notice_other_namespaces(&victims);
+        let mut gone = 0;
+        for (chunk, len) in victims {
+            let root = self.layout.root_of_ref(chunk);
+            match std::fs::remove_file(self.layout.chunk_path_of(chunk)) {
+                Ok(()) => self.ledgers.published(root, -(len as i64)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => gone += 1,
+                Err(_) => {}
+            }
+            self.ledgers.evicting(root, -(len as i64));
+            self.count_eviction(chunk, len);
+        }
+        gone
+    }
+
+    pub(super) fn count_eviction(&self, chunk: ChunkRef, len: u64) {
         Stats::add(&self.stats.evicted_bytes, len);
         Stats::add(&self.stats.evictions, 1);
         if chunk.ns != OWN {
@@ -213,7 +256,7 @@ impl Core {
                 )));
             }
             let victims = index.victims(incoming.saturating_mul(2), fits, keep);
-            index.take(victims)
+            self.take_victims(&mut index, victims)
         };
         Stats::add(&self.stats.enospc_retries, 1);
         Stats::add(&self.stats.enospc_evictions, victims.len() as u64);
@@ -226,6 +269,9 @@ impl Core {
         let unlinked = std::fs::remove_file(self.layout.chunk_path(hash)).is_ok();
         if let Some(len) = removed {
             Stats::add(&self.stats.evicted_bytes, len);
+            if unlinked {
+                self.ledgers.published(self.layout.root_of(hash), -(len as i64));
+            }
         }
         removed.is_some() || unlinked
     }

@@ -420,8 +420,11 @@ pub(super) fn dir_worker(core: &Core, backend: &dyn Backend, root: usize) {
                 *reply.found.lock().unwrap_or_else(|e| e.into_inner()) = Some(found);
                 reply.ready.notify_all();
             }
-            DirJob::Unlink { hash, reply } => {
+            DirJob::Unlink { hash, len, reply } => {
                 let unlinked = std::fs::remove_file(core.layout.chunk_path(hash)).is_ok();
+                if let (true, Some(len)) = (unlinked, len) {
+                    core.ledgers.published(root, -(len as i64));
+                }
                 *reply.found.lock().unwrap_or_else(|e| e.into_inner()) = Some(unlinked);
                 reply.ready.notify_all();
             }

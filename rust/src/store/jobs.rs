@@ -85,7 +85,8 @@ pub enum DirJob {
     /// `probe(key)`: one lstat; the answer is indexed and given to the waiter.
     Lstat { hash: u128, reply: std::sync::Arc<LstatReply> },
     /// Unlink an evicted chunk's file; whether it was there goes to the waiter.
-    Unlink { hash: u128, reply: std::sync::Arc<LstatReply> },
+    /// `len`: its length as indexed (None: not indexed), for the capacity ledger.
+    Unlink { hash: u128, len: Option<u64>, reply: std::sync::Arc<LstatReply> },
     /// The breaker's probe numbered so.
     Probe { number: u64 },
 }

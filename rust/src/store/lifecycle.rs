@@ -58,6 +58,17 @@ impl BlockStore {
         }
         let grace = crate::wait::deadline_after(Some(CLOSE_GRACE.min(self.core.health.deadline)));
         let all_ended = self.core.ops.drain(grace);
+        if all_ended {
+            // No put in flight: this store's record leaves the capacity
+            // ledgers. On a helper thread, waited for as the lease's removal.
+            let core = self.core.clone();
+            if let Ok(h) = std::thread::Builder::new().name("pykvcache-ledger".into()).spawn(move || core.close_ledgers()) {
+                let until = std::time::Instant::now() + CLOSE_GRACE.min(self.core.health.deadline);
+                while !h.is_finished() && std::time::Instant::now() < until {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            }
+        }
         self.core.watchdog_stop.store(true, Ordering::Release);
         if let Some(h) = self.watchdog.lock().unwrap().take() {
             let _ = h.join();

@@ -86,6 +86,7 @@ mod completion;
 pub mod config;
 pub mod health;
 mod jobs;
+mod ledger;
 mod lifecycle;
 mod open;
 mod read;
@@ -176,6 +177,11 @@ struct Core {
     root_ids: Mutex<Vec<Option<RootIdentity>>>,
     /// A directory came back: the refresh thread rebuilds the index (`recovery`).
     rebuild: AtomicBool,
+    /// The capacity ledgers of the roots and this store's part in them.
+    ledgers: ledger::Ledgers,
+    /// A put found the capacity held by chunks this store does not know:
+    /// the refresh thread walks at once.
+    walk_now: AtomicBool,
     support: Vec<FsSupport>,
     direct_active: Vec<bool>,
     index: Mutex<ChunkIndex>,
@@ -374,7 +380,7 @@ impl BlockStore {
             return removed.is_some();
         }
         let reply = Arc::new(LstatReply::default());
-        self.core.dirs[root].push(DirJob::Unlink { hash, reply: reply.clone() });
+        self.core.dirs[root].push(DirJob::Unlink { hash, len: removed, reply: reply.clone() });
         let wait = health::PROBE_WAIT.min(self.core.health.deadline);
         let unlinked = crate::wait::wait_until(&reply.found, &reply.ready, crate::wait::deadline_after(Some(wait)), |f| *f);
         removed.is_some() || unlinked.unwrap_or(false)

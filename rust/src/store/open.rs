@@ -63,6 +63,7 @@ impl BlockStore {
         let (min_free, mut warnings) = capacity::free_space_plan(&layout, &config)?;
         let (lease, lease_notes) = WriterLease::take(layout.roots(), config.permissions.dir_mode, config.permissions.file_mode);
         warnings.extend(lease_notes);
+        let ledgers = super::ledger::Ledgers::new(layout.roots().len(), lease.id());
 
         let (index, scan_progress) = if config.background_scan {
             let mut index = ChunkIndex::default();
@@ -102,6 +103,8 @@ impl BlockStore {
             permissions: config.permissions,
             root_ids: Mutex::new(root_ids),
             rebuild: AtomicBool::new(false),
+            ledgers,
+            walk_now: AtomicBool::new(false),
             support,
             direct_active,
             index: Mutex::new(index),
@@ -113,6 +116,11 @@ impl BlockStore {
             verify: config.verify,
             jobs: JobQueue::default(),
         });
+        // The capacity ledgers, counted from the index at once while this
+        // store is the only writer (decision 0053).
+        core.open_ledgers();
+        let (others, _) = core.check_writers();
+        core.tend_ledgers(others == 0, true);
         let backend: Arc<dyn Backend> = Arc::from(make_backend(&config, &core)?);
         let mut workers = Vec::new();
         for i in 0..config.chunk_workers.max(1) {

@@ -127,6 +127,11 @@ impl Core {
             }
         };
         drop(old);
+        for root in 0..self.layout.roots().len() {
+            if self.ledgers_missing(root) && self.health.refusal(root).is_none() {
+                self.open_ledger(root, true);
+            }
+        }
         if let Err(e) = self.refresh() {
             self.stats.record_error(format!("rebuilding the index after a storage directory came back: {e}"));
         }

@@ -15,6 +15,9 @@ use crate::stats::Stats;
 use super::config::{RefreshPolicy, AUTO_REFRESH_COST, AUTO_REFRESH_MAX, AUTO_REFRESH_MIN, WRITER_CHECK};
 use super::{BlockStore, Core};
 
+/// The shortest time between two walks a put asks for (`Core::walk_now`).
+const WALK_NOW_GAP: Duration = Duration::from_millis(200);
+
 impl BlockStore {
     /// Walks the directories and brings the index in line with them while
     /// the store serves: chunks other processes or nodes published since
@@ -66,7 +69,7 @@ impl Core {
             let mut index = self.index.lock().unwrap();
             let counts = index.refresh(&found, since);
             let victims = index.victims(self.reserved.load(Ordering::Relaxed), self.capacity.load(Ordering::Relaxed), 0);
-            (counts, index.take(victims))
+            (counts, self.take_victims(&mut index, victims))
         };
         self.unlink_evicted(victims);
         Stats::add(&self.stats.refreshes, 1);
@@ -98,6 +101,8 @@ impl Core {
         let mut next_walk = start + if let RefreshPolicy::Every(every) = policy { every } else { far };
         let mut others = 0;
         let mut stamp = None;
+        let mut last_walk = start;
+        let mut asked = false;
         while !self.scan.stop.load(Ordering::Relaxed) {
             let now = Instant::now();
             if now >= next_beat {
@@ -110,9 +115,16 @@ impl Core {
             if self.rebuild.swap(false, Ordering::AcqRel) {
                 self.rebuild_after_return();
             }
+            if self.walk_now.swap(false, Ordering::AcqRel) && next_walk > now + WALK_NOW_GAP {
+                // A put found the capacity held by chunks it does not know:
+                // whatever the policy, or it would refuse puts until a walk.
+                next_walk = now.max(last_walk + WALK_NOW_GAP);
+                asked = true;
+            }
             if now >= next_check {
                 self.watch_roots();
                 let (n, now_stamp) = self.check_writers();
+                self.tend_ledgers(n == 0, false);
                 // A lease created or removed since the last check (the stamp moved;
                 // removing a dead one of ours moves it too: one walk more) while none
                 // is live now: a writer came and went between two checks.
@@ -138,12 +150,14 @@ impl Core {
                 next_check = now + WRITER_CHECK;
             }
             let walk = match policy {
-                RefreshPolicy::Off => false,
+                RefreshPolicy::Off => asked && now >= next_walk,
                 RefreshPolicy::Every(_) => now >= next_walk,
                 RefreshPolicy::Auto => now >= next_walk,
             };
             if walk {
+                asked = false;
                 let began = Instant::now();
+                last_walk = began;
                 if let Err(e) = self.refresh() {
                     // The engine has no logger; once is enough (counted in refresh_errors).
                     if self.stats.refresh_errors.load(Ordering::Relaxed) == 1 {

@@ -52,11 +52,10 @@ impl Core {
         }
         let (hash, root, length, file_len) = (ctx.hash, ctx.root, ctx.payload_len, ctx.file_len);
         let reuse = self.recycle_files.then_some(root);
-        let victim = match self.reserve_room(&mut ctx, reuse) {
-            Ok(victim) => victim,
-            Err(refused) => return self.fail_early(id, ctx, Some(libc::ENOSPC), refused),
-        };
-        match self.open_chunk_file(&mut ctx, victim) {
+        if let Err((errno, refused)) = self.reserve_room(&mut ctx, reuse) {
+            return self.fail_early(id, ctx, Some(errno), refused);
+        }
+        match self.open_chunk_file(&mut ctx) {
             Ok(f) => ctx.write_file = Some(f),
             Err(e) => {
                 let shard = self.layout.shard_dir(hash);
@@ -120,24 +119,36 @@ impl Core {
         }
     }
 
-    /// The file a put writes: the evicted `victim` (of any namespace on this
-    /// root: a rename within the root) when it can be claimed, else a fresh one. A fresh file that hits ENOSPC makes room and is
-    /// tried once more.
-    fn open_chunk_file(&self, ctx: &mut OpContext, victim: Option<ChunkRef>) -> std::io::Result<files::PendingFile> {
+    /// Takes the evicted `victim`'s file (of any namespace on this root: a
+    /// rename within the root) for `ctx`'s chunk; None when it cannot be claimed.
+    pub(super) fn claim_victim(&self, ctx: &OpContext, (victim, len): (ChunkRef, u64)) -> Option<files::PendingFile> {
+        let shard = self.layout.shard_dir(ctx.hash);
+        let (claimed, removed) = files::claim_for_reuse(&self.layout.chunk_path_of(victim), &shard, ctx.file_len, ctx.direct);
+        let root = self.layout.root_of_ref(victim);
+        if removed {
+            // Its bytes are no longer a published chunk's (`ctx`'s room covers them now).
+            self.ledgers.published(root, -(len as i64));
+        }
+        self.ledgers.evicting(root, -(len as i64));
+        match claimed {
+            Ok(f) => {
+                Stats::add(&self.stats.recycled_files, 1);
+                Some(f)
+            }
+            // Read by someone right now, taken by another process, or no flock here.
+            Err(_) => {
+                Stats::add(&self.stats.recycle_skipped, 1);
+                None
+            }
+        }
+    }
+
+    /// The file a put writes: the victim's claimed by `reserve_room`, else a
+    /// fresh one. A fresh file that hits ENOSPC makes room and is tried once more.
+    fn open_chunk_file(&self, ctx: &mut OpContext) -> std::io::Result<files::PendingFile> {
         let shard = self.layout.shard_dir(ctx.hash);
         let support = self.support[ctx.root];
-        let mut claimed =
-            victim.and_then(|v| match files::claim_for_reuse(&self.layout.chunk_path_of(v), &shard, ctx.file_len, ctx.direct) {
-                Ok(f) => {
-                    Stats::add(&self.stats.recycled_files, 1);
-                    Some(f)
-                }
-                // Read by someone right now, taken by another process, or no flock here.
-                Err(_) => {
-                    Stats::add(&self.stats.recycle_skipped, 1);
-                    None
-                }
-            });
+        let mut claimed = ctx.write_file.take();
         loop {
             let opened = match claimed.take() {
                 Some(f) => Ok(f),
@@ -220,6 +231,11 @@ impl Core {
                 {
                     let mut index = self.index.lock().unwrap();
                     index.insert(ctx.hash, ctx.file_len as u64);
+                    if first {
+                        // Published before the room is released: the ledger's
+                        // total never dips below what is on disk.
+                        self.ledgers.published(ctx.root, ctx.file_len as i64);
+                    }
                     self.release_reservation_locked(&mut index, &mut ctx);
                 }
                 // Concurrent puts each made room for themselves only; trim the overshoot.

@@ -1,0 +1,380 @@
+//! Capacity shared with other writers, as it stands *now*: each put takes its
+//! room in the root's ledger (`disk::ledger`) before its bytes are written,
+//! evicting the stalest chunks it knows of until every writer's chunks and
+//! puts in flight fit the capacity (decision 0053). The walks still tell a
+//! store *which* chunks the others wrote (for least-recently-used order
+//! across writers and true metrics); the ledger bounds *how much* they hold
+//! meanwhile.
+//!
+//! What this store changes in a root's `published` count (chunks it
+//! published, evicted, recycled, removed) is summed in `delta` and written
+//! with its next transaction there: a put's own, or the refresh thread's
+//! within `WRITER_CHECK`. Publishing moves bytes from in flight to published,
+//! so the total is exact meanwhile; a removal not yet written only counts a
+//! little too much for a moment. The refresh thread also drops the records of
+//! writers whose lease is dead (their puts in flight ended with them) and,
+//! while this store writes the root alone, counts `published` again from its
+//! index, which is what is on disk then.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::disk::index::ChunkRef;
+use crate::disk::ledger::{Ledger, LedgerGuard, LedgerState};
+use crate::disk::writers;
+use crate::notice::Notice;
+use crate::stats::Stats;
+
+use super::{Core, OpContext};
+
+/// statfs `f_type`s of network and FUSE filesystems: the ledger bypasses the
+/// page cache there, where another node's write must be what is read.
+const REMOTE_FS: [i64; 9] = [
+    0x6573_5546,           // FUSE (GlusterFS, CephFS-fuse, ...)
+    0x6969,                // NFS
+    0xff53_4d42u32 as i64, // CIFS
+    0xfe53_4d42u32 as i64, // SMB2
+    0x00c3_6400,           // Ceph
+    0x0bd0_0bd0,           // Lustre
+    0x4750_4653,           // GPFS
+    0x5346_414f,           // AFS
+    0x0102_1997,           // 9P
+];
+
+/// How long a put waits for the walk that tells it which chunks hold the room.
+const WALK_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
+
+/// One root's ledger and this store's part in it.
+#[derive(Default)]
+pub(super) struct RootLedger {
+    file: Mutex<Option<Arc<Ledger>>>,
+    /// Bytes of this store's puts in flight on the root (room taken, not published).
+    in_flight: AtomicU64,
+    /// Change of `published` this store made since it last wrote the ledger.
+    delta: AtomicI64,
+    /// `in_flight` as last written.
+    written: AtomicU64,
+    /// Chunks taken out of the index to be evicted, not unlinked yet: not
+    /// counted (the index no longer counts them either).
+    evicting: AtomicI64,
+    direct: AtomicBool,
+}
+
+#[derive(Default)]
+pub(super) struct Ledgers {
+    roots: Vec<RootLedger>,
+    /// This store's record id: its writer lease's.
+    id: u64,
+}
+
+impl Ledgers {
+    pub(super) fn new(roots: usize, id: u64) -> Self {
+        Ledgers { roots: (0..roots).map(|_| RootLedger::default()).collect(), id }
+    }
+
+    fn file(&self, root: usize) -> Option<Arc<Ledger>> {
+        self.roots[root].file.lock().unwrap().clone()
+    }
+
+    /// Bytes this store published (+) or removed (-) on `root`.
+    pub(super) fn published(&self, root: usize, bytes: i64) {
+        self.roots[root].delta.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(super) fn evicting(&self, root: usize, bytes: i64) {
+        self.roots[root].evicting.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(super) fn begin_put(&self, root: usize, bytes: u64) {
+        self.roots[root].in_flight.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    pub(super) fn end_put(&self, root: usize, bytes: u64) {
+        self.roots[root].in_flight.fetch_sub(bytes, Ordering::Relaxed);
+    }
+
+    /// `state`'s total with this store's part as it is now (not as last written).
+    fn total(&self, root: usize, state: &LedgerState) -> u64 {
+        let r = &self.roots[root];
+        let change = r.delta.load(Ordering::Relaxed) - r.evicting.load(Ordering::Relaxed);
+        let published = (state.published as i64).saturating_add(change).max(0) as u64;
+        let others: u64 = state.writers.iter().filter(|(w, _)| *w != self.id).map(|(_, b)| b).sum();
+        published.saturating_add(others).saturating_add(r.in_flight.load(Ordering::Relaxed))
+    }
+
+    /// Writes this store's part into the locked ledger of `root`.
+    fn write(&self, root: usize, g: &mut LedgerGuard<'_>) -> std::io::Result<()> {
+        let r = &self.roots[root];
+        let delta = r.delta.swap(0, Ordering::Relaxed);
+        let in_flight = r.in_flight.load(Ordering::Relaxed);
+        let before = g.state.clone();
+        g.state.published = (g.state.published as i64).saturating_add(delta).max(0) as u64;
+        g.state.set_writer(self.id, in_flight);
+        match g.write() {
+            Ok(()) => {
+                r.written.store(in_flight, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(e) => {
+                g.state = before;
+                r.delta.fetch_add(delta, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Core {
+    /// Opens the ledger of each root where it works (`flock`); where it does
+    /// not, the capacity is kept by the walks alone, as a logged fallback.
+    pub(super) fn open_ledgers(&self) {
+        for root in 0..self.layout.roots().len() {
+            self.open_ledger(root, true);
+        }
+    }
+
+    /// With `create`, at open and once a directory that went came back (its
+    /// tree made again): never while it may be being deleted, where a new
+    /// file would keep `rm -rf` from removing it.
+    pub(super) fn open_ledger(&self, root: usize, create: bool) -> bool {
+        let dir = &self.layout.roots()[root];
+        let remote = crate::disk::roots::RootIdentity::of(dir).is_ok_and(|id| REMOTE_FS.contains(&id.fs_type));
+        let direct = remote && self.direct_active[root];
+        match Ledger::open(dir, self.file_mode, direct, create) {
+            Ok(l) => {
+                self.ledgers.roots[root].direct.store(direct, Ordering::Relaxed);
+                *self.ledgers.roots[root].file.lock().unwrap() = Some(Arc::new(l));
+                true
+            }
+            Err(e) if !create && e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => {
+                self.stats.record_fallback(format!(
+                    "no capacity ledger in {} ({e}): other writers' chunks there count only once a walk finds them",
+                    dir.display()
+                ));
+                false
+            }
+        }
+    }
+
+    /// Whether `root` has no ledger open (or only one removed under it).
+    pub(super) fn ledgers_missing(&self, root: usize) -> bool {
+        self.ledgers.file(root).is_none_or(|l| l.detached())
+    }
+
+    /// Takes `ctx`'s room in the ledger of its root, evicting what it must
+    /// first; `local` makes room as without a ledger (the index's view, the
+    /// free-space reserve) and runs under the ledger's lock, so that its
+    /// evictions are counted in the same transaction. Returns `local`'s
+    /// result, or the refusal when the capacity is held by chunks this store
+    /// does not know yet (another writer's, published since its last walk):
+    /// then a walk is due at once.
+    pub(super) fn reserve_shared<T>(
+        &self,
+        ctx: &mut OpContext,
+        reuse: Option<usize>,
+        local: impl FnOnce(&mut OpContext) -> Result<T, (i32, String)>,
+    ) -> Result<T, (i32, String)> {
+        let root = ctx.root;
+        // Counted in flight once the ledger is locked, as the index counts it
+        // (`make_room`): not while it waits behind another put's transaction.
+        let Some(ledger) = self.ledgers.file(root) else {
+            self.ledgers.begin_put(root, ctx.reserved);
+            return local(ctx);
+        };
+        let mut g = match ledger.lock() {
+            Ok(g) => g,
+            Err(e) => {
+                self.stats.record_error(format!("locking the capacity ledger {}: {e}", ledger.path().display()));
+                self.ledgers.begin_put(root, ctx.reserved);
+                return local(ctx);
+            }
+        };
+        self.ledgers.begin_put(root, ctx.reserved);
+        if !g.state.counted && !self.count_ledger(root, &mut g) {
+            // Nobody counted it yet and this store's index is not complete.
+            drop(g);
+            return local(ctx);
+        }
+        let made = local(ctx)?;
+        // While a background scan still builds the index, its choice of
+        // victims would be blind (the stalest chunks are the ones it has not
+        // reached): the put is recorded, the eviction waits for the index.
+        let indexed = self.scan.report().done;
+        let mut unmet = if indexed { self.evict_for_ledger(&g.state, ctx, reuse) } else { 0 };
+        self.write_ledger(root, &ledger, &mut g);
+        drop(g);
+        if unmet > 0 {
+            // The room is held by chunks this store does not know of. Its
+            // put stays recorded meanwhile (the others see the total over
+            // the capacity and evict too); the walk tells it which they are.
+            self.wait_for_walk();
+            if let Ok(mut g) = ledger.lock() {
+                unmet = self.evict_for_ledger(&g.state, ctx, reuse);
+                self.write_ledger(root, &ledger, &mut g);
+            }
+        }
+        if unmet > 0 {
+            Stats::add(&self.stats.shared_capacity_refused, 1);
+            self.walk_now.store(true, Ordering::Release);
+            return Err((
+                libc::EAGAIN,
+                format!(
+                    "not stored: capacity_bytes ({} bytes) is held by {unmet} bytes more of chunks other writers of {} \
+                     published or are writing, which this store does not know yet (walking the directory now)",
+                    self.capacity.load(Ordering::Relaxed),
+                    self.layout.roots()[root].display()
+                ),
+            ));
+        }
+        Ok(made)
+    }
+
+    fn write_ledger(&self, root: usize, ledger: &Ledger, g: &mut LedgerGuard<'_>) {
+        if let Err(e) = self.ledgers.write(root, g) {
+            self.stats.record_error(format!("writing the capacity ledger {}: {e}", ledger.path().display()));
+        }
+    }
+
+    /// Asks the refresh thread for a walk and waits for it, at most `WALK_WAIT`.
+    fn wait_for_walk(&self) {
+        let before = self.stats.refreshes.load(Ordering::Relaxed);
+        self.walk_now.store(true, Ordering::Release);
+        let until = std::time::Instant::now() + WALK_WAIT.min(self.health.deadline / 2);
+        while self.stats.refreshes.load(Ordering::Relaxed) == before && std::time::Instant::now() < until {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    }
+
+    /// Evicts the stalest indexed chunks until the ledger's total (every
+    /// root's) fits the capacity; the bytes still missing (0: it fits). The
+    /// first victim on the `reuse` root becomes `ctx`'s file when it has none
+    /// yet: overwriting it costs less than a new file.
+    fn evict_for_ledger(&self, state: &LedgerState, ctx: &mut OpContext, reuse: Option<usize>) -> u64 {
+        let (root, keep) = (ctx.root, ctx.hash);
+        let capacity = self.capacity.load(Ordering::Relaxed);
+        loop {
+            let mut total = self.ledgers.total(root, state);
+            for other in (0..self.ledgers.roots.len()).filter(|r| *r != root) {
+                if let Some(s) = self.ledgers.file(other).and_then(|l| l.peek().ok()) {
+                    total = total.saturating_add(self.ledgers.total(other, &s));
+                }
+            }
+            let need = total.saturating_sub(capacity);
+            if need == 0 {
+                return 0;
+            }
+            let victims = {
+                let mut index = self.index.lock().unwrap();
+                let v = index.victims_where(need, keep, |_| true);
+                self.take_victims(&mut index, v)
+            };
+            if victims.is_empty() {
+                // What this store cannot evict: chunks it does not know and the
+                // others' puts in flight. Its own puts in flight beyond the
+                // capacity (one chunk larger than a capacity lowered by ENOSPC)
+                // are not the others' doing: ENOSPC answers them.
+                let own = self.ledgers.roots[root].in_flight.load(Ordering::Relaxed);
+                return need.min(self.ledgers.total(root, state).saturating_sub(own));
+            }
+            let mut victims = victims;
+            if ctx.write_file.is_none() {
+                if let Some(i) = victims.iter().position(|(c, _)| reuse == Some(self.layout.root_of_ref(*c))) {
+                    let (c, len) = victims.remove(i);
+                    self.count_eviction(c, len);
+                    ctx.write_file = self.claim_victim(ctx, (c, len));
+                }
+            }
+            // Each file this store removes lowers `published` (a file another
+            // writer removed first was counted by that writer, and says that
+            // the index is behind: a walk is due).
+            if self.unlink_evicted(victims) > 0 {
+                self.walk_now.store(true, Ordering::Release);
+            }
+        }
+    }
+
+    /// Counts an uncounted ledger from the index, when the index is complete.
+    fn count_ledger(&self, root: usize, g: &mut LedgerGuard<'_>) -> bool {
+        if !self.scan.report().done {
+            return false;
+        }
+        let published = {
+            let index = self.index.lock().unwrap();
+            self.ledgers.roots[root].delta.store(0, Ordering::Relaxed);
+            index.bytes_where(|c: ChunkRef| self.layout.root_of_ref(c) == root)
+        };
+        g.state.published = published;
+        true
+    }
+
+    /// The refresh thread's care of the ledgers, every `WRITER_CHECK` (and
+    /// once at open, `walked`: the index is the open-time scan): a ledger
+    /// removed under this store is looked for again; records of dead writers
+    /// are dropped; this store's changes are written. The count is taken
+    /// again from the index, the directory walked just before, with `alone`
+    /// (nobody else changes it now) and when a writer died: what it
+    /// published or removed since its last transaction died with it.
+    pub(super) fn tend_ledgers(&self, alone: bool, walked: bool) {
+        for root in 0..self.ledgers.roots.len() {
+            if self.health.refusal(root).is_some() {
+                continue;
+            }
+            let r = &self.ledgers.roots[root];
+            let ledger = match self.ledgers.file(root) {
+                Some(l) if !l.detached() => l,
+                // Removed or replaced under this store: the one at the path
+                // now, if any (another writer's or a returned directory's),
+                // else none until this store makes it again (`recovery`).
+                _ => {
+                    *r.file.lock().unwrap() = None;
+                    if !self.open_ledger(root, false) {
+                        continue;
+                    }
+                    let Some(l) = self.ledgers.file(root) else { continue };
+                    l
+                }
+            };
+            let Ok(seen) = ledger.peek() else { continue };
+            let dir = &self.layout.roots()[root];
+            let dead: Vec<u64> =
+                seen.writers.iter().map(|(w, _)| *w).filter(|w| *w != self.ledgers.id && !writers::is_live(dir, *w)).collect();
+            let changed = r.delta.load(Ordering::Relaxed) != 0 || r.in_flight.load(Ordering::Relaxed) != r.written.load(Ordering::Relaxed);
+            if !changed && !alone && dead.is_empty() && seen.counted {
+                continue;
+            }
+            if !dead.is_empty() && !walked {
+                let _ = self.refresh();
+            }
+            let Ok(mut g) = ledger.lock() else { continue };
+            g.state.writers.retain(|(w, _)| !dead.contains(w));
+            if (alone || !dead.is_empty() || !g.state.counted) && !self.count_ledger(root, &mut g) {
+                continue;
+            }
+            if alone {
+                g.state.writers.retain(|(w, _)| *w == self.ledgers.id);
+            }
+            if !dead.is_empty() {
+                self.notices.lock().unwrap().push(Notice::info(format!(
+                    "{} writer(s) of {} ended without closing: their puts in flight no longer count against capacity_bytes",
+                    dead.len(),
+                    dir.display()
+                )));
+            }
+            let _ = self.ledgers.write(root, &mut g);
+        }
+    }
+
+    /// At close, once no put is in flight: this store's record leaves the
+    /// ledgers, its last changes written.
+    pub(super) fn close_ledgers(&self) {
+        for root in 0..self.ledgers.roots.len() {
+            let Some(ledger) = self.ledgers.file(root) else { continue };
+            let Ok(mut g) = ledger.lock() else { continue };
+            if self.ledgers.write(root, &mut g).is_ok() {
+                g.state.writers.retain(|(w, _)| *w != self.ledgers.id);
+                let _ = g.write();
+            }
+        }
+    }
+}
