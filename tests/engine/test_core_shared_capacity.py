@@ -13,6 +13,7 @@ import time
 
 import pytest
 
+from capacity_writers import held_bytes, run_writers
 from child_paths import child
 
 PAYLOAD = 60 << 10
@@ -110,69 +111,6 @@ def test_auto_refresh_walks_only_while_another_writer_holds_a_lease(store_dir, c
     assert a.stats()["other_writers"] == 0 and a.stats()["refreshes"] == walks, "alone again: no more walks"
     a.close()
     assert os.listdir(store_dir / ".writers") == []
-
-
-def held_bytes(root) -> int:
-    """Bytes of every file in the namespace directories under ``root`` (chunks and
-    visible temporary files), each inode once (a file renamed during the walk is one)."""
-    seen, total = set(), 0
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = [d for d in dirnames if d != ".writers"]
-        if os.path.samefile(dirpath, root):
-            continue  # the root's own files: the ledger, no chunk
-        for name in filenames:
-            try:
-                st = os.lstat(os.path.join(dirpath, name))
-            except FileNotFoundError:
-                continue
-            if st.st_ino not in seen:
-                seen.add(st.st_ino)
-                total += st.st_size
-    return total
-
-
-def run_writers(dirs, capacity, seconds, rate, sample):
-    """One writer process per entry of ``dirs`` (each its own namespace) writes for
-    ``seconds`` at ``rate`` bytes/s (0: full speed); all close together. ``sample()``
-    is read at 10 Hz meanwhile and after each close. Returns (samples while writing,
-    samples after each close, what each writer reported)."""
-    procs = []
-    for i, d in enumerate(dirs):
-        cmd = [sys.executable, child("shared_capacity_worker.py"), str(d), f"writer-{i}", f"w{i}", "0", str(capacity),
-               str(seconds), str(rate)]
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    try:
-        for p in procs:
-            assert p.stdout.readline().strip() == "ready", p.stderr.read()
-        for p in procs:
-            p.stdin.write("go\n")
-            p.stdin.flush()
-        during, reports = [], [None] * len(procs)
-        import selectors
-        sel = selectors.DefaultSelector()
-        for i, p in enumerate(procs):
-            sel.register(p.stdout, selectors.EVENT_READ, i)
-        while any(r is None for r in reports):
-            during.append(sample())
-            for key, _ in sel.select(timeout=0.1):
-                line = key.fileobj.readline()
-                assert line, procs[key.data].stderr.read()
-                reports[key.data] = json.loads(line)
-                sel.unregister(key.fileobj)
-        for p in procs:  # all close at once: nobody walks after the others
-            p.stdin.close()
-        after = []
-        for p in procs:
-            assert p.stdout.readline().strip() == "closed", p.stderr.read()
-            after.append(sample())
-            p.wait(timeout=30)
-        after.append(sample())
-        return during, after, reports
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
 
 
 @pytest.mark.parametrize("writers,rate", [(2, 0), (4, 0), (2, 5e6), (4, 5e6)],

@@ -161,20 +161,29 @@ fn lock_if_current(fd: RawFd, path: &Path, how: i32) -> std::io::Result<()> {
 /// half-written file under a chunk name. On failure the victim is gone from
 /// its chunk path either way (it was evicted) and the caller writes a fresh file.
 ///
-/// The flag says whether this call took the victim off its path (renamed or
-/// unlinked it): false when another process had removed it first, whose
-/// removal the capacity ledger counted then.
-pub fn claim_for_reuse(victim: &Path, dir: &Path, file_len: usize, direct: bool) -> (std::io::Result<PendingFile>, bool) {
+/// This first step, the rename, decides whose the file is; `open_taken` does
+/// the rest. On failure the flag says whether this call took the victim off
+/// its path all the same (unlinked it): false when another process had
+/// removed it first, whose removal the capacity ledger counted then.
+pub fn take_for_reuse(victim: &Path, dir: &Path) -> std::result::Result<std::path::PathBuf, (std::io::Error, bool)> {
     let temp = temp_name(dir);
     let (src, dst) = match (cpath(victim), cpath(&temp)) {
         (Ok(s), Ok(d)) => (s, d),
-        (Err(e), _) | (_, Err(e)) => return (Err(e), false),
+        (Err(e), _) | (_, Err(e)) => return Err((e, false)),
     };
+    // SAFETY: both are NUL-terminated paths that live across the call.
     if unsafe { libc::rename(src.as_ptr(), dst.as_ptr()) } != 0 {
         let e = std::io::Error::last_os_error();
         let removed = std::fs::remove_file(victim).is_ok();
-        return (Err(e), removed);
+        return Err((e, removed));
     }
+    Ok(temp)
+}
+
+/// The rest of a claim, after `take_for_reuse` (outside any lock: a few
+/// round trips on a network filesystem): opens, locks and trims the taken
+/// file. On failure the temp file is removed.
+pub fn open_taken(temp: std::path::PathBuf, file_len: usize, direct: bool) -> std::io::Result<PendingFile> {
     let claimed = open_raw(&temp, libc::O_WRONLY | libc::O_NONBLOCK, 0).and_then(|fd| {
         let prepared = (|| {
             if regular_file_size(fd)?.is_none() {
@@ -198,10 +207,10 @@ pub fn claim_for_reuse(victim: &Path, dir: &Path, file_len: usize, direct: bool)
         }
     });
     match claimed {
-        Ok(fd) => (Ok(PendingFile { fd, temp_path: Some(temp) }), true),
+        Ok(fd) => Ok(PendingFile { fd, temp_path: Some(temp) }),
         Err(e) => {
             let _ = std::fs::remove_file(&temp);
-            (Err(e), true)
+            Err(e)
         }
     }
 }

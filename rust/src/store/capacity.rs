@@ -44,7 +44,7 @@ impl Core {
         self.reserve_shared(ctx, reuse, |ctx| {
             let victim = self.reserve_locally(ctx, reuse).map_err(|msg| (libc::ENOSPC, msg))?;
             if let Some(v) = victim {
-                ctx.write_file = self.claim_victim(ctx, v);
+                self.take_victim(ctx, v);
             }
             Ok(())
         })

@@ -95,6 +95,9 @@ impl Core {
         if let Some(f) = ctx.write_file.take() {
             files::discard(&f);
         }
+        if let Some(temp) = ctx.claimed.take() {
+            let _ = std::fs::remove_file(temp);
+        }
         self.unpin_memory(&ctx);
         outcome.latency = ctx.started.elapsed();
         if self.ops.is_abandoned(id) {

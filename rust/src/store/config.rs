@@ -145,7 +145,7 @@ pub struct StoreConfig {
     pub chunk_workers: usize,
     pub verify: VerifyPolicy,
     /// Overwrite the chunk file a write evicts instead of unlinking it and
-    /// allocating a fresh one (see `files::claim_for_reuse`).
+    /// allocating a fresh one (see `files::take_for_reuse`).
     pub recycle_files: bool,
     /// Rebuild the index in a background thread instead of before `open`
     /// returns (see `scan`): for stores of very many chunks.

@@ -278,11 +278,11 @@ impl Core {
                 return need.min(self.ledgers.total(root, state).saturating_sub(own));
             }
             let mut victims = victims;
-            if ctx.write_file.is_none() {
+            if ctx.claimed.is_none() {
                 if let Some(i) = victims.iter().position(|(c, _)| reuse == Some(self.layout.root_of_ref(*c))) {
                     let (c, len) = victims.remove(i);
                     self.count_eviction(c, len);
-                    ctx.write_file = self.claim_victim(ctx, (c, len));
+                    self.take_victim(ctx, (c, len));
                 }
             }
             // Each file this store removes lowers `published` (a file another

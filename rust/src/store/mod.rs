@@ -117,6 +117,9 @@ pub struct OpContext {
     pub direct: bool,
     pub read_fd: i32,
     pub write_file: Option<PendingFile>,
+    /// An evicted file renamed to a temp name of this put's, to overwrite
+    /// (`Core::take_victim`); opened by `open_chunk_file`.
+    pub claimed: Option<std::path::PathBuf>,
     pub file_len: usize,
     pub payload_len: usize,
     pub started: Instant,
@@ -284,6 +287,7 @@ impl BlockStore {
             direct: self.core.direct_active[root],
             read_fd: -1,
             write_file: None,
+            claimed: None,
             file_len: 0,
             payload_len: 0,
             started: Instant::now(),

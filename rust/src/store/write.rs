@@ -120,35 +120,40 @@ impl Core {
     }
 
     /// Takes the evicted `victim`'s file (of any namespace on this root: a
-    /// rename within the root) for `ctx`'s chunk; None when it cannot be claimed.
-    pub(super) fn claim_victim(&self, ctx: &OpContext, (victim, len): (ChunkRef, u64)) -> Option<files::PendingFile> {
+    /// rename within the root) for `ctx`'s chunk, into `ctx.claimed`; opened
+    /// by `open_chunk_file`, outside the capacity ledger's lock.
+    pub(super) fn take_victim(&self, ctx: &mut OpContext, (victim, len): (ChunkRef, u64)) {
         let shard = self.layout.shard_dir(ctx.hash);
-        let (claimed, removed) = files::claim_for_reuse(&self.layout.chunk_path_of(victim), &shard, ctx.file_len, ctx.direct);
+        let taken = files::take_for_reuse(&self.layout.chunk_path_of(victim), &shard);
         let root = self.layout.root_of_ref(victim);
-        if removed {
+        if taken.as_ref().map_or_else(|(_, removed)| *removed, |_| true) {
             // Its bytes are no longer a published chunk's (`ctx`'s room covers them now).
             self.ledgers.published(root, -(len as i64));
         }
         self.ledgers.evicting(root, -(len as i64));
-        match claimed {
-            Ok(f) => {
-                Stats::add(&self.stats.recycled_files, 1);
-                Some(f)
-            }
-            // Read by someone right now, taken by another process, or no flock here.
-            Err(_) => {
-                Stats::add(&self.stats.recycle_skipped, 1);
-                None
-            }
+        match taken {
+            Ok(temp) => ctx.claimed = Some(temp),
+            // Taken by another process first.
+            Err(_) => Stats::add(&self.stats.recycle_skipped, 1),
         }
     }
 
-    /// The file a put writes: the victim's claimed by `reserve_room`, else a
+    /// The file a put writes: the victim's taken by `reserve_room`, else a
     /// fresh one. A fresh file that hits ENOSPC makes room and is tried once more.
     fn open_chunk_file(&self, ctx: &mut OpContext) -> std::io::Result<files::PendingFile> {
         let shard = self.layout.shard_dir(ctx.hash);
         let support = self.support[ctx.root];
-        let mut claimed = ctx.write_file.take();
+        let mut claimed = ctx.claimed.take().and_then(|temp| match files::open_taken(temp, ctx.file_len, ctx.direct) {
+            Ok(f) => {
+                Stats::add(&self.stats.recycled_files, 1);
+                Some(f)
+            }
+            // Read by someone right now, or no flock here: a fresh file.
+            Err(_) => {
+                Stats::add(&self.stats.recycle_skipped, 1);
+                None
+            }
+        });
         loop {
             let opened = match claimed.take() {
                 Some(f) => Ok(f),
