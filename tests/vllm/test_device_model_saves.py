@@ -46,3 +46,49 @@ def test_the_first_loads_are_saved_each_then_once_per_interval(tmp_path):
     assert gate2.online.disk_bytes_per_s == pytest.approx(1e9)
     assert device_memory.restore(path, gate2.online)[0] == eager + 2
     assert gate2.online.disk_bytes_per_s == pytest.approx(25e6, rel=0.05)
+
+
+def test_a_stalled_save_never_holds_the_scheduler(tmp_path):
+    """The save ends with a rename over the previous file, which frees its
+    blocks: on ext4 mounted with ``discard`` the renaming thread waited for the
+    discard behind the reads at the device, 41-62 ms in the middle of a
+    restarted server's first disk hit, and a network filesystem can stall it
+    for seconds (decision 0082). The disk tier saves on its own thread: with
+    the storage stalled (a real FUSE filesystem whose daemon is stopped), the
+    scheduler's call returns at once, and the file is written once the
+    filesystem answers again."""
+    import sys
+    import threading
+    import time
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+    from stall_fs import StallFs, skip_reason
+
+    if skip_reason() is not None:
+        pytest.skip(skip_reason())
+    from pykvcache import BlockStore, StagingPool
+    from pykvcache.vllm.disk_tier import DiskTier
+
+    gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
+                                                   chunk_tokens=CT), steps=True)
+    wiring = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK)
+    with StallFs(tmp_path) as fs:
+        pool = StagingPool(CHUNK, 2)
+        store = BlockStore([str(fs.mount_point / "kv")], pool, namespace="saves", capacity_bytes=1 << 30)
+        disk = DiskTier(store, pool, gating=wiring)
+        try:
+            gate.online.observe(16 * CHUNK, 16 * CHUNK / 25e6)  # a lesson: a 25 MB/s disk
+            fs.stall()
+            resume = threading.Timer(3.0, fs.resume)
+            resume.start()
+            began = time.monotonic()
+            disk._save_device_model(every_s=60.0)  # what a read that taught a lesson calls
+            held = time.monotonic() - began
+            resume.join()
+            assert held < 0.5, f"the scheduler's thread waited {held:.2f} s for the stalled filesystem"
+            assert disk._device_writer.flush(timeout=30.0)
+            assert _points(Path(store.namespace_dir[0]) / device_memory.FILE_NAME) == 1
+        finally:
+            fs.resume()
+            disk.shutdown(lambda: None)

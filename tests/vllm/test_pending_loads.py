@@ -7,7 +7,7 @@ test_vllm_in_flight_hits.py (reads stalled on a FUSE filesystem).
 
 from __future__ import annotations
 
-from pykvcache.vllm.pending_loads import PendingLoad, PendingLoads
+from pykvcache.vllm.pending_loads import WAIT_SLICE_S, PendingLoad, PendingLoads
 
 
 class ScriptedPool:
@@ -116,17 +116,46 @@ def test_loads_advance_independently():
     assert [load.job_id for load in rig.loads.drop_all()] == [1]
 
 
-def test_an_idle_step_sleeps_on_the_oldest_read_only():
-    """``wait`` blocks on one ready word, the oldest load's next read, with the
-    caller's bound; with nothing waited for it returns at once."""
+def test_an_idle_step_returns_when_any_waited_read_ends():
+    """``wait`` sleeps on the oldest read in slices and looks at every read a
+    load waits for between them: reads in flight together end in any order,
+    and one that ended behind the oldest is copied within a slice, not after
+    the caller's whole bound (decision 0082). With nothing waited for it
+    returns at once."""
     rig = Rig()
     rig.loads.wait(0.02)
     assert rig.pool.timeouts == [], "no load: no wait"
     rig.add(1, staged=[0], in_flight=[3, 4])
     rig.add(2, staged=[], in_flight=[5])
-    rig.pool.timeouts.clear()
-    asked = []
+    calls = []
     real = rig.pool.wait_ready
-    rig.pool.wait_ready = lambda slots, gens, timeout: asked.append((slots, timeout)) or real(slots, gens, timeout)
+
+    def sleeping(slots, gens, timeout):
+        calls.append((list(slots), timeout))
+        if len(calls) == 5:
+            rig.pool.verdicts[5] = "ready"  # the other load's read ends, the oldest does not
+        out = real(slots, gens, timeout)
+        if all(v == "timed_out" for v in out):
+            rig.now += timeout  # slept the whole timeout
+        return out
+
+    rig.pool.wait_ready = sleeping
     rig.loads.wait(0.02)
-    assert asked == [([3], 0.02)]
+    assert rig.now < 0.005, f"slept {rig.now * 1000:.1f} ms of the 20 ms bound after a read ended"
+    assert calls[0] == ([3], WAIT_SLICE_S) and calls[1] == ([3, 4, 5], 0.0), calls[:2]
+    rig.step(rig.now)
+    assert rig.copied[-1] == {5}
+
+
+def test_an_idle_step_sleeps_at_most_its_bound():
+    rig = Rig()
+    rig.add(1, staged=[], in_flight=[3])
+    real = rig.pool.wait_ready
+
+    def sleeping(slots, gens, timeout):
+        rig.now += timeout
+        return real(slots, gens, timeout)
+
+    rig.pool.wait_ready = sleeping
+    rig.loads.wait(0.02)
+    assert 0.02 <= rig.now < 0.021

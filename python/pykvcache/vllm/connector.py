@@ -39,6 +39,7 @@ from vllm.v1.kv_offload.base import make_offload_key
 from pykvcache.vllm.config import ConfigError, validate_extra_config
 from pykvcache.vllm.step_timer import step_work
 from pykvcache.vllm.host_config import publishing
+from pykvcache.vllm.load_trace import open_trace
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.lookahead import WaitingRequest
 
@@ -100,6 +101,9 @@ class PyKvCacheConnector(OffloadingConnector):
         self._manager = None
         self._groups: list[tuple[int, int, int]] = []
         self._load_reqs: dict[int, str] = {}  # worker: load job -> request
+        # gate_trace: the load path's timestamps too (load_trace.py).
+        self._trace = open_trace(vllm_config, "scheduler" if role == KVConnectorRole.SCHEDULER else "worker")
+        self._loads_out: set[str] = set()  # scheduler: traced requests whose load is out
         if role != KVConnectorRole.SCHEDULER:
             return
         from pykvcache.vllm.manager import NvmeOffloadingManager
@@ -112,6 +116,7 @@ class PyKvCacheConnector(OffloadingConnector):
             )
         self._manager = manager
         manager.gating.enable_step_timing()  # this connector reports the steps
+        manager.disk.load_trace = self._trace
         self._enable_in_flight_hits(vllm_config, manager)
         policy = str(getattr(vllm_config.scheduler_config, "policy", "fcfs"))
         manager.preloader.queue.by_priority = policy.endswith("priority")
@@ -142,6 +147,7 @@ class PyKvCacheConnector(OffloadingConnector):
         worker = self._staging_worker()
         if worker is not None:
             worker.report_load_failures = True
+            worker.trace = self._trace
 
     def _staging_worker(self):
         from pykvcache.vllm.worker import StagingWorker
@@ -202,6 +208,8 @@ class PyKvCacheConnector(OffloadingConnector):
 
     def on_new_request(self, request) -> None:
         super().on_new_request(request)
+        if self._trace is not None:
+            self._trace("arrival", req=request.request_id, tokens=request.num_tokens)
         if self._manager is None or not self._manager.preloader.enabled or not self._groups:
             return
         params: dict[str, Any] = request.kv_transfer_params or {}
@@ -235,7 +243,32 @@ class PyKvCacheConnector(OffloadingConnector):
             device_cached_tokens=lambda: self._device_cached_tokens(request),
         ))
 
+    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+        result = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if self._trace is not None:
+            self._trace("lookup", req=request.request_id, computed=num_computed_tokens, hit_tokens=result[0])
+        return result
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens):
+        result = super().update_state_after_alloc(request, blocks, num_external_tokens)
+        if self._trace is not None and num_external_tokens:
+            self._trace("load_out", req=request.request_id, tokens=num_external_tokens)
+            self._loads_out.add(request.request_id)
+        return result
+
+    def _trace_step(self, scheduler_output) -> None:
+        """A step built while a traced load is out (the last one prefills its request)."""
+        if not self._loads_out:
+            return
+        scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        prefill = [r for r in self._loads_out if scheduled.get(r)]
+        self._trace("step", tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
+                    prefill=prefill)
+        self._loads_out.difference_update(prefill)
+
     def build_connector_meta(self, scheduler_output):
+        if self._trace is not None:
+            self._trace_step(scheduler_output)
         if self._manager is not None:
             # The gate learns the prefill cost from the engine's own steps:
             # this step's work now, its end at the next output or build.
@@ -253,6 +286,9 @@ class PyKvCacheConnector(OffloadingConnector):
 
     def update_connector_output(self, connector_output) -> None:
         super().update_connector_output(connector_output)
+        if self._trace is not None:
+            for req_id in getattr(connector_output, "finished_recving", None) or ():
+                self._trace("received", req=req_id)
         if self._manager is not None:
             failed = getattr(connector_output, "failed_recving", None)
             if failed:

@@ -1,12 +1,27 @@
 """Copies between KV pages and staging slots when the KV cache is host memory
-(vLLM's CPU platform): vectorised torch gathers/scatters, synchronous.
+(vLLM's CPU platform): one memcpy per page, synchronous.
 
 The forward pass on CPU is synchronous and every copy runs in the engine's
 step (``submit_*`` or ``get_finished``), so a copy never races with the model
 writing the same pages.
+
+Pages are copied by numpy (one single-threaded memcpy each), not by torch's
+``copy_``, which splits every copy of more than 32 KiB over the worker's
+OpenMP threads: their barrier spins until each thread got a core, and
+during a disk hit the scheduler process's threads (reads, checksums, the
+engine loop) hold the other core. An 8 MiB chunk then took 30-660 ms
+instead of ~1 ms (2026-12-06, 2-core VM; decision 0082).
+
+A load whose reads are in flight runs only code that the stores before it
+ran too (:meth:`CpuCopier.prepare` is plain Python): the first call of a
+numpy or torch routine in a process can page its code in from disk, and
+that read waits at the device behind the load's own chunks (a first load
+waited 37-76 ms for it; decision 0082).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -16,26 +31,32 @@ from pykvcache.vllm.slot_map import SlotMap
 #: Pages of at least this many bytes are copied one by one (one memcpy each);
 #: smaller ones by one vectorised gather and scatter. Torch's advanced
 #: indexing moves int8 pages at 0.13-0.4 GB/s here whatever their size, a
-#: ``copy_`` per page costs a few microseconds of Python and then runs at
+#: copy per page costs a few microseconds of Python and then runs at
 #: memcpy speed: 1.8x faster at 4 KiB pages, 4-9x at 16-128 KiB, 2.5x slower
 #: at 2 KiB (this VM, 2026-12-02; decision 0057's amendment).
 PAGE_LOOP_MIN_BYTES = 4096
 
 
-def _copy_pages(kv, stage, blocks, slot_idx, sub_idx, *, to_kv: bool) -> int:
-    """Copies pages ``kv[blocks[i]]`` <-> ``stage[slot_idx[i], sub_idx[i]]``;
-    returns the bytes moved."""
+def _copy_pages(views, blocks: Sequence[int], slot_idx: Sequence[int], sub_idx: Sequence[int], *,
+                to_kv: bool) -> int:
+    """Copies pages ``kv[blocks[i]]`` <-> ``stage[slot_idx[i], sub_idx[i]]``
+    of one run's ``views`` (torch and numpy views of the same bytes; indices
+    as lists); returns the bytes moved."""
+    kv, stage, kv_np, stage_np = views
     page = kv.shape[1] * kv.shape[2]
     if page >= PAGE_LOOP_MIN_BYTES:
-        for b, s, u in zip(blocks.tolist(), slot_idx.tolist(), sub_idx.tolist()):
-            if to_kv:
-                kv[b].copy_(stage[s, u])
-            else:
-                stage[s, u].copy_(kv[b])
-    elif to_kv:
-        kv[blocks] = stage[slot_idx, sub_idx]
+        if to_kv:
+            for b, s, u in zip(blocks, slot_idx, sub_idx):
+                np.copyto(kv_np[b], stage_np[s, u])
+        else:
+            for b, s, u in zip(blocks, slot_idx, sub_idx):
+                np.copyto(stage_np[s, u], kv_np[b])
+        return len(blocks) * page
+    b, s, u = (torch.tensor(x, dtype=torch.int64) for x in (blocks, slot_idx, sub_idx))
+    if to_kv:
+        kv[b] = stage[s, u]
     else:
-        stage[slot_idx, sub_idx] = kv[blocks]
+        stage[s, u] = kv[b]
     return len(blocks) * page
 
 
@@ -74,7 +95,7 @@ class CpuCopier:
                         (stride, ref.sub_stride, run.row_stride, 1),
                         row + ref.row_offset + run.row_offset,
                     )
-                    views.append((kv, stage))
+                    views.append((kv, stage, kv.numpy(), stage.numpy()))
             self._views.append(views)
             # Bytes of the row this group leaves unused: zeroed on store so a
             # chunk file never carries stale bytes of another chunk.
@@ -86,43 +107,46 @@ class CpuCopier:
             )
 
     def _indexed(self, gpu_spec, slots):
-        """Each transfer part with its block, slot and sub-block index tensors."""
+        """Each transfer part with its block, slot and sub-block indices (lists)."""
         for part in self._map.transfers(gpu_spec, slots):
-            yield (part, torch.from_numpy(part.block_ids), torch.from_numpy(part.slots),
-                   torch.from_numpy(part.sub_blocks))
+            yield part, part.block_ids.tolist(), part.slots.tolist(), part.sub_blocks.tolist()
 
     def load(self, gpu_spec, slots) -> int:
         copied = 0
         for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
-            for kv, stage in self._views[part.group]:
-                copied += _copy_pages(kv, stage, blocks, slot_idx, sub_idx, to_kv=True)
+            for views in self._views[part.group]:
+                copied += _copy_pages(views, blocks, slot_idx, sub_idx, to_kv=True)
         return copied
 
-    def prepare(self, gpu_spec, slots) -> list:
-        """The index arrays of a load whose chunks come in waves (:meth:`load_wave`)."""
-        return list(self._indexed(gpu_spec, slots))
+    def prepare(self, gpu_spec, slots) -> dict[int, dict[int, tuple[list[int], list[int]]]]:
+        """Per slot of a load whose chunks come in waves (:meth:`load_wave`),
+        its pages per group: ``{slot: {group: (blocks, sub-blocks)}}``."""
+        by_slot: dict[int, dict[int, tuple[list[int], list[int]]]] = {}
+        for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
+            for b, s, u in zip(blocks, slot_idx, sub_idx):
+                pages = by_slot.setdefault(s, {}).setdefault(part.group, ([], []))
+                pages[0].append(b)
+                pages[1].append(u)
+        return by_slot
 
-    def load_wave(self, prepared: list, wave: set[int]) -> int:
+    def load_wave(self, prepared: dict[int, dict[int, tuple[list[int], list[int]]]], wave: set[int]) -> int:
         """Copies the pages of the slots in ``wave`` (verified chunks) of a
         prepared load; the other slots' pages keep what they hold (decision
         0057: the first chunks are copied while the last are still read)."""
-        chosen = torch.from_numpy(np.fromiter(wave, dtype=np.int64, count=len(wave)))
         copied = 0
-        for part, blocks, slot_idx, sub_idx in prepared:
-            mask = torch.isin(slot_idx, chosen)
-            if not bool(mask.any()):
-                continue
-            b, si, sb = blocks[mask], slot_idx[mask], sub_idx[mask]
-            for kv, stage in self._views[part.group]:
-                copied += _copy_pages(kv, stage, b, si, sb, to_kv=True)
+        for slot in sorted(wave):
+            for group, (blocks, subs) in prepared.get(slot, {}).items():
+                slots = [slot] * len(blocks)
+                for views in self._views[group]:
+                    copied += _copy_pages(views, blocks, slots, subs, to_kv=True)
         return copied
 
     def store(self, gpu_spec, slots) -> int:
         copied = 0
         for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
-            for kv, stage in self._views[part.group]:
-                copied += _copy_pages(kv, stage, blocks, slot_idx, sub_idx, to_kv=False)
+            for views in self._views[part.group]:
+                copied += _copy_pages(views, blocks, slot_idx, sub_idx, to_kv=False)
             tail = self._tails[part.group]
             if tail is not None:
-                tail[torch.unique(slot_idx)] = 0
+                tail[torch.tensor(sorted(set(slot_idx)), dtype=torch.int64)] = 0
         return copied

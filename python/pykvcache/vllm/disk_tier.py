@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pykvcache.gate import device_memory
+from pykvcache.vllm.background_save import LatestWriter
 from pykvcache.vllm.config import MAX_STAGING_SLOTS, ConfigError, PykvcacheConfig, store_keywords
 from pykvcache.vllm.disk_presence import DiskPresence
 from pykvcache.vllm.logs import ChunkTroubleLog
@@ -218,6 +219,7 @@ class DiskTier:
         self.metrics = ManagerMetrics()
         self.presence = DiskPresence(self.metrics)
         self.closed = False
+        self.load_trace = None  # gate_trace: the load path's timestamps (load_trace.py)
         self._label = label
         self._log = log
         self._on_learnt = on_learnt
@@ -233,6 +235,7 @@ class DiskTier:
         # A restart starts from what the last server on this namespace learnt
         # of the device, not from the prior (decision 0073).
         self._device_file = Path(store.namespace_dir[0]) / device_memory.FILE_NAME
+        self._device_writer = LatestWriter("pykvcache-gate-save", log)
         restored, why_not = gating.restore_device(self._device_file)
         if restored:
             mbps = gating.device_bytes_per_s()
@@ -260,6 +263,10 @@ class DiskTier:
         it again at once (it would end the same way every step)."""
         ok = result.status == "ok"
         observed = 0
+        if self.load_trace is not None and started_at is not None:
+            self.load_trace("read", key=bytes(key)[:6].hex(), submitted=round(started_at, 6),
+                            ended=round(started_at + (result.latency_s or 0.0), 6), ok=ok,
+                            mb=round(int(result.length or 0) / 1e6, 3))
         if started_at is not None:
             # Submitted at ``started_at`` (monotonic s): the device's busy
             # periods, preloads included (decision 0079). Before
@@ -282,12 +289,20 @@ class DiskTier:
         self.presence.read_failed(key, result.miss_kind)
         return False
 
-    def _save_device_model(self, every_s: float = 0.0) -> None:
+    def _save_device_model(self, every_s: float = 0.0, *, here: bool = False) -> None:
+        """Saves the device model the gate learnt on the writer's thread
+        (background_save.py: never on the scheduler's), or ``here`` (shutdown)."""
         try:
-            self.gating.save_device(self._device_file, every_s=every_s)
+            self.gating.save_device(self._device_file, every_s=every_s,
+                                    write=None if here else self._write_device_model)
         except OSError as exc:  # a hint for the next start, never a failure of this one
             self._log.warning("%s: could not save the gate's device model to %s: %s",
                               self._label, self._device_file, exc)
+
+    def _write_device_model(self, path: Path, window: list[tuple[float, float]]) -> bool:
+        """Writes ``window`` (the gate's, taken on the scheduler's thread) to ``path`` off that thread."""
+        self._device_writer.submit(lambda: device_memory.save(path, _SavedWindow(window)))
+        return True
 
     def write_finished(self, key: bytes, result) -> bool:
         """Counts a finished write; True when the chunk is on disk. Each kind
@@ -338,7 +353,9 @@ class DiskTier:
         try:
             drain()
         finally:
-            self._save_device_model()
+            # A save stalled longer than this is given up: the model is a hint.
+            self._device_writer.flush(timeout=2.0)
+            self._save_device_model(here=True)
             self.gating.close_trace()
             self._unusable.flush()
             self.store.close()
@@ -346,6 +363,17 @@ class DiskTier:
                 self.pool.close()
             except Exception:  # noqa: BLE001 - shutting down anyway; say what failed
                 self._log.exception("%s: could not unmap the staging region", self._label)
+
+
+class _SavedWindow:
+    """What :func:`device_memory.save` reads of the gate's online model (its
+    window), as it was when the save was decided."""
+
+    def __init__(self, window: list[tuple[float, float]]) -> None:
+        self._window = window
+
+    def window(self) -> list[tuple[float, float]]:
+        return self._window
 
 
 def _of_disk(name: str, doc: str, *, settable: bool = False) -> property:

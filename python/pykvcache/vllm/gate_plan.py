@@ -142,7 +142,7 @@ class NoGating:
     def restore_device(self, path) -> tuple[int, str | None]:
         return 0, "no gate"
 
-    def save_device(self, path, *, every_s: float = 0.0) -> bool:
+    def save_device(self, path, *, every_s: float = 0.0, write=None) -> bool:
         return False
 
     def poll_breakers(self) -> None:
@@ -263,21 +263,24 @@ class GateWiring:
             return 0, "the gate has learnt the device already"
         return device_memory.restore(path, online)
 
-    def save_device(self, path, *, every_s: float = 0.0) -> bool:
+    def save_device(self, path, *, every_s: float = 0.0,
+                    write: Callable[[object, list[tuple[float, float]]], bool] | None = None) -> bool:
         """Save the learnt device model at ``path`` (decision 0073), unless
         nothing new was learnt since the last save, or it was saved less than
         ``every_s`` ago and the window already outweighs the prior. Until it
         does, every load is saved: those are the loads that move the model
         most, and vLLM's OpenAI server stops its engine without a teardown
         (``--shutdown-timeout 0``, its default, force-kills it), so the save
-        at shutdown may never run (decision 0073)."""
+        at shutdown may never run (decision 0073). ``write(path, window)``
+        writes the window, taken now, elsewhere (off the scheduler's thread:
+        disk_tier.py, decision 0082); None: here."""
         online = self.gate.online
         now = self.clock()
         if online is None or online.samples == self._device_saved_samples:
             return False
         if now - self._device_saved_at < every_s and online.samples > online.prior_weight + 1:
             return False
-        saved = device_memory.save(path, online)
+        saved = device_memory.save(path, online) if write is None else write(path, online.window())
         self._device_saved_at, self._device_saved_samples = now, online.samples
         return saved
 

@@ -60,6 +60,7 @@ class StagingWorker(OffloadingWorker):
         self.copy_as_reads_end = True
         self._pending: PendingLoads | None = None
         self._failure: RuntimeError | None = None
+        self.trace = None  # gate_trace: the load path's timestamps (load_trace.py)
 
     @property
     def copier(self):
@@ -92,6 +93,8 @@ class StagingWorker(OffloadingWorker):
         start = time.perf_counter()
         slots = [int(s) for s in src_spec.block_ids]
         generations = list(getattr(src_spec, "ready_generations", None) or ())
+        if self.trace is not None:
+            self.trace("load_in", job=job_id, chunks=len(slots), in_flight=sum(1 for g in generations if g > 0))
         if not any(generations):
             return self._submit(job_id, gpu_spec=dst_spec, slots=slots, to_gpu=True)
         if any(gen < 0 for gen in generations):
@@ -112,7 +115,10 @@ class StagingWorker(OffloadingWorker):
         ends, at most ``timeout`` seconds; at once without pending loads.
         Called in steps that compute nothing (decision 0065)."""
         if self._pending is not None:
+            began = time.perf_counter()
             self._pending.wait(timeout)
+            if self.trace is not None:
+                self.trace("idle_wait", s=round(time.perf_counter() - began, 6))
 
     def _pending_loads(self) -> PendingLoads:
         if self._pending is None:
@@ -129,11 +135,16 @@ class StagingWorker(OffloadingWorker):
         """Copies the chunks of ``wave`` (verified) into the load's pages
         (decision 0057: the first chunks are in their pages while the last
         are still read)."""
+        began = time.perf_counter()
         if load.prepared is None:
             load.prepared = self.copier.prepare(load.dst_spec, load.slots)
         load.copied += self.copier.load_wave(load.prepared, wave)
+        if self.trace is not None:
+            self.trace("copied", job=load.job_id, chunks=len(wave), s=round(time.perf_counter() - began, 6))
 
     def _finish_copied(self, load: PendingLoad) -> None:
+        if self.trace is not None:
+            self.trace("load_done", job=load.job_id)
         self._finished.append(TransferResult(job_id=load.job_id, success=True, transfer_size=load.copied,
                                              transfer_time=time.perf_counter() - load.start))
 
