@@ -1,9 +1,11 @@
-"""A real vLLM whose storage directory stalls in the middle of serving.
+"""A real vLLM whose storage directory stalls in the middle of serving, then is emptied.
 
 The store lives on a FUSE passthrough (tests/helpers/stall_fs.py); the driver SIGSTOPs its
 daemon between two requests, so every open, read and write on the mount hangs in the kernel
 as on a network filesystem whose link is down (measured before: 78 s for one request on
-GlusterFS). One engine: the tokens to match are its own from the first, uncached request.
+GlusterFS). Later a cleanup job deletes everything in the storage directory while the engine
+serves: stores resume without a restart. One engine: the tokens to match are its own from the
+first, uncached request.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ def test_a_stalled_store_never_stalls_serving_and_hits_return_after_it_resumes(t
     prompt = f"{synthetic_text(250, seed=100)} {synthetic_text(12, seed=201)}"
     fillers = [synthetic_text(250, seed=300 + i) for i in range(3)]
     with StallFs(tmp_path / "fs") as fs:
-        pid = fs.proc.pid
+        pid, mp = fs.proc.pid, fs.mount_point
         config = kv_transfer_config([str(fs.mount_point)], 1 << 30, staging_bytes=24 * SLOT_FOOTPRINT,
                                     block_size=CHUNK_TOKENS, io_deadline_s=DEADLINE_S,
                                     # The breaker is under test, not the gate: once it has learnt
@@ -64,6 +66,21 @@ def test_a_stalled_store_never_stalls_serving_and_hits_return_after_it_resumes(t
                 {"op": "generate", "name": "fillers_again", "prompts": fillers},
                 {"op": "reset_prefix_cache"},
                 {"op": "generate", "name": "resumed", "prompts": [prompt]},
+                # A cleanup job empties the storage directory under the serving engine.
+                {"op": "shell", "name": "emptied", "argv": ["sh", "-c", f"rm -rf {mp}/*"]},
+                {"op": "reset_prefix_cache"},
+                {"op": "generate", "name": "after_emptied", "prompts": [prompt]},
+                {"op": "until_breaker_closed", "name": "back", "timeout_s": 10},
+                # Its put was skipped: the prompt's chunks are in staging only. Out of
+                # staging, the next request computes and stores them on disk again.
+                {"op": "reset_prefix_cache"},
+                {"op": "generate", "name": "fillers_back", "prompts": fillers},
+                {"op": "reset_prefix_cache"},
+                {"op": "generate", "name": "stored_again", "prompts": [prompt]},
+                {"op": "reset_prefix_cache"},
+                {"op": "generate", "name": "fillers_third", "prompts": fillers},
+                {"op": "reset_prefix_cache"},
+                {"op": "generate", "name": "hit_again", "prompts": [prompt]},
             ],
         }
         try:
@@ -90,3 +107,13 @@ def test_a_stalled_store_never_stalls_serving_and_hits_return_after_it_resumes(t
     assert _metric(resumed, "disk_breaker_open_dirs") == 0
     assert _metric(resumed, "disk_quarantined_slots") == 0 and _metric(resumed, "disk_stuck_ops") == 0
     assert _metric(resumed, "corrupt_chunks") == 0
+    # Emptied: the directory is unavailable at once (breaker), never a failure of serving,
+    # and stores succeed again within seconds, no restart; what it stores is read back.
+    after = p["after_emptied"]
+    assert p["emptied"]["rc"] == 0, p["emptied"]["output"]
+    assert after["tokens"] == expected
+    assert _metric(after, "disk_breaker_opens") > _metric(resumed, "disk_breaker_opens")
+    assert p["back"]["closed"], "the breaker's probe found the directory usable again"
+    hit = p["hit_again"]
+    assert hit["tokens"] == expected and hit["num_cached_tokens"][0] > 0
+    assert _metric(hit, "disk_reads") > _metric(p["fillers_third"], "disk_reads"), "stored and read back after the cleanup"

@@ -157,6 +157,19 @@ impl Core {
         }
     }
 
+    pub(super) fn ledgers_id(&self) -> u64 {
+        self.ledgers.id
+    }
+
+    /// Counts `root`'s `published` again from the index (just walked).
+    pub(super) fn recount_ledger(&self, root: usize) {
+        let Some(ledger) = self.ledgers.file(root) else { return };
+        let Ok(mut g) = ledger.lock() else { return };
+        if self.count_ledger(root, &mut g) {
+            let _ = self.ledgers.write(root, &mut g);
+        }
+    }
+
     /// Whether `root` has no ledger open (or only one removed under it).
     pub(super) fn ledgers_missing(&self, root: usize) -> bool {
         self.ledgers.file(root).is_none_or(|l| l.detached())

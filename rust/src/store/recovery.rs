@@ -115,18 +115,18 @@ impl Core {
     /// lease (the old one's files went with the directory) and a walk that
     /// rebuilds the index from what is there.
     pub(super) fn rebuild_after_return(&self) {
-        let (lease, _) = WriterLease::take(self.layout.roots(), self.permissions.dir_mode, self.permissions.file_mode);
-        // The old lease's files are removed (where still there) as it drops;
-        // none is held again once `close` took it.
-        let old = {
-            let mut held = self.lease.lock().unwrap();
-            if held.is_some() {
-                held.replace(Arc::new(lease))
-            } else {
-                Some(Arc::new(lease))
-            }
-        };
+        // The old lease's files go first (where still there), then the same
+        // id is taken again: it names this store's capacity ledger records.
+        // None once `close` took the lease.
+        let Some(old) = self.lease.lock().unwrap().take() else { return };
         drop(old);
+        let (lease, _) = WriterLease::take_as(self.layout.roots(), self.permissions.dir_mode, self.permissions.file_mode, self.ledgers_id());
+        {
+            let mut held = self.lease.lock().unwrap();
+            if !self.scan.stop.load(Ordering::Relaxed) {
+                *held = Some(Arc::new(lease));
+            }
+        }
         for root in 0..self.layout.roots().len() {
             if self.ledgers_missing(root) && self.health.refusal(root).is_none() {
                 self.open_ledger(root, true);
@@ -134,6 +134,12 @@ impl Core {
         }
         if let Err(e) = self.refresh() {
             self.stats.record_error(format!("rebuilding the index after a storage directory came back: {e}"));
+            return;
+        }
+        // What went with the directory went without the ledger's knowledge:
+        // counted again from the index the walk just rebuilt.
+        for root in 0..self.layout.roots().len() {
+            self.recount_ledger(root);
         }
     }
 }
