@@ -120,7 +120,8 @@ impl Core {
         // None once `close` took the lease.
         let Some(old) = self.lease.lock().unwrap().take() else { return };
         drop(old);
-        let (lease, _) = WriterLease::take_as(self.layout.roots(), self.permissions.dir_mode, self.permissions.file_mode, self.ledgers_id());
+        let (lease, _) =
+            WriterLease::take_as(self.layout.roots(), self.permissions.dir_mode, self.permissions.file_mode, self.ledgers_id());
         {
             let mut held = self.lease.lock().unwrap();
             if !self.scan.stop.load(Ordering::Relaxed) {
