@@ -18,7 +18,7 @@ def test_writers_on_two_nodes_never_hold_more_than_a_tenth_over_the_capacity(glu
     # FUSE clients and brick on the same cores), and the capacity must be under
     # pressure within the few seconds a test may take.
     capacity = 2 << 20
-    seconds = 3.0
+    seconds = 2.0
     # Alternating nodes: 2 writers are one per node, 4 are two per node.
     dirs = [shared_dirs[i % 2] for i in range(writers)]
     on_brick = gluster.brick / shared_dirs[0].name
