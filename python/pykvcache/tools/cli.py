@@ -93,6 +93,9 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--serve-set", action="append", default=None, metavar="KEY=VALUE",
                         help="serve part: set any of its options (ServeOptions in serve_options.py), e.g. "
                              "staging_bytes=48MiB or doc_tokens=1024; repeatable")
+    parser.add_argument("--disk-hit-set", action="append", default=None, metavar="KEY=VALUE",
+                        help="disk_hit part: set any of its options (DiskHitOptions in disk_hit_run.py), e.g. "
+                             "doc_tokens=8192,16384 or samples=9; repeatable")
     parser.add_argument("--serve-busy-cores", type=int, default=None,
                         help="serve part: busy-loop processes running while every configuration is measured "
                              "(other work sharing the cores), default 0")
@@ -170,6 +173,16 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
                 parser.error(str(exc))
             if problems:
                 parser.error("serve options: " + "; ".join(problems))
+        config.disk_hit_set = list(args.disk_hit_set or [])
+        if config.disk_hit_set:
+            from .bench.disk_hit_part import options_from as disk_hit_options
+
+            try:  # a typo fails here, not after the other parts have run
+                problems = disk_hit_options(config).check()
+            except ValueError as exc:
+                parser.error(str(exc))
+            if problems:
+                parser.error("disk_hit options: " + "; ".join(problems))
         config.cold_reads = not args.warm
         config.cold_metadata = args.cold_metadata
         if args.no_progress:

@@ -81,6 +81,8 @@ class BenchConfig:
     serve_busy_cores: int | None = None
     # "key=value" overrides of any serve option (serve_options.ServeOptions).
     serve_set: list[str] = field(default_factory=list)
+    # "key=value" overrides of the disk_hit part's options (disk_hit_run.DiskHitOptions).
+    disk_hit_set: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
