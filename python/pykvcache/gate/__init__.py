@@ -100,4 +100,5 @@ def build_gate(
     gate = AdmissionGate(model, chunk_tokens=expected.chunk_tokens, online=refine,
                          margin=margin, enabled=enabled, prefill_online=prefill,
                          exploration=Exploration() if online else None)
+    gate.first_contact = source == "profile"
     return gate, source

@@ -151,6 +151,10 @@ class AdmissionGate:
         self.margin = margin  # load only when recompute > margin * load
         self.behind_weight_cap = behind_weight_cap
         self.enabled = enabled
+        # First contact is timed before a prefix is committed to the device only where the
+        # prior is a profile, which may be another device's; the default prior never denies a
+        # load while uncalibrated (vLLM's behaviour) and is left so (build_gate sets this).
+        self.first_contact = True
         # Samples loads while recomputing; useless without an online model to learn from them.
         self.exploration = exploration if online is not None else None
         self.totals: dict[str, float] = dict.fromkeys(GATE_COUNTERS, 0)
@@ -233,7 +237,7 @@ class AdmissionGate:
         sample_chunks = 0
         ex = self.exploration
         online = self.online
-        if (sample_in_background and self.enabled and online is not None and not online.timed
+        if (sample_in_background and self.enabled and self.first_contact and online is not None and not online.timed
                 and best_k >= first_disk > 0):
             # First contact: the prior may be another device's (see the module docstring).
             reason = "untimed"
