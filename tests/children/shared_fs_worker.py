@@ -67,7 +67,7 @@ def main():
         seen["max_used"] = max(seen["max_used"], store.used_bytes)
     stats = store.stats()
     seen.update({k: stats[k] for k in ("corrupt_chunks", "write_races", "evictions", "read_errors", "write_errors",
-                                        "recycled_files", "recycle_skipped")})
+                                        "recycled_files", "recycle_skipped", "shared_capacity_refused")})
     store.close()
     print(json.dumps(seen), flush=True)
 
