@@ -82,7 +82,7 @@ def name_labels(path: str) -> list[str]:
 
 @pytest.mark.parametrize("text", [
     # Built from parts so that no tracked line reads as a label itself.
-    "the run of " + "session 13", "Sessions " + "18 and 19 measured", "the session-9 run",
+    "the run of session" + " 13", "Sessions " + "18 and 19 measured", "the session-9 run",
     "(issue 24, finding 8)", "Issue 21 item 3", "stop 25 landed", "the stop 31: CI",
     "## Open after 20", "measured in (s16)",
 ])
