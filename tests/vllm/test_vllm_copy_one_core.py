@@ -63,10 +63,13 @@ CHILD = textwrap.dedent("""
             t.tensor.zero_()
         # The load's chunks were read (verified in staging): one wave of them
         # all, through the path a load with reads in flight takes.
-        began = time.perf_counter()
+        # CPU time of the whole process: OpenMP threads spinning at a barrier
+        # burn it, while time the core spent on other processes (a busy
+        # host) does not count.
+        began = time.process_time()
         prepared = copier.prepare(stored, slots.block_ids)
         copied = copier.load_wave(prepared, set(range(CHUNKS)))
-        seconds.append(time.perf_counter() - began)
+        seconds.append(time.process_time() - began)
         same = same and all(torch.equal(t.tensor[1:], o[1:]) for t, o in zip(tensors, original))  # block 0: null
     print(json.dumps({"seconds": seconds, "bytes": copied, "same": same}))
 """)
@@ -81,6 +84,7 @@ def test_a_load_copies_at_memcpy_speed_on_one_core():
     assert result["bytes"] == 64 << 20
     # memcpy moves 64 MiB in 24-37 ms here; torch's copy_ over two OpenMP
     # threads sharing the core took 0.04-2.7 s, over 0.25 s in 3 loads of 6
-    # (2026-12-06, 2-core VM).
+    # (2026-12-06, 2-core VM). Measured in CPU time, so a busy host's
+    # preemption (one load took 1.46 s of wall time under CI) does not count.
     slowest = max(result["seconds"])
-    assert slowest < 0.4, f"64 MiB copied in {slowest:.2f} s on one core (each load: {result['seconds']})"
+    assert slowest < 0.4, f"64 MiB copied in {slowest:.2f} s of CPU on one core (each load: {result['seconds']})"
