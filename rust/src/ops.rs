@@ -182,6 +182,7 @@ impl<C> OpTable<C> {
     pub fn new(capacity: usize) -> Result<Self> {
         // u32 indices: the store bounds `max_inflight` far below this.
         let capacity = capacity.clamp(1, u32::MAX as usize);
+        // SAFETY: eventfd takes no pointer; the descriptor is this table's, closed once, in `Drop`.
         let event_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC | libc::EFD_NONBLOCK) };
         if event_fd < 0 {
             return Err(EngineError::last_os("creating completion eventfd"));
@@ -380,6 +381,8 @@ impl<C> OpTable<C> {
         }
         self.completed.notify_all();
         let one: u64 = 1;
+        // SAFETY: writes the 8 bytes of `one`, a live u64 (the size an eventfd takes); `event_fd`
+        // is open while `self` lives.
         unsafe { libc::write(self.event_fd, &one as *const u64 as *const _, 8) };
     }
 
@@ -490,6 +493,8 @@ impl<C> OpTable<C> {
         if !into.is_empty() {
             self.completed.notify_all();
             let one: u64 = 1;
+            // SAFETY: writes the 8 bytes of `one`, a live u64; `event_fd` is open while `self`
+            // lives.
             unsafe { libc::write(self.event_fd, &one as *const u64 as *const _, 8) };
         }
     }
@@ -520,6 +525,8 @@ impl<C> OpTable<C> {
 
 impl<C> Drop for OpTable<C> {
     fn drop(&mut self) {
+        // SAFETY: `event_fd` is this table's own and closed only here, once; `&mut self` means no
+        // other use of it is running.
         unsafe { libc::close(self.event_fd) };
     }
 }

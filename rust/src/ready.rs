@@ -78,6 +78,8 @@ fn generation_of(w: u32) -> u32 {
 fn futex_wake_all(w: &AtomicU32) {
     // Shared (no FUTEX_PRIVATE_FLAG): waiters in other processes map the
     // same memfd page, and the kernel keys a shared futex by page and offset.
+    // SAFETY: `w` is a live, 4-byte aligned futex word for the whole call; FUTEX_WAKE dereferences
+    // no other argument.
     unsafe { libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAKE, i32::MAX, std::ptr::null::<libc::timespec>(), 0usize, 0u32) };
 }
 
@@ -85,6 +87,8 @@ fn futex_wait(w: &AtomicU32, expected: u32, timeout: Duration) {
     let ts = libc::timespec { tv_sec: timeout.as_secs() as libc::time_t, tv_nsec: timeout.subsec_nanos() as libc::c_long };
     // Returns at once if the word changed already (EAGAIN), on a wake-up, on
     // a signal or at the timeout: the caller re-reads the word in every case.
+    // SAFETY: `w` is a live, 4-byte aligned futex word and `ts` a timespec, both alive across the
+    // call, which only reads them.
     unsafe { libc::syscall(libc::SYS_futex, w.as_ptr(), libc::FUTEX_WAIT, expected, &ts as *const libc::timespec, 0usize, 0u32) };
 }
 
@@ -238,6 +242,9 @@ mod tests {
         let name = format!("pykvcache-test-ready-{}", std::process::id());
         let pool = StagingPool::create_backed(4096, 2, Backing::Memfd(&name)).unwrap();
         let g = pool.arm_ready(1);
+        // SAFETY: the child, a copy of this multi-threaded test process, never returns into the
+        // test harness: it runs the block below and leaves with `_exit`. glibc's malloc takes its
+        // locks around fork, so the child may allocate.
         let pid = unsafe { libc::fork() };
         assert!(pid >= 0);
         if pid == 0 {
@@ -253,11 +260,14 @@ mod tests {
                 }
                 Err(_) => 1,
             };
+            // SAFETY: ends the child at once, without unwinding into the harness or running
+            // destructors of the parent's state.
             unsafe { libc::_exit(code) };
         }
         std::thread::sleep(Duration::from_millis(200));
         assert!(pool.settle_ready(1, g, true));
         let mut status = 0;
+        // SAFETY: `status` is a live, writable int; `pid` is this process's child.
         assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
         assert!(libc::WIFEXITED(status), "child did not exit: {status}");
         assert_eq!(libc::WEXITSTATUS(status), 0, "1: attach failed, 2: not ready, 3: not woken");

@@ -79,7 +79,12 @@ pub struct StagingPool {
 
 // The raw pointers are to a mapping owned by this struct; all mutable state
 // is behind the mutex, and slot bytes are only touched by whoever owns the slot.
+// SAFETY: `base` and `reserved` point into a mapping this struct owns and unmaps only in `Drop`.
+// Shared state is behind `state`'s mutex or atomic (the ready words); slot bytes are only ever
+// reached through raw pointers, by whoever leased the slot (an operation of the store, or the
+// caller), never through a reference the pool hands out.
 unsafe impl Send for StagingPool {}
+// SAFETY: as for `Send`: no method gives shared access to slot bytes, and the rest is synchronized.
 unsafe impl Sync for StagingPool {}
 
 struct PoolState {
@@ -133,10 +138,14 @@ impl StagingPool {
         let memfd = match result {
             Ok(memfd) => memfd,
             Err(e) => {
+                // SAFETY: `reserved`/`reserved_len` is the reservation `reserve_aligned` made
+                // above; nothing refers to it yet.
                 unsafe { libc::munmap(reserved as *mut _, reserved_len) };
                 return Err(e);
             }
         };
+        // SAFETY: `[base, base + mapped_len)` is mapped readable and writable and `mapped_len >
+        // TRAILER_BYTES`; no other reference to the trailer exists yet.
         let trailer = unsafe { std::slice::from_raw_parts_mut(base.add(mapped_len - TRAILER_BYTES), TRAILER_BYTES) };
         trailer[0..8].copy_from_slice(&TRAILER_MAGIC.to_le_bytes());
         trailer[8..16].copy_from_slice(&(slot_bytes as u64).to_le_bytes());
@@ -179,9 +188,13 @@ impl StagingPool {
         }
         let (reserved, reserved_len, base) = reserve_aligned(mapped_len)?;
         if let Err(e) = map_fd(base, mapped_len, file.as_raw_fd(), path) {
+            // SAFETY: `reserved`/`reserved_len` is the reservation `reserve_aligned` made above;
+            // nothing refers to it yet.
             unsafe { libc::munmap(reserved as *mut _, reserved_len) };
             return Err(e);
         }
+        // SAFETY: `mapped_len >= TRAILER_BYTES` (checked above) and `[base, base + mapped_len)` is
+        // mapped readable; only the creator writes the trailer, once, before any process attaches.
         let trailer = unsafe { std::slice::from_raw_parts(base.add(mapped_len - TRAILER_BYTES), 32) };
         let word = |i: usize| u64::from_le_bytes(trailer[i * 8..i * 8 + 8].try_into().unwrap()) as usize;
         let (magic, slot_bytes, stride, num_slots) = (word(0) as u64, word(1), word(2), word(3));
@@ -190,6 +203,8 @@ impl StagingPool {
         let consistent = layout(slot_bytes, num_slots)
             .is_ok_and(|(s, d)| s == stride && d.checked_add(ready_table_bytes(num_slots) + TRAILER_BYTES) == Some(mapped_len));
         if magic != TRAILER_MAGIC || !consistent {
+            // SAFETY: the reservation made above, whose mapping nothing refers to yet (the trailer
+            // slice is dead).
             unsafe { libc::munmap(reserved as *mut _, reserved_len) };
             return Err(EngineError::invalid(format!("{path} is not a pykvcache staging pool")));
         }
@@ -272,11 +287,15 @@ impl StagingPool {
 
     /// Start of the slot (its header space); transfers begin here.
     pub fn slot_ptr(&self, slot: usize) -> *mut u8 {
-        debug_assert!(slot < self.num_slots);
+        assert!(slot < self.num_slots, "slot {slot} out of range (pool has {})", self.num_slots);
+        // SAFETY: `slot < num_slots` (asserted), so the offset lies within the slots' part of the
+        // mapping, whose length `layout` keeps below `isize::MAX`.
         unsafe { self.base.add(slot * self.stride) }
     }
 
     pub fn payload_ptr(&self, slot: usize) -> *mut u8 {
+        // SAFETY: every slot is `stride >= HEADER_BYTES + slot_bytes` long, so its payload start
+        // lies inside it.
         unsafe { self.slot_ptr(slot).add(HEADER_BYTES) }
     }
 
@@ -291,7 +310,10 @@ impl StagingPool {
     /// every process that maps the pool sees the same word.
     pub(crate) fn ready_word(&self, slot: usize) -> &std::sync::atomic::AtomicU32 {
         assert!(slot < self.num_slots, "slot {slot} out of range");
-        // 4-byte aligned (page-aligned table); lives as long as the mapping.
+        // SAFETY: the ready table starts page-aligned right after the slots and holds one u32 per
+        // slot, so the word is in the mapping and 4-byte aligned; the mapping outlives `&self`, and
+        // the word is only accessed atomically (by every process that maps the pool). 4-byte
+        // aligned (page-aligned table); lives as long as the mapping.
         unsafe { &*(self.base.add(self.region_len() + slot * 4) as *const std::sync::atomic::AtomicU32) }
     }
 
@@ -461,6 +483,9 @@ impl StagingPool {
 impl Drop for StagingPool {
     fn drop(&mut self) {
         let _ = self.close();
+        // SAFETY: the pool's own reservation, unmapped once. Nothing in this process uses the
+        // mapping any more: the store holds an `Arc` of the pool while any transfer into it may
+        // run, and views exported to Python hold one too.
         unsafe { libc::munmap(self.reserved as *mut _, self.reserved_len) };
     }
 }

@@ -22,18 +22,27 @@ struct Region {
 impl Region {
     fn new(len: usize) -> Self {
         let layout = std::alloc::Layout::from_size_align(len, 4096).unwrap();
+        // SAFETY: `len` is positive (every test asks for whole rows); a null result fails the
+        // tests' first use.
         Region { ptr: unsafe { std::alloc::alloc_zeroed(layout) }, layout }
     }
     fn row(&self, i: usize) -> &[u8] {
+        // SAFETY: rows lie within the allocation (the tests index `i < ROWS` of a `ROW * ROWS`
+        // region); `&self` excludes writes through `row_mut`, and the tests read a row only while
+        // no operation on it is in flight.
         unsafe { std::slice::from_raw_parts(self.ptr.add(i * ROW), ROW) }
     }
     fn row_mut(&mut self, i: usize) -> &mut [u8] {
+        // SAFETY: as in `row`, with `&mut self` excluding every other access from the test; no
+        // operation on the row is in flight.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(i * ROW), ROW) }
     }
 }
 
 impl Drop for Region {
     fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this very layout, freed once; each test drops its region
+        // after the store let go of it.
         unsafe { std::alloc::dealloc(self.ptr, self.layout) };
     }
 }
@@ -65,6 +74,8 @@ fn fill(row: &mut [u8], seed: u8) {
 }
 
 fn register(store: &BlockStore, r: &Region) -> RegionId {
+    // SAFETY: `r` is `ROW * ROWS` bytes that every test keeps alive, unmoved, until after the store
+    // is dropped or the region unregistered.
     unsafe { store.register_region(r.ptr, ROW * ROWS) }.unwrap()
 }
 
@@ -105,10 +116,14 @@ fn region_round_trips_on_every_backend_and_shares_the_slot_format() {
         let slot = pool.acquire(T).unwrap();
         let o = wait(&store, store.get(b"a", slot, T).unwrap());
         assert_eq!(o.status, Status::Ok, "{}", o.message);
+        // SAFETY: `slot` is leased here, ROW is its payload size, and its get has completed.
         assert!(unsafe { std::slice::from_raw_parts(pool.payload_ptr(slot), ROW) } == region.row(0));
+        // SAFETY: `slot` is leased here, ROW is its payload size, and no operation uses it.
         fill(unsafe { std::slice::from_raw_parts_mut(pool.payload_ptr(slot), ROW) }, 9);
         assert_eq!(wait(&store, store.put(b"s", slot, ROW, T).unwrap()).status, Status::Ok);
         assert_eq!(wait(&store, store.get_region(b"s", id, 0, ROW, T).unwrap()).status, Status::Ok);
+        // SAFETY: `slot` is leased here, ROW is its payload size, and the operations on it have
+        // completed.
         assert!(unsafe { std::slice::from_raw_parts(pool.payload_ptr(slot), ROW) } == region.row(0));
         pool.release(slot).unwrap();
         store.unregister_region(id, T).unwrap();
@@ -146,10 +161,12 @@ fn bounds_and_lifetime_errors_are_errors_never_faults() {
     let again = register(&store, &region);
     assert_eq!(again.index, id.index);
     assert!(refused(store.get_region(b"big", id, 0, 2 * ROW, T)).contains("not registered"));
+    // SAFETY: refused (a null base): the store never touches it.
     assert!(unsafe { store.register_region(std::ptr::null_mut(), 4096) }.is_err());
     // Closed: no operation; the region is the caller's (closing never touches it).
     store.close();
     assert!(refused(store.get_region(b"big", again, 0, 2 * ROW, T)).contains("closed"));
+    // SAFETY: refused (the store is closed): the store never touches it.
     assert!(unsafe { store.register_region(region.ptr, ROW) }.is_err());
     store.unregister_region(again, T).unwrap();
     region.row_mut(0).fill(7);

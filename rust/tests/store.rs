@@ -29,6 +29,8 @@ fn open(c: StoreConfig, pool: &Arc<StagingPool>) -> BlockStore {
 }
 
 fn fill(pool: &StagingPool, slot: usize, len: usize, seed: u8) {
+    // SAFETY: the tests fill slots they leased, `len` within the slot size, while no operation uses
+    // them.
     let p = unsafe { std::slice::from_raw_parts_mut(pool.payload_ptr(slot), len) };
     for (i, b) in p.iter_mut().enumerate() {
         *b = (i as u8).wrapping_mul(31).wrapping_add(seed);
@@ -36,6 +38,8 @@ fn fill(pool: &StagingPool, slot: usize, len: usize, seed: u8) {
 }
 
 fn payload(pool: &StagingPool, slot: usize, len: usize) -> Vec<u8> {
+    // SAFETY: the tests read slots they leased, `len` within the slot size, after their operations
+    // completed.
     unsafe { std::slice::from_raw_parts(pool.payload_ptr(slot), len) }.to_vec()
 }
 
@@ -435,6 +439,7 @@ fn recycling_can_be_turned_off() {
 fn lock(path: &Path, how: i32) -> std::fs::File {
     use std::os::fd::AsRawFd;
     let f = std::fs::File::open(path).unwrap();
+    // SAFETY: flock takes no pointer; `f` owns the descriptor and keeps it open.
     assert_eq!(unsafe { libc::flock(f.as_raw_fd(), how | libc::LOCK_NB) }, 0);
     f
 }

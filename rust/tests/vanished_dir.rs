@@ -29,6 +29,7 @@ fn wait(store: &BlockStore, id: OpId) -> pykvcache::Outcome {
 
 fn put(store: &BlockStore, pool: &StagingPool, key: &[u8]) -> pykvcache::Outcome {
     let slot = pool.acquire(T).unwrap();
+    // SAFETY: `slot` is leased here, PAYLOAD fits its payload, and no operation uses it yet.
     let p = unsafe { std::slice::from_raw_parts_mut(pool.payload_ptr(slot), PAYLOAD) };
     p.fill(key[key.len() - 1]);
     let o = wait(store, store.put(key, slot, PAYLOAD, T).unwrap());
@@ -40,6 +41,7 @@ fn get(store: &BlockStore, pool: &StagingPool, key: &[u8]) -> Status {
     let slot = pool.acquire(T).unwrap();
     let o = wait(store, store.get(key, slot, T).unwrap());
     if o.status == Status::Ok {
+        // SAFETY: `slot` is leased here, PAYLOAD fits its payload, and its get has completed.
         let p = unsafe { std::slice::from_raw_parts(pool.payload_ptr(slot), PAYLOAD) };
         assert!(p.iter().all(|&b| b == key[key.len() - 1]), "served another chunk's bytes for {key:?}");
     }

@@ -27,7 +27,23 @@ pub struct Segment {
     pub root: u32,
 }
 
+// SAFETY: a segment carries `buf` as an address and never dereferences it; the thread it is sent to
+// hands it to the kernel (or to pread/pwrite). The memory it names (a staging slot, a header block,
+// a pinned region) belongs to the operation `op`, which keeps it alive and touches none of the
+// segment's bytes until the backend reports the segment through `SegmentSink::segment_done`.
 unsafe impl Send for Segment {}
+
+impl Segment {
+    /// What a backend relies on for each segment it is handed, checked on the
+    /// submitter's thread (the ring thread must not panic): bytes to move, in
+    /// memory that does not wrap around the address space.
+    pub(crate) fn assert_submittable(segs: &[Segment]) {
+        for s in segs {
+            assert!(s.len > 0, "empty segment submitted for operation {}", s.op);
+            assert!((s.buf as usize).checked_add(s.len).is_some(), "segment of operation {} wraps around the address space", s.op);
+        }
+    }
+}
 
 impl classes::Queued for Segment {
     fn background(&self) -> bool {
@@ -109,12 +125,16 @@ pub trait Backend: Send + Sync {
 /// CPU time of one thread, from its own clock.
 pub fn thread_cpu_clock() -> libc::clockid_t {
     let mut clock: libc::clockid_t = 0;
+    // SAFETY: `pthread_self()` is the calling thread, alive during the call, and `clock` a writable
+    // clockid_t.
     unsafe { libc::pthread_getcpuclockid(libc::pthread_self(), &mut clock) };
     clock
 }
 
 pub fn clock_ns(clock: libc::clockid_t) -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: `ts` is a writable timespec; an invalid clock only fails the call (EINVAL), handled
+    // here.
     if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
         return 0;
     }

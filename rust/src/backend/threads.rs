@@ -80,8 +80,14 @@ fn transfer(seg: &Segment, faults: &SharedFaults, sink: &dyn SegmentSink) -> Res
     let mut done = 0usize;
     while done < seg.len {
         let want = faults.as_ref().map_or(seg.len - done, |f| f.cap(seg.len - done));
+        // SAFETY: `done < seg.len` and the segment's memory spans `seg.len` bytes from `seg.buf`
+        // (one slot, header block or region), so the pointer stays inside it.
         let buf = unsafe { seg.buf.add(done) };
         let off = (seg.offset + done as u64) as libc::off_t;
+        // SAFETY: `buf` is valid for `want <= seg.len - done` bytes (`cap` only lowers a length);
+        // the operation owning the segment keeps that memory alive and leaves its bytes alone until
+        // `segment_done` is called, after this loop. pread writes, pwrite reads at most `want`
+        // bytes.
         let n = unsafe {
             if seg.write {
                 libc::pwrite(seg.fd, buf as *const _, want, off)
@@ -109,6 +115,7 @@ fn transfer(seg: &Segment, faults: &SharedFaults, sink: &dyn SegmentSink) -> Res
 
 impl Backend for ThreadBackend {
     fn submit(&self, segs: &[Segment]) {
+        Segment::assert_submittable(segs);
         let mut q = self.shared.queue.lock().unwrap();
         for seg in segs {
             q.segments.push_back(*seg);

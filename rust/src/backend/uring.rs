@@ -79,13 +79,16 @@ impl UringBackend {
         let mut fixed_buffer_error = None;
         let mut fixed = false;
         if let Some(iovecs) = buffers {
-            // Safety: the iovecs cover the staging mapping, which the store
-            // keeps alive for longer than this backend.
+            // SAFETY: the iovecs cover the staging mapping, which outlives the ring: the ring lives
+            // on the ring thread, and that thread holds the store's core (the sink), and through it
+            // an `Arc` of the pool, until the ring is dropped.
             match unsafe { ring.submitter().register_buffers(iovecs) } {
                 Ok(()) => fixed = true,
                 Err(e) => fixed_buffer_error = Some(e),
             }
         }
+        // SAFETY: eventfd takes no pointer; the descriptor is owned by `Shared` and closed once, in
+        // its `Drop`.
         let wake_fd = unsafe { libc::eventfd(0, libc::EFD_CLOEXEC) };
         if wake_fd < 0 {
             return Err(std::io::Error::last_os_error());
@@ -109,6 +112,8 @@ impl UringBackend {
 
     fn wake(&self) {
         let one: u64 = 1;
+        // SAFETY: writes the 8 bytes of `one`, a live u64 (the size an eventfd takes); `wake_fd`
+        // stays open while `self.shared` lives.
         unsafe { libc::write(self.shared.wake_fd, &one as *const u64 as *const _, 8) };
     }
 }
@@ -154,6 +159,9 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
     loop {
         if !wake_armed {
             let sqe = opcode::Read::new(types::Fd(shared.wake_fd), shared.wake_buf.as_ptr() as *mut u8, 8).build().user_data(WAKE_TOKEN);
+            // SAFETY: the read targets `shared.wake_buf` (8 bytes) from `wake_fd`, both owned by
+            // `Shared`, which this thread holds an `Arc` of for as long as the ring exists: the
+            // kernel never writes freed memory.
             if unsafe { ring.submission().push(&sqe) }.is_ok() {
                 wake_armed = true;
             }
@@ -168,6 +176,11 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
                     continue;
                 }
                 let sqe = build_sqe(&p, fixed, faults, idx as u64);
+                // SAFETY: the entry moves the bytes of `p`'s segment, memory its operation keeps
+                // alive until `segment_done`, which this thread calls only once the completion for
+                // token `idx` arrived (or `fail_everything` gave up on it). `idx` came off `free`,
+                // so no other entry in flight carries that token, and `p` is in flight in no other
+                // entry.
                 if unsafe { ring.submission().push(&sqe) }.is_err() {
                     queue.unpop(p);
                     break;
@@ -301,8 +314,13 @@ fn fail_everything(ring: &mut IoUring, shared: &Shared, mut slots: Vec<Option<Pe
 }
 
 fn build_sqe(p: &Pending, fixed: bool, faults: &SharedFaults, token: u64) -> squeue::Entry {
+    // Segments are submitted non-empty (asserted in `submit`) and a finished one is reported,
+    // never queued again: something is always left. (Checked in debug builds only: this is the
+    // ring thread, which must not panic.)
+    debug_assert!(p.done < p.seg.len, "segment of operation {} queued with nothing left ({} of {} bytes)", p.seg.op, p.done, p.seg.len);
     let remaining = p.seg.len - p.done;
     let len = faults.as_ref().map_or(remaining, |f| f.cap(remaining)).min(MAX_SQE_BYTES) as u32;
+    // SAFETY: `p.done < p.seg.len` (see above), so the pointer stays inside the segment's memory.
     let buf = unsafe { p.seg.buf.add(p.done) };
     let offset = p.seg.offset + p.done as u64;
     let fd = types::Fd(p.seg.fd);
@@ -317,6 +335,7 @@ fn build_sqe(p: &Pending, fixed: bool, faults: &SharedFaults, token: u64) -> squ
 
 impl Backend for UringBackend {
     fn submit(&self, segs: &[Segment]) {
+        Segment::assert_submittable(segs);
         let mut queue = lock(&self.shared.queue);
         if self.shared.dead.load(Ordering::Acquire) {
             drop(queue);
@@ -389,6 +408,9 @@ impl Drop for UringBackend {
 impl Drop for Shared {
     fn drop(&mut self) {
         // Here, not in the backend's drop: a detached ring thread still arms reads of it.
+        // SAFETY: `wake_fd` is this `Shared`'s own (opened in `UringBackend::new`) and closed only
+        // here, once; the ring that armed reads of it lived on the ring thread, which held this
+        // `Arc` until the ring was gone.
         unsafe { libc::close(self.wake_fd) };
     }
 }

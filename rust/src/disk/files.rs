@@ -58,6 +58,8 @@ static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
 fn open_raw(path: &Path, flags: i32, mode: u32) -> std::io::Result<RawFd> {
     let c = cstring(path).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     loop {
+        // SAFETY: `c` is a NUL-terminated path that lives across the call; the caller owns the
+        // descriptor returned.
         let fd = unsafe { libc::open(c.as_ptr(), flags | libc::O_CLOEXEC | libc::O_NOFOLLOW, mode) };
         if fd >= 0 {
             return Ok(fd);
@@ -114,8 +116,10 @@ pub fn open_for_read(path: &Path, direct: bool) -> std::io::Result<(RawFd, Optio
 /// Clears O_NONBLOCK (io_uring honours it on regular files too) and sets the
 /// direct-I/O flag.
 fn set_blocking(fd: RawFd, direct: bool) -> std::io::Result<()> {
+    // SAFETY: F_GETFL takes no pointer; `fd` is the caller's open descriptor.
     let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
     let wanted = (flags & !libc::O_NONBLOCK) | direct_flag(direct);
+    // SAFETY: F_SETFL takes an int, no pointer.
     if flags < 0 || unsafe { libc::fcntl(fd, libc::F_SETFL, wanted) } < 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -131,6 +135,7 @@ fn gone() -> std::io::Error {
 /// away, is `ENOENT`. Filesystems without flock (`ENOLCK`, `EOPNOTSUPP`)
 /// give readers no lock: recyclers there never get theirs, so never overwrite.
 fn lock_if_current(fd: RawFd, path: &Path, how: i32) -> std::io::Result<()> {
+    // SAFETY: flock takes no pointer; `fd` is the caller's open descriptor.
     if unsafe { libc::flock(fd, how | libc::LOCK_NB) } != 0 {
         let e = std::io::Error::last_os_error();
         return match e.raw_os_error() {
@@ -139,7 +144,9 @@ fn lock_if_current(fd: RawFd, path: &Path, how: i32) -> std::io::Result<()> {
             _ => Err(e),
         };
     }
+    // SAFETY: stat is plain data, for which all-zero bytes are a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a writable stat that lives across the call; `fd` is open.
     if unsafe { libc::fstat(fd, &mut st) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -193,6 +200,7 @@ pub fn open_taken(temp: std::path::PathBuf, file_len: usize, direct: bool) -> st
             set_blocking(fd, direct)?;
             // A longer victim keeps no stale tail; a shorter one grows as it is written.
             let size = regular_file_size(fd)?.unwrap_or(0);
+            // SAFETY: ftruncate takes no pointer; `fd` was opened above and is still open.
             if size > file_len as u64 && unsafe { libc::ftruncate(fd, file_len as libc::off_t) } != 0 {
                 return Err(std::io::Error::last_os_error());
             }
@@ -233,6 +241,7 @@ pub fn open_for_write(dir: &Path, support: FsSupport, direct: bool, mode: u32) -
     let fd = open_raw(&temp, libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | direct_flag(direct), mode)?;
     // Held until the file is published or discarded; the kernel drops it when
     // the writer dies, which is how a scan tells an orphan from a live write.
+    // SAFETY: flock takes no pointer; `fd` was opened just above.
     unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) };
     Ok(PendingFile { fd, temp_path: Some(temp) })
 }
@@ -245,6 +254,7 @@ pub fn temp_writer_gone(path: &Path, name: &str) -> bool {
         return false;
     }
     let Ok(fd) = open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0) else { return false };
+    // SAFETY: flock takes no pointer; `fd` was opened above and is closed below.
     let unlocked = unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0;
     close(fd);
     unlocked
@@ -274,6 +284,7 @@ pub fn publish(file: &PendingFile, final_path: &Path) -> std::io::Result<bool> {
             // plain rename, which replaces an existing chunk of the same key.
             Some(libc::EINVAL) | Some(libc::ENOSYS) | Some(libc::EOPNOTSUPP) => {
                 let existed = std::fs::symlink_metadata(final_path).is_ok();
+                // SAFETY: both are NUL-terminated paths that live across the call.
                 if unsafe { libc::rename(src.as_ptr(), dst.as_ptr()) } != 0 {
                     return Err(std::io::Error::last_os_error());
                 }
@@ -284,6 +295,7 @@ pub fn publish(file: &PendingFile, final_path: &Path) -> std::io::Result<bool> {
     }
     // linkat through /proc avoids needing CAP_DAC_READ_SEARCH for AT_EMPTY_PATH.
     let src = std::ffi::CString::new(format!("/proc/self/fd/{}", file.fd)).unwrap();
+    // SAFETY: both are NUL-terminated paths that live across the call.
     let rc = unsafe { libc::linkat(libc::AT_FDCWD, src.as_ptr(), libc::AT_FDCWD, dst.as_ptr(), libc::AT_SYMLINK_FOLLOW) };
     if rc == 0 {
         return Ok(true);
@@ -301,6 +313,7 @@ pub fn publish(file: &PendingFile, final_path: &Path) -> std::io::Result<bool> {
 /// space it is not. Measured: fresh-file writes 0.65x -> 0.82x of fio's best.
 pub fn preallocate(fd: RawFd, len: usize) -> std::io::Result<()> {
     loop {
+        // SAFETY: fallocate takes no pointer; `fd` is the caller's open descriptor.
         if unsafe { libc::fallocate(fd, 0, 0, len as libc::off_t) } == 0 {
             return Ok(());
         }
@@ -319,12 +332,18 @@ pub fn discard(file: &PendingFile) {
 }
 
 pub fn close(fd: RawFd) {
+    // SAFETY: the caller owns `fd` and gives it up here: every descriptor is closed once, by the
+    // operation or function that opened it, so no other owner's descriptor of that number is
+    // closed.
     unsafe { libc::close(fd) };
 }
 
 /// Size of a regular file; None for anything else (FIFO, device, ...).
 pub fn regular_file_size(fd: RawFd) -> std::io::Result<Option<u64>> {
+    // SAFETY: stat is plain data, for which all-zero bytes are a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: `st` is a writable stat that lives across the call; `fd` is the caller's open
+    // descriptor.
     if unsafe { libc::fstat(fd, &mut st) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
@@ -334,6 +353,7 @@ pub fn regular_file_size(fd: RawFd) -> std::io::Result<Option<u64>> {
 /// After buffered I/O, keep the page cache from filling with chunk data
 /// (the staging pool is the cache; double caching only evicts useful pages).
 pub fn drop_cached_pages(fd: RawFd, written: bool) {
+    // SAFETY: neither call takes a pointer; `fd` is the caller's open descriptor.
     unsafe {
         if written {
             libc::sync_file_range(
@@ -346,6 +366,11 @@ pub fn drop_cached_pages(fd: RawFd, written: bool) {
         libc::posix_fadvise(fd, 0, 0, libc::POSIX_FADV_DONTNEED);
     }
 }
+
+/// One direct-I/O block: O_DIRECT transfers need memory aligned like the file offsets.
+#[repr(C, align(4096))]
+struct AlignedBlock([u8; IO_ALIGN]);
+const _: () = assert!(std::mem::align_of::<AlignedBlock>() == IO_ALIGN);
 
 /// Finds out whether `dir` supports O_TMPFILE and O_DIRECT by doing it:
 /// an aligned 4 KiB direct write, not just an accepted flag.
@@ -369,11 +394,11 @@ pub fn probe(dir: &Path, mode: u32) -> FsSupport {
     };
     let direct = match open_raw(&probe_path, libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_DIRECT, mode) {
         Ok(fd) => {
-            let layout = std::alloc::Layout::from_size_align(IO_ALIGN, IO_ALIGN).unwrap();
-            let buf = unsafe { std::alloc::alloc_zeroed(layout) };
-            let n = unsafe { libc::pwrite(fd, buf as *const _, IO_ALIGN, 0) };
-            let m = unsafe { libc::pread(fd, buf as *mut _, IO_ALIGN, 0) };
-            unsafe { std::alloc::dealloc(buf, layout) };
+            let mut block = Box::new(AlignedBlock([0; IO_ALIGN]));
+            let buf = block.0.as_mut_ptr();
+            // SAFETY: `buf` is the IO_ALIGN bytes of `block`, IO_ALIGN-aligned as O_DIRECT
+            // needs, alive across both calls; pwrite reads them, pread writes at most them.
+            let (n, m) = unsafe { (libc::pwrite(fd, buf as *const _, IO_ALIGN, 0), libc::pread(fd, buf as *mut _, IO_ALIGN, 0)) };
             close(fd);
             n == IO_ALIGN as isize && m == IO_ALIGN as isize
         }
@@ -384,12 +409,17 @@ pub fn probe(dir: &Path, mode: u32) -> FsSupport {
         // 512 bytes from an odd address at an odd offset: refused (EINVAL)
         // wherever O_DIRECT really bypasses the page cache.
         let buf = [0u8; 1024];
+        // SAFETY: `buf` is 1024 bytes, so the 512 from its second byte lie inside it; pwrite only
+        // reads them.
         direct_unaligned = unsafe { libc::pwrite(fd, buf.as_ptr().add(1) as *const _, 512, 3) } == 512;
         close(fd);
     }
     if let Ok(fd) = open_raw(&probe_path, libc::O_CREAT | libc::O_RDWR, mode) {
+        // SAFETY: fcntl's F_GETFL and F_SETFL take no pointer; `fd` was opened just above.
         let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+        // SAFETY: as above.
         if flags >= 0 && unsafe { libc::fcntl(fd, libc::F_SETFL, flags | libc::O_DIRECT) } == 0 {
+            // SAFETY: as above.
             direct_set_after_open = unsafe { libc::fcntl(fd, libc::F_GETFL) } & libc::O_DIRECT != 0;
         }
         close(fd);
@@ -408,9 +438,12 @@ pub fn probe_health(dir: &Path) -> std::io::Result<()> {
     let buf = [0x5au8; IO_ALIGN];
     let mut back = [0u8; IO_ALIGN];
     let result = (|| {
+        // SAFETY: `buf` is IO_ALIGN bytes that live across the call; pwrite only reads them.
         if unsafe { libc::pwrite(fd, buf.as_ptr() as *const _, IO_ALIGN, 0) } != IO_ALIGN as isize {
             return Err(std::io::Error::last_os_error());
         }
+        // SAFETY: `back` is IO_ALIGN writable bytes that live across the call; pread writes at most
+        // that.
         if unsafe { libc::pread(fd, back.as_mut_ptr() as *mut _, IO_ALIGN, 0) } != IO_ALIGN as isize || back != buf {
             return Err(std::io::Error::from_raw_os_error(libc::EIO));
         }
@@ -442,7 +475,9 @@ pub struct FsSpace {
 /// One `statvfs`: cheap enough (~1 µs) to call once per put.
 pub fn fs_space(dir: &Path) -> std::io::Result<FsSpace> {
     let c = cpath(dir)?;
+    // SAFETY: statvfs is plain data, for which all-zero bytes are a valid value.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `c` is NUL-terminated and `st` a writable statvfs; both live across the call.
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
         return Err(std::io::Error::last_os_error());
     }

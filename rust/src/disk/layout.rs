@@ -334,6 +334,7 @@ pub fn check_root(root: &Path, perms: &Permissions) -> Result<()> {
     if perms.allow_insecure_root {
         return Ok(());
     }
+    // SAFETY: geteuid takes no argument and cannot fail.
     let me = unsafe { libc::geteuid() };
     if meta.uid() != me {
         return Err(EngineError::invalid(format!(

@@ -39,8 +39,10 @@ impl RootIdentity {
             _ => meta.dev(),
         };
         let c = cstring(root).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-        // SAFETY: `c` is a NUL-terminated path and `st` a zeroed statfs the call fills.
+        // SAFETY: statfs is plain data, for which all-zero bytes are a valid value.
         let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+        // SAFETY: `c` is a NUL-terminated path and `st` a writable statfs; both live across the
+        // call.
         if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
             return Err(std::io::Error::last_os_error());
         }

@@ -64,6 +64,7 @@ impl WriterLease {
             match made {
                 Ok(file) => {
                     // Without flock here, others judge this lease by its renewals.
+                    // SAFETY: flock takes no pointer; `file` owns the descriptor and keeps it open.
                     unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
                     held.push((dir, path, file));
                 }
@@ -180,12 +181,14 @@ fn lease_state(path: &Path, now: SystemTime) -> LeaseState {
         return LeaseState::Unknown;
     };
     let fd = file.as_raw_fd();
+    // SAFETY: flock takes no pointer; `file` owns `fd` and keeps it open.
     if unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) } != 0 {
         if std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK) {
             return LeaseState::Live;
         }
         // No flock on this filesystem: the renewals tell.
     } else {
+        // SAFETY: as above.
         unsafe { libc::flock(fd, libc::LOCK_UN) };
     }
     let age = file.metadata().and_then(|m| m.modified()).map(|t| now.duration_since(t).unwrap_or_default());
@@ -202,6 +205,8 @@ fn nonce() -> u64 {
     let t = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).unwrap_or_default().as_nanos();
     let n = COUNTER.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let mut host = [0u8; 256];
+    // SAFETY: `host` is 256 writable bytes and its length is passed: gethostname writes no more (a
+    // truncated name may lack its NUL; it is only hashed).
     unsafe { libc::gethostname(host.as_mut_ptr().cast(), host.len()) };
     let mut seed = Vec::with_capacity(300);
     seed.extend_from_slice(&t.to_le_bytes());

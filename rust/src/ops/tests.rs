@@ -176,6 +176,7 @@ fn completions_signal_the_eventfd() {
     let id = ops.allocate(None).unwrap();
     ops.start(id, "get", 1).unwrap();
     let mut n: u64 = 0;
+    // SAFETY: reads at most 8 bytes into `n`, a live, writable u64.
     let read = |n: &mut u64| unsafe { libc::read(ops.event_fd(), n as *mut u64 as *mut _, 8) };
     assert_eq!(read(&mut n), -1, "nothing completed yet (non-blocking)");
     ops.segment_done(id.index, Ok(())).unwrap().unwrap();

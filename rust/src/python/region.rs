@@ -36,8 +36,8 @@ impl Exports {
         if let Some(why) = refused {
             return Err(super::errors::to_py(EngineError::invalid(why)));
         }
-        // Safety: `buf` keeps the export (and so the memory) alive until
-        // `unregister` saw the engine let go of it.
+        // SAFETY: `buf` keeps the export (and so the memory) alive until `unregister` saw the
+        // engine let go of it.
         let id = unsafe { store.register_region(buf.buf_ptr() as *mut u8, buf.len_bytes()) }.map_err(super::errors::to_py)?;
         self.held.lock().unwrap().insert(id.to_u64(), buf);
         Ok(id.to_u64())

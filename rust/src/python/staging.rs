@@ -32,11 +32,19 @@ pub(super) struct SlotBuffer {
 
 #[pymethods]
 impl SlotBuffer {
+    /// Exports the slot's bytes (counted: the slot cannot be released while viewed).
+    ///
+    /// # Safety
+    /// CPython's buffer protocol calls this with the GIL held and `view` a valid,
+    /// writable `Py_buffer`, and pairs every successful call with one `__releasebuffer__`.
     unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut ffi::Py_buffer, flags: c_int) -> PyResult<()> {
         let me = slf.get();
         if let Some(slot) = me.slot {
             me.pool.export_begin(slot).map_err(to_py)?;
         }
+        // SAFETY: `view` is valid (this method's contract). `me.ptr`/`me.len` name a slot's payload
+        // (or the slots' region) in `me.pool`'s mapping, which the `Arc` this object holds keeps
+        // mapped for as long as the view, which holds this object, lives.
         let rc = unsafe { ffi::PyBuffer_FillInfo(view, slf.as_ptr(), me.ptr as *mut _, me.len as ffi::Py_ssize_t, 0, flags) };
         if rc != 0 {
             if let Some(slot) = me.slot {
@@ -47,6 +55,10 @@ impl SlotBuffer {
         Ok(())
     }
 
+    /// Ends one export begun by `__getbuffer__`.
+    ///
+    /// # Safety
+    /// Called by CPython once for each successful `__getbuffer__` of this object.
     unsafe fn __releasebuffer__(&self, _view: *mut ffi::Py_buffer) {
         if let Some(slot) = self.slot {
             self.pool.export_end(slot);

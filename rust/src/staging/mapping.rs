@@ -31,6 +31,8 @@ pub(super) fn shm_path(name: &str) -> Result<String> {
 pub(super) fn reserve_aligned(len: usize) -> Result<(*mut u8, usize, *mut u8)> {
     // `len` may come from a file's size (attach): checked, never wrapped.
     let reserved_len = len.checked_add(MAP_ALIGN).ok_or_else(|| EngineError::invalid("staging pool too large for the address space"))?;
+    // SAFETY: a new PROT_NONE anonymous mapping where the kernel chooses: no existing memory is
+    // affected.
     let p = unsafe {
         libc::mmap(
             std::ptr::null_mut(),
@@ -49,6 +51,9 @@ pub(super) fn reserve_aligned(len: usize) -> Result<(*mut u8, usize, *mut u8)> {
 }
 
 pub(super) fn map_anonymous(base: *mut u8, len: usize) -> Result<()> {
+    // SAFETY: MAP_FIXED replaces `[base, base + len)`, which lies inside the PROT_NONE reservation
+    // `reserve_aligned(len)` made for this pool (its base rounded up by less than the MAP_ALIGN
+    // extra it reserved): no other memory is unmapped.
     let p = unsafe {
         libc::mmap(
             base as *mut _,
@@ -62,6 +67,7 @@ pub(super) fn map_anonymous(base: *mut u8, len: usize) -> Result<()> {
     if p == libc::MAP_FAILED {
         return Err(EngineError::last_os("mapping staging memory"));
     }
+    // SAFETY: advice on the range just mapped; it changes no contents.
     unsafe { libc::madvise(base as *mut _, len, libc::MADV_HUGEPAGE) };
     Ok(())
 }
@@ -70,10 +76,12 @@ pub(super) fn map_anonymous(base: *mut u8, len: usize) -> Result<()> {
 pub(super) fn map_shm(base: *mut u8, len: usize, name: &str) -> Result<()> {
     let path = shm_path(name)?;
     let cpath = CString::new(path.clone()).unwrap();
+    // SAFETY: `cpath` is a NUL-terminated path that lives across the call.
     let fd = unsafe { libc::open(cpath.as_ptr(), libc::O_RDWR | libc::O_CLOEXEC | libc::O_CREAT | libc::O_EXCL, 0o600) };
     if fd < 0 {
         return Err(EngineError::last_os(format!("creating shared staging {path}")));
     }
+    // SAFETY: `fd` was just opened (non-negative) and nothing else owns it.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let result = size_and_reserve(fd.as_raw_fd(), len, &path).and_then(|()| map_fd(base, len, fd.as_raw_fd(), &path));
     if result.is_err() {
@@ -86,10 +94,12 @@ pub(super) fn map_shm(base: *mut u8, len: usize, name: &str) -> Result<()> {
 pub(super) fn map_memfd(base: *mut u8, len: usize, name: &str) -> Result<OwnedFd> {
     check_shm_name(name)?;
     let cname = CString::new(name).unwrap();
+    // SAFETY: `cname` is NUL-terminated and lives across the call.
     let fd = unsafe { libc::memfd_create(cname.as_ptr(), libc::MFD_CLOEXEC) };
     if fd < 0 {
         return Err(EngineError::last_os(format!("creating shared staging memfd {name}")));
     }
+    // SAFETY: `fd` was just created (non-negative) and nothing else owns it.
     let fd = unsafe { OwnedFd::from_raw_fd(fd) };
     let what = format!("memfd {name}");
     size_and_reserve(fd.as_raw_fd(), len, &what)?;
@@ -102,6 +112,7 @@ pub(super) fn map_memfd(base: *mut u8, len: usize, name: &str) -> Result<OwnedFd
 /// its filesystem (Docker's `--shm-size`) or than free memory is created fine
 /// and its owner dies of SIGBUS when a slot is first touched, possibly hours later.
 fn size_and_reserve(fd: libc::c_int, len: usize, what: &str) -> Result<()> {
+    // SAFETY: ftruncate takes no pointer; `fd` is the caller's open descriptor.
     if unsafe { libc::ftruncate(fd, len as libc::off_t) } != 0 {
         return Err(EngineError::last_os(format!("sizing shared staging {what}")));
     }
@@ -112,6 +123,7 @@ fn size_and_reserve(fd: libc::c_int, len: usize, what: &str) -> Result<()> {
     }
     loop {
         // Returns the error number instead of setting errno.
+        // SAFETY: posix_fallocate takes no pointer; `fd` is the caller's open descriptor.
         let rc = unsafe { libc::posix_fallocate(fd, 0, len as libc::off_t) };
         match rc {
             0 => return Ok(()),
@@ -145,8 +157,10 @@ fn reserve_failure(len: usize, what: &str) -> String {
 }
 
 fn shm_free_bytes() -> Option<usize> {
+    // SAFETY: statvfs is plain data, for which all-zero bytes are a valid value.
     let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
     let path = CString::new("/dev/shm").unwrap();
+    // SAFETY: `path` is NUL-terminated and `st` a writable statvfs; both live across the call.
     if unsafe { libc::statvfs(path.as_ptr(), &mut st) } != 0 {
         return None;
     }
@@ -183,6 +197,9 @@ fn fmt_bytes(n: usize) -> String {
 }
 
 pub(super) fn map_fd(base: *mut u8, len: usize, fd: libc::c_int, what: &str) -> Result<()> {
+    // SAFETY: as in `map_anonymous`: `[base, base + len)` lies inside the reservation
+    // `reserve_aligned(len)` made for this pool, which MAP_FIXED replaces; no other memory is
+    // unmapped.
     let p = unsafe { libc::mmap(base as *mut _, len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED | libc::MAP_FIXED, fd, 0) };
     if p == libc::MAP_FAILED {
         return Err(EngineError::last_os(format!("mapping shared staging {what}")));
@@ -196,6 +213,7 @@ pub(super) fn map_fd(base: *mut u8, len: usize, fd: libc::c_int, what: &str) -> 
 pub(super) fn find_memfd(name: &str) -> Result<String> {
     let target = format!("/memfd:{name} (deleted)");
     let me = std::process::id();
+    // SAFETY: getppid takes no argument and cannot fail.
     let parent = unsafe { libc::getppid() } as u32;
     for pid in [me, parent] {
         if let Some(path) = memfd_in(pid, &target) {

@@ -37,6 +37,8 @@ fn attach_refuses_a_trailer_whose_sizes_disagree() {
     let pool = StagingPool::create(8192, 2, Some(&name)).unwrap();
     // A slot size beyond the stride (stride x slots still matching the
     // file): views of it would reach past the mapping.
+    // SAFETY: the trailer is the last TRAILER_BYTES of the pool's mapping, which `pool` keeps
+    // mapped; nothing else refers to its first 32 bytes meanwhile.
     let trailer = unsafe { std::slice::from_raw_parts_mut(pool.region_ptr().add(pool.total_bytes() - TRAILER_BYTES), 32) };
     trailer[8..16].copy_from_slice(&(1u64 << 40).to_le_bytes());
     assert!(matches!(StagingPool::attach(&name), Err(EngineError::InvalidArgument(_))));
@@ -94,10 +96,13 @@ fn shared_memory_pool_is_visible_to_an_attached_mapping() {
     let name = format!("pykvcache-test-{}", std::process::id());
     let pool = StagingPool::create(8192, 2, Some(&name)).unwrap();
     let s = pool.acquire(None).unwrap();
+    // SAFETY: `s` is leased by this test and no I/O uses it; its payload is mapped and writable.
     unsafe { *pool.payload_ptr(s) = 42 };
     let other = StagingPool::attach(&name).unwrap();
     assert_eq!(other.stride(), pool.stride());
     let off = other.payload_offset(s).unwrap();
+    // SAFETY: `payload_offset` checked `s` against the mapping's slot count: the byte lies in
+    // `other`'s mapping.
     assert_eq!(unsafe { *other.region_ptr().add(off) }, 42);
     assert!(other.acquire(None).is_err(), "attached pools do not own slot accounting");
     drop(other);
@@ -114,9 +119,12 @@ fn memfd_pool_has_no_name_and_is_found_through_proc() {
     assert!(pool.is_memfd() && pool.is_owner());
     assert!(!std::path::Path::new(&format!("/dev/shm/{name}")).exists(), "a memfd has no /dev/shm name");
     let s = pool.acquire(None).unwrap();
+    // SAFETY: `s` is leased by this test and no I/O uses it; its payload is mapped and writable.
     unsafe { *pool.payload_ptr(s) = 42 };
     let other = StagingPool::attach_memfd(&name).unwrap();
     assert!(!other.is_owner() && !other.is_memfd());
+    // SAFETY: `payload_offset` checked `s` against the mapping's slot count: the byte lies in
+    // `other`'s mapping.
     assert_eq!(unsafe { *other.region_ptr().add(other.payload_offset(s).unwrap()) }, 42);
     assert!(StagingPool::attach(&name).is_err(), "not reachable by /dev/shm name");
     drop(other);

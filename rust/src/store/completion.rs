@@ -254,6 +254,9 @@ pub(super) struct Transfer {
 }
 
 // A transfer names memory that outlives it (staging, header blocks, a pinned region).
+// SAFETY: `base` is only an address, handed to the backend in segments; the memory it names (a
+// staging slot, a header block, a pinned region) is held by the operation the transfer belongs to
+// until `finish`, after its last segment completed.
 unsafe impl Send for Transfer {}
 
 impl Transfer {

@@ -231,6 +231,9 @@ impl Core {
         let end = (offset + seg.len).min(file_len.saturating_sub(IO_ALIGN));
         let piece = offset / self.segment_bytes;
         let (crc, len) = if end > start {
+            // SAFETY: `offset <= start < end <= offset + seg.len`, so the bytes lie within the
+            // segment, which has landed: the kernel is done with them, and the operation, still in
+            // flight, holds the memory until `finish`.
             let bytes = unsafe { std::slice::from_raw_parts(seg.buf.add(start - offset), end - start) };
             (crc32c(bytes), (end - start) as u64)
         } else {
@@ -269,6 +272,9 @@ impl Core {
             }
             None => {}
         }
+        // SAFETY: every transfer of this get has completed (this is its verdict); its header block
+        // (a slot's first HEADER_BYTES, or the operation's own block) is HEADER_BYTES long and
+        // written by nobody until `finish`.
         let block = unsafe { std::slice::from_raw_parts(self.header_ptr(id, &ctx), HEADER_BYTES) };
         let header = match format::decode_header(block, &self.namespace, &ctx.key, ctx.file_len as u64) {
             Ok(h) => h,
@@ -277,6 +283,10 @@ impl Core {
             Err(_) if on_backend_thread => return to_worker(ctx),
             Err(e) => return self.corrupt(id, ctx, e.to_string()),
         };
+        // SAFETY: `decode_header` checked that `payload_len` fits the file after its header, and
+        // the file fit the operation's room (`open_read`: the slot's payload, or the region's
+        // pinned range), so the bytes lie in memory the operation holds, where every transfer has
+        // completed.
         let payload = unsafe { std::slice::from_raw_parts(self.payload_ptr(&ctx), header.payload_len as usize) };
         if self.verify == VerifyPolicy::Full {
             // `decode_header` checked that the payload fills the file to its

@@ -171,13 +171,19 @@ pub(super) struct HeaderBlocks {
 }
 
 // The blocks are only touched by the operation that owns the entry.
+// SAFETY: the allocation is owned by this struct and freed only in `Drop`; `block(op)` hands out
+// raw pointers, and only the operation holding op-table entry `op` reads or writes that block.
 unsafe impl Send for HeaderBlocks {}
+// SAFETY: as for `Send`: `&self` gives out addresses, never references to the bytes, and one block
+// has one user at a time.
 unsafe impl Sync for HeaderBlocks {}
 
 impl HeaderBlocks {
     pub(super) fn new(entries: usize) -> Result<Self> {
         let bytes = entries.max(1).checked_mul(HEADER_BYTES).ok_or_else(|| EngineError::invalid("max_inflight too large"))?;
         let layout = std::alloc::Layout::from_size_align(bytes, IO_ALIGN).map_err(|e| EngineError::invalid(e.to_string()))?;
+        // SAFETY: `layout` has a non-zero size (at least one block); a null result is handled
+        // below.
         let base = unsafe { std::alloc::alloc_zeroed(layout) };
         if base.is_null() {
             return Err(EngineError::State(format!("cannot allocate {bytes} bytes of header blocks")));
@@ -186,13 +192,21 @@ impl HeaderBlocks {
     }
 
     pub(super) fn block(&self, op: u32) -> *mut u8 {
-        debug_assert!((op as usize + 1) * HEADER_BYTES <= self.layout.size());
+        assert!(
+            (op as usize + 1) * HEADER_BYTES <= self.layout.size(),
+            "header block {op} past the {} allocated",
+            self.layout.size() / HEADER_BYTES
+        );
+        // SAFETY: `op` is below the number of blocks allocated (asserted), so the block lies inside
+        // the allocation.
         unsafe { self.base.add(op as usize * HEADER_BYTES) }
     }
 }
 
 impl Drop for HeaderBlocks {
     fn drop(&mut self) {
+        // SAFETY: `base` came from `alloc_zeroed` with this very layout and is freed once; the core
+        // that owns the blocks is dropped after every transfer ended.
         unsafe { std::alloc::dealloc(self.base, self.layout) };
     }
 }

@@ -77,6 +77,10 @@ impl Core {
         let (header_ptr, payload_ptr) = (self.header_ptr(id, &ctx), self.payload_ptr(&ctx));
         let pad = file_len - HEADER_BYTES - length;
         if ctx.region.is_none() {
+            // `put` refused a length beyond the slot size, so the whole file fits the slot.
+            assert!(file_len <= self.pool.stride(), "a {file_len}-byte chunk file in a {}-byte slot", self.pool.stride());
+            // SAFETY: `HEADER_BYTES + length + pad == file_len <= stride` (asserted), so the zeroed
+            // bytes lie in the slot this operation leased, and no transfer of it is queued yet.
             unsafe { std::ptr::write_bytes(payload_ptr.add(length), 0, pad) };
         }
         // A region's length is whole blocks (`Regions::pin`): no padding, and
@@ -86,6 +90,9 @@ impl Core {
         // the whole file leaves in one go (storage that checksums data itself).
         let sealed_now = self.verify == VerifyPolicy::Header;
         if sealed_now {
+            // SAFETY: the header block is HEADER_BYTES long (a slot's first 4 KiB or the
+            // operation's own block) and no transfer of this put has started: nothing else touches
+            // it.
             let header = unsafe { std::slice::from_raw_parts_mut(header_ptr, HEADER_BYTES) };
             format::encode_header_for(header, &self.namespace, &ctx.key, length as u64, None);
         }
@@ -106,8 +113,13 @@ impl Core {
     /// operation's own block), from the payload at `payload`, before the
     /// header's transfer is queued.
     pub(super) fn seal(&self, id: OpId, header: Transfer, payload: *const u8, payload_len: usize) {
+        // SAFETY: `payload`/`payload_len` name the payload `write_chunk` queued this seal for,
+        // memory the put holds until `finish`; meanwhile only its payload transfers, which read it
+        // too, touch it.
         let payload = unsafe { std::slice::from_raw_parts(payload, payload_len) };
         let crc = crc32c(payload);
+        // SAFETY: the put's header block is HEADER_BYTES long and nothing else reads or writes it
+        // before its transfer is queued, after this seal.
         let header = unsafe { std::slice::from_raw_parts_mut(header.base(), HEADER_BYTES) };
         let sealed = self
             .ops
@@ -225,6 +237,7 @@ impl Core {
             // FUSE filesystem the release at close() is sent asynchronously,
             // and a reader on another node that opens the just-published
             // chunk meanwhile would find it locked and call it a miss.
+            // SAFETY: flock takes no pointer; `file.fd` is open until the close below.
             unsafe { libc::flock(file.fd, libc::LOCK_UN) };
         }
         files::close(file.fd);
