@@ -96,7 +96,7 @@ class _Harness:
             )
 
             from pykvcache.vllm.transfer_spec import StagingSlotsSpec
-            from pykvcache.vllm.worker import StagingWorker
+            from pykvcache.vllm.worker.staging_worker import StagingWorker
 
             caches = CanonicalKVCaches(
                 tensors=[CanonicalKVCacheTensor(t, self.page) for t in self.kv],
@@ -106,8 +106,8 @@ class _Harness:
             self.spec = GPULoadStoreSpec(blocks, group_sizes=[len(blocks)], block_indices=[0])
             self.slots = StagingSlotsSpec(list(range(chunks)))
         else:
-            from pykvcache.vllm.cuda_copy import CudaCopier
-            from pykvcache.vllm.slot_map import SlotMap
+            from pykvcache.vllm.worker.cuda_copy import CudaCopier
+            from pykvcache.vllm.worker.slot_map import SlotMap
 
             slot_map = SlotMap([[_Ref(i, self.page) for i in range(layers)]], self.layout)
             self.copier_only = CudaCopier(self.kv, slot_map, self.pool, rank=0)

@@ -24,9 +24,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pykvcache.vllm.digest_cache import RACY_WINDOW_NS, DigestCache
-from pykvcache.vllm.model_identity import WeightsIdentity, weights_identity
-from pykvcache.vllm.weights_digest import DIGEST_THREADS
+from pykvcache.vllm.identity.digest_cache import RACY_WINDOW_NS, DigestCache
+from pykvcache.vllm.identity.model_identity import WeightsIdentity, weights_identity
+from pykvcache.vllm.identity.weights_digest import DIGEST_THREADS
 
 EXTRAPOLATE_BYTES = 16e9
 

@@ -13,7 +13,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "helpers"))
 
 def pytest_configure(config):
     # Per-node caches pykvcache keeps under XDG_CACHE_HOME (the weights digest cache,
-    # vllm/digest_cache.py) start empty in every session and never touch the user's
+    # vllm/identity/digest_cache.py) start empty in every session and never touch the user's
     # home: the tests and every engine child they start inherit this.
     if "PYKVCACHE_TEST_XDG_CACHE" not in os.environ:
         import tempfile

@@ -57,7 +57,7 @@ def digest_range(fd: int, offset: int, length: int) -> int:
     """xxh3-128 of the ``length`` bytes of the open file ``fd`` from ``offset``
     (``pread``, without the GIL: threads may digest pieces of one file at once).
     ``OSError`` when the file ends before the range does. The vLLM
-    integration's weights identity (``pykvcache.vllm.weights_digest``)."""
+    integration's weights identity (``pykvcache.vllm.identity.weights_digest``)."""
 
 def chunk_file_bytes(payload_bytes: int) -> int:
     """Bytes of the chunk file that holds ``payload_bytes`` (``HEADER_BYTES``

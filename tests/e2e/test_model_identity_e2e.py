@@ -145,7 +145,7 @@ def runs(tmp_path_factory, tiny_model):
     # A file changed within the digest cache's racy window is hashed but not cached
     # (digest_cache.RACY_WINDOW_NS). An engine in a warm host process starts well
     # inside that window after the copy; wait it out, so the second start can use the cache.
-    from pykvcache.vllm.digest_cache import RACY_WINDOW_NS
+    from pykvcache.vllm.identity.digest_cache import RACY_WINDOW_NS
 
     time.sleep(RACY_WINDOW_NS / 1e9 + 0.2)
     weights = model / "model.safetensors"
@@ -231,7 +231,7 @@ LORA = {"enable_lora": True, "max_lora_rank": 8, "max_loras": 2}
 @pytest.fixture(scope="module")
 def startup(tmp_path_factory, tiny_model, tiny_model_other_weights):
     from pykvcache.testing.tiny_model import synthetic_text
-    from pykvcache.vllm.digest_cache import RACY_WINDOW_NS
+    from pykvcache.vllm.identity.digest_cache import RACY_WINDOW_NS
 
     work = tmp_path_factory.mktemp("identity-start-up")
     model = work / "model"

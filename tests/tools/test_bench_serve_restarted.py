@@ -60,6 +60,6 @@ def test_restored_reads_the_measured_servers_log(tmp_path, text, expected):
 
 
 def test_the_mark_is_what_the_tier_logs():
-    from pykvcache.vllm import disk_tier
+    from pykvcache.vllm.scheduler import disk_tier
 
     assert RESTORED_MARK in Path(disk_tier.__file__).read_text()

@@ -75,7 +75,7 @@ def test_the_copy_path_and_crossover_import_without_vllm():
     """A GPU host often has torch and transformers but no vLLM: the copiers,
     the slot map and the crossover module must import with vLLM unimportable."""
     code = ("import sys; sys.modules['vllm'] = None\n"
-            "import pykvcache.vllm.cuda_copy, pykvcache.vllm.cpu_copy, pykvcache.tools.gpu_crossover\n"
+            "import pykvcache.vllm.worker.cuda_copy, pykvcache.vllm.worker.cpu_copy, pykvcache.tools.gpu_crossover\n"
             "print('ok')")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

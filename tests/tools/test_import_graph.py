@@ -4,6 +4,12 @@ A cycle hidden behind an import inside a function still ties two modules into on
 can be read, tested or changed without the other. Every import in python/pykvcache counts
 here (module level, inside functions, under ``TYPE_CHECKING``), resolved to the module file it
 names; the graph must be acyclic.
+
+The vLLM integration is grouped by the process its code runs in, and the groups keep to it:
+``pykvcache.vllm.worker`` (each worker process) and ``pykvcache.vllm.scheduler`` (the scheduler
+process) never import each other, the weights' identity imports neither, and the pieces both
+processes share (``pykvcache.vllm``'s own modules) import no group: only the entry points that
+vLLM loads by name (the spec, the connector, the tiering tier) bring the groups together.
 """
 
 from __future__ import annotations
@@ -89,3 +95,53 @@ def test_the_python_package_has_no_import_cycle():
     graph = _python_graph()
     assert sum(len(v) for v in graph.values()) > 100, "the graph was not read"
     assert _cycles(graph) == []
+
+
+VLLM = "pykvcache.vllm"
+#: The modules vLLM loads by name (``spec_module_path``, ``kv_connector_module_path``, a
+#: secondary tier's ``module_path``): they build the scheduler side and the worker side.
+ENTRY_POINTS = {f"{VLLM}.spec", f"{VLLM}.connector", f"{VLLM}.tier"}
+#: What each group may not import.
+FORBIDDEN = {
+    f"{VLLM}.worker": (f"{VLLM}.scheduler", *ENTRY_POINTS),
+    f"{VLLM}.scheduler": (f"{VLLM}.worker", *ENTRY_POINTS),
+    f"{VLLM}.identity": (f"{VLLM}.worker", f"{VLLM}.scheduler", *ENTRY_POINTS),
+}
+
+
+def _group(module: str) -> str:
+    """The group a module of pykvcache.vllm belongs to: a subpackage, or ``shared``."""
+    rest = module[len(VLLM) + 1:].split(".")
+    return f"{VLLM}.{rest[0]}" if len(rest) > 1 or f"{VLLM}.{rest[0]}" in FORBIDDEN else "shared"
+
+
+def _layering_breaches(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for module, targets in graph.items():
+        if not module.startswith(VLLM + ".") or module in ENTRY_POINTS:
+            continue
+        group = _group(module)
+        forbidden = FORBIDDEN.get(group, (*FORBIDDEN, *ENTRY_POINTS))
+        for target in sorted(targets):
+            if any(target == f or target.startswith(f + ".") for f in forbidden):
+                bad.append(f"{module} ({group}) imports {target}")
+    return bad
+
+
+def test_the_layering_check_finds_a_breach():
+    assert _layering_breaches({f"{VLLM}.worker.copy": {f"{VLLM}.scheduler.manager"},
+                               f"{VLLM}.scheduler.manager": {f"{VLLM}.worker"},
+                               f"{VLLM}.layout": {f"{VLLM}.identity.namespace"},
+                               f"{VLLM}.spec": {f"{VLLM}.worker.copy", f"{VLLM}.scheduler.manager"}}) == [
+        f"{VLLM}.worker.copy ({VLLM}.worker) imports {VLLM}.scheduler.manager",
+        f"{VLLM}.scheduler.manager ({VLLM}.scheduler) imports {VLLM}.worker",
+        f"{VLLM}.layout (shared) imports {VLLM}.identity.namespace",
+    ]
+
+
+def test_the_vllm_groups_keep_to_their_process():
+    graph = _python_graph()
+    groups = {_group(m) for m in graph if m.startswith(VLLM + ".")}
+    assert groups == {*FORBIDDEN, "shared"}, groups
+    assert ENTRY_POINTS <= set(graph)
+    assert _layering_breaches(graph) == []

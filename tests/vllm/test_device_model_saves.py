@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from pykvcache.gate import ProfileExpectation, build_gate, device_memory
-from pykvcache.vllm.gate_plan import GateWiring
+from pykvcache.vllm.scheduler.gate_plan import GateWiring
 
 CT = 64
 BPT = 32 * 1024
@@ -68,7 +68,7 @@ def test_a_stalled_save_never_holds_the_scheduler(tmp_path):
     if skip_reason() is not None:
         pytest.skip(skip_reason())
     from pykvcache import BlockStore, StagingPool
-    from pykvcache.vllm.disk_tier import DiskTier
+    from pykvcache.vllm.scheduler.disk_tier import DiskTier
 
     gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
                                                    chunk_tokens=CT), steps=True)

@@ -18,12 +18,12 @@ import pytest
 
 from pykvcache import BlockStore, StagingPool
 from pykvcache.gate import AdmissionGate, CostModel, LoadCost, PrefillCurve, StoreAdmission
-from pykvcache.vllm.gate_plan import GateWiring
+from pykvcache.vllm.scheduler.gate_plan import GateWiring
 from pykvcache.vllm.layout import ChunkLayout
-from pykvcache.vllm.lookahead import WaitingRequest
-from pykvcache.vllm.manager import NvmeOffloadingManager
+from pykvcache.vllm.scheduler.lookahead import WaitingRequest
+from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
 from pykvcache.vllm.metrics import COUNTERS, GAUGES, metric_definitions
-from pykvcache.vllm.staging_cache import LOOKAHEAD, LOOKUP
+from pykvcache.vllm.scheduler.staging_cache import LOOKAHEAD, LOOKUP
 
 vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
 LookupResult = vllm_base.LookupResult
@@ -705,7 +705,7 @@ def test_a_lookup_promotes_the_queued_preload_of_its_chunk(tmp_path):
 def test_the_preload_byte_budget_follows_the_device_speed_the_gate_learns(tmp_path):
     from pykvcache._core import chunk_file_bytes
     from pykvcache.gate import OnlineLoadModel
-    from pykvcache.vllm.manager import PRELOAD_YIELD_S
+    from pykvcache.vllm.scheduler.manager import PRELOAD_YIELD_S
 
     slow = LoadCost(fixed_s=1e-3, disk_bytes_per_s=1e9, h2d_bytes_per_s=1e15)
     gate = AdmissionGate(CostModel(PrefillCurve(0.0, 1.0, 0.0), slow, CHUNK / CT),
@@ -817,7 +817,7 @@ def test_a_restarted_manager_starts_from_the_device_model_the_last_one_learnt(tm
         assert h.m.gating.device_bytes_per_s() == pytest.approx(first.online.disk_bytes_per_s)
         # Its preload byte bound comes from the restored speed from the start (0061).
         from pykvcache._core import chunk_file_bytes
-        from pykvcache.vllm.manager import PRELOAD_YIELD_S
+        from pykvcache.vllm.scheduler.manager import PRELOAD_YIELD_S
 
         assert h.store_obj.background_budget == max(chunk_file_bytes(CHUNK),
                                                      int(second.online.disk_bytes_per_s * PRELOAD_YIELD_S))

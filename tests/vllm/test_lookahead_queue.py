@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
 
-from pykvcache.vllm.lookahead import LookaheadQueue, WaitingRequest  # noqa: E402
+from pykvcache.vllm.scheduler.lookahead import LookaheadQueue, WaitingRequest  # noqa: E402
 
 
 def _req(rid, priority=0, arrival=0.0):
@@ -55,10 +55,10 @@ def test_the_preloader_asks_its_host_only_for_gate_inputs_and_staging():
 
     from pykvcache import StagingPool
     from pykvcache.gate import ChunkState
-    from pykvcache.vllm.gate_plan import GateInputs
-    from pykvcache.vllm.lookahead import Preloader
+    from pykvcache.vllm.scheduler.gate_plan import GateInputs
+    from pykvcache.vllm.scheduler.lookahead import Preloader
     from pykvcache.vllm.metrics import ManagerMetrics
-    from pykvcache.vllm.staging_cache import EntryState, Origin, StagingCache
+    from pykvcache.vllm.scheduler.staging_cache import EntryState, Origin, StagingCache
 
     pool = StagingPool(4096, 4)
     cache = StagingCache(pool)

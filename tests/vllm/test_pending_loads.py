@@ -7,7 +7,7 @@ test_vllm_in_flight_hits.py (reads stalled on a FUSE filesystem).
 
 from __future__ import annotations
 
-from pykvcache.vllm.pending_loads import WAIT_SLICE_S, PendingLoad, PendingLoads
+from pykvcache.vllm.worker.pending_loads import WAIT_SLICE_S, PendingLoad, PendingLoads
 
 
 class ScriptedPool:

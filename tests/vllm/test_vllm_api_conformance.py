@@ -22,10 +22,10 @@ def _pairs():
     from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
     from pykvcache.vllm.connector import PyKvCacheConnector
-    from pykvcache.vllm.manager import NvmeOffloadingManager
+    from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
     from pykvcache.vllm.spec import NvmeOffloadingSpec
     from pykvcache.vllm.tier import PykvcacheTier
-    from pykvcache.vllm.worker import StagingWorker
+    from pykvcache.vllm.worker.staging_worker import StagingWorker
 
     return [
         (NvmeOffloadingSpec, OffloadingSpec),

@@ -63,8 +63,8 @@ def _canonical_caches(cfg, kv: dict):
 
 
 def _copier(caches, layout, pool, rank):
-    from pykvcache.vllm.cpu_copy import CpuCopier
-    from pykvcache.vllm.slot_map import SlotMap
+    from pykvcache.vllm.worker.cpu_copy import CpuCopier
+    from pykvcache.vllm.worker.slot_map import SlotMap
 
     return CpuCopier([t.tensor for t in caches.tensors], SlotMap(caches.group_data_refs, layout), pool, rank)
 
@@ -126,7 +126,7 @@ def test_uncertified_pages_are_refused_not_stored_per_topology(tiny_model):
     import torch
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
-    from pykvcache.vllm.slot_map import SlotMap
+    from pykvcache.vllm.worker.slot_map import SlotMap
 
     page = 2 * BLOCK * HEADS * HEAD_DIM * 4
     caches = CanonicalKVCaches(

@@ -253,12 +253,16 @@ def test_the_vllm_layer_reads_the_limits_from_the_engine(tmp_path):
     assert parse_extra_config(_base(tmp_path, queue_depth=most)).queue_depth == most
     with pytest.raises(ConfigError, match=f"queue_depth must be a positive integer, at most {most}"):
         parse_extra_config(_base(tmp_path, queue_depth=most + 1))
-    # No copy of an engine limit where the store and its staging are sized.
-    for name in ("config.py", "spec.py", "tier.py", "manager.py"):
-        source = (Path(config.__file__).parent / name).read_text()
+    # No copy of an engine limit where the store and its staging are sized: the entry points,
+    # the shared modules and the scheduler side.
+    vllm_dir = Path(config.__file__).parent
+    sources = sorted([*vllm_dir.glob("*.py"), *(vllm_dir / "scheduler").glob("*.py")])
+    assert {"config.py", "spec.py", "tier.py", "disk_tier.py"} <= {p.name for p in sources}
+    for path in sources:
+        source = path.read_text()
         for number in ("4096", "65535", "65536", "1 << 16"):
             assert not re.search(rf"(?<![\w.]){re.escape(number)}(?![\w.])", source), \
-                f"{name} repeats the engine limit {number}"
+                f"{path.name} repeats the engine limit {number}"
 
 
 # ---- first contact: every problem in one error, the host's included

@@ -37,7 +37,7 @@ CHILD = textwrap.dedent("""
     from pykvcache import StagingPool
     from pykvcache.vllm.layout import ChunkLayout
     from pykvcache.vllm.transfer_spec import StagingSlotsSpec
-    from pykvcache.vllm.worker import StagingWorker
+    from pykvcache.vllm.worker.staging_worker import StagingWorker
 
     PAGE, BPC, CHUNKS, LAYERS = 256 * 1024, 8, 16, 2   # 16 chunks of 4 MiB: 64 MiB
     blocks = CHUNKS * BPC + 1

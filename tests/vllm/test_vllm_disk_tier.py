@@ -1,4 +1,4 @@
-"""The disk tier both ways into vLLM share (``pykvcache.vllm.disk_tier``,
+"""The disk tier both ways into vLLM share (``pykvcache.vllm.scheduler.disk_tier``,
 decision 0058): the standalone spec and the tier of vLLM's tiering framework
 open the store, create its root and classify read results the same way.
 Built from real vLLM configs, no engine process."""
@@ -66,7 +66,7 @@ def test_a_root_the_engine_cannot_create_names_the_entry(tmp_path):
     spec's start-up; the tier opens its store with the same open_store)."""
     from pykvcache import StagingPool
     from pykvcache.vllm.config import ConfigError
-    from pykvcache.vllm.disk_tier import open_store
+    from pykvcache.vllm.scheduler.disk_tier import open_store
 
     root = tmp_path / "kv"
     spec = _spec(tmp_path, root)
@@ -85,11 +85,11 @@ def test_a_root_the_engine_cannot_create_names_the_entry(tmp_path):
 
 def test_the_tier_does_not_import_the_standalone_spec():
     """What the two share lives in disk_tier, not in either entry point."""
-    for module in ("tier.py", "disk_tier.py"):
+    for module in ("tier.py", "scheduler/disk_tier.py"):
         tree = ast.parse((VLLM_PACKAGE / module).read_text())
         imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
         imported |= {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names}
-        assert not imported & {"pykvcache.vllm.spec", "pykvcache.vllm.manager"}, (module, imported)
+        assert not imported & {"pykvcache.vllm.spec", "pykvcache.vllm.scheduler.manager"}, (module, imported)
 
 
 @pytest.mark.parametrize(("status", "miss_kind", "counter", "hidden_for"), [
@@ -103,8 +103,8 @@ def test_one_classification_of_a_failed_read(tmp_path, status, miss_kind, counte
     """A read that served nothing: counted by the engine's verdict, and the key
     not read again for a while where the file stays; nothing is deleted."""
     from pykvcache import BlockStore, StagingPool
-    from pykvcache.vllm.disk_tier import DiskTier
-    from pykvcache.vllm.gate_plan import NoGating
+    from pykvcache.vllm.scheduler.disk_tier import DiskTier
+    from pykvcache.vllm.scheduler.gate_plan import NoGating
 
     pool = StagingPool(4096, 2)
     store = BlockStore([str(tmp_path / "kv")], pool, namespace="ns", capacity_bytes=1 << 30)

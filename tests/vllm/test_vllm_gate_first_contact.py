@@ -17,7 +17,7 @@ import statistics
 from vllm.v1.kv_offload.base import ReqContext
 
 from pykvcache.gate import ChunkState, GateProfile, ProfileExpectation, build_gate, hardware_id
-from pykvcache.vllm.gate_plan import GateInputs, GateWiring
+from pykvcache.vllm.scheduler.gate_plan import GateInputs, GateWiring
 
 CT = 64
 BPT = 32 * 1024  # the serving benchmark's model: 2 MiB chunks

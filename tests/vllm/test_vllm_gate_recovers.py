@@ -16,7 +16,7 @@ import pytest
 from vllm.v1.kv_offload.base import ReqContext
 
 from pykvcache.gate import ChunkState, ProfileExpectation, build_gate
-from pykvcache.vllm.gate_plan import GateInputs, GateWiring
+from pykvcache.vllm.scheduler.gate_plan import GateInputs, GateWiring
 
 CT = 64
 BPT = 12 * 1024
@@ -219,7 +219,7 @@ def test_reads_that_end_after_their_request_was_scheduled_still_teach_the_gate()
 
 
 def test_timed_loads_of_scheduled_requests_are_bounded():
-    from pykvcache.vllm.gate_plan import MAX_TIMED_REQUESTS
+    from pykvcache.vllm.scheduler.gate_plan import MAX_TIMED_REQUESTS
 
     s = Serving()
     for n in range(MAX_TIMED_REQUESTS + 10):

@@ -6,8 +6,8 @@ import pytest
 from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 from pykvcache.gate import ChunkState, ProfileExpectation, build_gate
-from pykvcache.vllm.gate_plan import GateWiring
-from pykvcache.vllm.step_timer import StepTimer, step_work
+from pykvcache.vllm.scheduler.gate_plan import GateWiring
+from pykvcache.vllm.scheduler.step_timer import StepTimer, step_work
 
 CT = 64
 BPT = 12 * 1024

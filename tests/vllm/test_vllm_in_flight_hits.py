@@ -28,10 +28,10 @@ from stall_fs import StallFs, skip_reason  # noqa: E402
 
 from pykvcache import BlockStore, StagingPool  # noqa: E402
 from pykvcache.vllm.layout import ChunkLayout  # noqa: E402
-from pykvcache.vllm.manager import NvmeOffloadingManager  # noqa: E402
-from pykvcache.vllm.staging_cache import EntryState  # noqa: E402
+from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager  # noqa: E402
+from pykvcache.vllm.scheduler.staging_cache import EntryState  # noqa: E402
 from pykvcache.vllm.transfer_spec import StagingSlotsSpec  # noqa: E402
-from pykvcache.vllm.worker import StagingWorker  # noqa: E402
+from pykvcache.vllm.worker.staging_worker import StagingWorker  # noqa: E402
 
 LookupResult = base.LookupResult
 ReqContext = base.ReqContext
@@ -466,7 +466,7 @@ def test_a_step_that_hands_out_a_load_in_flight_is_timed_as_compute(stall_fs):
     """The step no longer contains the wait for the disk (decision 0065), so
     the gate's prefill model learns from it like from any other step."""
     from pykvcache.gate import ProfileExpectation, build_gate
-    from pykvcache.vllm.gate_plan import GateWiring
+    from pykvcache.vllm.scheduler.gate_plan import GateWiring
 
     rig = Rig(stall_fs.mount_point, io_deadline=10.0)
     try:

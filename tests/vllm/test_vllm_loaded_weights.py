@@ -1,5 +1,5 @@
 """The weights digested after vLLM's load are confirmed as the ones it loaded
-(pykvcache.vllm.loaded_weights): real files, real timestamps, no engine."""
+(pykvcache.vllm.identity.loaded_weights): real files, real timestamps, no engine."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from pykvcache.vllm.loaded_weights import COARSE_MARGIN_NS, FINE_MARGIN_NS, engine_started_ns, first_change
-from pykvcache.vllm.model_identity import confirm_loaded, weights_identity
+from pykvcache.vllm.identity.loaded_weights import COARSE_MARGIN_NS, FINE_MARGIN_NS, engine_started_ns, first_change
+from pykvcache.vllm.identity.model_identity import confirm_loaded, weights_identity
 
 
 def _model(root: Path) -> Path:

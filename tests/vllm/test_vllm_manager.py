@@ -15,7 +15,7 @@ import pytest
 
 from pykvcache import BlockStore, StagingPool
 from pykvcache.vllm.layout import ChunkLayout
-from pykvcache.vllm.manager import NvmeOffloadingManager
+from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
 from pykvcache.vllm.metrics import metric_definitions
 
 vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")

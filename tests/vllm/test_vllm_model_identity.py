@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from pykvcache.vllm.model_identity import (
+from pykvcache.vllm.identity.model_identity import (
     config_identity,
     model_identity,
     resolve_weights,
     weights_identity,
 )
-from pykvcache.vllm.namespace import identity_digest
+from pykvcache.vllm.identity.namespace import identity_digest
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 
@@ -97,7 +97,7 @@ def _edit_in_place(path: Path, offset: int, data: bytes, *, keep_times: bool) ->
 def _age(*paths: Path) -> None:
     """Waits until the files' last change is older than the cache's racy
     window: only then is a digest recorded against the file's identity."""
-    from pykvcache.vllm.digest_cache import RACY_WINDOW_NS
+    from pykvcache.vllm.identity.digest_cache import RACY_WINDOW_NS
 
     newest = max(max(p.stat().st_mtime_ns, p.stat().st_ctime_ns) for p in paths)
     time.sleep(max(0.0, (newest + RACY_WINDOW_NS - time.time_ns()) / 1e9) + 0.2)
@@ -145,7 +145,7 @@ def test_rows_edited_in_place_with_restored_mtime_miss_a_cached_digest(checkpoin
 
 def test_a_second_computation_reads_nothing(tmp_path):
     # Three digest pieces and a remainder: the split into pieces is exercised too.
-    from pykvcache.vllm.weights_digest import PIECE_BYTES
+    from pykvcache.vllm.identity.weights_digest import PIECE_BYTES
 
     d = tmp_path / "big"
     d.mkdir()
@@ -204,7 +204,7 @@ def test_identical_copies_on_one_node_share_the_identity_and_each_is_cached(chec
 def _assert_cacheable(checkpoint: Path, cache_path: Path) -> None:
     """With a usable cache these files would have been cached (so a test that
     sees none cached saw the cache location refused, not a racy file)."""
-    from pykvcache.vllm.digest_cache import DigestCache
+    from pykvcache.vllm.identity.digest_cache import DigestCache
 
     weights_identity(checkpoint, cache=DigestCache(cache_path))
     assert weights_identity(checkpoint, cache=DigestCache(cache_path)).files_cached == 2
@@ -353,7 +353,7 @@ def test_the_cost_script_measures_a_first_and_a_cached_start(tmp_path):
 
 @needs_vllm
 def test_loaders_that_read_the_files_share_a_namespace_and_others_get_their_own(engine_configs, tiny_model):
-    from pykvcache.vllm.model_identity import model_identity
+    from pykvcache.vllm.identity.model_identity import model_identity
 
     def ident(**kw):
         return identity_digest(model_identity(engine_configs(**kw), tiny_model))

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from pykvcache.vllm.layout import ChunkLayout, staging_shm_name
-from pykvcache.vllm.namespace import NamespaceInputs, namespace_for
+from pykvcache.vllm.identity.namespace import NamespaceInputs, namespace_for
 
 
 def _inputs(**changes) -> NamespaceInputs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pykvcache import StagingPool
-from pykvcache.vllm.staging_cache import EntryState, Origin, StagingCache
+from pykvcache.vllm.scheduler.staging_cache import EntryState, Origin, StagingCache
 
 
 @pytest.fixture
@@ -113,7 +113,7 @@ def test_mark_ready_records_origin(pool):
 
 
 def test_the_cache_is_the_one_book_of_who_holds_what(pool):
-    from pykvcache.vllm.staging_cache import LOAD, LOOKAHEAD, LOOKUP, owner
+    from pykvcache.vllm.scheduler.staging_cache import LOAD, LOOKAHEAD, LOOKUP, owner
 
     cache = StagingCache(pool)
     for i in range(3):

@@ -16,9 +16,9 @@ base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not instal
 
 from pykvcache import StagingPool  # noqa: E402
 from pykvcache.vllm.layout import ChunkLayout  # noqa: E402
-from pykvcache.vllm.slot_map import SlotMap  # noqa: E402
+from pykvcache.vllm.worker.slot_map import SlotMap  # noqa: E402
 from pykvcache.vllm.transfer_spec import StagingSlotsSpec  # noqa: E402
-from pykvcache.vllm.worker import StagingWorker  # noqa: E402
+from pykvcache.vllm.worker.staging_worker import StagingWorker  # noqa: E402
 
 NUM_BLOCKS = 16
 PAGE = 256
@@ -45,7 +45,7 @@ def _fill(kv, seed):
 def copy_path(request, monkeypatch):
     """Every copy test through both of the CPU copier's paths (pages below
     ``PAGE_LOOP_MIN_BYTES`` are gathered at once, larger ones copied one by one)."""
-    import pykvcache.vllm.cpu_copy as cpu_copy
+    import pykvcache.vllm.worker.cpu_copy as cpu_copy
 
     monkeypatch.setattr(cpu_copy, "PAGE_LOOP_MIN_BYTES", 1 << 40 if request.param == "vectorised" else 0)
     return request.param

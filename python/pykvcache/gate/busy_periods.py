@@ -2,7 +2,7 @@
 (:class:`DeviceBusyPeriods`, decision 0079).
 
 The gate learns the device from timed loads: a request's reads from the
-moment its plan was made (``vllm/gate_plan.py``). A load that the preloader
+moment its plan was made (``vllm/scheduler/gate_plan.py``). A load that the preloader
 started (lookahead: the chunks are being read when the request's lookup comes)
 is not such a load, and with lookahead on every load can be one: in the 8k
 long-context benchmark with reads capped at 50 MB/s the gate observed no load

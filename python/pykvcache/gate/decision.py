@@ -35,7 +35,7 @@ Before the gate has timed a read of the device (its online model is not
 in the background commits no request to the disk: the decision loads the
 staged head and names the first chunk on disk to read (``sample_chunks``;
 reason ``untimed``), and the caller decides again once that read is timed
-(``vllm/gate_plan.py``). The prior may be a profile of another device: a
+(``vllm/scheduler/gate_plan.py``). The prior may be a profile of another device: a
 profile calibrated at 1426 MB/s served a disk capped at 0.26 MB/s, where the
 first requests committed to reads of up to 24 chunks, each waited for the 2 s I/O
 deadline and then recomputed (2026-12-06, 2-core VM). Elsewhere (vLLM's tiering framework) the prior

@@ -147,7 +147,7 @@ def measure_load(shape: Shape, lengths: list[int], device: str, store_dir: Path,
 
     from pykvcache import BlockStore, StagingPool
     from pykvcache.vllm.layout import ChunkLayout
-    from pykvcache.vllm.slot_map import SlotMap
+    from pykvcache.vllm.worker.slot_map import SlotMap
 
     layers = shape.num_hidden_layers
     page = 2 * BLOCK_TOKENS * shape.num_key_value_heads * shape.head_dim * 2  # K and V of one block, bf16
@@ -159,7 +159,7 @@ def measure_load(shape: Shape, lengths: list[int], device: str, store_dir: Path,
     pool = StagingPool(layout.payload_bytes, chunks)
     slot_map = SlotMap([[_Ref(i, page) for i in range(layers)]], layout)
     if device.startswith("cuda"):
-        from pykvcache.vllm.cuda_copy import CudaCopier
+        from pykvcache.vllm.worker.cuda_copy import CudaCopier
 
         copier = CudaCopier(kv, slot_map, pool, rank=0)
 
@@ -169,7 +169,7 @@ def measure_load(shape: Shape, lengths: list[int], device: str, store_dir: Path,
             copier.finished()
         path = "CudaCopier"
     else:
-        from pykvcache.vllm.cpu_copy import CpuCopier
+        from pykvcache.vllm.worker.cpu_copy import CpuCopier
 
         cpu = CpuCopier(kv, slot_map, pool, rank=0)
 

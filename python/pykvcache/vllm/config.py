@@ -316,7 +316,7 @@ class PykvcacheConfig:
     offload_prompt_only: bool = key(False, check=flag)
     model_id: str | None = key(None, check=label, null_is_default=True)
     namespace_salt: str = key("", check=text(empty=True), null_is_default=True)
-    # Content digest of the weights in the namespace (pykvcache.vllm.model_identity).
+    # Content digest of the weights in the namespace (pykvcache.vllm.identity.model_identity).
     fingerprint_weights: bool = key(True, check=flag)
     wipe_on_reset: bool = key(True, check=flag)
     # Fill the free capacity with filler chunks (pykvcache.preformat): true = before

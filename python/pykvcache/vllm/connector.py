@@ -12,7 +12,7 @@ Select it with ``"kv_connector": "PyKvCacheConnector",
 "kv_connector_module_path": "pykvcache.vllm"``; ``spec_name`` and
 ``spec_module_path`` default to pykvcache's spec. A request can opt out with
 ``kv_transfer_params={"pykvcache_lookahead": false}``. It also times the
-engine's steps for the gate's prefill side (:class:`pykvcache.vllm.step_timer.StepTimer`).
+engine's steps for the gate's prefill side (:class:`pykvcache.vllm.scheduler.step_timer.StepTimer`).
 
 It also lets a lookup answer HIT for chunks whose disk reads are in flight
 (decision 0055): the worker copies each chunk once its slot's ready word
@@ -37,11 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.kv_offload.base import make_offload_key
 
 from pykvcache.vllm.config import ConfigError, validate_extra_config
-from pykvcache.vllm.step_timer import step_work
+from pykvcache.vllm.scheduler.step_timer import step_work
 from pykvcache.vllm.host_config import publishing
 from pykvcache.vllm.load_trace import open_trace
 from pykvcache.vllm.logs import route_engine_logs
-from pykvcache.vllm.lookahead import WaitingRequest
+from pykvcache.vllm.scheduler.lookahead import WaitingRequest
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 route_engine_logs()
@@ -106,7 +106,7 @@ class PyKvCacheConnector(OffloadingConnector):
         self._loads_out: set[str] = set()  # scheduler: traced requests whose load is out
         if role != KVConnectorRole.SCHEDULER:
             return
-        from pykvcache.vllm.manager import NvmeOffloadingManager
+        from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
 
         manager = self.scheduler.manager
         if not isinstance(manager, NvmeOffloadingManager):
@@ -150,7 +150,7 @@ class PyKvCacheConnector(OffloadingConnector):
             worker.trace = self._trace
 
     def _staging_worker(self):
-        from pykvcache.vllm.worker import StagingWorker
+        from pykvcache.vllm.worker.staging_worker import StagingWorker
 
         worker = getattr(self.connector_worker, "worker", None)
         return worker if isinstance(worker, StagingWorker) else None

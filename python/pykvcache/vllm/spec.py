@@ -21,7 +21,7 @@ from pykvcache.vllm.config import (
     lookup_hold_budget_bytes,
     validate_extra_config,
 )
-from pykvcache.vllm import disk_tier
+from pykvcache.vllm.scheduler import disk_tier
 from pykvcache.vllm.host_config import find_vllm_config
 from pykvcache.vllm.layout import ChunkLayout, staging_shm_name
 from pykvcache.vllm.logs import route_engine_logs
@@ -137,7 +137,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
         return self._namespace
 
     def _build_gating(self):
-        """The break-even gate and store admission (:func:`~pykvcache.vllm.disk_tier.build_gating`)."""
+        """The break-even gate and store admission (:func:`~pykvcache.vllm.scheduler.disk_tier.build_gating`)."""
         return disk_tier.build_gating(self.settings, model=self.config.model.name,
                             dtype=str(self.config.model.dtype),
                             chunk_bytes=self.layout.payload_bytes, chunk_tokens=self.chunk_tokens)
@@ -150,7 +150,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
             from pykvcache._core import StagingPool
 
             # With LoRA, chunk keys carry each adapter's content digest.
-            from pykvcache.vllm.adapter_keys import manager_class
+            from pykvcache.vllm.scheduler.adapter_keys import manager_class
 
             pool = self._create_pool(StagingPool)
             # The engine creates missing roots (0o700; see disk_tier.open_store).
@@ -252,7 +252,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
 
     def get_worker(self, kv_caches):
         if self._worker is None:
-            from pykvcache.vllm.worker import StagingWorker
+            from pykvcache.vllm.worker.staging_worker import StagingWorker
 
             self._worker = StagingWorker(
                 kv_caches, self.layout, self.shm_name, rank=self.config.parallel.rank

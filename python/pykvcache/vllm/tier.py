@@ -59,7 +59,7 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from pykvcache import _core
 from pykvcache.gate import ChunkState
 from pykvcache.vllm.config import GIB, ConfigError, validate_extra_config
-from pykvcache.vllm.disk_tier import (
+from pykvcache.vllm.scheduler.disk_tier import (
     DiskTier,
     UsesDiskTier,
     build_gating,
@@ -69,7 +69,7 @@ from pykvcache.vllm.disk_tier import (
     size_staging,
     staging_size_problems,
 )
-from pykvcache.vllm.gate_plan import GateInputs
+from pykvcache.vllm.scheduler.gate_plan import GateInputs
 from pykvcache.vllm.host_config import find_vllm_config
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions

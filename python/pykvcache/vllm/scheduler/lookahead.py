@@ -36,8 +36,8 @@ from typing import Protocol
 from vllm.v1.kv_offload.base import LookupResult
 
 from pykvcache.gate import AdmissionGate, ChunkState, GateDecision
-from pykvcache.vllm.gate_plan import GateInputs
-from pykvcache.vllm.staging_cache import LOOKAHEAD, LOOKUP, EntryState, StagingCache, owner
+from pykvcache.vllm.scheduler.gate_plan import GateInputs
+from pykvcache.vllm.scheduler.staging_cache import LOOKAHEAD, LOOKUP, EntryState, StagingCache, owner
 
 
 class PreloadHost(Protocol):

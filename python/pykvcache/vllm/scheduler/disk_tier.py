@@ -1,7 +1,7 @@
 """One disk tier under both ways into vLLM (decision 0058).
 
 The standalone spec (:mod:`~pykvcache.vllm.spec`, whose scheduler side is
-:mod:`~pykvcache.vllm.manager`) and the tier for vLLM's tiering framework
+:mod:`~pykvcache.vllm.scheduler.manager`) and the tier for vLLM's tiering framework
 (:mod:`~pykvcache.vllm.tier`) put the same engine under two schedulers. What
 the disk side of both is, is said here once:
 
@@ -15,7 +15,7 @@ the disk side of both is, is said here once:
 * :func:`build_gating`: the break-even gate and store admission;
 * :class:`DiskTier`: what a finished read or write means for the metrics, the
   log of unusable chunks and the presence index (one answer for both:
-  :mod:`~pykvcache.vllm.disk_presence`), the engine's stats as gauges, the
+  :mod:`~pykvcache.vllm.scheduler.disk_presence`), the engine's stats as gauges, the
   device model the gate learnt kept beside the namespace (restored at start,
   saved at most once a minute and at shutdown: decision 0073), and shutdown.
 """
@@ -30,13 +30,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pykvcache.gate import device_memory
-from pykvcache.vllm.background_save import LatestWriter
+from pykvcache.vllm.scheduler.background_save import LatestWriter
 from pykvcache.vllm.config import MAX_STAGING_SLOTS, ConfigError, PykvcacheConfig, store_keywords
-from pykvcache.vllm.disk_presence import DiskPresence
+from pykvcache.vllm.scheduler.disk_presence import DiskPresence
 from pykvcache.vllm.logs import ChunkTroubleLog
 from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter
-from pykvcache.vllm.model_identity import model_identity
-from pykvcache.vllm.namespace import NamespaceInputs, identity_digest, namespace_for
+from pykvcache.vllm.identity.model_identity import model_identity
+from pykvcache.vllm.identity.namespace import NamespaceInputs, identity_digest, namespace_for
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
@@ -155,7 +155,7 @@ def build_gating(settings: PykvcacheConfig, *, model: str, dtype: str, chunk_byt
     from pykvcache.gate import ProfileExpectation, StoreAdmission, build_gate
     from pykvcache.gate.profile import storage_info
 
-    from pykvcache.vllm.gate_plan import GateWiring
+    from pykvcache.vllm.scheduler.gate_plan import GateWiring
 
     s = settings
     expected = ProfileExpectation(
@@ -246,7 +246,7 @@ class DiskTier:
 
     def on_disk(self, key: bytes) -> bool:
         """In the index, or published since by another engine sharing the
-        directories (:class:`~pykvcache.vllm.disk_presence.DiskPresence`)."""
+        directories (:class:`~pykvcache.vllm.scheduler.disk_presence.DiskPresence`)."""
         return self.presence.on_disk(self.store, key)
 
     def submit_refused(self, op: str, key: bytes, exc: Exception) -> None:

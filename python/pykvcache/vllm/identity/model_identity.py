@@ -7,13 +7,13 @@ the weights behind the same path change. Both go into the namespace, so a
 store written under one never serves another (a miss, never stale KV).
 
 Weights are identified by content, all of it: every KV-relevant file's name,
-size and a digest of every byte (:mod:`pykvcache.vllm.weights_digest`), so any
+size and a digest of every byte (:mod:`pykvcache.vllm.identity.weights_digest`), so any
 changed byte, however few and wherever, is a new namespace. Samples are not
 enough: editing rows of an embedding in place kept a sampled identity (issue
 24). The cost is reading the weights once (3–11 GB/s a core from the page
 cache, where vLLM's own load has just put them; the disk's speed otherwise),
 and only on the first start: a node's digest cache
-(:mod:`pykvcache.vllm.digest_cache`), keyed on each file's path, size, mtime,
+(:mod:`pykvcache.vllm.identity.digest_cache`), keyed on each file's path, size, mtime,
 ctime, inode and device, makes a restart on unchanged files a ``stat`` each.
 Modification times and paths are not in the digest: nodes sharing a store
 each have their own copy of the weights, with their own mtimes and inodes, and
@@ -21,7 +21,7 @@ must agree on the namespace (the namespace label still shows the model's
 directory name). Decision 0052.
 
 The digest is taken after vLLM has loaded the weights (nothing of ours runs
-earlier); :mod:`pykvcache.vllm.loaded_weights` confirms that no digested file
+earlier); :mod:`pykvcache.vllm.identity.loaded_weights` confirms that no digested file
 changed since before the load. Weights that are not the files on disk (a
 file changed during the load, ``load_format="dummy"``'s random weights, a
 loader that reads elsewhere) get a namespace of this engine's own: it loads
@@ -42,9 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pykvcache.vllm.digest_cache import DigestCache, same_file_state
-from pykvcache.vllm.loaded_weights import DigestedFile, engine_started_ns, first_change
-from pykvcache.vllm.weights_digest import DIGEST_THREADS, PIECE_BYTES, file_digest
+from pykvcache.vllm.identity.digest_cache import DigestCache, same_file_state
+from pykvcache.vllm.identity.loaded_weights import DigestedFile, engine_started_ns, first_change
+from pykvcache.vllm.identity.weights_digest import DIGEST_THREADS, PIECE_BYTES, file_digest
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 

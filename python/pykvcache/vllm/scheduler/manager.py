@@ -31,9 +31,9 @@ The methods a lookahead preloader or an admission gate builds on are
 :meth:`release` (keep staged keys for an owner), :meth:`staged_state`,
 :meth:`poll_io` and :meth:`allocatable_slots`.
 
-With a gate (:mod:`pykvcache.vllm.gate_plan`) the first lookup of a request
+With a gate (:mod:`pykvcache.vllm.scheduler.gate_plan`) the first lookup of a request
 decides how many leading chunks to load; keys past that answer MISS without
-touching the disk. With lookahead (:mod:`pykvcache.vllm.lookahead`, fed by
+touching the disk. With lookahead (:mod:`pykvcache.vllm.scheduler.lookahead`, fed by
 :class:`pykvcache.vllm.connector.PyKvCacheConnector`) each step end starts
 reads for the head of the waiting queue. Lookups of waiting requests hold
 their chunks until the request is scheduled; ``lookup_hold_slots`` caps what
@@ -64,11 +64,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from pykvcache._core import chunk_file_bytes
 from pykvcache.gate import ChunkState
-from pykvcache.vllm.disk_tier import DiskTier, UsesDiskTier
-from pykvcache.vllm.gate_plan import GateInputs, GateWiring, NoGating
+from pykvcache.vllm.scheduler.disk_tier import DiskTier, UsesDiskTier
+from pykvcache.vllm.scheduler.gate_plan import GateInputs, GateWiring, NoGating
 from pykvcache.vllm.layout import ChunkLayout
-from pykvcache.vllm.lookahead import Preloader, WaitingRequest
-from pykvcache.vllm.staging_cache import (
+from pykvcache.vllm.scheduler.lookahead import Preloader, WaitingRequest
+from pykvcache.vllm.scheduler.staging_cache import (
     LOAD,
     LOOKAHEAD,
     LOOKUP,
@@ -78,7 +78,7 @@ from pykvcache.vllm.staging_cache import (
     owner,
 )
 from pykvcache.vllm.transfer_spec import StagingSlotsSpec
-from pykvcache.vllm.waiting_queue import WaitingQueue
+from pykvcache.vllm.scheduler.waiting_queue import WaitingQueue
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
@@ -183,7 +183,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
 
     def on_disk(self, key: bytes) -> bool:
         """In the index, or published since by another engine sharing the
-        directories (:class:`~pykvcache.vllm.disk_presence.DiskPresence`)."""
+        directories (:class:`~pykvcache.vllm.scheduler.disk_presence.DiskPresence`)."""
         return self.disk.on_disk(key)
 
     def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False) -> LookupResult:

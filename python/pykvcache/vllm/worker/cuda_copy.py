@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pykvcache.vllm.slot_map import SlotMap
+from pykvcache.vllm.worker.slot_map import SlotMap
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.

@@ -5,7 +5,7 @@ and path (extra keys of the block hashes): an adapter retrained and saved
 under the same name and path gets the same keys, and after a restart the
 disk would serve the old adapter's KV. So the chunk keys of such a request
 carry a digest of the adapter's files (every byte, as the weights'
-identity: :func:`pykvcache.vllm.model_identity.weights_identity`, cached by
+identity: :func:`pykvcache.vllm.identity.model_identity.weights_identity`, cached by
 file state in the node's digest cache): ``sha256(block hash, digest)`` in
 place of the block hash, the group index kept.
 
@@ -37,9 +37,9 @@ from typing import Any
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey
 
-from pykvcache.vllm.digest_cache import same_file_state
-from pykvcache.vllm.loaded_weights import DigestedFile
-from pykvcache.vllm.manager import NvmeOffloadingManager
+from pykvcache.vllm.identity.digest_cache import same_file_state
+from pykvcache.vllm.identity.loaded_weights import DigestedFile
+from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
@@ -79,7 +79,7 @@ class AdapterDigests:
 
     def tag(self, lora: Any) -> bytes | None:
         """The adapter's digest; None when it is refused (see the module docstring)."""
-        from pykvcache.vllm.model_identity import resolve_weights, weights_identity
+        from pykvcache.vllm.identity.model_identity import resolve_weights, weights_identity
 
         path = _adapter_path(lora)
         key = (int(getattr(lora, "lora_int_id", 0) or 0), str(getattr(lora, "lora_name", "")), path)

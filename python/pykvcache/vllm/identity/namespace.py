@@ -3,7 +3,7 @@ under another.
 
 The fingerprint covers everything that changes the bytes of a chunk or their
 meaning: the model's identity (its resolved configuration and a content digest
-of its weights, :mod:`pykvcache.vllm.model_identity`), the KV dtype and layout, the token span of a
+of its weights, :mod:`pykvcache.vllm.identity.model_identity`), the KV dtype and layout, the token span of a
 block, a hash block and a chunk, how KV is split over workers (one chunk file
 holds one row per worker rank, so the world/TP/PP sizes are part of it but a
 single rank is not), the bytes per block, pykvcache's row layout and the
@@ -52,7 +52,7 @@ class NamespaceInputs:
     #: An int for the spec's rows; a name for other layouts (the tiering tier's chunks).
     row_layout_version: int | str = ROW_LAYOUT_VERSION
     salt: str = ""
-    #: sha256 of :func:`pykvcache.vllm.model_identity.model_identity` ("" = not computed).
+    #: sha256 of :func:`pykvcache.vllm.identity.model_identity.model_identity` ("" = not computed).
     model_identity: str = ""
 
     def parallelism_agnostic(self, canonical_bytes_per_block: int) -> NamespaceInputs:

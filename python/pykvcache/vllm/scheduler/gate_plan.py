@@ -27,7 +27,7 @@ holding the sample's reads is the measurement (decision 0054). Without a
 sampler (vLLM's tiering framework owns the tier's reads) the request loads
 its explored prefix, as before.
 
-The prefill side is learnt from the engine's own steps (:class:`~pykvcache.vllm.step_timer.StepTimer`):
+The prefill side is learnt from the engine's own steps (:class:`~pykvcache.vllm.scheduler.step_timer.StepTimer`):
 the connector reports each step's scheduled work when it builds the step's
 metadata and the step's end when its output comes back (or the next step is
 built, whichever is first); a step that mostly prefilled is one observation
@@ -45,7 +45,7 @@ from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter
 from pykvcache.gate.busy_periods import DeviceBusyPeriods
 from pykvcache.gate.request_keys import request_keys_from
 from pykvcache.gate.trace import DecisionTrace
-from pykvcache.vllm.step_timer import StepTimer
+from pykvcache.vllm.scheduler.step_timer import StepTimer
 
 #: Requests whose loads are still timed after they were scheduled (each
 #: holds its plans until its reads end; the oldest are let go beyond this).

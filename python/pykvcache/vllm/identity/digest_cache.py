@@ -34,7 +34,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from pykvcache.vllm.weights_digest import SCHEME
+from pykvcache.vllm.identity.weights_digest import SCHEME
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from pykvcache.vllm.slot_map import SlotMap
+from pykvcache.vllm.worker.slot_map import SlotMap
 
 #: Pages of at least this many bytes are copied one by one (one memcpy each);
 #: smaller ones by one vectorised gather and scatter. Torch's advanced

@@ -25,8 +25,8 @@ import time
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from pykvcache.vllm.layout import ChunkLayout
-from pykvcache.vllm.pending_loads import PendingLoad, PendingLoads
-from pykvcache.vllm.slot_map import SlotMap
+from pykvcache.vllm.worker.pending_loads import PendingLoad, PendingLoads
+from pykvcache.vllm.worker.slot_map import SlotMap
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
@@ -73,11 +73,11 @@ class StagingWorker(OffloadingWorker):
                     "on the KV layout"
                 )
             if self._on_cuda:
-                from pykvcache.vllm.cuda_copy import CudaCopier
+                from pykvcache.vllm.worker.cuda_copy import CudaCopier
 
                 self._copier = CudaCopier(self._kv, self._map, pool, self._rank)
             else:
-                from pykvcache.vllm.cpu_copy import CpuCopier
+                from pykvcache.vllm.worker.cpu_copy import CpuCopier
 
                 self._copier = CpuCopier(self._kv, self._map, pool, self._rank)
             self._pool = pool
