@@ -9,7 +9,7 @@
 
 use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::{Condvar, Mutex};
+use std::sync::{Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use crate::disk::format::{round_up, HEADER_BYTES, IO_ALIGN};
@@ -17,7 +17,9 @@ use crate::error::{EngineError, Result};
 use crate::wait::{deadline_after, wait_until, TimedOut};
 
 mod mapping;
+mod slots;
 use mapping::{check_shm_name, find_memfd, map_anonymous, map_fd, map_memfd, map_shm, reserve_aligned, shm_path};
+use slots::{Released, SlotTable};
 
 const MAP_ALIGN: usize = 2 << 20;
 const TRAILER_BYTES: usize = 4096;
@@ -73,34 +75,17 @@ pub struct StagingPool {
     /// The creator's memfd (`Backing::Memfd`): kept open for the pool's life so
     /// that other processes can open it through `/proc/<pid>/fd`.
     memfd: Option<OwnedFd>,
-    state: Mutex<PoolState>,
+    slots: Mutex<SlotTable>,
     freed: Condvar,
 }
 
-// The raw pointers are to a mapping owned by this struct; all mutable state
-// is behind the mutex, and slot bytes are only touched by whoever owns the slot.
 // SAFETY: `base` and `reserved` point into a mapping this struct owns and unmaps only in `Drop`.
-// Shared state is behind `state`'s mutex or atomic (the ready words); slot bytes are only ever
+// Shared state is behind `slots`' mutex or atomic (the ready words); slot bytes are only ever
 // reached through raw pointers, by whoever leased the slot (an operation of the store, or the
 // caller), never through a reference the pool hands out.
 unsafe impl Send for StagingPool {}
 // SAFETY: as for `Send`: no method gives shared access to slot bytes, and the rest is synchronized.
 unsafe impl Sync for StagingPool {}
-
-struct PoolState {
-    free: Vec<u32>,
-    acquired: Vec<bool>,
-    exports: Vec<u32>,
-    io_pins: Vec<u32>,
-    /// The I/O pinning the slot was abandoned (past its deadline) while the
-    /// kernel may still move bytes into or out of it: the slot is never
-    /// handed out again until that I/O really ends (`unpin_io`).
-    quarantined: Vec<bool>,
-    /// Released by its owner while quarantined: freed by the final `unpin_io`.
-    release_pending: Vec<bool>,
-    quarantine_releases: u64,
-    closed: bool,
-}
 
 /// Where a pool's memory lives.
 #[derive(Clone, Copy, Debug)]
@@ -223,8 +208,6 @@ impl StagingPool {
         shm_name: Option<&str>,
         owner: bool,
     ) -> Self {
-        // Hand out low slots first so a lightly used pool touches little memory.
-        let free = if owner { (0..num_slots as u32).rev().collect() } else { Vec::new() };
         StagingPool {
             base,
             reserved,
@@ -236,16 +219,7 @@ impl StagingPool {
             shm_name: shm_name.map(str::to_owned),
             owner,
             memfd: None,
-            state: Mutex::new(PoolState {
-                free,
-                acquired: vec![false; num_slots],
-                exports: vec![0; num_slots],
-                io_pins: vec![0; num_slots],
-                quarantined: vec![false; num_slots],
-                release_pending: vec![false; num_slots],
-                quarantine_releases: 0,
-                closed: false,
-            }),
+            slots: Mutex::new(SlotTable::new(num_slots, owner)),
             freed: Condvar::new(),
         }
     }
@@ -276,8 +250,14 @@ impl StagingPool {
         self.memfd.is_some()
     }
 
+    /// The slot table, also after a panic elsewhere poisoned its lock: every
+    /// change to it checks before it writes, so a failed assertion leaves it whole.
+    fn table(&self) -> MutexGuard<'_, SlotTable> {
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub fn free_slots(&self) -> usize {
-        self.state.lock().unwrap().free.len()
+        self.table().free_count()
     }
 
     pub fn payload_offset(&self, slot: usize) -> Result<usize> {
@@ -335,13 +315,11 @@ impl StagingPool {
     pub fn acquire(&self, timeout: Option<Duration>) -> Result<usize> {
         self.require_owner()?;
         let start = Instant::now();
-        let taken = wait_until(&self.state, &self.freed, deadline_after(timeout), |st| {
-            if st.closed {
+        let taken = wait_until(&self.slots, &self.freed, deadline_after(timeout), |t| {
+            if t.closed {
                 return Some(Err(EngineError::State("staging pool is closed".into())));
             }
-            let slot = st.free.pop()?;
-            st.acquired[slot as usize] = true;
-            Some(Ok(slot as usize))
+            t.lease().map(Ok)
         });
         taken.unwrap_or_else(|TimedOut| {
             Err(EngineError::PoolExhausted {
@@ -355,117 +333,86 @@ impl StagingPool {
     pub fn release(&self, slot: usize) -> Result<()> {
         self.require_owner()?;
         self.check_slot(slot)?;
-        let mut st = self.state.lock().unwrap();
-        if !st.acquired[slot] {
-            return Err(EngineError::State(format!("slot {slot} is not acquired")));
+        if self.table().release(slot)? == Released::Freed {
+            self.freed.notify_one();
         }
-        if st.exports[slot] > 0 {
-            return Err(EngineError::State(format!("slot {slot} still has {} exported view(s); release them first", st.exports[slot])));
-        }
-        if st.io_pins[slot] > 0 && st.quarantined[slot] {
-            // Its I/O was abandoned: the owner is done with it, the kernel may
-            // not be. Freed when that I/O ends, never before.
-            st.release_pending[slot] = true;
-            return Ok(());
-        }
-        if st.io_pins[slot] > 0 {
-            return Err(EngineError::State(format!("slot {slot} has I/O in flight")));
-        }
-        st.acquired[slot] = false;
-        st.free.push(slot as u32);
-        drop(st);
-        self.freed.notify_one();
         Ok(())
     }
 
     pub fn is_acquired(&self, slot: usize) -> bool {
-        slot < self.num_slots && self.state.lock().unwrap().acquired[slot]
+        slot < self.num_slots && self.table().is_acquired(slot)
     }
 
     pub fn export_begin(&self, slot: usize) -> Result<()> {
         self.check_slot(slot)?;
-        let mut st = self.state.lock().unwrap();
-        if self.owner && !st.acquired[slot] {
-            return Err(EngineError::State(format!("slot {slot} is not acquired")));
-        }
-        st.exports[slot] += 1;
-        Ok(())
+        self.table().export_begin(slot)
     }
 
+    /// Ends a view counted by `export_begin`; one that was never begun is a
+    /// bug (a panic).
     pub fn export_end(&self, slot: usize) {
-        let mut st = self.state.lock().unwrap();
-        st.exports[slot] = st.exports[slot].saturating_sub(1);
+        assert!(slot < self.num_slots, "slot {slot} out of range (pool has {})", self.num_slots);
+        self.table().export_end(slot);
     }
 
     pub fn exports(&self, slot: usize) -> u32 {
         if slot >= self.num_slots {
             0
         } else {
-            self.state.lock().unwrap().exports[slot]
+            self.table().exports(slot)
         }
     }
 
     /// Pins a slot for I/O: it cannot be released until the I/O completes.
     pub fn pin_io(&self, slot: usize) -> Result<()> {
         self.check_slot(slot)?;
-        let mut st = self.state.lock().unwrap();
-        if self.owner && !st.acquired[slot] {
-            return Err(EngineError::State(format!("slot {slot} is not acquired")));
-        }
-        if st.io_pins[slot] > 0 {
-            return Err(EngineError::State(format!("slot {slot} already has I/O in flight")));
-        }
-        st.io_pins[slot] += 1;
-        Ok(())
+        self.table().pin_io(slot)
     }
 
-    pub fn unpin_io(&self, slot: usize) {
-        let mut st = self.state.lock().unwrap();
-        st.io_pins[slot] = st.io_pins[slot].saturating_sub(1);
-        if st.io_pins[slot] == 0 && st.quarantined[slot] {
-            st.quarantined[slot] = false;
-            st.quarantine_releases += 1;
-            if std::mem::take(&mut st.release_pending[slot]) {
-                st.acquired[slot] = false;
-                st.free.push(slot as u32);
-                drop(st);
-                self.freed.notify_one();
-            }
+    /// Ends the I/O `pin_io` began. Err (nothing changed) when the slot has
+    /// none: a bug the caller reports (it may be the ring thread, which must
+    /// not panic).
+    pub fn unpin_io(&self, slot: usize) -> std::result::Result<(), String> {
+        if slot >= self.num_slots {
+            return Err(format!("I/O on staging slot {slot} ended: out of range (pool has {})", self.num_slots));
         }
+        if self.table().unpin_io(slot)? {
+            self.freed.notify_one();
+        }
+        Ok(())
     }
 
     /// The I/O pinning `slot` was abandoned: keep the slot out of use until
     /// it really ends. A slot whose I/O already ended is left alone.
     pub fn quarantine(&self, slot: usize) {
-        let mut st = self.state.lock().unwrap();
-        if slot < self.num_slots && st.io_pins[slot] > 0 {
-            st.quarantined[slot] = true;
+        if slot < self.num_slots {
+            self.table().quarantine(slot);
         }
     }
 
     /// Slots held back because abandoned I/O may still touch them.
     pub fn quarantined_slots(&self) -> usize {
-        self.state.lock().unwrap().quarantined.iter().filter(|&&q| q).count()
+        self.table().quarantined_count()
     }
 
     /// Slots their owner released while quarantined: neither the owner's nor
     /// free until their abandoned I/O ends.
     pub fn deferred_releases(&self) -> usize {
-        self.state.lock().unwrap().release_pending.iter().filter(|&&p| p).count()
+        self.table().deferred_count()
     }
 
     /// Quarantined slots whose I/O has since ended (and that were freed or
     /// given back to their owner).
     pub fn quarantine_releases(&self) -> u64 {
-        self.state.lock().unwrap().quarantine_releases
+        self.table().quarantine_releases
     }
 
     /// Marks the pool closed (acquire fails from now on) and removes the shared
     /// memory name (a memfd has none). The mapping itself goes away when the
     /// last user drops it.
     pub fn close(&self) -> Result<()> {
-        let mut st = self.state.lock().unwrap();
-        if let Some(slot) = st.exports.iter().position(|&e| e > 0) {
+        let mut st = self.table();
+        if let Some(slot) = st.first_exported() {
             return Err(EngineError::State(format!("slot {slot} still has exported views")));
         }
         if !st.closed && self.owner && self.memfd.is_none() {

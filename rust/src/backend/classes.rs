@@ -90,6 +90,9 @@ impl<T: Queued> ClassQueue<T> {
     /// must be what they were when it was taken.
     pub fn finished(&mut self, item: &T) {
         if item.background() {
+            // Called by the ring thread, which must not panic: checked in debug builds.
+            debug_assert!(self.background_in_flight > 0, "a background transfer finished twice");
+            debug_assert!(self.background_bytes_in_flight >= item.bytes(), "a background transfer's bytes changed in flight");
             self.background_in_flight = self.background_in_flight.saturating_sub(1);
             self.background_bytes_in_flight = self.background_bytes_in_flight.saturating_sub(item.bytes());
         }

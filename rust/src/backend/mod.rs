@@ -5,6 +5,7 @@
 use std::os::fd::RawFd;
 
 pub mod classes;
+mod inflight;
 pub mod threads;
 pub mod uring;
 

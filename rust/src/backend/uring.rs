@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use io_uring::{opcode, squeue, types, IoUring};
 
 use super::classes::{ClassQueue, Queued};
+use super::inflight::{InFlight, Pending};
 use super::{clock_ns, thread_cpu_clock, Backend, BackendKind, Segment, SegmentError, SegmentSink};
 use crate::faults::SharedFaults;
 
@@ -118,11 +119,6 @@ impl UringBackend {
     }
 }
 
-struct Pending {
-    seg: Segment,
-    done: usize,
-}
-
 impl Queued for Pending {
     fn background(&self) -> bool {
         self.seg.background
@@ -147,8 +143,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faults: &SharedFaults) {
     let sink = &*shared.sink;
     let clock = thread_cpu_clock();
-    let mut slots: Vec<Option<Pending>> = (0..depth).map(|_| None).collect();
-    let mut free: Vec<usize> = (0..depth).rev().collect();
+    let mut in_flight = InFlight::new(depth);
     let mut wake_armed = false;
     // Segments failed by an injected fault, reported once the queue's lock is let go.
     let mut injected: Vec<(Segment, i32)> = Vec::new();
@@ -168,7 +163,7 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
         }
         {
             let mut queue = lock(&shared.queue);
-            while let Some(&idx) = free.last() {
+            while let Some(idx) = in_flight.next_free() {
                 let Some(p) = queue.pop() else { break };
                 if let Some(errno) = faults.as_ref().and_then(|f| f.injected_errno()) {
                     queue.finished(&p);
@@ -178,23 +173,21 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
                 let sqe = build_sqe(&p, fixed, faults, idx as u64);
                 // SAFETY: the entry moves the bytes of `p`'s segment, memory its operation keeps
                 // alive until `segment_done`, which this thread calls only once the completion for
-                // token `idx` arrived (or `fail_everything` gave up on it). `idx` came off `free`,
-                // so no other entry in flight carries that token, and `p` is in flight in no other
-                // entry.
+                // token `idx` arrived (or `fail_everything` gave up on it). `idx` is a free place of
+                // `in_flight`, so no other entry in flight carries that token, and `p`, just taken
+                // off the queue, is in flight in no other entry.
                 if unsafe { ring.submission().push(&sqe) }.is_err() {
                     queue.unpop(p);
                     break;
                 }
-                free.pop();
-                slots[idx] = Some(p);
+                in_flight.occupy(idx, p);
                 unsubmitted.push(idx);
             }
         }
         for (seg, errno) in injected.drain(..) {
             sink.segment_done(&seg, Err(SegmentError::Errno(errno)));
         }
-        let in_flight = depth - free.len();
-        if shared.stop.load(Ordering::Acquire) && in_flight == 0 && lock(&shared.queue).is_empty() {
+        if shared.stop.load(Ordering::Acquire) && in_flight.is_empty() && lock(&shared.queue).is_empty() {
             break;
         }
         let entered = match faults.as_ref().and_then(|f| f.injected_enter_errno()) {
@@ -206,7 +199,7 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
             Err(e) if matches!(e.raw_os_error(), Some(libc::EINTR) | Some(libc::EBUSY) | Some(libc::EAGAIN)) => {}
             Err(e) => {
                 let failed = Failed { errno: e.raw_os_error().unwrap_or(libc::EIO), reason: format!("io_uring_enter failed: {e}") };
-                return fail_everything(&mut ring, shared, slots, &unsubmitted, failed);
+                return fail_everything(&mut ring, shared, in_flight, &unsubmitted, failed);
             }
         }
         let mut cq = ring.completion();
@@ -218,12 +211,10 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
                 wake_armed = false;
                 continue;
             }
-            let idx = token as usize;
-            let Some(mut p) = slots.get_mut(idx).and_then(Option::take) else {
-                sink.anomaly(format!("io_uring completion for ring slot {idx}, which holds no transfer (result {res})"));
+            let Some(mut p) = in_flight.complete(token) else {
+                sink.anomaly(format!("io_uring completion for ring slot {token}, which holds no transfer (result {res})"));
                 continue;
             };
-            free.push(idx);
             // Before `done` moves: the bytes it held of the background budget.
             lock(&shared.queue).finished(&p);
             if res == -libc::EINTR || res == -libc::EAGAIN {
@@ -260,7 +251,7 @@ struct Failed {
 /// (at most `REAP_BUDGET`) so that a transfer still landing in a staging slot
 /// is not reported done while it runs; what completes in time reports its
 /// real result.
-fn fail_everything(ring: &mut IoUring, shared: &Shared, mut slots: Vec<Option<Pending>>, unsubmitted: &[usize], failed: Failed) {
+fn fail_everything(ring: &mut IoUring, shared: &Shared, mut in_flight: InFlight, unsubmitted: &[usize], failed: Failed) {
     let sink = &*shared.sink;
     let err = SegmentError::BackendFailed(failed.errno);
     let queued: Vec<Pending> = {
@@ -275,19 +266,19 @@ fn fail_everything(ring: &mut IoUring, shared: &Shared, mut slots: Vec<Option<Pe
         sink.segment_done(&p.seg, Err(err));
     }
     for &idx in unsubmitted {
-        if let Some(p) = slots[idx].take() {
+        if let Some(p) = in_flight.complete(idx as u64) {
             sink.segment_done(&p.seg, Err(err));
         }
     }
     let deadline = Instant::now() + REAP_BUDGET;
-    while slots.iter().any(Option::is_some) && Instant::now() < deadline {
+    while !in_flight.is_empty() && Instant::now() < deadline {
         let mut cq = ring.completion();
         cq.sync();
         let mut reaped = 0;
         for cqe in &mut cq {
             reaped += 1;
             let (token, res) = (cqe.user_data(), cqe.result());
-            let Some(p) = slots.get_mut(token as usize).and_then(Option::take) else { continue };
+            let Some(p) = in_flight.complete(token) else { continue };
             let result = if res >= 0 && p.done + res as usize >= p.seg.len {
                 Ok(())
             } else if res < 0 && res != -libc::EINTR && res != -libc::EAGAIN {
@@ -304,7 +295,7 @@ fn fail_everything(ring: &mut IoUring, shared: &Shared, mut slots: Vec<Option<Pe
             std::thread::sleep(Duration::from_millis(1));
         }
     }
-    for p in slots.iter_mut().filter_map(Option::take) {
+    for p in in_flight.drain() {
         sink.anomaly(format!(
             "io_uring transfer still in flight {REAP_BUDGET:?} after the ring failed: failed anyway (offset {}, {} bytes)",
             p.seg.offset, p.seg.len

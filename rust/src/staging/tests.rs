@@ -67,7 +67,8 @@ fn exported_or_pinned_slots_cannot_be_recycled() {
     pool.pin_io(s).unwrap();
     assert!(pool.pin_io(s).is_err(), "double I/O on one slot must be refused");
     assert!(pool.release(s).is_err());
-    pool.unpin_io(s);
+    pool.unpin_io(s).unwrap();
+    assert!(pool.unpin_io(s).is_err(), "an I/O ends once");
     pool.release(s).unwrap();
     assert!(pool.release(s).is_err(), "double release is an error");
 }
@@ -83,7 +84,9 @@ fn a_quarantined_slot_is_freed_only_when_its_io_ends() {
     assert_eq!(pool.deferred_releases(), 1);
     assert!(pool.acquire(Some(Duration::from_millis(20))).is_err(), "never handed out while the kernel may use it");
     assert!(pool.pin_io(s).is_err(), "no second I/O on it either");
-    pool.unpin_io(s); // the abandoned I/O really ended
+    assert!(pool.export_begin(s).is_err() && !pool.is_acquired(s), "no longer the owner's: no view of it");
+    assert!(pool.release(s).is_err(), "released once");
+    pool.unpin_io(s).unwrap(); // the abandoned I/O really ended
     assert_eq!((pool.quarantined_slots(), pool.quarantine_releases(), pool.deferred_releases()), (0, 1, 0));
     assert_eq!(pool.acquire(Some(Duration::ZERO)).unwrap(), s);
     // A quarantine that comes after the I/O ended changes nothing.

@@ -346,9 +346,15 @@ impl Core {
 
     /// The operation's memory is the caller's again: its slot unpinned, or its region.
     pub(super) fn unpin_memory(&self, ctx: &OpContext) {
-        match ctx.region {
+        let unpinned = match ctx.region {
             None => self.pool.unpin_io(ctx.slot),
             Some(pin) => self.regions.unpin(pin),
+        };
+        if let Err(e) = unpinned {
+            // A pin count below zero: a bug, reported (this may be the ring
+            // thread, which must not panic) and fatal in debug builds.
+            self.stats.record_error(&e);
+            debug_assert!(false, "{e}");
         }
     }
 }

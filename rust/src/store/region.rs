@@ -123,15 +123,20 @@ impl Regions {
         Ok(RegionPin { index: id.index, payload })
     }
 
-    pub(super) fn unpin(&self, pin: RegionPin) {
+    /// Ends the pin of one operation. Err (nothing changed) when the region
+    /// has no pin: a bug the caller reports (it may be the ring thread).
+    pub(super) fn unpin(&self, pin: RegionPin) -> std::result::Result<(), String> {
         let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(e) = entries.get_mut(pin.index as usize) {
-            e.pinned = e.pinned.saturating_sub(1);
-            if e.pinned == 0 {
-                drop(entries);
-                self.unpinned.notify_all();
-            }
+        let e = match entries.get_mut(pin.index as usize) {
+            Some(e) if e.pinned > 0 => e,
+            _ => return Err(format!("an operation on region index {} ended, none was pinned", pin.index)),
+        };
+        e.pinned -= 1;
+        if e.pinned == 0 {
+            drop(entries);
+            self.unpinned.notify_all();
         }
+        Ok(())
     }
 
     /// Refuses new operations on `id` at once, then waits up to `timeout`
