@@ -4,7 +4,9 @@ its range, reads keys of both ranges, checks every byte it is served against
 the payload the key determines, and reports what it saw as JSON.
 
 usage: shared_fs_worker.py SCENARIO.json
-scenario: dir, first, last, seconds, seed, capacity, [refresh_interval_s], [read_share]"""
+scenario: dir, first, last, seconds, seed, capacity, [refresh_interval_s], [read_share],
+[min_puts] (goes on past ``seconds`` until this many puts, for at most 10x as long:
+on a busy host a fixed time may write too little to fill the capacity)"""
 
 import json
 import os
@@ -37,8 +39,10 @@ def main():
     put_ever = set()
     seen = {"puts": 0, "put_errors": 0, "gets": 0, "hits": 0, "misses": 0, "foreign_hits": 0, "bad": 0,
             "max_used": 0, "failures": []}
-    deadline = time.monotonic() + sc["seconds"]
-    while time.monotonic() < deadline:
+    began = time.monotonic()
+    deadline, cap = began + sc["seconds"], began + 10 * sc["seconds"]
+    min_puts = sc.get("min_puts", 0)
+    while (time.monotonic() < deadline or seen["puts"] < min_puts) and time.monotonic() < cap:
         if rng.random() >= sc.get("read_share", 0.5):
             key = rng.choice(mine)
             r = put_bytes(store, pool, slot, key, payload_for(key, MAX_PAYLOAD))

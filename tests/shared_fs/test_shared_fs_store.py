@@ -85,14 +85,15 @@ def test_a_chunk_the_other_node_evicted_is_a_miss_not_an_error(shared_dirs):
             store.close()
 
 
-def _run_two_nodes(gluster, shared_dirs, workdir, *, capacity, seconds, refresh):
+def _run_two_nodes(gluster, shared_dirs, workdir, *, capacity, seconds, refresh, min_puts=0):
     """Both nodes write and read at once (keys 100..199 written by both);
-    the brick's total is sampled meanwhile."""
+    the brick's total is sampled meanwhile. Each node goes on past
+    ``seconds`` until it made ``min_puts`` puts."""
     ranges = {"a": (0, 200), "b": (100, 300)}
     procs = {}
     for i, (node, (first, last)) in enumerate(ranges.items()):
         sc = {"dir": str(shared_dirs[i]), "first": first, "last": last, "seconds": seconds, "seed": i,
-              "capacity": capacity, "refresh_interval_s": refresh}
+              "capacity": capacity, "refresh_interval_s": refresh, "min_puts": min_puts}
         path = workdir / f"node-{node}.json"
         path.write_text(json.dumps(sc))
         procs[node] = subprocess.Popen([sys.executable, child("shared_fs_worker.py"), str(path)],
@@ -132,7 +133,10 @@ def test_two_nodes_writing_at_once_serve_no_wrong_byte_and_share_one_capacity(gl
     what the other node wrote since the last refresh (stated slack: one
     refresh interval of writes, here ~0.5 s)."""
     capacity = 4 << 20
-    seen, peak = _run_two_nodes(gluster, shared_dirs, tmp_path, capacity=capacity, seconds=6.0, refresh=0.25)
+    # 200 puts a node (~250 distinct chunks of ~36 KiB in all, ~2x the capacity) whatever the
+    # host's speed: a busy CI host once wrote 89 and 57 in 6 s, all of which fit.
+    seen, peak = _run_two_nodes(gluster, shared_dirs, tmp_path, capacity=capacity, seconds=6.0, refresh=0.25,
+                                min_puts=200)
     print("two nodes:", seen, "brick peak", peak)
     for node, s in seen.items():
         assert s["bad"] == 0 and s["corrupt_chunks"] == 0 and s["read_errors"] == 0, (node, s)
