@@ -2,13 +2,15 @@
 //! with a bounded, shareable staging pool. Free of Python; the PyO3 glue is
 //! the `python` module, compiled only with the `python` feature.
 //!
-//! Layers, bottom up (each uses only those above it in this list):
+//! Layers, bottom up (each uses only its own line and those above it, and no
+//! module cycle: `tests/tools/test_rust_layering.py`):
 //! - `error`, `checksum`, `wait`, `stats`, `notice`, `faults`: shared pieces;
 //! - `digest`: content digest of a file's bytes (the vLLM integration's
 //!   weights identity; no other layer uses it);
 //! - `disk`: the on-disk layer (chunk format, directory layout, file
 //!   operations, the index of what is on disk and the scan that rebuilds it);
-//! - `staging`: the shared staging pool the bytes move through;
+//! - `staging`, `ready`: the shared staging pool the bytes move through, and
+//!   its slots' ready words (seen by every process that maps the pool);
 //! - `backend`: moves segments between staging and files (io_uring, threads);
 //! - `ops`: the generic table of operations in flight (backpressure, handles);
 //! - `store`: put/get as stages over all of these (see its module docs for

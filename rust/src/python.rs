@@ -359,7 +359,7 @@ fn engine_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("verify", defaults::VERIFY)?;
     d.set_item("dir_mode", defaults::DIR_MODE)?;
     d.set_item("file_mode", defaults::FILE_MODE)?;
-    // None: derived from the slot size (`store::health::default_deadline`).
+    // None: derived from the slot size (`store::config::default_deadline`).
     d.set_item("io_deadline", py.None())?;
     d.set_item("refresh_interval_s", refresh_name(defaults::REFRESH_INTERVAL_S))?;
     Ok(d)

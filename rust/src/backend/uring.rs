@@ -28,6 +28,9 @@ use super::inflight::{InFlight, Pending};
 use super::{clock_ns, thread_cpu_clock, Backend, BackendKind, Segment, SegmentError, SegmentSink};
 use crate::faults::SharedFaults;
 
+/// The submission queue depths a ring is built with (inclusive; the store's
+/// `limits::QUEUE_DEPTH`): others are clamped to them.
+pub const DEPTH_LIMITS: (usize, usize) = (1, 4096);
 const WAKE_TOKEN: u64 = u64::MAX;
 /// Largest transfer one SQE carries (the kernel's length field is 32-bit).
 const MAX_SQE_BYTES: usize = 1 << 30;
@@ -74,7 +77,7 @@ impl UringBackend {
         sink: Arc<dyn SegmentSink>,
         faults: SharedFaults,
     ) -> std::io::Result<UringSetup> {
-        let queue_depth = queue_depth.clamp(crate::store::config::limits::QUEUE_DEPTH.0, crate::store::config::limits::QUEUE_DEPTH.1);
+        let queue_depth = queue_depth.clamp(DEPTH_LIMITS.0, DEPTH_LIMITS.1);
         let entries = (queue_depth as u32 + 1).next_power_of_two();
         let ring = IoUring::builder().build(entries)?;
         let mut fixed_buffer_error = None;

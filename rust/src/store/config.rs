@@ -38,7 +38,7 @@ pub mod defaults {
 /// an allocation failure (abort) or a thread storm.
 pub mod limits {
     /// io_uring submission queue depth.
-    pub const QUEUE_DEPTH: (usize, usize) = (1, 4096);
+    pub const QUEUE_DEPTH: (usize, usize) = crate::backend::uring::DEPTH_LIMITS;
     /// Operation table entries, allocated up front.
     pub const MAX_INFLIGHT: (usize, usize) = (1, 1 << 16);
     /// 0 = chosen from the queue depth.
@@ -58,11 +58,23 @@ pub mod limits {
 /// abandoned (a miss, a skipped put).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum IoDeadline {
-    /// `health::default_deadline` of the slot size.
+    /// `default_deadline` of the slot size.
     Default,
     After(Duration),
     /// Never abandoned (a timeout above `limits::FOREVER_S`, as everywhere).
     Never,
+}
+
+/// The default deadline: `max(DEADLINE_FLOOR, DEADLINE_FACTOR * chunk_bytes /
+/// ASSUMED_BANDWIDTH)`. The bandwidth is assumed, not measured: a slow
+/// network filesystem (the two-node GlusterFS fixture moved 0.29-0.38 GB/s).
+pub const DEADLINE_FLOOR: Duration = Duration::from_secs(2);
+pub const DEADLINE_FACTOR: f64 = 4.0;
+pub const ASSUMED_BANDWIDTH: f64 = 100e6;
+
+pub fn default_deadline(chunk_bytes: usize) -> Duration {
+    let secs = DEADLINE_FACTOR * chunk_bytes as f64 / ASSUMED_BANDWIDTH;
+    DEADLINE_FLOOR.max(Duration::from_secs_f64(secs))
 }
 
 /// The deadline a store runs with for `IoDeadline::Never`: a bound no
@@ -73,7 +85,7 @@ impl IoDeadline {
     /// The deadline for slots of `stride` bytes.
     pub fn resolve(self, stride: usize) -> Duration {
         match self {
-            Self::Default => super::health::default_deadline(stride),
+            Self::Default => default_deadline(stride),
             Self::After(d) => d,
             Self::Never => NO_DEADLINE,
         }
@@ -368,8 +380,15 @@ mod tests {
     }
 
     #[test]
+    fn the_default_deadline_follows_the_chunk_size_above_a_floor() {
+        assert_eq!(default_deadline(28 << 20), DEADLINE_FLOOR);
+        let big = default_deadline(256 << 20);
+        assert!((big.as_secs_f64() - 4.0 * (256 << 20) as f64 / 100e6).abs() < 1e-6, "{big:?}");
+    }
+
+    #[test]
     fn io_deadlines_resolve() {
-        assert_eq!(IoDeadline::Default.resolve(28 << 20), super::super::health::DEADLINE_FLOOR);
+        assert_eq!(IoDeadline::Default.resolve(28 << 20), DEADLINE_FLOOR);
         assert_eq!(IoDeadline::After(Duration::from_millis(500)).resolve(1 << 20), Duration::from_millis(500));
         assert_eq!(IoDeadline::Never.resolve(1 << 20), NO_DEADLINE);
         assert_eq!(NO_DEADLINE.as_secs_f64(), limits::FOREVER_S);

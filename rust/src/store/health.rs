@@ -1,7 +1,7 @@
 //! A stalled or dead storage directory never stalls serving (decision 0031).
 //!
 //! - **Deadlines.** Every get and put carries one (`StoreConfig::io_deadline`,
-//!   default `default_deadline`; `IoDeadline::Never` is `NO_DEADLINE`, which
+//!   default `config::default_deadline`; `IoDeadline::Never` is `NO_DEADLINE`, which
 //!   no operation reaches). The watchdog thread abandons an operation
 //!   that is past it *and* whose directory made no progress (completed no
 //!   operation) for as long, or that is past `HARD_DEADLINE_FACTOR` times it
@@ -42,12 +42,6 @@ pub const BACKOFF_CAP: Duration = Duration::from_secs(30);
 /// A single operation is abandoned past this many deadlines even while its
 /// directory completes others.
 pub const HARD_DEADLINE_FACTOR: u32 = 8;
-/// The default deadline: `max(DEADLINE_FLOOR, DEADLINE_FACTOR * chunk_bytes /
-/// ASSUMED_BANDWIDTH)`. The bandwidth is assumed, not measured: a slow
-/// network filesystem (the two-node GlusterFS fixture moved 0.29-0.38 GB/s).
-pub const DEADLINE_FLOOR: Duration = Duration::from_secs(2);
-pub const DEADLINE_FACTOR: f64 = 4.0;
-pub const ASSUMED_BANDWIDTH: f64 = 100e6;
 /// How long `probe(key)` (an lstat, on the caller's thread in vLLM's
 /// scheduler) waits for its answer before saying "not there".
 pub const PROBE_WAIT: Duration = Duration::from_millis(250);
@@ -57,11 +51,6 @@ pub const PROBE_WAIT: Duration = Duration::from_millis(250);
 /// its return, so it never backs off like a stalled one.
 pub const GONE_RETRY: Duration = Duration::from_secs(1);
 const MAX_NOTICES: usize = 256;
-
-pub fn default_deadline(chunk_bytes: usize) -> Duration {
-    let secs = DEADLINE_FACTOR * chunk_bytes as f64 / ASSUMED_BANDWIDTH;
-    DEADLINE_FLOOR.max(Duration::from_secs_f64(secs))
-}
 
 /// The breaker's first back-off: the deadline (a probe may take that long to
 /// answer), `BACKOFF_CAP` for a store without one (`NO_DEADLINE`), so that an
@@ -397,13 +386,6 @@ impl Health {
 mod tests {
     use super::*;
     use crate::notice::Level;
-
-    #[test]
-    fn the_default_deadline_follows_the_chunk_size_above_a_floor() {
-        assert_eq!(default_deadline(28 << 20), DEADLINE_FLOOR);
-        let big = default_deadline(256 << 20);
-        assert!((big.as_secs_f64() - 4.0 * (256 << 20) as f64 / 100e6).abs() < 1e-6, "{big:?}");
-    }
 
     #[test]
     fn the_breaker_opens_probes_backs_off_and_closes_with_one_notice_per_change() {

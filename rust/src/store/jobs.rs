@@ -17,7 +17,7 @@ use super::OpContext;
 pub enum Job {
     /// Checksum a put's payload (already being written) and write its header.
     /// `header`: the header block's transfer; `payload`: the payload's address.
-    Seal { id: OpId, header: super::completion::Transfer, payload: usize, payload_len: usize },
+    Seal { id: OpId, header: super::transfer::Transfer, payload: usize, payload_len: usize },
     /// One segment of a fully verified read landed: checksum its payload piece.
     VerifyPiece { seg: Segment },
     /// The transfer completed: verify (get) or publish (put), then complete.

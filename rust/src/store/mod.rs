@@ -94,6 +94,7 @@ mod recovery;
 mod refresh;
 mod region;
 mod snapshot;
+mod transfer;
 mod write;
 
 pub use config::{BackendChoice, FreeSpaceReserve, RefreshPolicy, StoreConfig, VerifyPolicy};

@@ -17,6 +17,7 @@ use crate::ops::{Finished, MissKind, OpId, Outcome, Promotion, Status};
 use crate::stats::Stats;
 
 use super::completion;
+use super::transfer;
 use super::{BlockStore, Core, OpContext, OpKind, VerifyPolicy};
 
 impl BlockStore {
@@ -147,7 +148,7 @@ impl Core {
         ctx.file_len = size;
         // One more piece than segments: a region read's payload segments are
         // cut from `HEADER_BYTES`, so with 4 KiB segments they number from 1.
-        self.pieces.reset(id.index, completion::segment_count(0, size, self.segment_bytes) + 1);
+        self.pieces.reset(id.index, transfer::segment_count(0, size, self.segment_bytes) + 1);
         completion::submit(self, backend, id, ctx, fd, false);
     }
 }

@@ -14,7 +14,8 @@ use crate::error::{EngineError, Result};
 use crate::ops::{OpId, Outcome, Status};
 use crate::stats::Stats;
 
-use super::completion::{self, Transfer};
+use super::completion;
+use super::transfer::Transfer;
 use super::{BlockStore, Core, OpContext, OpKind, VerifyPolicy};
 
 impl BlockStore {
