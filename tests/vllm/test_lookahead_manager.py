@@ -587,23 +587,23 @@ def test_queued_bytes_count_what_a_new_read_waits_behind(tmp_path):
             h.m.complete_store(out.keys_to_store, ctx)
             fs.stall()
             assert h.m.queued_bytes() == 0
-            h.m._submit_writes()  # handed to the engine, stuck on the mount: ahead of a read
+            h.m.io.submit_writes()  # handed to the engine, stuck on the mount: ahead of a read
             assert h.m.queued_bytes() == CHUNK
             h.m.stage(keys[0], background=True)  # prefetches: a demand read overtakes them
             h.m.stage(keys[1], background=True)
-            assert len(h.m._reads) == 2 and h.m.queued_bytes() == CHUNK
+            assert len(h.m.io.reads) == 2 and h.m.queued_bytes() == CHUNK
             h.m.stage(keys[2])  # a demand read
             assert h.m.queued_bytes() == 2 * CHUNK
             fs.resume()
-            handles = list(h.m._reads.values()) + list(h.m._writes.values())
+            handles = list(h.m.io.reads.values()) + list(h.m.io.writes.values())
             deadline = time.monotonic() + 30
             while not all(x.done() for x in handles):
                 assert time.monotonic() < deadline, "I/O did not finish after the mount resumed"
                 time.sleep(0.01)
             # Finished, not collected yet (no step has polled): nothing to wait behind.
-            assert len(h.m._reads) == 3 and h.m.queued_bytes() == 0
+            assert len(h.m.io.reads) == 3 and h.m.queued_bytes() == 0
             h.settle()
-            assert not h.m._prefetching
+            assert not h.m.io.prefetching
         finally:
             fs.resume()
             h.close()
@@ -681,13 +681,13 @@ def test_a_lookup_promotes_the_queued_preload_of_its_chunk(tmp_path):
             fs.stall()
             h.queue("r0", other, arrival=1.0)
             h.queue("r1", keys, arrival=2.0)
-            assert h.m._prefetching == set(keys + other)  # all queued, none started
+            assert h.m.io.prefetching == set(keys + other)  # all queued, none started
             ctx, hits = h.probe("r1", keys)
             assert hits is None  # still reading: the request waits
             m = h.m.metrics.totals
             assert m["lookahead_promoted_reads"] == 6 and h.store_obj.stats()["promotions"] == 6
             # Now demand reads (a new read waits behind them); r0's stay preloads.
-            assert h.m._prefetching == set(other)
+            assert h.m.io.prefetching == set(other)
             assert h.m.queued_bytes() == 6 * CHUNK
             h.probe("r1", keys)  # asked again: promoted once
             assert m["lookahead_promoted_reads"] == 6
@@ -705,7 +705,7 @@ def test_a_lookup_promotes_the_queued_preload_of_its_chunk(tmp_path):
 def test_the_preload_byte_budget_follows_the_device_speed_the_gate_learns(tmp_path):
     from pykvcache._core import chunk_file_bytes
     from pykvcache.gate import OnlineLoadModel
-    from pykvcache.vllm.scheduler.manager import PRELOAD_YIELD_S
+    from pykvcache.vllm.scheduler.disk_io import PRELOAD_YIELD_S
 
     slow = LoadCost(fixed_s=1e-3, disk_bytes_per_s=1e9, h2d_bytes_per_s=1e15)
     gate = AdmissionGate(CostModel(PrefillCurve(0.0, 1.0, 0.0), slow, CHUNK / CT),
@@ -817,7 +817,7 @@ def test_a_restarted_manager_starts_from_the_device_model_the_last_one_learnt(tm
         assert h.m.gating.device_bytes_per_s() == pytest.approx(first.online.disk_bytes_per_s)
         # Its preload byte bound comes from the restored speed from the start (0061).
         from pykvcache._core import chunk_file_bytes
-        from pykvcache.vllm.scheduler.manager import PRELOAD_YIELD_S
+        from pykvcache.vllm.scheduler.disk_io import PRELOAD_YIELD_S
 
         assert h.store_obj.background_budget == max(chunk_file_bytes(CHUNK),
                                                      int(second.online.disk_bytes_per_s * PRELOAD_YIELD_S))

@@ -38,6 +38,9 @@ touching the disk. With lookahead (:mod:`pykvcache.vllm.scheduler.lookahead`, fe
 reads for the head of the waiting queue. Lookups of waiting requests hold
 their chunks until the request is scheduled; ``lookup_hold_slots`` caps what
 *other* waiting requests may hold when a lookup needs a new slot.
+
+The reads and writes in flight are kept by :mod:`pykvcache.vllm.scheduler.disk_io`,
+the KV events by :mod:`pykvcache.vllm.scheduler.kv_events`.
 """
 
 from __future__ import annotations
@@ -45,13 +48,10 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-import time
 from collections.abc import Collection, Hashable, Iterable
 
 from vllm.v1.kv_offload.base import (
-    Locality,
     LookupResult,
-    Medium,
     OffloadingEvent,
     OffloadingManager,
     OffloadKey,
@@ -62,11 +62,12 @@ from vllm.v1.kv_offload.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from pykvcache._core import chunk_file_bytes
 from pykvcache.gate import ChunkState
+from pykvcache.vllm.layout import ChunkLayout
+from pykvcache.vllm.scheduler.disk_io import DiskIo
 from pykvcache.vllm.scheduler.disk_tier import DiskTier, UsesDiskTier
 from pykvcache.vllm.scheduler.gate_plan import GateInputs, GateWiring, NoGating
-from pykvcache.vllm.layout import ChunkLayout
+from pykvcache.vllm.scheduler.kv_events import KvEvents
 from pykvcache.vllm.scheduler.lookahead import Preloader, WaitingRequest
 from pykvcache.vllm.scheduler.staging_cache import (
     LOAD,
@@ -77,18 +78,12 @@ from pykvcache.vllm.scheduler.staging_cache import (
     StagingCache,
     owner,
 )
-from pykvcache.vllm.transfer_spec import StagingSlotsSpec
 from pykvcache.vllm.scheduler.waiting_queue import WaitingQueue
+from pykvcache.vllm.transfer_spec import StagingSlotsSpec
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
-
-#: Device time a load may wait behind preloads already at the device: the
-#: engine's bound on prefetch bytes in flight is the device speed the gate
-#: learnt times this, at least one chunk (decision 0061).
-PRELOAD_YIELD_S = 0.003
-
 
 
 class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
@@ -110,28 +105,17 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         # The store, its staging pool, the gate that learns from its reads,
         # the metrics: the disk side the tier of vLLM's tiering shares.
         self.disk = DiskTier(store, pool, gating=gating if gating is not None else NoGating(), log=logger,
-                             on_learnt=self._update_background_budget)
+                             on_learnt=lambda: self.io.update_background_budget())
         self.layout = layout
         # Creates a fresh store on the same directories (after a wipe).
         self._reopen_store = reopen_store
         self.cache = StagingCache(pool)
         # What ``lock`` returns (vLLM >= 0.33 holds it around manager calls).
         self._lock = threading.RLock()
-        self._max_inflight_writes = max(1, max_inflight_writes)
-        self._reads: dict[bytes, object] = {}  # key -> IoHandle
-        self._read_started: dict[bytes, float] = {}  # key -> when its read was submitted (monotonic s)
-        # Keys a lookup answered HIT while their read was in flight, until the read ends.
-        self._hit_in_flight: set[bytes] = set()
-        self._prefetching: set[bytes] = set()  # keys of _reads submitted at background priority
-        self._background_budget: int | None = None  # the engine's prefetch byte bound (None: its default)
-        self._writes: dict[bytes, object] = {}
-        self._write_queue: list[bytes] = []  # stored in staging, not yet submitted
-        self._events: list[OffloadingEvent] | None = [] if enable_events else None
-        # With events: the chunks this node announced as stored, by the hash
-        # the engine reports removals with (BlockStore.take_removed), so that
-        # every chunk leaving the disk - evicted here, by another node sharing
-        # the directory, or found corrupt - is announced as removed, once.
-        self._announced: dict[int, bytes] = {}
+        # Chunks reaching and leaving the disk, for vLLM's KV events (decision 0037).
+        self.events = KvEvents() if enable_events else None
+        self.io = DiskIo(self.disk, self.cache, payload_bytes=layout.payload_bytes,
+                         max_inflight_writes=max_inflight_writes, events=self.events)
         self.preloader = Preloader(self, self.cache, self.metrics, chunk_bytes=layout.payload_bytes,
                                    budget_slots=lookahead_slots, window=lookahead_requests,
                                    gate=self.gating.preload_gate(),
@@ -152,10 +136,10 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self._preformat_wanted = False  # start it again after a wipe
         # The gate's explorations are read here in the background; the
         # explored request recomputes (decision 0054).
-        self.gating.set_sampler(self._sample_reads)
+        self.gating.set_sampler(self.io.sample)
         # The preload byte bound from the start: what a restored device model
         # says (0073), or one chunk until the gate has timed a read.
-        self._update_background_budget()
+        self.io.update_background_budget()
 
     def enable_in_flight_hits(self) -> None:
         """Answer HIT for a chunk whose disk read is in flight. The caller
@@ -200,16 +184,16 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
 
     def _stage(self, key: bytes, owner: Hashable | None, background: bool) -> LookupResult | None:
         """:meth:`stage`, with None where a read was due and did not start (no slot)."""
-        self._poll_read(key)
+        self.io.poll_read(key)
         entry = self.cache.get(key)
         if entry is None:
             if not self.on_disk(key):
                 return LookupResult.MISS
-            entry = self._start_read(key, background)
+            entry = self.io.start_read(key, background)
             if entry is None:
                 return None
-        elif not background and key in self._prefetching:
-            self._promote(key)
+        elif not background:
+            self.io.promote(key)
         if entry.state is EntryState.FAILED:
             return LookupResult.MISS  # its read failed; a load still holds the slot
         if owner is not None:
@@ -227,18 +211,8 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         return ChunkState.DISK if self.on_disk(key) else ChunkState.MISSING
 
     def queued_bytes(self) -> int:
-        """Disk I/O a read submitted now waits behind: demand reads and writes
-        handed to the engine and not finished (its demand class is FIFO). Not
-        I/O that finished but is not collected yet (it is collected at the
-        next step: up to a second later under prefill), not the writes still
-        queued here (submitted after it) and not prefetches (the engine starts
-        a demand read before queued background work). Counting those made
-        loads look faster than predicted, and the gate learnt a disk capped
-        at 200 MB/s as 0.4-7 GB/s."""
-        waiting = sum(1 for key, handle in self._reads.items()
-                      if key not in self._prefetching and not handle.done())
-        waiting += sum(1 for handle in self._writes.values() if not handle.done())
-        return waiting * self.layout.payload_bytes
+        """Disk I/O a read submitted now waits behind (:meth:`DiskIo.queued_bytes`)."""
+        return self.io.queued_bytes()
 
     def trace_decision(self, role, req_id, inputs, decision) -> None:
         """The preloader's decisions into the gate's trace (``gate_trace``)."""
@@ -269,20 +243,11 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
 
     def poll_io(self) -> None:
         """Collect finished reads and writes (non-blocking)."""
-        for key in [k for k, h in self._reads.items() if h.done()]:
-            self._finish_read(key)
-        for key in [k for k, h in self._writes.items() if h.done()]:
-            self._finish_write(key)
+        self.io.poll()
 
     def flush(self, timeout: float | None = None) -> None:
         """Submit queued writes and wait for every in-flight I/O."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self._write_queue or self._writes or self._reads:
-            self._submit_writes()
-            for _key, handle in list(self._writes.items()) + list(self._reads.items()):
-                remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-                handle.wait(remaining)
-            self.poll_io()
+        self.io.flush(timeout)
 
     # ------------------------------------------------------------------
     # OffloadingManager API
@@ -341,9 +306,8 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             # waits for it (prepare_load hands over the ready word's generation).
             # Counted once per read: vLLM looks a waiting request's chunks up
             # again at every scheduling attempt until it is admitted.
-            if key not in self._hit_in_flight:
+            if self.io.hit_in_flight(key):
                 self.metrics.inc("lookup_in_flight_hits")
-                self._hit_in_flight.add(key)
         elif result is not LookupResult.HIT:
             self.metrics.inc("lookups_deferred")
             if self.cache.get(key).state is EntryState.STORING:
@@ -385,9 +349,8 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         generations = []
         loader = owner(LOAD, req_context.req_id)
         for key in keys:
-            self._poll_read(key)
-            if key in self._prefetching:
-                self._promote(key)  # the load waits for it: not behind other preloads
+            self.io.poll_read(key)
+            self.io.promote(key)  # the load waits for it: not behind other preloads
             entry = self.cache.get(key)
             ready = entry is not None and entry.state is EntryState.READY
             reading = entry is not None and entry.state is EntryState.READING and entry.ready_gen > 0
@@ -451,7 +414,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             # two: if that is enough, retry next step (None). Otherwise the
             # batch would never fit whole, so store its leading chunks - the
             # prefix is what gets reused - and skip the rest for good.
-            freeing = len(self._writes) + len(self._write_queue)
+            freeing = self.io.writes_pending()
             if available == 0 or len(new_keys) <= available + freeing:
                 self.metrics.inc("store_deferred")
                 return None
@@ -483,7 +446,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
                 continue
             self.cache.pin(key)  # held until the disk write completes
             self.cache.mark_ready(key, Origin.HOST)
-            self._write_queue.append(key)
+            self.io.queue_write(key)
             stored.append(key)
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
@@ -506,7 +469,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             self._waiting.preempted(req_id)
             self.preloader.preempted(req_id)
         self.poll_io()
-        self._submit_writes()
+        self.io.submit_writes()
         # After the writes: a preload never takes a slot before the step's
         # stores were handed to the disk.
         self.preloader.plan()
@@ -523,17 +486,14 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self.gating.step_finished()
 
     def has_pending_work(self) -> bool:
-        return bool(self._reads or self._writes or self._write_queue)
+        return self.io.busy()
 
     def take_events(self) -> Iterable[OffloadingEvent]:
-        if self._events is None:
+        if self.events is None:
             return ()
         self.poll_io()
-        self._collect_removed()
-        if not self._events:
-            return ()
-        events, self._events = self._events, []
-        return events
+        self.events.collect_removed(self.store)
+        return self.events.take()
 
     def reset_cache(self) -> None:
         """Forget everything: staging, pins and (unless ``wipe_on_reset`` is off)
@@ -541,25 +501,23 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         every stored KV is stale."""
         self._stop_preformat()
         self.flush()
-        self._collect_removed()
-        removed = list(dict.fromkeys([entry.key for entry in self.cache] + list(self._announced.values())))
-        self._announced.clear()
+        if self.events is not None:
+            self.events.collect_removed(self.store)
+            self.events.wiped(entry.key for entry in self.cache)
         self.preloader.clear()
         self.gating.clear()
         self._waited.clear()
         self.cache.clear()
-        self._write_queue.clear()
+        self.io.write_queue.clear()
         if self._reopen_store is not None:
             dirs = list(self.store.namespace_dir)
             self.store.close()
             for directory in dirs:
                 shutil.rmtree(directory, ignore_errors=True)
             self.store = self._reopen_store()
-            if self._background_budget is not None:
-                self.store.set_background_budget(self._background_budget)
+            self.io.store_reopened()
             if self._preformat_wanted:
                 self.start_background_preformat()
-        self._emit(removed, removed=True)
 
     def get_stats(self):
         self.poll_io()
@@ -568,7 +526,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self.metrics.set_gauge("lookahead_slots_held", self.cache.count_held(LOOKAHEAD))
         self.metrics.set_gauge("lookup_hold_slots", self.cache.count_held(LOOKUP))
         self.metrics.set_gauge("staging_slots_pinned", self.cache.pinned_slots())
-        self.metrics.set_gauge("disk_background_budget_bytes", self._background_budget or 0)
+        self.metrics.set_gauge("disk_background_budget_bytes", self.io.background_budget or 0)
         return self.disk.take_stats(staging_used=len(self.cache), staging_total=self.cache.num_slots)
 
     def start_background_preformat(self) -> None:
@@ -576,9 +534,6 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         "background"``): one at a time, none while this manager has disk I/O in
         flight or queued. Stopped by ``reset_cache`` and ``shutdown``."""
         from pykvcache.preformat import BackgroundPreformat
-
-        def busy() -> bool:
-            return bool(self._reads or self._writes or self._write_queue)
 
         def done(p: BackgroundPreformat) -> None:
             if p.error is not None:
@@ -590,7 +545,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
 
         self._stop_preformat()
         self._preformat_wanted = True
-        self._preformatter = BackgroundPreformat(self.store, self.pool, busy=busy, on_done=done).start()
+        self._preformatter = BackgroundPreformat(self.store, self.pool, busy=self.io.busy, on_done=done).start()
 
     def _stop_preformat(self) -> None:
         if self._preformatter is not None:
@@ -608,143 +563,3 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         except Exception:  # noqa: BLE001 - shutting down anyway; say what was lost
             logger.exception("pykvcache: not every pending chunk write completed")
         self.cache.clear()
-
-    # ------------------------------------------------------------------
-    # Internals
-    # ------------------------------------------------------------------
-    def _start_read(self, key: bytes, background: bool = False):
-        entry = self.cache.insert(key, EntryState.READING, Origin.DISK)
-        if entry is None:
-            return None
-        try:
-            read = self.store.prefetch if background else self.store.get
-            self._reads[key] = read(key, entry.slot)
-            started = time.monotonic()
-            self._read_started[key] = started
-            self.gating.read_started(started)
-            # The get armed the slot's ready word; the slot stays pinned for
-            # it until it ends, so nothing re-arms it before this is read.
-            entry.ready_gen = self.pool.ready_state(entry.slot)[0]
-            if background:
-                self._prefetching.add(key)
-        except Exception as exc:  # noqa: BLE001 - submission refused: a miss
-            self.disk.submit_refused("read", key, exc)
-            self.cache.remove(key)
-            return None
-        return entry
-
-    def _sample_reads(self, keys) -> list[bytes]:
-        """Start the background reads of an exploration's sample (decision
-        0054): preload priority, no owner (a later request may load them),
-        into at most half the slots staging could give now, so that a sample
-        never takes the room a lookup needs. ``keys`` are chunks the gate plan
-        found on disk and not staged in this same call."""
-        started = []
-        for key in keys[: self.cache.allocatable() // 2]:
-            if self._start_read(key, background=True) is None:
-                break
-            started.append(key)
-        self.metrics.inc("gate_sample_reads", len(started))
-        return started
-
-    def _promote(self, key: bytes) -> None:
-        """A preload still queued is needed now: raise it to demand priority,
-        so it no longer waits behind the other preloads (decision 0061). One
-        whose transfers all started stays a preload (nothing to move)."""
-        if self._reads[key].promote():
-            self._prefetching.discard(key)  # a demand read now: a new read waits behind it
-            self.metrics.inc("lookahead_promoted_reads")
-
-    def _update_background_budget(self) -> None:
-        """Bound what preloads have at the device to ``PRELOAD_YIELD_S`` of the
-        device speed the gate learnt (at least one chunk), so that a load
-        waits at most about that long behind them. Before the gate has timed
-        a read (and restored none, 0073), one chunk: the engine's own bound
-        counts reads, not bytes, and on a disk capped at 25 MB/s the preloads
-        a server started with kept its first demand reads seconds behind them
-        (decision 0061). A gate that does not learn keeps the engine's bound."""
-        speed = self.gating.device_bytes_per_s()
-        floor = chunk_file_bytes(self.layout.payload_bytes)
-        if speed is None:
-            if not self.gating.learns_device():
-                return
-            budget = floor
-        else:
-            budget = max(floor, int(speed * PRELOAD_YIELD_S))
-        if budget != self._background_budget:
-            self._background_budget = budget
-            self.store.set_background_budget(budget)
-
-    def _poll_read(self, key: bytes) -> None:
-        handle = self._reads.get(key)
-        if handle is not None and handle.done():
-            self._finish_read(key)
-
-    def _finish_read(self, key: bytes) -> None:
-        handle = self._reads.pop(key)
-        self._prefetching.discard(key)
-        answered_in_flight = key in self._hit_in_flight
-        self._hit_in_flight.discard(key)
-        result = handle.wait()
-        if self.disk.read_finished(key, result, started_at=self._read_started.pop(key, None)):
-            self.cache.mark_ready(key, Origin.DISK)
-            return
-        if answered_in_flight:
-            # Answered HIT in flight: the engine settled the ready word failed
-            # and the worker reports the load failed. Not "held by a load": the
-            # failed load may have been reported and released before this poll.
-            self.metrics.inc("in_flight_read_failures")
-        self.cache.fail(key)
-        # The chunk left the disk only when absent or corrupt (decision 0050).
-        if result.miss_kind in ("absent", "corrupt") and self._events is not None \
-                and self._announced.pop(self._key_hash(key), None) is not None:
-            self._emit([key], removed=True)
-
-    def _submit_writes(self) -> None:
-        while self._write_queue and len(self._writes) < self._max_inflight_writes:
-            key = self._write_queue.pop(0)
-            entry = self.cache.get(key)
-            if entry is None:
-                continue
-            try:
-                self._writes[key] = self.store.put(key, entry.slot, self.layout.payload_bytes)
-            except Exception as exc:  # noqa: BLE001 - the chunk stays in staging only
-                self.disk.submit_refused("write", key, exc)
-                self.cache.unpin(key)
-
-    def _finish_write(self, key: bytes) -> None:
-        handle = self._writes.pop(key)
-        if self.disk.write_finished(key, handle.wait()):
-            # Announced once on disk (not when only in staging): a router may
-            # send a request for this prefix to any node sharing the directory.
-            self._emit([key], removed=False)
-        self.cache.unpin(key)
-
-    @staticmethod
-    def _key_hash(key: bytes) -> int:
-        from pykvcache._core import key_hash
-
-        return key_hash(bytes(key))
-
-    def _collect_removed(self) -> None:
-        """Announces the chunks the engine's index lost since the last call
-        (capacity evictions, chunks another node removed, corrupt files) among
-        those this node announced as stored."""
-        if self._events is None:
-            return
-        hashes, dropped = self.store.take_removed()
-        if dropped:
-            logger.warning("pykvcache: %d chunk removals were not announced as KV events (log full)", dropped)
-        keys = [k for k in (self._announced.pop(h, None) for h in hashes) if k is not None]
-        self._emit(keys, removed=True)
-
-    def _emit(self, keys: list[bytes], *, removed: bool) -> None:
-        if self._events is not None and keys and not removed:
-            for key in keys:
-                self._announced[self._key_hash(key)] = bytes(key)
-        if self._events is not None and keys:
-            self._events.append(
-                OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=removed,
-                                locality=Locality.LOCAL)
-            )
-
