@@ -5,6 +5,8 @@
   a run's ``results.json``, traces and logs stay under the bench's ``--out``;
 * every report under docs/perf is linked from a document: a report no
   document cites is a superseded run (git keeps it);
+* no source file (Python, Rust, shell) is over 600 lines: a longer one holds
+  more than one subject, and is split by subject;
 * no tracked file's name or text carries a label of the period of work it
   was written in (a document says what the product is, does and measured,
   with the date or commit of a figure; CHANGELOG.md is dated).
@@ -25,6 +27,10 @@ PERF = "docs/perf/"
 
 PERF_BUDGET_BYTES = 3_000_000
 FILE_BUDGET_BYTES = 300_000
+SOURCE_SUFFIXES = (".py", ".rs", ".sh")
+SOURCE_BUDGET_LINES = 600
+#: Source files over the line budget, each with why; nothing is added here lightly.
+OVER_LINE_BUDGET: dict[str, str] = {}
 
 #: What a report folder may hold: the report, its plots and tables. Raw
 #: results (JSON), traces (JSON lines) and per-server logs are written under
@@ -130,6 +136,28 @@ def test_no_tracked_file_is_over_the_file_budget():
     big = sorted((p, (ROOT / p).stat().st_size) for p in tracked()
                  if (ROOT / p).stat().st_size > FILE_BUDGET_BYTES)
     assert not big, f"tracked files over {FILE_BUDGET_BYTES // 1000} KB: {big}"
+
+
+def over_line_budget(files: list[str], root: Path = ROOT) -> list[tuple[str, int]]:
+    """Source files among ``files`` (under ``root``) over the line budget, with their line counts."""
+    counts = ((p, len((root / p).read_bytes().splitlines())) for p in files if p.endswith(SOURCE_SUFFIXES))
+    return sorted((p, n) for p, n in counts if n > SOURCE_BUDGET_LINES)
+
+
+def test_the_line_budget_finds_a_long_source_file(tmp_path):
+    (tmp_path / "long.py").write_text("x = 1\n" * (SOURCE_BUDGET_LINES + 1))
+    (tmp_path / "short.rs").write_text("\n" * SOURCE_BUDGET_LINES)
+    (tmp_path / "notes.md").write_text("\n" * (SOURCE_BUDGET_LINES + 1))
+    assert over_line_budget(["long.py", "short.rs", "notes.md"], tmp_path) == [("long.py", SOURCE_BUDGET_LINES + 1)]
+
+
+def test_no_source_file_is_over_the_line_budget():
+    files = tracked()
+    assert any(p.endswith(".rs") for p in files) and any(p.endswith(".sh") for p in files)
+    long = [(p, n) for p, n in over_line_budget(files) if p not in OVER_LINE_BUDGET]
+    assert not long, f"source files over {SOURCE_BUDGET_LINES} lines (split each by subject): {long}"
+    stale = sorted(p for p in OVER_LINE_BUDGET if p not in dict(over_line_budget(files)))
+    assert not stale, f"no longer over the line budget, remove from OVER_LINE_BUDGET: {stale}"
 
 
 def test_docs_perf_holds_no_raw_results_traces_or_logs():
