@@ -3,13 +3,14 @@
 //! format shared with the slot path, every bounds and lifetime error, a
 //! corrupt chunk failing only its key, and a restart.
 
-use std::path::{Path, PathBuf};
-use std::sync::Arc;
-use std::time::Duration;
+mod common;
 
+use std::path::Path;
+use std::sync::Arc;
+
+use common::{chunk_file, wait, T};
 use pykvcache::{BackendChoice, BlockStore, DirectIoPolicy, MissKind, OpId, RegionId, StagingPool, Status, StoreConfig, VerifyPolicy};
 
-const T: Option<Duration> = Some(Duration::from_secs(30));
 const ROW: usize = 160 << 10;
 const ROWS: usize = 4;
 
@@ -61,12 +62,6 @@ fn open(c: StoreConfig) -> (BlockStore, Arc<StagingPool>) {
     (BlockStore::open(c, pool.clone()).expect("open store").0, pool)
 }
 
-fn wait(store: &BlockStore, id: OpId) -> pykvcache::Outcome {
-    let o = store.wait(id, T).unwrap().expect("operation timed out");
-    store.release_op(id);
-    o
-}
-
 fn fill(row: &mut [u8], seed: u8) {
     for (i, b) in row.iter_mut().enumerate() {
         *b = (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 12) as u8;
@@ -77,11 +72,6 @@ fn register(store: &BlockStore, r: &Region) -> RegionId {
     // SAFETY: `r` is `ROW * ROWS` bytes that every test keeps alive, unmoved, until after the store
     // is dropped or the region unregistered.
     unsafe { store.register_region(r.ptr, ROW * ROWS) }.unwrap()
-}
-
-fn chunk_file(store: &BlockStore, key: &[u8]) -> PathBuf {
-    let h = pykvcache::key_hash(key);
-    store.namespace_dirs()[0].join(format!("{:02x}", (h & 0xff) as u8)).join(format!("{h:032x}.kvc"))
 }
 
 #[test]

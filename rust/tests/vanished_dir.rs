@@ -4,13 +4,15 @@
 //! and nothing re-creates it; once a directory is back at its path the store
 //! works again within seconds, its index rebuilt from what is there.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pykvcache::{chunk_file_bytes, BlockStore, OpId, StagingPool, Status, StoreConfig};
+use common::{wait, T};
+use pykvcache::{chunk_file_bytes, BlockStore, StagingPool, Status, StoreConfig};
 
-const T: Option<Duration> = Some(Duration::from_secs(30));
 const PAYLOAD: usize = 60 << 10;
 /// What the store promises after the directory's return.
 const BACK_WITHIN: Duration = Duration::from_secs(10);
@@ -19,12 +21,6 @@ fn config(dir: &Path) -> StoreConfig {
     let mut c = StoreConfig::new(vec![dir.to_path_buf()], "vanishing", 64 * chunk_file_bytes(PAYLOAD) as u64);
     c.min_free = pykvcache::FreeSpaceReserve::AtLeast { bytes: 0, fraction: 0.0 };
     c
-}
-
-fn wait(store: &BlockStore, id: OpId) -> pykvcache::Outcome {
-    let o = store.wait(id, T).unwrap().expect("operation timed out");
-    store.release_op(id);
-    o
 }
 
 fn put(store: &BlockStore, pool: &StagingPool, key: &[u8]) -> pykvcache::Outcome {
