@@ -1,5 +1,5 @@
 //! `capacity_bytes` bounds a storage directory, whatever namespaces and
-//! writers share it (issue 24, decision 0053): real files, real io_uring.
+//! writers share it (decision 0053): real files, real io_uring.
 //! - an old namespace's chunks count against a new namespace's capacity and
 //!   the stalest go first, while lookups stay per namespace;
 //! - two stores writing one local directory with the default refresh end

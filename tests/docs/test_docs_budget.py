@@ -52,12 +52,6 @@ LABELS = [
 #: The same labels in file and folder names: ``-s16-``, ``-aa18-``, ``session3``.
 NAME_LABEL = re.compile(r"(?:^|[-_.])(?:s\d{1,2}[a-z]?|aa\d+|session[-_]?\d+)(?=$|[-_.])", re.I)
 
-#: TEMPORARY: files their owners are rewriting at the same time (the labels in
-#: them go with that rewrite). The lead empties this list once they land;
-#: nothing may be added to it.
-LABEL_EXCLUDED: set[str] = {
-    "rust/tests/shared_capacity.rs",
-}
 
 #: This file: its examples of labels are the detectors' test cases.
 SELF = "tests/docs/test_docs_budget.py"
@@ -196,7 +190,7 @@ def test_every_report_under_docs_perf_is_linked_from_a_document():
 def test_no_work_period_label_in_names_or_text():
     found = []
     for path in tracked():
-        if path in LABEL_EXCLUDED or path == SELF:
+        if path == SELF:
             continue
         found += [f"{path}: file or folder name {part!r}" for part in name_labels(path)]
         text = _text(path)
