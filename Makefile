@@ -74,10 +74,10 @@ test-quick: develop
 	$(PY) -m pytest -q -ra -m "not vllm" --durations=10 -n 2 --dist loadscope $(QUICK_DIRS)
 
 demo: develop
-	$(PY) -m pykvcache.cli demo
+	$(PY) -m pykvcache.tools.cli demo
 
 bench: develop
-	$(PY) -m pykvcache.cli bench --out bench-out
+	$(PY) -m pykvcache.tools.cli bench --out bench-out
 
 # The serving benchmark: real vLLM OpenAI servers (docs/performance.md, "Serving"),
 # both presets: sessions (every configuration, ~30-40 min on 2 cores) into
@@ -85,11 +85,11 @@ bench: develop
 # quiet and read-capped, the crossover plot; hours on 2 cores, see decisions/0039)
 # into bench-serve-out/long-context. bench-serve-long runs the second alone.
 bench-serve: develop
-	$(PY) -m pykvcache.cli bench --parts serve --serve-preset sessions --out bench-serve-out/sessions
-	$(PY) -m pykvcache.cli bench --parts serve --serve-preset long-context --out bench-serve-out/long-context
+	$(PY) -m pykvcache.tools.cli bench --parts serve --serve-preset sessions --out bench-serve-out/sessions
+	$(PY) -m pykvcache.tools.cli bench --parts serve --serve-preset long-context --out bench-serve-out/long-context
 
 bench-serve-long: develop
-	$(PY) -m pykvcache.cli bench --parts serve --serve-preset long-context --out bench-serve-out/long-context
+	$(PY) -m pykvcache.tools.cli bench --parts serve --serve-preset long-context --out bench-serve-out/long-context
 
 clean:
 	rm -rf target dist bench-out bench-serve-out demo-out gpu-bench-out

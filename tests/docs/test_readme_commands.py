@@ -116,7 +116,7 @@ def _make_recipe(target: str) -> list[str]:
 
 def _parse_pykvcache(args: list[str]) -> None:
     """The documented arguments parse with the real parser; then --help runs."""
-    from pykvcache.cli import build_parser
+    from pykvcache.tools.cli import build_parser
 
     build_parser().parse_args(args)
     _run([str(BIN / "pykvcache"), args[0], "--help"])
@@ -231,10 +231,10 @@ def run_command(command: str, placeholders: dict[str, str]) -> str:
         return f"selection collected: {len(selected)} tests (CI runs them in make test)"
     if words[0] == "make" and len(words) == 2:
         recipe = _make_recipe(words[1])
-        tools = [shlex.split(line) for line in recipe if "pykvcache.cli" in line]
+        tools = [shlex.split(line) for line in recipe if "pykvcache.tools.cli" in line]
         assert tools, f"make {words[1]} runs no pykvcache command: {recipe}"
         for tool in tools:
-            _parse_pykvcache(tool[tool.index("pykvcache.cli") + 1:])
+            _parse_pykvcache(tool[tool.index("pykvcache.tools.cli") + 1:])
         return "recipe parsed, --help"
     if words[0] == "pykvcache":
         _parse_pykvcache(words[1:])

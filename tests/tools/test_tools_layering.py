@@ -25,9 +25,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "pykvcache"
 TOOLS = PACKAGE / "tools"
-#: ``python -m pykvcache.cli`` (the Makefile) and console scripts installed
-#: before the tools moved import this name; it is the command, not the product.
-COMMAND_ALIAS = PACKAGE / "cli.py"
 ADAPTER = TOOLS / "vllm_adapter.py"
 #: Module paths the product must not import: the tools, under their new and old names.
 TOOL_MODULES = ("pykvcache.tools", "pykvcache.cli", "pykvcache.bench", "pykvcache.calibrate", "pykvcache.demo")
@@ -70,7 +67,7 @@ def _imports(path: Path) -> list[tuple[int, str, list[str]]]:
 
 
 def _product_files() -> list[Path]:
-    return sorted(p for p in PACKAGE.rglob("*.py") if TOOLS not in p.parents and p != COMMAND_ALIAS)
+    return sorted(p for p in PACKAGE.rglob("*.py") if TOOLS not in p.parents)
 
 
 def _tool_files() -> list[Path]:
@@ -84,9 +81,11 @@ def test_the_layout_has_both_sides():
     assert {"pykvcache.tools.cli", "pykvcache.tools.demo", "pykvcache.tools.bench.runner",
             "pykvcache.tools.calibrate.measure", "pykvcache.tools.calibrate.fit",
             "pykvcache.tools.calibrate.cli"} <= tools
-    # The old homes are gone (the command alias aside), so nothing can import them by mistake.
+    # The old homes are gone, so nothing can import them by mistake; the command has one
+    # module (``pykvcache``, ``python -m pykvcache.tools.cli``), no alias beside the product.
     assert not (PACKAGE / "bench").exists() and not (PACKAGE / "calibrate.py").exists()
-    assert not (PACKAGE / "demo.py").exists()
+    assert not (PACKAGE / "demo.py").exists() and not (PACKAGE / "cli.py").exists()
+    assert not (PACKAGE / "__main__.py").exists()
 
 
 def test_the_product_never_imports_the_tools():
@@ -222,13 +221,12 @@ def test_the_product_imports_without_rich():
     assert f"imported {len(modules)}" in proc.stdout
 
 
-@pytest.mark.parametrize("module", ["pykvcache.cli", "pykvcache.tools.cli"])
-def test_the_command_without_rich_says_how_to_install_it(tmp_path, module):
+def test_the_command_without_rich_says_how_to_install_it(tmp_path):
     proc = _python(
-        f"""
+        """
         import runpy, sys
         sys.argv = ["pykvcache", *sys.argv[1:]]
-        runpy.run_module({module!r}, run_name="__main__")
+        runpy.run_module("pykvcache.tools.cli", run_name="__main__")
         """,
         "demo", "--no-vllm", "--no-bench", "--out", str(tmp_path / "demo"),
     )
