@@ -16,7 +16,8 @@ venv:
 develop: venv
 	bash tools/develop.sh
 
-# One abi3 wheel (CPython >= 3.11, manylinux) in dist/.
+# One abi3 wheel (CPython >= 3.11, manylinux) in dist/: what users install, so without the
+# engine's test hooks (cargo feature fault-injection, which `develop` adds for the tests).
 wheel: venv
 	rm -f dist/pykvcache-*.whl
 	CARGO_TARGET_DIR=target/maturin $(VENV)/bin/maturin build --release --quiet --out dist
@@ -49,7 +50,8 @@ test-python: develop lmcache-env
 # Against vLLM 0.33 (CUDA build, no GPU needed): pykvcache's wheel installed
 # into .venv-vllm033, every test that starts no engine process (spec, manager,
 # connector scheduler side, the tiering tier, config, metrics, lookahead, gate,
-# API conformance). Engine tests (marker `vllm`) need a GPU with this build.
+# API conformance), and the build test (tests/engine/test_core_build.py: the wheel has no test
+# hooks; PYKVCACHE_RELEASE_WHEEL=1 tells it so). Engine tests (marker `vllm`) need a GPU with this build.
 # PYKVCACHE_SKIP_VLLM033=1 skips it, saying so (CI never sets it).
 test-vllm033: wheel
 	@if [ "$${PYKVCACHE_SKIP_VLLM033:-0}" = 1 ]; then \
@@ -57,7 +59,7 @@ test-vllm033: wheel
 	else \
 	  bash tools/setup_venv_vllm033.sh && \
 	  $(VENV033)/bin/python -m pip install --disable-pip-version-check -q --no-deps --force-reinstall dist/pykvcache-*.whl && \
-	  $(VENV033)/bin/python -m pytest -q -ra -m "not vllm" tests/vllm tests/gate; \
+	  PYKVCACHE_RELEASE_WHEEL=1 $(VENV033)/bin/python -m pytest -q -ra -m "not vllm" tests/vllm tests/gate tests/engine/test_core_build.py; \
 	fi
 
 # The full suite CI runs, stage by stage (venv, build, lmcache, cargo, vllm033env, pytest,

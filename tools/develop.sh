@@ -24,5 +24,7 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] \
   exit 0
 fi
 rm -f "$stamp" python/pykvcache/_core.cpython-*.so  # pre-abi3 builds would shadow the new one
-"$PY" -m maturin develop --release --quiet
+# `python` (pyproject.toml's maturin features, which --features replaces) and the engine's test
+# hooks (the tests' `_fault_*` keywords); `make wheel` builds without the hooks.
+"$PY" -m maturin develop --release --quiet --features python,fault-injection
 echo "$want" > "$stamp"

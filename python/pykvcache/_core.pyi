@@ -49,6 +49,11 @@ ENGINE_DEFAULTS: dict[str, int | float | str]
 ENGINE_LIMITS: dict[str, tuple[int, int]]
 #: Timeouts above this many seconds (about 31.7 years) mean "forever".
 FOREVER_S: float
+#: Whether this build has the engine's test hooks (cargo feature ``fault-injection``):
+#: ``BlockStore``'s ``_fault_*`` keywords. True in the build ``make develop`` makes for the
+#: tests; False in the release wheel (``make wheel``), whose ``BlockStore`` refuses them
+#: (``TypeError``).
+FAULT_INJECTION: bool
 
 def key_hash(key: bytes) -> int:
     """The 128-bit hash a chunk's file is named by (``BlockStore.take_removed``)."""

@@ -2,8 +2,9 @@
 //! and error paths of the backends and the store without a faulty device.
 //!
 //! Compiled in with the `fault-injection` feature only (`cargo test` turns it
-//! on through the crate's dev-dependency on itself; the Python build used by
-//! the tests turns it on with `python`, for the `_fault_*` keywords). Without
+//! on through the crate's dev-dependency on itself; `make develop` builds the
+//! extension the tests use with it, for the `_fault_*` keywords; the release
+//! wheel is built without it, and refuses those keywords). Without
 //! it `FaultPlan` has no knobs and cannot be built: every hook below is a
 //! no-op the compiler removes, and `SharedFaults` is always `None`.
 

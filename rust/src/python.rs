@@ -115,13 +115,7 @@ impl PyBlockStore {
                 store::FreeSpaceReserve::AtLeast { bytes: min_free_bytes.unwrap_or(0), fraction: min_free_fraction.unwrap_or(0.0) };
         }
         config.refresh = refresh_interval_s;
-        if _fault_max_transfer.is_some() || _fault_fail_nth.is_some() {
-            config.faults = Some(Arc::new(crate::faults::FaultPlan {
-                max_transfer: _fault_max_transfer,
-                fail_nth: _fault_fail_nth,
-                ..Default::default()
-            }));
-        }
+        config.faults = args::fault_plan(_fault_max_transfer, _fault_fail_nth)?;
         config.io_deadline = io_deadline_of(io_deadline)?;
         let submit_timeout = timeout_of("submit_timeout", submit_timeout)?;
         let pool = pool.inner.clone();
@@ -438,6 +432,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("ENGINE_DEFAULTS", engine_defaults(py)?)?;
     m.add("ENGINE_LIMITS", engine_limits(py)?)?;
     m.add("FOREVER_S", limits::FOREVER_S)?;
+    m.add("FAULT_INJECTION", cfg!(feature = "fault-injection"))?;
     m.add_function(wrap_pyfunction!(key_hash, m)?)?;
     m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(digest_range, m)?)?;

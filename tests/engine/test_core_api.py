@@ -8,6 +8,7 @@ import time
 import pytest
 
 import pykvcache as kv
+from fault_marks import NEEDS_FAULT_INJECTION
 
 MiB = 1 << 20
 
@@ -82,6 +83,7 @@ def test_exhausted_pool_blocks_then_raises_a_timeout():
     assert pool.try_acquire() == s
 
 
+@NEEDS_FAULT_INJECTION
 def test_blocking_calls_release_the_gil(store_dir):
     """A Python thread keeps running while the main thread blocks in the engine."""
     pool = kv.StagingPool(8 * MiB, 2)
@@ -133,6 +135,7 @@ def test_handles_are_polled_and_completion_fd_signals(store_dir):
     store.close()
 
 
+@NEEDS_FAULT_INJECTION
 def test_slot_with_io_in_flight_cannot_be_released(store_dir):
     pool = kv.StagingPool(8 * MiB, 1)
     store = make_store(store_dir, pool, backend="threads", io_threads=1, _fault_max_transfer=4096)

@@ -16,6 +16,7 @@ import pytest
 
 import pykvcache as kv
 import pykvcache.aio
+from fault_marks import NEEDS_FAULT_INJECTION
 
 MiB = 1 << 20
 
@@ -32,6 +33,7 @@ def slow_store(directory, slot_bytes: int, num_slots: int = 2):
 # ---- finding 5: one store, one event loop per thread
 
 
+@NEEDS_FAULT_INJECTION
 def test_aio_wait_from_two_event_loops_on_two_threads_completes(store_dir):
     # Before: both loops had a reader on the store's one eventfd; whichever
     # drained it took the wake-up, and the other loop's awaited handle never
@@ -79,6 +81,7 @@ def test_aio_wait_from_two_event_loops_on_two_threads_completes(store_dir):
 # ---- finding 7: one handle, many waiting threads
 
 
+@NEEDS_FAULT_INJECTION
 def test_one_handle_waited_from_many_threads_gives_every_waiter_the_result(store_dir):
     # Before: wait() held a mutable borrow of the handle while it slept, so
     # concurrent waiters raised "RuntimeError: Already borrowed" (83 of 320).
@@ -124,6 +127,7 @@ def test_one_handle_waited_from_many_threads_gives_every_waiter_the_result(store
     store.close()
 
 
+@NEEDS_FAULT_INJECTION
 def test_a_handle_dropped_while_other_threads_wait_frees_its_entry(store_dir):
     store, pool = slow_store(store_dir, 4 * MiB)
     slot = pool.acquire()

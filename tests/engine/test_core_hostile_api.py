@@ -20,6 +20,7 @@ import pytest
 
 import pykvcache as kv
 import pykvcache.aio
+from fault_marks import NEEDS_FAULT_INJECTION
 
 MiB = 1 << 20
 PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "python")
@@ -145,6 +146,7 @@ REFUSED_OPS = """
 """
 
 
+@NEEDS_FAULT_INJECTION
 def test_refused_operations_release_their_entry_and_close_completes(store_dir):
     r = run_isolated(REFUSED_OPS + """
     t0 = time.monotonic()
@@ -155,6 +157,7 @@ def test_refused_operations_release_their_entry_and_close_completes(store_dir):
     assert "refused 12 inflight 0" in r.stdout and "closed in" in r.stdout, r.stdout
 
 
+@NEEDS_FAULT_INJECTION
 def test_interpreter_exit_after_refused_operations_does_not_hang(store_dir):
     # The store is never closed: its destructor runs at interpreter exit.
     r = run_isolated(REFUSED_OPS + """
@@ -167,6 +170,7 @@ def test_interpreter_exit_after_refused_operations_does_not_hang(store_dir):
 # ---- item 7: asyncio with a store opened after another was closed
 
 
+@NEEDS_FAULT_INJECTION
 def test_aio_wait_works_on_stores_opened_after_others_closed_in_one_loop(tmp_path):
     # Before: the second or third store reused the first one's eventfd number
     # (and often its id()); the loop kept the dead registration and the
@@ -194,6 +198,7 @@ def test_aio_wait_works_on_stores_opened_after_others_closed_in_one_loop(tmp_pat
     assert len(set(fds)) < len(fds), f"no fd number was reused ({fds}): the scenario did not happen"
 
 
+@NEEDS_FAULT_INJECTION
 def test_aio_two_open_stores_share_a_loop(tmp_path):
     async def main():
         stores = []

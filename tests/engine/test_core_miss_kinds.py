@@ -17,6 +17,7 @@ import pytest
 
 import pykvcache as kv
 from robust_chunkfmt import HEADER_BYTES, chunk_files, seal_header
+from fault_marks import NEEDS_FAULT_INJECTION
 
 MiB = 1 << 20
 #: Offset of the flags word in the chunk header (rust/src/disk/format.rs).
@@ -141,6 +142,7 @@ def test_another_writers_chunk_is_kept_unserved_and_untouched(store_dir, backend
     pool.release(s)
 
 
+@NEEDS_FAULT_INJECTION
 @pytest.mark.parametrize("verify", ["full", "header"])
 def test_unreachable_storage_is_unavailable_and_the_chunk_stays(store_dir, backend, verify):
     """A storage errno (EIO here, injected into the transfer) says nothing about the file."""
@@ -161,6 +163,7 @@ def test_unreachable_storage_is_unavailable_and_the_chunk_stays(store_dir, backe
     pool.release(s)
 
 
+@NEEDS_FAULT_INJECTION
 @pytest.mark.parametrize("verify", ["full", "header"])
 def test_a_failed_read_leaves_the_file_unjudged(store_dir, backend, verify):
     """An errno that is not a storage failure (EINVAL here): status ``error``; the file was not

@@ -19,6 +19,7 @@ import pykvcache as kv
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from stall_fs import StallFs, skip_reason  # noqa: E402
+from fault_marks import NEEDS_FAULT_INJECTION
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
@@ -216,6 +217,7 @@ def test_filesystem_quirks_are_probed_not_assumed(tmp_path):
 DEADLINE_SLOW = 0.5
 
 
+@NEEDS_FAULT_INJECTION
 def test_a_slow_but_moving_transfer_is_not_abandoned(tmp_path):
     # 16384 transfers of 4 KiB on one I/O thread: far longer than the deadline, but
     # every landed segment is progress on the directory (before the fix: abandoned as stalled).

@@ -17,6 +17,7 @@ from pykvcache import BlockStore, StagingPool
 from pykvcache.vllm.layout import ChunkLayout
 from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
 from pykvcache.vllm.metrics import metric_definitions
+from fault_marks import NEEDS_FAULT_INJECTION
 
 vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
 LookupResult = vllm_base.LookupResult
@@ -396,6 +397,7 @@ def test_a_verify_header_writers_chunks_survive_a_full_verifying_manager(tmp_pat
         writer.close()
 
 
+@NEEDS_FAULT_INJECTION
 def test_a_read_error_the_engine_cannot_judge_deletes_no_chunk(tmp_path):
     """A read that fails with an errno that says nothing about the file (EINVAL, injected into
     the transfer): before, the manager evicted the chunk after any ``error``, deleting it."""

@@ -6,6 +6,7 @@ use std::time::Duration;
 use pyo3::exceptions::{PyOverflowError, PyValueError};
 use pyo3::prelude::*;
 
+use crate::faults::SharedFaults;
 use crate::store::config::limits::FOREVER_S;
 use crate::store::config::IoDeadline;
 use crate::store::RefreshPolicy;
@@ -93,4 +94,32 @@ pub(super) fn refresh_name(p: RefreshPolicy) -> String {
         RefreshPolicy::Auto => "auto".to_string(),
         RefreshPolicy::Every(d) => format!("every {:.3} s", d.as_secs_f64()),
     }
+}
+
+/// The test hooks of `BlockStore(_fault_max_transfer=, _fault_fail_nth=)`,
+/// in a build with the `fault-injection` feature (`make develop`).
+#[cfg(feature = "fault-injection")]
+pub(super) fn fault_plan(max_transfer: Option<usize>, fail_nth: Option<(u64, i32)>) -> PyResult<SharedFaults> {
+    if max_transfer.is_none() && fail_nth.is_none() {
+        return Ok(None);
+    }
+    Ok(Some(std::sync::Arc::new(crate::faults::FaultPlan { max_transfer, fail_nth, ..Default::default() })))
+}
+
+/// A build without fault injection (the release wheel) refuses the test
+/// hooks, naming them, instead of running without the faults asked for.
+#[cfg(not(feature = "fault-injection"))]
+pub(super) fn fault_plan(max_transfer: Option<usize>, fail_nth: Option<(u64, i32)>) -> PyResult<SharedFaults> {
+    let given: Vec<&str> = [("_fault_max_transfer", max_transfer.is_some()), ("_fault_fail_nth", fail_nth.is_some())]
+        .into_iter()
+        .filter_map(|(name, set)| set.then_some(name))
+        .collect();
+    if given.is_empty() {
+        return Ok(None);
+    }
+    Err(pyo3::exceptions::PyTypeError::new_err(format!(
+        "{}: test hooks this build of pykvcache does not have (it was built without the fault-injection \
+         feature, as release wheels are; `make develop` builds the engine the tests use with it)",
+        given.join(", ")
+    )))
 }
