@@ -263,11 +263,3 @@ def test_no_arrow_against_the_layers():
                 bad.append(f"{where}: {_name(module)} (layer {_layer(module[0])}) uses "
                            f"{_name(used)} (layer {_layer(used[0])})")
     assert not bad, "a lower layer reaches up:\n" + "\n".join(bad)
-
-
-def test_no_rust_file_is_over_600_lines():
-    """A file past 600 lines holds more than one subject: split it by subject (shared test
-    helpers live in ``rust/tests/common``)."""
-    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "rust").rglob("*.rs"))
-            if (n := len(p.read_text().splitlines())) > 600}
-    assert not long, long
