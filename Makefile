@@ -9,12 +9,12 @@ export VLLM_CPU_OMP_THREADS_BIND := nobind
 .PHONY: venv venv-vllm033 lmcache-env develop wheel lint test test-quick test-rust test-python test-vllm033 demo bench bench-serve bench-serve-long clean
 
 venv:
-	bash tools/setup_venv.sh
+	bash dev/setup_venv.sh
 
 # Builds the Rust extension (release) into the venv; a no-op when nothing it is built
-# from changed (tools/develop.sh; its own target directory, target/maturin).
+# from changed (dev/develop.sh; its own target directory, target/maturin).
 develop: venv
-	bash tools/develop.sh
+	bash dev/develop.sh
 
 # One abi3 wheel (CPython >= 3.11, manylinux) in dist/: what users install, so without the
 # engine's test hooks (cargo feature fault-injection, which `develop` adds for the tests).
@@ -23,23 +23,23 @@ wheel: venv
 	CARGO_TARGET_DIR=target/maturin $(VENV)/bin/maturin build --release --quiet --out dist
 
 venv-vllm033:
-	bash tools/setup_venv_vllm033.sh
+	bash dev/setup_venv_vllm033.sh
 
 # LMCache in .lmcache (never the venv), for `pykvcache bench --parts lmcache_disk`
 # and the serve part's lmcache config: ~20 MB download, ~100 MB on disk, seconds.
 lmcache-env:
-	bash tools/setup_lmcache.sh .lmcache
+	bash dev/setup_lmcache.sh .lmcache
 
 # The lint gate (stage `lint` of `make test`, after `build`): clippy with warnings as errors
 # (--release in target/maturin: reuses the extension build's dependency build scripts, 27 s
 # instead of 52 s cold on 2 cores; ~1 s when only lint config changed), rustfmt (rustfmt.toml), ruff (pyproject.toml)
 # and mypy's stubtest of the hand-written _core.pyi against the extension `develop` built
-# (tools/stubtest-allowlist.txt: only what stubtest cannot judge). ruff and mypy: requirements-dev.
+# (dev/stubtest-allowlist.txt: only what stubtest cannot judge). ruff and mypy: requirements-dev.
 lint:
 	CARGO_TARGET_DIR=target/maturin cargo clippy --release --all-targets --features python --quiet -- -D warnings
 	cargo fmt --check
 	$(PY) -m ruff check --quiet .
-	$(PY) -m mypy.stubtest pykvcache._core --allowlist tools/stubtest-allowlist.txt
+	$(PY) -m mypy.stubtest pykvcache._core --allowlist dev/stubtest-allowlist.txt
 
 test-rust:
 	cargo test --release --locked
@@ -57,16 +57,16 @@ test-vllm033: wheel
 	@if [ "$${PYKVCACHE_SKIP_VLLM033:-0}" = 1 ]; then \
 	  echo "test-vllm033: SKIPPED (PYKVCACHE_SKIP_VLLM033=1): nothing ran against vLLM 0.33"; \
 	else \
-	  bash tools/setup_venv_vllm033.sh && \
+	  bash dev/setup_venv_vllm033.sh && \
 	  $(VENV033)/bin/python -m pip install --disable-pip-version-check -q --no-deps --force-reinstall dist/pykvcache-*.whl && \
 	  PYKVCACHE_RELEASE_WHEEL=1 $(VENV033)/bin/python -m pytest -q -ra -m "not vllm" tests/vllm tests/gate tests/engine/test_core_build.py; \
 	fi
 
 # The full suite CI runs, stage by stage (venv, build, lmcache, cargo, vllm033env, pytest,
 # vllm033, benches: the benchmarks smoke-run once, tiny sizes, no timing so they cannot rot),
-# each timed, with a per-stage summary at the end (tools/test_stages.sh).
+# each timed, with a per-stage summary at the end (dev/test_stages.sh).
 test:
-	bash tools/test_stages.sh
+	bash dev/test_stages.sh
 
 # The inner loop (< 3 min here once built): the engine's cargo tests and every test that
 # starts no vLLM engine in tests/engine, tests/gate, tests/vllm and tests/docs.

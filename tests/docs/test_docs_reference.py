@@ -453,7 +453,7 @@ def test_every_relative_link_resolves(doc):
     assert not broken, f"{doc.relative_to(ROOT)} has broken links:\n  " + "\n  ".join(broken)
 
 
-REPO_PATH = re.compile(r"(?:docs|tests|scripts|rust|python|examples|tools|benches)/[\w./-]*")
+REPO_PATH = re.compile(r"(?:docs|tests|scripts|rust|python|examples|dev|benches)/[\w./-]*")
 
 
 @pytest.mark.parametrize("doc", [README, *sorted(DOCS.glob("*.md")), *sorted((DOCS / "decisions").glob("*.md"))],

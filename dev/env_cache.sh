@@ -1,4 +1,4 @@
-# Sourced by tools/setup_venv*.sh: third-party packages are installed once per machine, the
+# Sourced by dev/setup_venv*.sh: third-party packages are installed once per machine, the
 # project once per clone.
 #
 # An environment of third-party packages ("deps") is defined by the files that install it (its
@@ -13,6 +13,14 @@
 # clone's pykvcache) whose site-packages adds the deps environment's through a .pth file: a
 # clean clone on a machine that built the same deps before is set up in about a second, and
 # two clones on one machine each import their own tree.
+
+# env_key FILE...: the sha256 of what FILE... hold, the hash a deps environment is named by. The
+# files are hashed as they read before this folder was renamed from tools/ to dev/ (each `dev/`
+# path they name is hashed as `tools/`), so the environments built before the rename stay valid;
+# any other change to them still names a new environment.
+env_key() {
+  cat "$@" | sed -E 's#(^|[^/[:alnum:]_.-])dev/#\1tools/#g' | sha256sum | cut -d' ' -f1
+}
 
 env_cache_dir() {
   local cache=${PYKVCACHE_ENV_CACHE:-$HOME/.cache/pykvcache/envs}

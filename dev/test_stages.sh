@@ -2,7 +2,7 @@
 # `make test`: every stage of the full suite in order, each timed, with a one-line summary per
 # stage at the end (also when a stage fails), so a slow stage shows in every CI log.
 #
-#   venv      .venv (tools/setup_venv.sh: reused when its stamp matches)
+#   venv      .venv (dev/setup_venv.sh: reused when its stamp matches)
 #   build     the Rust extension into .venv (maturin develop --release)
 #   lint      clippy -D warnings, cargo fmt --check, ruff check, stubtest of _core.pyi (make lint)
 #   lmcache   LMCache into .lmcache (the storage-level comparison's private install)
@@ -57,9 +57,9 @@ trap print_summary EXIT
 vllm033_env_log=$(mktemp)
 skip033=${PYKVCACHE_SKIP_VLLM033:-0}
 
-stage venv bash tools/setup_venv.sh || exit $first_rc
+stage venv bash dev/setup_venv.sh || exit $first_rc
 if [ "$skip033" != 1 ]; then
-  { bash tools/setup_venv_vllm033.sh; rc=$?; date +%s >"$vllm033_env_log.end"; exit $rc; } >"$vllm033_env_log" 2>&1 &
+  { bash dev/setup_venv_vllm033.sh; rc=$?; date +%s >"$vllm033_env_log.end"; exit $rc; } >"$vllm033_env_log" 2>&1 &
   env033_pid=$!
   env033_start=$(date +%s)
 fi

