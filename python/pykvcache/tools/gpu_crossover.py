@@ -70,12 +70,18 @@ def build_model(shape: Shape, device: str, dtype: Any) -> Any:
     """A random-weight model of ``shape`` on ``device`` (no download)."""
     import torch
 
+    # Either architecture through one construction; transformers' configs take attn_implementation
+    # through an __init__ wrapper that their dataclass typing does not show.
+    Config: Any
+    Model: Any
     if shape.arch == "qwen3":
-        from transformers import Qwen3Config as Config
-        from transformers import Qwen3ForCausalLM as Model
+        from transformers import Qwen3Config, Qwen3ForCausalLM
+
+        Config, Model = Qwen3Config, Qwen3ForCausalLM
     else:
-        from transformers import LlamaConfig as Config
-        from transformers import LlamaForCausalLM as Model
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        Config, Model = LlamaConfig, LlamaForCausalLM
     config = Config(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
                     num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
                     num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,

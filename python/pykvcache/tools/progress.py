@@ -69,8 +69,9 @@ class PhaseProgress:
         if self._p is None:
             print(f"{self._name}: {name} ({total} measurements)", file=sys.stderr, flush=True)
             return lambda description="": None
-        task = self._p.add_task("", total=total, phase=name)
-        return lambda description="": self._p.update(task, advance=1, description=description)
+        progress = self._p
+        task = progress.add_task("", total=total, phase=name)
+        return lambda description="": progress.update(task, advance=1, description=description)
 
     def log(self, text: str) -> None:
         if self._p is not None:

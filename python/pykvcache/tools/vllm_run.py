@@ -31,9 +31,12 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pykvcache.tools import vllm_adapter
+
+if TYPE_CHECKING:
+    from vllm.inputs import TokensPrompt
 
 RESULT_PREFIX = "RESULT "
 #: ``PROGRESS <run> <phase>`` lines on stdout before each step, for a live status.
@@ -97,7 +100,7 @@ def _run_engine(model: str, engine: dict[str, Any], run: dict[str, Any]) -> dict
         entry: dict[str, Any] = {"op": phase["op"], "name": phase.get("name", phase["op"]), "t0": time.time()}
         if phase["op"] == "generate":
             params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 16), ignore_eos=True)
-            prompts = [{"prompt_token_ids": tokenizer(p).input_ids} for p in phase["prompts"]]
+            prompts: list[TokensPrompt] = [{"prompt_token_ids": tokenizer(p).input_ids} for p in phase["prompts"]]
             outs = llm.generate(prompts, params, use_tqdm=False)
             entry["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
             entry["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]

@@ -16,11 +16,11 @@ import logging
 import mmap
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .. import vllm_adapter
 from .cold_cache import DiskCounter, drop_caches, settle
@@ -28,6 +28,9 @@ from .cpu_meter import CpuMeter
 from .engine_bench import BenchDataError, open_store, store_info
 from .payload import digest, expected_digest, payload
 from .results import PhaseResult
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import OffloadKey
 
 #: Job shapes: name -> chunks per job (None = all chunks in one job).
 JOB_SHAPES: dict[str, int | None] = {"one_job": None, "jobs_of_8": 8, "jobs_of_1": 1}
@@ -47,7 +50,7 @@ def split_jobs(n: int, shape: str) -> list[list[int]]:
     return [list(range(i, min(i + per, n))) for i in range(0, n, per)]
 
 
-def offload_keys(n: int, tag: str) -> list[bytes]:
+def offload_keys(n: int, tag: str) -> list[OffloadKey]:
     """vLLM offload keys (32-byte block hash + 4-byte group index), used by both systems."""
     import hashlib
 
@@ -117,7 +120,7 @@ class TierSystem(abc.ABC):
     def chunk_view(self, i: int) -> memoryview:
         return self._flat[i * self.chunk : (i + 1) * self.chunk]
 
-    def run(self, direction: str, keys: list[bytes], jobs: list[list[int]]) -> list[str]:
+    def run(self, direction: str, keys: list[OffloadKey], jobs: list[list[int]]) -> list[str]:
         import numpy as np
         from vllm.v1.kv_offload.base import ReqContext
         from vllm.v1.kv_offload.tiering.base import TransferJob
@@ -152,8 +155,11 @@ class FsTierSystem(TierSystem):
 
     name = "fs_tier"
 
-    def _make_tier(self, spec: Any, read_threads: int = 16, write_threads: int = 16) -> Any:
+    def _make_tier(self, spec: Any, read_threads: int = 16, write_threads: int = 16, **unknown: Any) -> Any:
         from vllm.v1.kv_offload.tiering.fs.manager import FileSystemTierManager
+
+        if unknown:
+            raise TypeError(f"the fs tier takes read_threads and write_threads, not {sorted(unknown)}")
 
         return FileSystemTierManager(spec, self.view, tier_type="fs", root_dir=str(self.root),
                                      n_read_threads=read_threads, n_write_threads=write_threads)
@@ -232,7 +238,7 @@ class PykvcacheSystem:
         with self.pool.view(self.slots[i]) as v:
             yield v
 
-    def run(self, direction: str, keys: list[bytes], jobs: list[list[int]]) -> list[str]:
+    def run(self, direction: str, keys: Sequence[bytes], jobs: list[list[int]]) -> list[str]:
         handles = []
         for job in jobs:
             for i in job:
@@ -288,7 +294,7 @@ class FsCase:
 def run_system_case(
     system: Any,
     case: FsCase,
-    keys: list[bytes],
+    keys: list[OffloadKey],
     *,
     disk: DiskCounter | None,
     cold: bool,

@@ -87,7 +87,8 @@ def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
             "contended = one busy-loop process per core during the phase.",
         )
     )  # fmt: skip
-    tier_rows, tier_pairs = [], []
+    tier_rows: list[list[str]] = []
+    tier_pairs: list[dict[str, Any]] = []
     for contended in cfg.fs_contention:
         for direction, op in OPS:
             for chunk in cfg.fs_chunk_sizes:

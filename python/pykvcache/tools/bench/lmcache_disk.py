@@ -35,7 +35,8 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from .cold_cache import DiskCounter, drop_caches, settle
 from .cpu_meter import CpuMeter
@@ -48,6 +49,23 @@ from .results import PhaseResult
 LAYERS, KV_HEADS, HEAD_SIZE, DTYPE_BYTES = 4, 8, 128, 4
 BYTES_PER_TOKEN = 2 * LAYERS * KV_HEADS * HEAD_SIZE * DTYPE_BYTES
 LMCACHE_DISK = "LocalDiskBackend"
+
+
+class BenchSystem(Protocol):
+    """What ``run_system`` drives: a store with its staging memory, chunk ``i`` in buffer ``i``."""
+
+    name: str
+
+    def key(self, tag: str, i: int) -> Any: ...
+    def fill(self, i: int) -> None: ...
+    def store(self, keys: list[Any], indices: list[int], timeout_s: float) -> list[str]: ...
+    def prepare_load(self) -> None: ...
+    def before_single_load(self, i: int) -> None: ...
+    def load(self, keys: list[Any], indices: list[int]) -> list[str]: ...
+    def loaded_digest(self, i: int) -> bytes: ...
+    def files(self) -> list[Path]: ...
+    def info(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
 
 
 class LMCacheSystem:
@@ -171,7 +189,7 @@ class LMCacheSystem:
         return {"lmcache": version("lmcache"), "disk_io_threads": self.config.get_extra_config_value("disk_io_threads", 4),
                 "o_direct": bool(self.disk.use_odirect), "allocator": type(self.disk.local_cpu_backend.memory_allocator).__name__,
                 # The install's directory name only: reports carry no machine-specific paths.
-                "lmcache_install": Path(sys.modules["lmcache"].__file__).parent.parent.name}
+                "lmcache_install": Path(sys.modules["lmcache"].__file__ or "").parent.parent.name}
 
     def close(self) -> None:
         for obj in [*self.sources.values(), *self.loaded.values()]:
@@ -254,16 +272,18 @@ class PykvcacheSystem:
         self.pool.close()
 
 
-SYSTEMS = {"pykvcache": PykvcacheSystem, "lmcache": LMCacheSystem}
+SYSTEMS: dict[str, Callable[..., BenchSystem]] = {"pykvcache": PykvcacheSystem, "lmcache": LMCacheSystem}
 
 
-def _fsync_all(paths: list[Path]) -> None:
+def _fsync_all(paths: list[Path]) -> list[str]:
+    """fsync every file; no errors (an fsync that fails raises)."""
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+    return []
 
 
 def run_system(spec: dict[str, Any]) -> dict[str, Any]:
@@ -302,7 +322,7 @@ def run_system(spec: dict[str, Any]) -> dict[str, Any]:
         settle()
         phase("write", lambda: system.store(keys, indices, timeout_s))
         files = system.files()
-        phase("flush", lambda: _fsync_all(files) or [])
+        phase("flush", lambda: _fsync_all(files))
         # One operation at a time: the latency of a put and of a cold get alone.
         lat_keys = [system.key(tag + "-lat", j) for j in range(lat_ops)]
         for j in range(lat_ops):

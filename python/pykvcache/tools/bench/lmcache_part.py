@@ -192,7 +192,8 @@ def _op_figures(by: dict[tuple, PhaseResult], system: str, chunk: int, conc: int
 def analyse(phases: list[PhaseResult], runs: list[dict[str, Any]], cfg: BenchConfig) -> PartOutput:
     out = PartOutput(name=NAME, title=TITLE)
     by = {(p.system, p.direction, p.chunk_bytes, p.params["concurrency"], p.params["repeat"]): p for p in phases}
-    rows, pairs = [], []
+    rows: list[list[str]] = []
+    pairs: list[dict[str, Any]] = []
     ops = ("load (cold)", "store (acknowledged)", "store + fsync (on device)")
     for chunk in cfg.lmcache_chunk_sizes:
         for conc in cfg.lmcache_concurrency:
@@ -280,14 +281,14 @@ def analyse(phases: list[PhaseResult], runs: list[dict[str, Any]], cfg: BenchCon
         ", ".join(f"{s} {verified[s]}/{expected[s]}" for s in SYSTEMS))
     loads = [(min(p["ratio"]), p) for p in pairs if p["op"] == "load (cold)" and p["ratio"]]
     if loads:
-        r, p = min(loads, key=lambda x: x[0])
+        r, worst = min(loads, key=lambda x: x[0])
         out.targets["cold loads >= 1.0x LMCache's disk tier (every repeat)"] = (
-            r >= 1.0, f"worst {r:.2f}x ({p['chunk_bytes'] // MiB} MiB, {p['concurrency']} in flight)")
+            r >= 1.0, f"worst {r:.2f}x ({worst['chunk_bytes'] // MiB} MiB, {worst['concurrency']} in flight)")
     durable = [(min(p["ratio"]), p) for p in pairs if p["op"] == "store + fsync (on device)" and p["ratio"]]
     if durable:
-        r, p = min(durable, key=lambda x: x[0])
+        r, worst = min(durable, key=lambda x: x[0])
         out.targets["stores to the device >= 1.0x LMCache's (every repeat)"] = (
-            r >= 1.0, f"worst {r:.2f}x ({p['chunk_bytes'] // MiB} MiB, {p['concurrency']} in flight)")
+            r >= 1.0, f"worst {r:.2f}x ({worst['chunk_bytes'] // MiB} MiB, {worst['concurrency']} in flight)")
     out.notes.append(
         "LMCache is driven below its vLLM connector (which has no CPU path: `RuntimeError: No supported cpu connector "
         "found.` from lmcache/v1/gpu_connector/__init__.py): its StorageManager built from LMCacheEngineConfig "

@@ -11,7 +11,7 @@ import statistics
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from .cpu_meter import CpuPerGb
 
@@ -63,14 +63,25 @@ class PhaseResult(CpuPerGb):
         return d
 
 
+class Medians(TypedDict):
+    """The repeats of one configuration: ``median_by``'s value."""
+
+    gbps: float
+    gbps_min: float
+    gbps_max: float
+    cpu_s_per_gb: float | None
+    repeats: int
+    errors: int
+
+
 def median_by(
-    phases: Iterable[PhaseResult], key: Callable[[PhaseResult], tuple]
-) -> dict[tuple, dict[str, float | int | None]]:
+    phases: Iterable[PhaseResult], key: Callable[[PhaseResult], tuple[Any, ...]]
+) -> dict[tuple[Any, ...], Medians]:
     """Group repeats by ``key`` and take medians of bandwidth and CPU per GB."""
-    groups: dict[tuple, list[PhaseResult]] = defaultdict(list)
+    groups: dict[tuple[Any, ...], list[PhaseResult]] = defaultdict(list)
     for p in phases:
         groups[key(p)].append(p)
-    out: dict[tuple, dict[str, float | int | None]] = {}
+    out: dict[tuple[Any, ...], Medians] = {}
     for k, ps in groups.items():
         cpus = [p.cpu_s_per_gb for p in ps if p.cpu_s_per_gb is not None]
         out[k] = {

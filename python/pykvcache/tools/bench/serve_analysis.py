@@ -118,8 +118,8 @@ def analyse(runs: list[dict[str, Any]], opts: ServeOptions, model_info: dict[str
                              f"{spread(vs)} (pykvcache / variant, per repeat; > 1: the variant is faster).")
     if "pykvcache" in ratio_raw:
         rr = ratio_raw["pykvcache"]
-        def worst(xs: list[float | None]) -> float | None:
-            xs = [x for x in xs if x is not None]
+        def worst(values: list[float | None]) -> float | None:
+            xs = [x for x in values if x is not None]
             return min(xs) if xs else None
         for key, label in (("p50_turn2plus", "pykvcache p50 TTFT for turns >= 2 lower than recompute's"),
                            ("p99", "pykvcache p99 TTFT not worse than recompute's (every repeat)"),

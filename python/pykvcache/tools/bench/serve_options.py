@@ -32,7 +32,7 @@ CALIBRATED = "calibrated"
 #: configuration stopped (serve_restart.py). Not in the defaults.
 RESTARTED = "restarted"
 KNOWN_CONFIGS = (*ALL_CONFIGS, VARIANT, CALIBRATED, RESTARTED)
-PYKVCACHE_CONFIGS = {
+PYKVCACHE_CONFIGS: dict[str, dict[str, Any]] = {
     "pykvcache": {},
     "gate_off": {"gate": False},
     "lookahead_off": {"lookahead_bytes": 0},

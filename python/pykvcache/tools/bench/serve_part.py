@@ -60,7 +60,7 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
     if problems:
         raise ValueError("serve options: " + "; ".join(problems))
     model, mcfg, generated = resolve_model(opts.model, model_cache or default_model_cache())
-    model_info = {"name": opts.model, "path": model, "config": mcfg, "generated": generated,
+    model_info: dict[str, Any] = {"name": opts.model, "path": model, "config": mcfg, "generated": generated,
                   "bytes_per_token": kv_bytes_per_token(mcfg)}
     dropped = None
     if opts.contexts:

@@ -5,6 +5,7 @@ and the formatting the tables share (pure: unit-tested on synthetic runs)."""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 #: Reused-prefix buckets of the TTFT split (tokens; lower bounds).
@@ -49,8 +50,8 @@ def ms(x: float | None) -> str:
     return "-" if x is None else f"{x * 1e3:.0f}" if x >= 0.1 else f"{x * 1e3:.1f}"
 
 
-def spread(xs: list[float | None], fmt: str = "{:.2f}") -> str:
-    xs = [x for x in xs if x is not None]
+def spread(values: Sequence[float | None], fmt: str = "{:.2f}") -> str:
+    xs = [x for x in values if x is not None]
     if not xs:
         return "-"
     med = statistics.median(xs)

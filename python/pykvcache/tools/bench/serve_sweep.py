@@ -336,7 +336,8 @@ def crossover_figure(rows: list[dict[str, Any]], opts: ServeOptions, break_even:
         from matplotlib.ticker import FixedLocator, NullFormatter, ScalarFormatter
 
         axes = fig.subplots(1, 2, sharey=True)
-        styles = {"steady": dict(linestyle="-", marker="o"), "cold": dict(linestyle=":", marker="x", alpha=0.7)}
+        styles: dict[str, dict[str, Any]] = {"steady": dict(linestyle="-", marker="o"),
+                                             "cold": dict(linestyle=":", marker="x", alpha=0.7)}
         for ax, key, label in ((axes[0], "p50", "median TTFT"), (axes[1], "p99", "p99 TTFT")):
             for (c, cap, phase) in dict.fromkeys((r["config"], r["read_mbps"], r["phase"]) for r in rows):
                 pts = [(r["context"], statistics.median(r[key])) for r in rows

@@ -17,7 +17,7 @@ from .engine_bench import EngineCase, run_engine_case
 from .cold_cache import drop_caches
 from .fio_runner import FioJob, FioResult, FioRunner, sweep_jobs
 from .parts import BenchContext, Figure, Part, PartOutput, Table, register_part
-from .results import PhaseResult, median_by, ratio
+from .results import Medians, PhaseResult, median_by, ratio
 
 RW = ("read", "write")
 # Rows of the table: fresh writes into an empty store, the first fill of a
@@ -151,15 +151,16 @@ def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
     fio = median_by([p for p in phases if p.system == "fio"], lambda p: (p.direction, p.chunk_bytes, p.params["numjobs"], p.params["iodepth"]))
     fio_cf = median_by([p for p in phases if p.system == "fio_chunk_files"], lambda p: (p.direction, p.chunk_bytes, p.params["iodepth"]))
 
-    def fio_best(rw: str, chunk: int) -> tuple[tuple, dict] | None:
+    def fio_best(rw: str, chunk: int) -> tuple[tuple[Any, ...], Medians] | None:
         cands = [(k, v) for k, v in fio.items() if k[0] == _fio_rw(rw) and k[1] == chunk]
         return max(cands, key=lambda kv: kv[1]["gbps"], default=None)
 
-    rows, summary = [], []
+    rows: list[list[str]] = []
+    summary: list[dict[str, Any]] = []
     for rw in DIRECTIONS:
         for chunk in cfg.chunk_sizes:
             best = fio_best(rw, chunk)
-            best_engine: tuple[int, dict] | None = None
+            best_engine: tuple[int, Medians] | None = None
             for qd in cfg.queue_depths:
                 e = eng.get((rw, chunk, qd))
                 if e is None:
@@ -241,11 +242,11 @@ def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
             + (f"; {min(cf_fresh):.2f}-{max(cf_fresh):.2f}x fio writing fresh chunk files" if cf_fresh else ""),
         )
     if big:
-        cf = [s for s in big if s["ratio_chunk_files"] is not None]
-        if cf:
-            worst_cf = min(cf, key=lambda s: s["ratio_chunk_files"])
+        with_cf = [s for s in big if s["ratio_chunk_files"] is not None]
+        if with_cf:
+            worst_cf = min(with_cf, key=lambda s: s["ratio_chunk_files"])
             out.targets["(diagnostic) engine >= 0.9x fio on the same file-per-chunk layout, 8-28 MiB"] = (
-                all(s["ratio_chunk_files"] >= 0.9 for s in cf),
+                all(s["ratio_chunk_files"] >= 0.9 for s in with_cf),
                 f"worst {worst_cf['ratio_chunk_files']:.2f}x ({worst_cf['direction']}, {worst_cf['chunk_bytes'] // MiB} MiB, QD {worst_cf['engine_qd']})",
             )
         cpu = [s for s in big if s["cpu_ratio"] is not None]
@@ -308,7 +309,7 @@ def _cold_notes(phases: list[PhaseResult]) -> list[str]:
     return notes
 
 
-def _keyed(med: dict[tuple, dict]) -> list[dict]:
+def _keyed(med: dict[tuple[Any, ...], Medians]) -> list[dict[str, Any]]:
     return [{"key": list(k), **v} for k, v in med.items()]
 
 

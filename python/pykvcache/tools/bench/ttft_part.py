@@ -35,6 +35,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -301,7 +302,7 @@ def disturbed(records: list[dict[str, Any]], n: int) -> set[int]:
 
 
 def paired(records: list[dict[str, Any]], load_mode: str, gated_mode: str, n: int,
-           skip: set[int] = frozenset()) -> list[tuple[float, float, float]]:
+           skip: AbstractSet[int] = frozenset()) -> list[tuple[float, float, float]]:
     """``(recompute, load, gated)`` TTFTs of each repeat at length ``n`` (but
     the ``skip`` ones): measured back to back on the same prefix, so slow
     drift on the machine hits all three alike."""
@@ -522,7 +523,8 @@ def _notes(result: dict[str, Any], base: dict[str, Any], opts: TtftOptions) -> l
 def _figure(lengths: list[int], base: dict[str, Any], slow: dict[str, Any] | None,
             delay_s: float | None) -> Figure:
     def draw(fig: Any) -> None:
-        panels = [(base, ("recompute", "disk", "staging", "gated"), "this machine's disk")]
+        panels: list[tuple[dict[str, Any], tuple[str, ...], str]] = [
+            (base, ("recompute", "disk", "staging", "gated"), "this machine's disk")]
         if slow is not None:
             panels.append((slow, ("recompute", "slow_disk", "slow_gated"),
                            f"emulated slow storage (+{(delay_s or 0) * 1e3:.0f} ms per load)"))

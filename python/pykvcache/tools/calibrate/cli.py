@@ -385,8 +385,8 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
         pykvcache_version=__version__,
         notes=notes + (["tiny test model built offline"] if tiny else []),
     )
-    path = profile.save(args.out)
-    _summary(profile, prefill_points, storage["points"], path, time.monotonic() - started)
+    saved = profile.save(args.out)
+    _summary(profile, prefill_points, storage["points"], saved, time.monotonic() - started)
     return 0
 
 

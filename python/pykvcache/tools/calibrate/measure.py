@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 MiB = 1 << 20
 
@@ -95,7 +95,7 @@ def measure_prefill(llm, lengths: list[int], repeats: int, vocab: int, seed: int
         wall = time.perf_counter() - t0
         m = getattr(out, "metrics", None)
         engine = None
-        if m is not None and getattr(m, "first_token_ts", 0) and getattr(m, "scheduled_ts", 0):
+        if m is not None and getattr(m, "first_token_ts", None) and getattr(m, "scheduled_ts", None):
             engine = m.first_token_ts - m.scheduled_ts
         return wall, engine if engine is not None and engine > 0 else None
 
@@ -252,8 +252,8 @@ class StorageOptions:
     """How the storage sweep opens its store and how much it may write."""
 
     queue_depth: int = 32
-    backend: str = "auto"  # "auto", "io_uring" or "threads"
-    direct_io: str = "optional"  # "required", "optional" or "disabled"
+    backend: Literal["auto", "io_uring", "threads"] = "auto"
+    direct_io: Literal["required", "optional", "disabled"] = "optional"
     budget_mib: int = 2048  # chunk files written at most
 
 
