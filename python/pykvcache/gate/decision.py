@@ -55,7 +55,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pykvcache.gate.cost_model import CostModel
+from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
 from pykvcache.gate.exploration import Exploration
 from pykvcache.gate.online import OnlineLoadModel, OnlinePrefillModel
 
@@ -256,9 +256,9 @@ class AdmissionGate:
                                                  queued_bytes, margin) >= first_disk:
                 ex.started(now)
                 if sample_in_background:
-                    sample_chunks = self._sample_prefix(states, first_disk, available, load)
+                    sample_chunks = self._sample_prefix(ex, states, first_disk, available, load)
                 else:
-                    best_k, best_load, best_staged = self._explored_prefix(states, first_disk, available, model,
+                    best_k, best_load, best_staged = self._explored_prefix(ex, states, first_disk, available, model,
                                                                            start_tokens, queued_bytes)
                     reason = "explore"
         if best_k:
@@ -283,7 +283,7 @@ class AdmissionGate:
         self._count(decision)
         return decision
 
-    def _best_prefix(self, states: Sequence[ChunkState], available: int, load, prefill, start_tokens: int,
+    def _best_prefix(self, states: Sequence[ChunkState], available: int, load: LoadCost, prefill: PrefillCurve, start_tokens: int,
                      queued_bytes: int, margin: float) -> int:
         """The prefix (chunks) the decision loop would choose with load cost
         ``load``: for exploring only (rare), so not the inlined hot loop."""
@@ -301,7 +301,7 @@ class AdmissionGate:
                 best_k, best_net = k, net
         return best_k
 
-    def _prefix_load(self, states: Sequence[ChunkState], k: int, load, queued_bytes: int) -> tuple[float, int]:
+    def _prefix_load(self, states: Sequence[ChunkState], k: int, load: LoadCost, queued_bytes: int) -> tuple[float, int]:
         """``(est_load_s, staged)`` of the first ``k`` chunks (outside the hot loop)."""
         load_s = load.step_s if k else 0.0
         staged = 0
@@ -315,14 +315,14 @@ class AdmissionGate:
                 staged += 1
         return load_s, staged
 
-    def _explored_prefix(self, states: Sequence[ChunkState], first_disk: int, available: int, model: CostModel,
-                         start_tokens: int, queued_bytes: int) -> tuple[int, float, int]:
+    def _explored_prefix(self, ex: Exploration, states: Sequence[ChunkState], first_disk: int, available: int,
+                         model: CostModel, start_tokens: int, queued_bytes: int) -> tuple[int, float, int]:
         """``(chunks, est_load_s, staged)`` of the longest prefix (at least
         ``first_disk`` chunks) whose estimated load is within the exploration's
         ``max_load_ratio`` of its recompute. Only when exploring: a second pass
         keeps the hot loop above as it was."""
         load, prefill = model.load, model.prefill
-        ratio = self.exploration.max_load_ratio
+        ratio = ex.max_load_ratio
         copy_per_chunk = self.chunk_bytes / load.h2d_bytes_per_s
         read_per_chunk = self.chunk_bytes / load.disk_bytes_per_s
         first_read = load.fixed_s + load.disk_step_s + queued_bytes / load.disk_bytes_per_s
@@ -342,12 +342,12 @@ class AdmissionGate:
                 chosen = (k, load_s, staged)
         return chosen
 
-    def _sample_prefix(self, states: Sequence[ChunkState], first_disk: int, available: int, load) -> int:
+    def _sample_prefix(self, ex: Exploration, states: Sequence[ChunkState], first_disk: int, available: int,
+                       load: LoadCost) -> int:
         """Chunks of the prefix (from the start) that hold a background sample:
         disk chunks from ``first_disk`` on, until their estimated read at the
         learnt speed reaches the exploration's ``min_sample_s`` or they are
         ``max_sample_chunks`` (decision 0054)."""
-        ex = self.exploration
         read_per_chunk = self.chunk_bytes / load.disk_bytes_per_s
         disk = 0
         k = first_disk - 1

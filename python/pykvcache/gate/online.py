@@ -48,7 +48,7 @@ import math
 import statistics
 import time
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from pykvcache.gate.cost_model import LoadCost, PrefillCurve
 
@@ -160,7 +160,7 @@ class OnlineLoadModel:
         """Drops the loads observed before ``since``: the device changed then."""
         return self._keep(lambda t: t >= since)
 
-    def _keep(self, keep) -> int:
+    def _keep(self, keep: Callable[[float], bool]) -> int:
         if self.pooled and not keep(self._pool_since):
             self._drop_pool()  # not learnt yet: not counted as forgotten
         kept = [p for p in self._points if keep(p[2])]

@@ -19,7 +19,7 @@ def request_keys_from(req_context: Any, first_key: bytes, chunk_tokens: int) -> 
     ``first_key``'s chunk starts."""
     positions: dict[bytes, int] | None = getattr(req_context, "_offload_key_positions", None)
     end = positions.get(first_key) if positions else None
-    if end is None:
+    if positions is None or end is None:
         return [first_key], 0
     group = first_key[-4:]  # make_offload_key appends the group index
     by_end: dict[int, bytes] = {}

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import IO, Any
 
 from pykvcache.gate.decision import ChunkState, GateDecision
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 
 class DecisionTrace:
-    def __init__(self, path: str | os.PathLike[str], *, clock=time.monotonic) -> None:
+    def __init__(self, path: str | os.PathLike[str], *, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = os.fspath(path)
         self.clock = clock
         self._t0 = clock()
