@@ -18,7 +18,7 @@ import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
-from typing import Any
+from typing import Any, NoReturn, TypeGuard
 
 from pykvcache import _core
 from pykvcache.vllm.config_checks import appendable_file_problems, filesystem_type, staging_memory_problems
@@ -96,15 +96,15 @@ class _Invalid(Exception):
 Check = Callable[[str, Any], Any]
 
 
-def _refuse(name: str, what: str, value: Any) -> Any:
+def _refuse(name: str, what: str, value: Any) -> NoReturn:
     raise _Invalid(f"{name} must be {what} (got {value!r})")
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -188,13 +188,13 @@ def flag(name: str, value: Any) -> bool:
 
 def choice(choices: tuple[str, ...]) -> Check:
     def check(name: str, value: Any) -> str:
-        return value if value in choices else _refuse(name, f"one of {', '.join(choices)}", value)
+        return value if isinstance(value, str) and value in choices else _refuse(name, f"one of {', '.join(choices)}", value)
     return check
 
 
 def literal(word: str) -> Check:
     def check(name: str, value: Any) -> str:
-        return value if value == word else _refuse(name, repr(word), value)
+        return value if isinstance(value, str) and value == word else _refuse(name, repr(word), value)
     return check
 
 
@@ -214,8 +214,7 @@ def text(*, empty: bool) -> Check:
     what = "a string" if empty else "a non-empty string"
 
     def check(name: str, value: Any) -> str:
-        ok = isinstance(value, str) and (empty or value)
-        return value if ok else _refuse(name, what, value)
+        return value if isinstance(value, str) and (empty or value) else _refuse(name, what, value)
     return check
 
 
@@ -563,16 +562,12 @@ def kv_transfer_config(storage_dirs: list[str], capacity_bytes: int | str, *, lo
     loaded, so this is the earliest place a mistake can be reported."""
     connector = ({"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm"}
                  if lookahead else {"kv_connector": "OffloadingConnector"})
-    config = {
-        **connector,
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {
-            "spec_name": "NvmeOffloadingSpec",
-            "spec_module_path": "pykvcache.vllm",
-            "storage_dirs": list(storage_dirs),
-            "capacity_bytes": capacity_bytes,
-            **extra,
-        },
+    extra_config = {
+        "spec_name": "NvmeOffloadingSpec",
+        "spec_module_path": "pykvcache.vllm",
+        "storage_dirs": list(storage_dirs),
+        "capacity_bytes": capacity_bytes,
+        **extra,
     }
-    validate_extra_config(config["kv_connector_extra_config"])
-    return config
+    validate_extra_config(extra_config)
+    return {**connector, "kv_role": "kv_both", "kv_connector_extra_config": extra_config}

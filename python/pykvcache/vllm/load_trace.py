@@ -37,7 +37,10 @@ import json
 import logging
 import os
 import time
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
@@ -69,7 +72,7 @@ class LoadTrace:
                 pass
 
 
-def trace_path(vllm_config) -> str | None:
+def trace_path(vllm_config: VllmConfig) -> str | None:
     """The ``gate_trace`` file of vLLM's connector settings, if any."""
     kv = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(kv, "kv_connector_extra_config", None) or {}
@@ -77,7 +80,7 @@ def trace_path(vllm_config) -> str | None:
     return str(path) if path else None
 
 
-def open_trace(vllm_config, role: str) -> LoadTrace | None:
+def open_trace(vllm_config: VllmConfig, role: str) -> LoadTrace | None:
     path = trace_path(vllm_config)
     if not path:
         return None

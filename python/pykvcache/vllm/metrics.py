@@ -9,7 +9,7 @@ cleanup only consider that prefix.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pykvcache.gate.decision import GATE_COUNTERS, GATE_GAUGES
 from pykvcache.gate.store_admission import STORE_COUNTERS
@@ -19,6 +19,9 @@ from vllm.v1.kv_offload.base import (
     OffloadingHistogramMetadata,
     OffloadingMetricMetadata,
 )
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
 
 PREFIX = "vllm:pykvcache_"
 
@@ -117,7 +120,7 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     return defs
 
 
-def zero_counter_stats():
+def zero_counter_stats() -> OffloadingConnectorStats:
     """vLLM's stats object with every pykvcache counter increased by 0."""
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         OffloadingConnectorStats,
@@ -174,7 +177,7 @@ class ManagerMetrics:
     def snapshot(self) -> dict[str, Any]:
         return {**self.totals, **self.gauges}
 
-    def take_stats(self):
+    def take_stats(self) -> OffloadingConnectorStats | None:
         """Increments since the last call as vLLM's stats object, or None."""
         if not (self._pending_counters or self._pending_hist or self._pending_gauges):
             return None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 from vllm.v1.kv_offload.base import BlockIDsLoadStoreSpec
 
 
@@ -20,12 +21,12 @@ class StagingSlotsSpec(BlockIDsLoadStoreSpec):
     every slot was verified when the load was prepared.
     """
 
-    def __init__(self, block_ids, ready_generations: list[int] | None = None,
+    def __init__(self, block_ids: list[int], ready_generations: list[int] | None = None,
                  wait_s: float | None = None) -> None:
         super().__init__(block_ids)
         self.ready_generations = ready_generations
         self.wait_s = wait_s
 
     @property
-    def slots(self):
+    def slots(self) -> np.ndarray:
         return self.block_ids

@@ -111,7 +111,8 @@ class DigestCache:
         if not isinstance(data, dict) or data.get("scheme") != SCHEME \
                 or not isinstance(data.get("entries"), dict):
             return {}
-        return data["entries"]
+        entries: dict[str, dict[str, Any]] = data["entries"]
+        return entries
 
     def lookup(self, real_path: str, st: os.stat_result) -> str | None:
         """The cached digest of ``real_path`` if the file is as it was then."""

@@ -49,7 +49,9 @@ class LatestWriter:
         while True:
             with self._cond:
                 self._cond.wait_for(lambda: self._job is not None)
-                job, self._job, self._busy = self._job, None, True
+                job = self._job
+                assert job is not None  # wait_for returns once a job is set
+                self._job, self._busy = None, True
             try:
                 job()
             except Exception as exc:  # noqa: BLE001 - a hint for the next start, never a failure

@@ -17,6 +17,11 @@ callers, deletes a chunk file: the engine removed a corrupt one itself.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pykvcache import BlockStore
+    from pykvcache.vllm.metrics import ManagerMetrics
 
 #: Chunks another engine publishes in shared directories become visible within this.
 PROBE_INTERVAL_S = 1.0
@@ -28,12 +33,12 @@ PROBE_MEMORY = 100_000
 
 
 class DiskPresence:
-    def __init__(self, metrics) -> None:
+    def __init__(self, metrics: ManagerMetrics) -> None:
         self._metrics = metrics
         self._absent: dict[bytes, float] = {}  # key -> next probe time
         self._unreadable: dict[bytes, float] = {}  # key -> when it may be read again
 
-    def on_disk(self, store, key: bytes) -> bool:
+    def on_disk(self, store: BlockStore, key: bytes) -> bool:
         now = time.monotonic()
         if self._unreadable:
             if self._unreadable.get(key, 0.0) > now:

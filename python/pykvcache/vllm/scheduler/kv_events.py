@@ -14,10 +14,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, cast
 
 from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent
 
 from pykvcache._core import key_hash
+
+if TYPE_CHECKING:
+    from pykvcache._core import BlockStore
+    from vllm.v1.kv_offload.base import OffloadKey
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
@@ -44,7 +49,7 @@ class KvEvents:
         if self._announced.pop(key_hash(bytes(key)), None) is not None:
             self._append([key], removed=True)
 
-    def collect_removed(self, store) -> None:
+    def collect_removed(self, store: BlockStore) -> None:
         """The chunks the engine's index lost since the last call, among
         those this node announced as stored."""
         hashes, dropped = store.take_removed()
@@ -64,5 +69,6 @@ class KvEvents:
 
     def _append(self, keys: list[bytes], *, removed: bool) -> None:
         if keys:
-            self._events.append(OffloadingEvent(keys=list(keys), medium=Medium.STORAGE, removed=removed,
+            # The manager's chunk keys are vLLM's offload keys (OffloadKey is bytes under a NewType).
+            self._events.append(OffloadingEvent(keys=cast("list[OffloadKey]", list(keys)), medium=Medium.STORAGE, removed=removed,
                                                 locality=Locality.LOCAL))

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-def step_work(scheduler_output) -> list[tuple[int, int]]:
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+def step_work(scheduler_output: SchedulerOutput) -> list[tuple[int, int]]:
     """``(computed_tokens, scheduled_tokens)`` of every request a vLLM
     ``SchedulerOutput`` schedules (new, resumed and running ones)."""
     scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}

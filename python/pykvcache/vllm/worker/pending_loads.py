@@ -28,6 +28,10 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pykvcache import StagingPool
 
 #: How long :meth:`PendingLoads.wait` sleeps on one read before it looks
 #: whether another one ended (about the read of a 2 MiB chunk at 2 GB/s).
@@ -62,7 +66,7 @@ class PendingLoads:
     no progress within ``wait_s``.
     """
 
-    def __init__(self, pool, *, finish: Callable[[PendingLoad], None],
+    def __init__(self, pool: StagingPool, *, finish: Callable[[PendingLoad], None],
                  fail: Callable[[PendingLoad, str], None],
                  copy_wave: Callable[[PendingLoad, set[int]], None] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:

@@ -10,12 +10,16 @@ first blocks of a chunk.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pykvcache.vllm.layout import ChunkLayout
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,7 @@ class GroupTransfer:
 
 
 class SlotMap:
-    def __init__(self, group_data_refs, layout: ChunkLayout) -> None:
+    def __init__(self, group_data_refs: Sequence[Sequence[CanonicalKVCacheRef]], layout: ChunkLayout) -> None:
         self.layout = layout
         bpc = layout.blocks_per_chunk
         self.groups: list[list[RefPlacement]] = []
@@ -89,7 +93,7 @@ class SlotMap:
         return all(len(p.runs) == 1 and p.runs[0].num_fragments == 1
                    for placements in self.groups for p in placements)
 
-    def transfers(self, gpu_spec, slots: np.ndarray) -> Iterator[GroupTransfer]:
+    def transfers(self, gpu_spec: GPULoadStoreSpec, slots: np.ndarray) -> Iterator[GroupTransfer]:
         """Split one transfer into per-group page lists (null blocks dropped)."""
         bpc = self.layout.blocks_per_chunk
         block_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
@@ -124,7 +128,7 @@ class SlotMap:
             )
 
 
-def _canonical_placement(group: int, ref, offset: int) -> RefPlacement:
+def _canonical_placement(group: int, ref: CanonicalKVCacheRef, offset: int) -> RefPlacement:
     """A ref's place in the shared canonical row, from vLLM's certified mapping;
     refuses (fails closed, as vLLM's own tiering spec does) a ref vLLM could not
     certify as parallelism-agnostic: its bytes would depend on the topology."""
