@@ -21,12 +21,23 @@ waited 37-76 ms for it; decision 0082).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pykvcache.vllm.worker.slot_map import SlotMap
+from pykvcache.vllm.worker.slot_map import GroupTransfer, SlotMap, Slots
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from pykvcache import StagingPool
+
+#: One run's KV view and staging view, as torch tensors and as numpy arrays of the same bytes.
+_Views = tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]
+#: A load's pages per slot and group: ``{slot: {group: (blocks, sub-blocks)}}`` (:meth:`CpuCopier.prepare`).
+Prepared = dict[int, dict[int, tuple[list[int], list[int]]]]
 
 #: Pages of at least this many bytes are copied one by one (one memcpy each);
 #: smaller ones by one vectorised gather and scatter. Torch's advanced
@@ -37,13 +48,13 @@ from pykvcache.vllm.worker.slot_map import SlotMap
 PAGE_LOOP_MIN_BYTES = 4096
 
 
-def _copy_pages(views, blocks: Sequence[int], slot_idx: Sequence[int], sub_idx: Sequence[int], *,
+def _copy_pages(views: _Views, blocks: Sequence[int], slot_idx: Sequence[int], sub_idx: Sequence[int], *,
                 to_kv: bool) -> int:
     """Copies pages ``kv[blocks[i]]`` <-> ``stage[slot_idx[i], sub_idx[i]]``
     of one run's ``views`` (torch and numpy views of the same bytes; indices
     as lists); returns the bytes moved."""
     kv, stage, kv_np, stage_np = views
-    page = kv.shape[1] * kv.shape[2]
+    page: int = kv.shape[1] * kv.shape[2]
     if page >= PAGE_LOOP_MIN_BYTES:
         if to_kv:
             for b, s, u in zip(blocks, slot_idx, sub_idx):
@@ -52,16 +63,16 @@ def _copy_pages(views, blocks: Sequence[int], slot_idx: Sequence[int], sub_idx: 
             for b, s, u in zip(blocks, slot_idx, sub_idx):
                 np.copyto(stage_np[s, u], kv_np[b])
         return len(blocks) * page
-    b, s, u = (torch.tensor(x, dtype=torch.int64) for x in (blocks, slot_idx, sub_idx))
+    tb, ts, tu = (torch.tensor(x, dtype=torch.int64) for x in (blocks, slot_idx, sub_idx))
     if to_kv:
-        kv[b] = stage[s, u]
+        kv[tb] = stage[ts, tu]
     else:
-        stage[s, u] = kv[b]
+        stage[ts, tu] = kv[tb]
     return len(blocks) * page
 
 
 class CpuCopier:
-    def __init__(self, kv_tensors: list[torch.Tensor], slot_map: SlotMap, pool, rank: int) -> None:
+    def __init__(self, kv_tensors: list[torch.Tensor], slot_map: SlotMap, pool: StagingPool, rank: int) -> None:
         layout = slot_map.layout
         self._map = slot_map
         # Kept alive for as long as the tensors view it.
@@ -78,10 +89,10 @@ class CpuCopier:
         # Per group, per ref and run: (KV view (block, fragment, byte), staging
         # view (slot, sub-block, fragment, byte)). One run of one fragment per
         # page in the per-rank layout; vLLM's canonical runs in the shared row.
-        self._views = []
-        self._tails = []
+        self._views: list[list[_Views]] = []
+        self._tails: list[torch.Tensor | None] = []
         for g, placements in enumerate(slot_map.groups):
-            views = []
+            views: list[_Views] = []
             for ref in placements:
                 kv_t = kv_tensors[ref.tensor_idx]
                 for run in ref.runs:
@@ -106,22 +117,23 @@ class CpuCopier:
                 if tail else None
             )
 
-    def _indexed(self, gpu_spec, slots):
+    def _indexed(self, gpu_spec: GPULoadStoreSpec,
+                 slots: Slots) -> Iterator[tuple[GroupTransfer, list[int], list[int], list[int]]]:
         """Each transfer part with its block, slot and sub-block indices (lists)."""
         for part in self._map.transfers(gpu_spec, slots):
             yield part, part.block_ids.tolist(), part.slots.tolist(), part.sub_blocks.tolist()
 
-    def load(self, gpu_spec, slots) -> int:
+    def load(self, gpu_spec: GPULoadStoreSpec, slots: Slots) -> int:
         copied = 0
         for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
             for views in self._views[part.group]:
                 copied += _copy_pages(views, blocks, slot_idx, sub_idx, to_kv=True)
         return copied
 
-    def prepare(self, gpu_spec, slots) -> dict[int, dict[int, tuple[list[int], list[int]]]]:
+    def prepare(self, gpu_spec: GPULoadStoreSpec, slots: Slots) -> Prepared:
         """Per slot of a load whose chunks come in waves (:meth:`load_wave`),
         its pages per group: ``{slot: {group: (blocks, sub-blocks)}}``."""
-        by_slot: dict[int, dict[int, tuple[list[int], list[int]]]] = {}
+        by_slot: Prepared = {}
         for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
             for b, s, u in zip(blocks, slot_idx, sub_idx):
                 pages = by_slot.setdefault(s, {}).setdefault(part.group, ([], []))
@@ -129,7 +141,7 @@ class CpuCopier:
                 pages[1].append(u)
         return by_slot
 
-    def load_wave(self, prepared: dict[int, dict[int, tuple[list[int], list[int]]]], wave: set[int]) -> int:
+    def load_wave(self, prepared: Prepared, wave: set[int]) -> int:
         """Copies the pages of the slots in ``wave`` (verified chunks) of a
         prepared load; the other slots' pages keep what they hold (decision
         0057: the first chunks are copied while the last are still read)."""
@@ -141,7 +153,7 @@ class CpuCopier:
                     copied += _copy_pages(views, blocks, slots, subs, to_kv=True)
         return copied
 
-    def store(self, gpu_spec, slots) -> int:
+    def store(self, gpu_spec: GPULoadStoreSpec, slots: Slots) -> int:
         copied = 0
         for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
             for views in self._views[part.group]:

@@ -16,12 +16,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from pykvcache.vllm.worker.slot_map import SlotMap
+from pykvcache.vllm.worker.slot_map import SlotMap, Slots
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
+    from pykvcache import StagingPool
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
@@ -43,7 +50,7 @@ def register_host_memory(address: int, size: int) -> bool:
     return True
 
 
-def _batch_copy_op():
+def _batch_copy_op() -> Callable[..., None] | None:
     try:
         from vllm import _custom_ops as ops
 
@@ -59,11 +66,11 @@ class _Pending:
     start: torch.cuda.Event
     end: torch.cuda.Event
     num_bytes: int
-    keepalive: tuple
+    keepalive: tuple[torch.Tensor, ...]
 
 
 class CudaCopier:
-    def __init__(self, kv_tensors: list[torch.Tensor], slot_map: SlotMap, pool, rank: int) -> None:
+    def __init__(self, kv_tensors: list[torch.Tensor], slot_map: SlotMap, pool: StagingPool, rank: int) -> None:
         layout = slot_map.layout
         if not slot_map.single_run_pages:
             # One copy per page is what the batched copy issues; pages split
@@ -94,9 +101,11 @@ class CudaCopier:
         )
 
     # -- address arithmetic --------------------------------------------------
-    def _pointers(self, gpu_spec, slots):
+    def _pointers(self, gpu_spec: GPULoadStoreSpec, slots: Slots) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(staging addresses, KV addresses, sizes) of every page of the transfer."""
-        stage_ptrs, kv_ptrs, sizes = [], [], []
+        stage_ptrs: list[np.ndarray] = []
+        kv_ptrs: list[np.ndarray] = []
+        sizes: list[np.ndarray] = []
         for part in self._map.transfers(gpu_spec, slots):
             slot_base = (
                 self._base + self._payload0 + part.slots * self._slot_stride + self._row
@@ -116,7 +125,7 @@ class CudaCopier:
                 np.concatenate(sizes))
 
     # -- submission ------------------------------------------------------------
-    def submit(self, job_id: int, gpu_spec, slots, *, to_gpu: bool) -> None:
+    def submit(self, job_id: int, gpu_spec: GPULoadStoreSpec, slots: Slots, *, to_gpu: bool) -> None:
         stage, kv, sizes = self._pointers(gpu_spec, slots)
         src, dst = (stage, kv) if to_gpu else (kv, stage)
         start = torch.cuda.Event(enable_timing=True)
@@ -140,7 +149,7 @@ class CudaCopier:
         self._pending.append(pending)
         self._by_job[job_id] = pending
 
-    def _copy_each(self, gpu_spec, slots, to_gpu: bool) -> None:
+    def _copy_each(self, gpu_spec: GPULoadStoreSpec, slots: Slots, to_gpu: bool) -> None:
         for part in self._map.transfers(gpu_spec, slots):
             for ref in self._map.groups[part.group]:
                 kv = self._kv[ref.tensor_idx]
@@ -165,7 +174,7 @@ class CudaCopier:
             done.append((p.job_id, p.num_bytes, p.start.elapsed_time(p.end) * 1e-3))
         return done
 
-    def wait(self, job_ids) -> None:
+    def wait(self, job_ids: Iterable[int]) -> None:
         for job_id in job_ids:
             pending = self._by_job.get(job_id)
             if pending is not None:

@@ -31,7 +31,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
+
     from pykvcache import StagingPool
+    from pykvcache.vllm.worker.cpu_copy import Prepared
 
 #: How long :meth:`PendingLoads.wait` sleeps on one read before it looks
 #: whether another one ended (about the read of a 2 MiB chunk at 2 GB/s).
@@ -41,7 +44,7 @@ WAIT_SLICE_S = 0.001
 @dataclass(slots=True)
 class PendingLoad:
     job_id: int
-    dst_spec: object
+    dst_spec: GPULoadStoreSpec
     slots: list[int]
     #: (slot, generation) of the reads not ended yet, in prefix order.
     waiting: list[tuple[int, int]]
@@ -52,7 +55,7 @@ class PendingLoad:
     deadline: float = 0.0
     #: Slots whose bytes are verified and not copied yet (the staged ones first).
     ready: set[int] = field(default_factory=set)
-    prepared: object = None  # the copier's per-job index arrays (CPU)
+    prepared: Prepared | None = None  # the copier's per-job index arrays (CPU)
     copied: int = 0
 
 

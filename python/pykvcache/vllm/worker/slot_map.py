@@ -21,6 +21,9 @@ from pykvcache.vllm.layout import ChunkLayout
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec
 
+#: The staging slots of a transfer's chunks: a spec's ``block_ids`` array or a list.
+Slots = np.ndarray | Sequence[int]
+
 
 @dataclass(frozen=True)
 class Run:
@@ -93,11 +96,11 @@ class SlotMap:
         return all(len(p.runs) == 1 and p.runs[0].num_fragments == 1
                    for placements in self.groups for p in placements)
 
-    def transfers(self, gpu_spec: GPULoadStoreSpec, slots: np.ndarray) -> Iterator[GroupTransfer]:
+    def transfers(self, gpu_spec: GPULoadStoreSpec, slot_ids: Slots) -> Iterator[GroupTransfer]:
         """Split one transfer into per-group page lists (null blocks dropped)."""
         bpc = self.layout.blocks_per_chunk
         block_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
-        slots = np.asarray(slots, dtype=np.int64)
+        slots = np.asarray(slot_ids, dtype=np.int64)
         group_sizes = list(gpu_spec.group_sizes)
         if len(group_sizes) != len(self.groups):
             raise ValueError(

@@ -21,33 +21,43 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 
 from pykvcache.vllm.layout import ChunkLayout
 from pykvcache.vllm.worker.pending_loads import PendingLoad, PendingLoads
-from pykvcache.vllm.worker.slot_map import SlotMap
+from pykvcache.vllm.worker.slot_map import SlotMap, Slots
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import CanonicalKVCaches, GPULoadStoreSpec, LoadStoreSpec
+
+    from pykvcache import StagingPool
+    from pykvcache.vllm.load_trace import LoadTrace
+    from pykvcache.vllm.transfer_spec import StagingSlotsSpec
+    from pykvcache.vllm.worker.cpu_copy import CpuCopier
+    from pykvcache.vllm.worker.cuda_copy import CudaCopier
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
 
-def _attach_pool(shm_name: str):
+def _attach_pool(shm_name: str) -> StagingPool:
     from pykvcache._core import StagingPool
 
     return StagingPool.attach_memfd(shm_name)
 
 
 class StagingWorker(OffloadingWorker):
-    def __init__(self, kv_caches, layout: ChunkLayout, shm_name: str, rank: int) -> None:
+    def __init__(self, kv_caches: CanonicalKVCaches, layout: ChunkLayout, shm_name: str, rank: int) -> None:
         self._kv = [t.tensor for t in kv_caches.tensors]
         self._map = SlotMap(kv_caches.group_data_refs, layout)
         self._layout = layout
         self._shm_name = shm_name
         self._rank = rank
         self._layout.row_offset(rank)  # validates the rank early
-        self._copier = None
+        self._copier: CudaCopier | CpuCopier | None = None
         self._on_cuda = bool(self._kv) and self._kv[0].is_cuda
         self._finished: list[TransferResult] = []
         # Set by a connector that reports failed loads to vLLM
@@ -60,10 +70,10 @@ class StagingWorker(OffloadingWorker):
         self.copy_as_reads_end = True
         self._pending: PendingLoads | None = None
         self._failure: RuntimeError | None = None
-        self.trace = None  # gate_trace: the load path's timestamps (load_trace.py)
+        self.trace: LoadTrace | None = None  # gate_trace: the load path's timestamps (load_trace.py)
 
     @property
-    def copier(self):
+    def copier(self) -> CudaCopier | CpuCopier:
         if self._copier is None:
             pool = _attach_pool(self._shm_name)
             if pool.slot_bytes < self._layout.payload_bytes:
@@ -80,17 +90,27 @@ class StagingWorker(OffloadingWorker):
                 from pykvcache.vllm.worker.cpu_copy import CpuCopier
 
                 self._copier = CpuCopier(self._kv, self._map, pool, self._rank)
-            self._pool = pool
+            self._pool: StagingPool = pool
         return self._copier
 
-    def submit_store(self, job_id: int, src_spec, dst_spec) -> bool:
-        return self._submit(job_id, gpu_spec=src_spec, slots=dst_spec.block_ids, to_gpu=False)
+    # The copier is a CudaCopier exactly when the KV cache is on CUDA (``copier``).
+    def _cuda_copier(self) -> CudaCopier:
+        return cast("CudaCopier", self.copier)
 
-    def submit_load(self, job_id: int, src_spec, dst_spec, expedited: bool = False,
-                    **_future_kwargs) -> bool:
+    def _cpu_copier(self) -> CpuCopier:
+        return cast("CpuCopier", self.copier)
+
+    # The offloaded side of every transfer is the StagingSlotsSpec that pykvcache's manager built.
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        slots = cast("StagingSlotsSpec", dst_spec).block_ids
+        return self._submit(job_id, gpu_spec=src_spec, slots=slots, to_gpu=False)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False,
+                    **_future_kwargs: Any) -> bool:
         # ``expedited`` (vLLM >= 0.33) asks to jump queued stores; copies here
         # are issued in order on one stream and are short, so it needs nothing.
         start = time.perf_counter()
+        src_spec = cast("StagingSlotsSpec", src_spec)
         slots = [int(s) for s in src_spec.block_ids]
         generations = list(getattr(src_spec, "ready_generations", None) or ())
         if self.trace is not None:
@@ -136,9 +156,10 @@ class StagingWorker(OffloadingWorker):
         (decision 0057: the first chunks are in their pages while the last
         are still read)."""
         began = time.perf_counter()
+        copier = self._cpu_copier()  # waves are the CPU platform's (_pending_loads)
         if load.prepared is None:
-            load.prepared = self.copier.prepare(load.dst_spec, load.slots)
-        load.copied += self.copier.load_wave(load.prepared, wave)
+            load.prepared = copier.prepare(load.dst_spec, load.slots)
+        load.copied += copier.load_wave(load.prepared, wave)
         if self.trace is not None:
             self.trace("copied", job=load.job_id, chunks=len(wave), s=round(time.perf_counter() - began, 6))
 
@@ -175,15 +196,16 @@ class StagingWorker(OffloadingWorker):
         failed, self._failed_loads = self._failed_loads, set()
         return failed
 
-    def _attached_pool(self):
+    def _attached_pool(self) -> StagingPool:
         _ = self.copier  # the property attaches the region on first use
         return self._pool
 
-    def _submit(self, job_id: int, *, gpu_spec, slots, to_gpu: bool, start: float | None = None) -> bool:
-        copier = self.copier
+    def _submit(self, job_id: int, *, gpu_spec: GPULoadStoreSpec, slots: Slots, to_gpu: bool,
+                start: float | None = None) -> bool:
         if self._on_cuda:
-            copier.submit(job_id, gpu_spec, slots, to_gpu=to_gpu)
+            self._cuda_copier().submit(job_id, gpu_spec, slots, to_gpu=to_gpu)
             return True
+        copier = self._cpu_copier()
         start = time.perf_counter() if start is None else start
         num_bytes = copier.load(gpu_spec, slots) if to_gpu else copier.store(gpu_spec, slots)
         self._finished.append(
@@ -202,13 +224,13 @@ class StagingWorker(OffloadingWorker):
         if self._on_cuda and self._copier is not None:
             done.extend(
                 TransferResult(job_id=job, success=True, transfer_size=size, transfer_time=secs)
-                for job, size, secs in self._copier.finished()
+                for job, size, secs in self._cuda_copier().finished()
             )
         return done
 
     def wait(self, job_ids: set[int]) -> None:
         if self._on_cuda and self._copier is not None:
-            self._copier.wait(job_ids)
+            self._cuda_copier().wait(job_ids)
 
     def shutdown(self) -> None:
         if self._pending is not None:
@@ -216,4 +238,4 @@ class StagingWorker(OffloadingWorker):
             if dropped:
                 logger.info("pykvcache: %d load(s) still waiting for reads at shutdown", len(dropped))
         if self._on_cuda and self._copier is not None:
-            self._copier.drain()
+            self._cuda_copier().drain()
