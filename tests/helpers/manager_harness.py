@@ -59,16 +59,17 @@ def learning_gate(load: LoadCost) -> AdmissionGate:
 
 class Harness:
     def __init__(self, directory, *, num_slots, lookahead_slots=0, window=0,
-                 hold_slots=None, gate=None, admission=None, store_min_tokens=0):
+                 hold_slots=None, gate=None, admission=None, store_min_tokens=0, trace=None):
         self.pool = StagingPool(CHUNK, num_slots)
         self.store_obj = BlockStore([str(directory)], self.pool, namespace="la-ns",
                                     capacity_bytes=1 << 30)
         gating = None
         if gate is not None:
-            gating = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK, admission=admission,
-                                store_min_tokens=store_min_tokens)
+            def gating(hooks):  # what build_gating makes of the settings, with this gate
+                return GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK, admission=admission,
+                                  store_min_tokens=store_min_tokens, hooks=hooks, trace=trace)
         self.m = NvmeOffloadingManager(pool=self.pool, store=self.store_obj, layout=LAYOUT,
-                                       gating=gating, lookahead_slots=lookahead_slots,
+                                       gating=gating, chunk_tokens=CT, lookahead_slots=lookahead_slots,
                                        lookahead_requests=window, lookup_hold_slots=hold_slots)
 
     def ctx(self, rid, keys):

@@ -66,6 +66,7 @@ def test_gate_applies_to_preloads(tmp_path):
         h.queue("short", [chunk_key(i) for i in range(2)], 1.0)
         h.settle()
         assert h.m.metrics.totals["lookahead_preload_reads"] == 0
+        h.m.get_stats()  # the gate's counters, this one included
         assert h.m.metrics.totals["lookahead_gate_skipped_chunks"] >= 2
         h.queue("long", keys, 2.0)
         h.settle()
@@ -286,7 +287,7 @@ def test_a_restarted_manager_starts_from_the_device_model_the_last_one_learnt(tm
     try:
         assert second.online.samples == 2
         assert second.online.disk_bytes_per_s == pytest.approx(first.online.disk_bytes_per_s)
-        assert h.m.gating.device_bytes_per_s() == pytest.approx(first.online.disk_bytes_per_s)
+        assert h.m.gating.snapshot().device_bytes_per_s == pytest.approx(first.online.disk_bytes_per_s)
         # Its preload byte bound comes from the restored speed from the start (0061).
         from pykvcache._core import chunk_file_bytes
         from pykvcache.vllm.scheduler.disk_io import PRELOAD_YIELD_S
@@ -325,9 +326,8 @@ def test_the_gate_trace_records_decisions_reads_and_lessons(tmp_path, caplog):
     online.observe(CHUNK, CHUNK / 1e9)  # past first contact: the device timed once
     gate = AdmissionGate(CostModel(PrefillCurve(0.0, 10.0 / CT, 0.0), prior, CHUNK / CT), chunk_tokens=CT,
                          online=online)
-    h = Harness(tmp_path / "kv", num_slots=16, gate=gate, lookahead_slots=8, window=4)
     path = tmp_path / "trace.jsonl"
-    h.m.gating.set_trace(DecisionTrace(path))
+    h = Harness(tmp_path / "kv", num_slots=16, gate=gate, lookahead_slots=8, window=4, trace=DecisionTrace(path))
     try:
         keys = [chunk_key(i) for i in range(8)]
         h.on_disk_only(keys)

@@ -46,16 +46,16 @@ def test_remove_and_readd():
     assert len(q) == 0 and q.head(5) == []
 
 
-def test_the_preloader_asks_its_host_only_for_gate_inputs_and_staging():
-    """The preloader's interface to the manager is ``PreloadHost``: the gate's
-    inputs for a prefix (the same answer the gate plan gets) and ``stage``;
-    its holds are kept in the staging cache it shares. A host of two methods
-    is enough to plan over."""
+def test_the_preloader_asks_its_host_only_for_its_gate_gate_inputs_and_staging():
+    """The preloader's interface to the manager is ``PreloadHost``: its gate,
+    the gate's inputs for a prefix (the same answer a lookup's plan gets) and
+    ``stage``; its holds are kept in the staging cache it shares. A host of
+    two methods and a gate is enough to plan over."""
     from vllm.v1.kv_offload.base import LookupResult
 
     from pykvcache import StagingPool
     from pykvcache.gate import ChunkState
-    from pykvcache.vllm.scheduler.gate_plan import GateInputs
+    from pykvcache.vllm.scheduler.gating import GateInputs, NoGating
     from pykvcache.vllm.scheduler.lookahead import Preloader
     from pykvcache.vllm.metrics import ManagerMetrics
     from pykvcache.vllm.scheduler.staging_cache import EntryState, Origin, StagingCache
@@ -66,6 +66,7 @@ def test_the_preloader_asks_its_host_only_for_gate_inputs_and_staging():
 
     class Host:
         asked: list = []
+        gating = NoGating()  # the gate asks gate_inputs; without one the preload stops at the first missing chunk
 
         def gate_inputs(self, keys, req_id):
             self.asked.append((list(keys), req_id))
@@ -79,8 +80,7 @@ def test_the_preloader_asks_its_host_only_for_gate_inputs_and_staging():
 
     host = Host()
     metrics = ManagerMetrics()
-    preloader = Preloader(host, cache, metrics, chunk_bytes=4096, budget_slots=4, window=2, gate=None,
-                          chunk_tokens=64)
+    preloader = Preloader(host, cache, metrics, chunk_bytes=4096, budget_slots=4, window=2, chunk_tokens=64)
     try:
         preloader.add(WaitingRequest(req_id="r", key_lists=[[b"a", b"b", b"c"]]))
         preloader.plan()

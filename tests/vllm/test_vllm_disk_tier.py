@@ -104,11 +104,10 @@ def test_one_classification_of_a_failed_read(tmp_path, status, miss_kind, counte
     not read again for a while where the file stays; nothing is deleted."""
     from pykvcache import BlockStore, StagingPool
     from pykvcache.vllm.scheduler.disk_tier import DiskTier
-    from pykvcache.vllm.scheduler.gate_plan import NoGating
 
     pool = StagingPool(4096, 2)
     store = BlockStore([str(tmp_path / "kv")], pool, namespace="ns", capacity_bytes=1 << 30)
-    disk = DiskTier(store, pool, gating=NoGating())
+    disk = DiskTier(store, pool)  # no gate
     key = b"k" * 36
     slot = pool.acquire()
     assert store.put(key, slot, 4096).wait(10).ok

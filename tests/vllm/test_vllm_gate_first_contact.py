@@ -17,7 +17,8 @@ import statistics
 from vllm.v1.kv_offload.base import ReqContext
 
 from pykvcache.gate import ChunkState, GateProfile, ProfileExpectation, build_gate, hardware_id
-from pykvcache.vllm.scheduler.gate_plan import GateInputs, GateWiring
+from pykvcache.vllm.scheduler.gate_plan import GateWiring
+from pykvcache.vllm.scheduler.gating import GateHooks, GateInputs, ReadEnded, ReadStarted, RequestDropped
 
 CT = 64
 BPT = 32 * 1024  # the serving benchmark's model: 2 MiB chunks
@@ -51,17 +52,16 @@ class SlowDevice:
 
     def __init__(self, gate) -> None:
         self.gate = gate
-        self.wiring = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK)
         self.now = 100.0
-        self.wiring.clock = lambda: self.now
         self.sampled: list[bytes] = []
-        self.wiring.set_sampler(lambda keys: (self.sampled.extend(keys), list(keys))[1])
+        hooks = GateHooks(sampler=lambda keys: (self.sampled.extend(keys), list(keys))[1])
+        self.wiring = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK, hooks=hooks, clock=lambda: self.now)
         self.reads: list[tuple[float, bytes]] = []  # (submitted at, key), outstanding
         self.n = 0
 
     def _submit(self, keys) -> None:
         for key in keys:
-            self.wiring.read_started(self.now)
+            self.wiring.observe(ReadStarted(self.now))
             self.reads.append((self.now, key))
 
     def _advance(self, to: float) -> None:
@@ -70,8 +70,7 @@ class SlowDevice:
             if started + DEADLINE_S <= to:
                 self.now = max(self.now, started + DEADLINE_S)
                 self.reads.remove((started, key))
-                self.wiring.read_ended(key, started, 0.0, 0, timed_out=True)
-                self.wiring.read_finished(key, False)
+                self.wiring.observe(ReadEnded(key, False, 0.0, started_at=started, timed_out=True))
         self.now = to
 
     def request(self) -> tuple[float, float]:
@@ -92,7 +91,7 @@ class SlowDevice:
         self._submit(sorted(plan.awaiting))
         # Its load takes that long (each read waits for the ones before it).
         wait = self.now - arrived + len(plan.awaiting) * CHUNK / SLOW
-        self.wiring.drop(ctx.req_id)
+        self.wiring.observe(RequestDropped(ctx.req_id))
         self._advance(arrived + 1.0)
         return wait, plan.decision.est_recompute_s
 

@@ -3,9 +3,9 @@
 On the two-node GlusterFS fixture the first loads after a partition healed
 taught the gate 20.7 MB/s, and it recomputed every request from then on: a
 gate that recomputes sees no loads, so it never learnt that the disk was fast
-again. These tests drive the manager's gate wiring (``GateWiring``: plans,
-finished reads, the store's breaker counters) as the manager does, with a
-scripted clock, disk and circuit breaker, and no engine. With a sampler (the
+again. These tests drive the manager's gate (``GateWiring``: plans, finished
+reads, the store's breaker counters) through its seam as the manager does,
+with a scripted clock, disk and circuit breaker, and no engine. With a sampler (the
 standalone manager, decision 0054) an exploration is read in the background
 while its request recomputes; the last tests script that device too.
 """
@@ -16,7 +16,8 @@ import pytest
 from vllm.v1.kv_offload.base import ReqContext
 
 from pykvcache.gate import ChunkState, ProfileExpectation, build_gate
-from pykvcache.vllm.scheduler.gate_plan import GateInputs, GateWiring
+from pykvcache.vllm.scheduler.gate_plan import GateWiring
+from pykvcache.vllm.scheduler.gating import GateHooks, GateInputs, ReadEnded, ReadStarted, RequestDropped, Tick
 
 CT = 64
 BPT = 12 * 1024
@@ -27,39 +28,40 @@ SLOW = 20e6  # bytes/s (what the gate learnt on the GlusterFS fixture): 14 chunk
 
 
 class Serving:
-    """One request per second against the wiring; every chunk on disk."""
+    """One request per second against the wiring; every chunk on disk.
+    ``breakers``: the gate follows :attr:`breakers`; ``background``:
+    explorations are read in the background by a device that serves
+    ``burst_bytes`` at once after idling (a cgroup throttle's slice
+    allowance), then ``bytes_per_s``."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, breakers: bool = False, background: tuple[float, int] | None = None) -> None:
         gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
                                                        chunk_tokens=CT), steps=True)
         # ~0.2 ms per prefilled token (what the step timer learns of the tiny e2e model).
         for n in (256, 512, 768, 1024, 1536, 2048):
             assert gate.observe_prefill([(0, n)], 0.01 + 2e-4 * n)
         self.gate = gate
-        self.wiring = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK)
         self.now = 1000.0
-        self.wiring.clock = lambda: self.now
         self.breakers = (0, 0, 0)  # (opens, closes, open dirs), as BlockStore.breaker_health
         self.n = 0
         self.totals: dict[str, float] = {}
         self.sampled: list[list[bytes]] = []  # each exploration's background reads
-
-    def sample_in_background(self, bytes_per_s: float, burst_bytes: int = 0) -> None:
-        """Explorations are read in the background by a device that serves
-        ``burst_bytes`` at once after idling (a cgroup throttle's slice
-        allowance), then ``bytes_per_s``."""
-        self.device = (bytes_per_s, burst_bytes)
-        self.wiring.set_sampler(lambda keys: (self.sampled.append(list(keys)), list(keys))[1])
+        self.device = background
+        hooks = GateHooks(breakers=(lambda: self.breakers) if breakers else None, io_deadline_s=2.0,
+                          sampler=(lambda keys: (self.sampled.append(list(keys)), list(keys))[1])
+                          if background else None)
+        self.wiring = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK, hooks=hooks, clock=lambda: self.now)
 
     def _serve_sample(self, keys: list[bytes]) -> None:
         """The sample's reads, submitted together now, end in order on the device."""
         rate, burst = self.device
         for _ in keys:
-            self.wiring.read_started(self.now)
+            self.wiring.observe(ReadStarted(self.now))
         served = 0
         for key in keys:
             served += CHUNK
-            self.wiring.read_ended(key, self.now, 1e-4 + max(0, served - burst) / rate, CHUNK)
+            self.wiring.observe(ReadEnded(key, True, 1e-4 + max(0, served - burst) / rate, CHUNK,
+                                          started_at=self.now))
 
     def learn(self, bytes_per_s: float, lessons: int) -> list:
         """Requests loading at ``bytes_per_s`` until the gate has learnt
@@ -71,9 +73,6 @@ class Serving:
             decisions.append(self.request(bytes_per_s))
             assert len(decisions) <= 10 * lessons, "the gate learns nothing"
         return decisions
-
-    def watch_breakers(self) -> None:
-        self.wiring.watch_breakers(lambda: self.breakers, io_deadline_s=2.0)
 
     def plan(self, name: str, chunks: int = CHUNKS):
         """The gate's plan for request ``name`` of ``chunks`` chunks, every one on disk."""
@@ -97,12 +96,12 @@ class Serving:
             self.device = (bytes_per_s, self.device[1])
             self._serve_sample(self.sampled[-1])
         if scheduled_before_reads_end:
-            self.wiring.drop(ctx.req_id)
+            self.wiring.observe(RequestDropped(ctx.req_id))
         loaded = [k for k in keys if k in plan.allowed]
         for key in loaded:
-            self.wiring.read_finished(key, True, 0.001 + len(loaded) * CHUNK / bytes_per_s)
-        self.wiring.drop(ctx.req_id)
-        for name, value in self.wiring.take_counters().items():
+            self.wiring.observe(ReadEnded(key, True, 0.001 + len(loaded) * CHUNK / bytes_per_s))
+        self.wiring.observe(RequestDropped(ctx.req_id))
+        for name, value in self.wiring.snapshot().counters.items():
             self.totals[name] = self.totals.get(name, 0) + value
         self.now += 1.0
         return plan.decision
@@ -138,8 +137,7 @@ def test_a_gate_that_learnt_a_slow_disk_keeps_sampling_and_loads_again_once_samp
 
 
 def test_what_was_learnt_while_the_breaker_was_open_or_half_open_is_forgotten():
-    s = Serving()
-    s.watch_breakers()
+    s = Serving(breakers=True)
     assert all(d.load_chunks == CHUNKS for d in s.learn(FAST, 2))
     learnt = s.gate.online.disk_bytes_per_s
     s.now += 30.0
@@ -152,7 +150,7 @@ def test_what_was_learnt_while_the_breaker_was_open_or_half_open_is_forgotten():
     assert s.gate.online.disk_bytes_per_s < learnt / 10, "learnt as it happened: the breaker was closed"
     s.breakers = (1, 0, 1)  # open
     s.request(FAST)  # a lookup before the reads complete: the plan loads again
-    s.wiring.poll_breakers()
+    s.wiring.observe(Tick())
     assert s.gate.online.disk_bytes_per_s == pytest.approx(learnt)
     assert s.totals["gate_loads_forgotten"] == 3
     for _ in range(2):  # open, then half-open (not closed either)
@@ -167,8 +165,7 @@ def test_what_was_learnt_while_the_breaker_was_open_or_half_open_is_forgotten():
 
 
 def test_the_first_loads_after_a_breaker_closes_do_not_drag_the_learnt_bandwidth_down():
-    s = Serving()
-    s.watch_breakers()
+    s = Serving(breakers=True)
     assert all(d.load_chunks == CHUNKS for d in s.learn(FAST, 2))
     learnt = s.gate.online.disk_bytes_per_s
     s.now += 30.0
@@ -188,8 +185,7 @@ def test_the_first_loads_after_a_breaker_closes_do_not_drag_the_learnt_bandwidth
 
 
 def test_a_gate_that_recomputed_through_an_outage_samples_the_disk_as_soon_as_the_breaker_closes():
-    s = Serving()
-    s.watch_breakers()
+    s = Serving(breakers=True)
     s.learn(FAST, 3)
     for _ in range(6):
         s.request(SLOW)  # learnt slow, long before any outage
@@ -224,7 +220,7 @@ def test_timed_loads_of_scheduled_requests_are_bounded():
     s = Serving()
     for n in range(MAX_TIMED_REQUESTS + 10):
         ctx, _keys, _plan = s.plan(f"q{n}", chunks=2)
-        s.wiring.drop(ctx.req_id)  # its reads never come (the lookup stopped early)
+        s.wiring.observe(RequestDropped(ctx.req_id))  # its reads never come (the lookup stopped early)
     assert len(s.wiring._timing) == MAX_TIMED_REQUESTS
     assert len(s.wiring._awaited_by) <= 2 * MAX_TIMED_REQUESTS, "the oldest let go of their keys"
 
@@ -232,8 +228,7 @@ def test_timed_loads_of_scheduled_requests_are_bounded():
 def test_background_samples_cost_their_request_nothing_and_bring_the_loads_back():
     """Decision 0054: the explored request recomputes; the sample is read
     beside it and its busy period is the measurement."""
-    s = Serving()
-    s.sample_in_background(SLOW)
+    s = Serving(background=(SLOW, 0))
     # Past first contact (tests/vllm/test_vllm_gate_first_contact.py): a read timed the device.
     s.gate.observe_load(CHUNK, CHUNK / FAST)
     assert all(d.reason == "load" for d in s.learn(FAST, 3))
@@ -268,9 +263,8 @@ def test_a_sample_sized_to_outlast_a_throttles_burst_does_not_unlearn_a_slow_dis
     one cut short (``min_sample_s`` 0 here; in service, staging with room for
     one chunk) is less than two slices' worth and proves nothing either way
     (decision 0079): it is learnt as an ordinary lesson, pooled."""
-    s = Serving()
+    s = Serving(background=(SLOW, int(SLOW * 0.1) + CHUNK // 2))
     s.gate.exploration.min_sample_s = min_sample_s
-    s.sample_in_background(SLOW, burst_bytes=int(SLOW * 0.1) + CHUNK // 2)
     s.learn(FAST, 3)
     for _ in range(5):
         s.request(SLOW)
@@ -290,7 +284,7 @@ def test_a_read_pooled_into_a_lesson_counts_as_timed_for_the_preload_bound():
     (0061) follows the prior's speed from then on, as it did when the prior
     outvoted a first load, instead of one chunk until 0.1 s of reads are in."""
     s = Serving()
-    assert s.wiring.device_bytes_per_s() is None
+    assert s.wiring.snapshot().device_bytes_per_s is None
     s.request(FAST)  # 11 ms: pooled
     assert s.gate.online.samples == 0 and s.gate.online.pooled == 1
-    assert s.wiring.device_bytes_per_s() == s.gate.online.base.disk_bytes_per_s
+    assert s.wiring.snapshot().device_bytes_per_s == s.gate.online.base.disk_bytes_per_s

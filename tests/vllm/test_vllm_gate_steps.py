@@ -7,6 +7,7 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 
 from pykvcache.gate import ChunkState, ProfileExpectation, build_gate
 from pykvcache.vllm.scheduler.gate_plan import GateWiring
+from pykvcache.vllm.scheduler.gating import Reset, StepFinished, StepScheduled
 from pykvcache.vllm.scheduler.step_timer import StepTimer, step_work
 
 CT = 64
@@ -52,23 +53,25 @@ def test_only_mostly_prefill_steps_are_timed_and_each_from_its_start():
 
 
 def test_the_manager_wiring_teaches_a_default_gate_how_slow_this_host_computes():
-    gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
-                                                   chunk_tokens=CT))
+    def default_gate(steps):
+        return build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
+                                                   chunk_tokens=CT), steps=steps)[0]
+
+    assert default_gate(steps=False).decide([ChunkState.DISK] * 2).recompute  # no step source: the prior gates
+    gate = default_gate(steps=True)  # PyKvCacheConnector reports the steps (build_gating's steps_timed)
     wiring = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CT * BPT)
-    assert gate.decide([ChunkState.DISK] * 2).recompute  # no step source yet: the prior gates
-    wiring.enable_step_timing()  # what PyKvCacheConnector does
     assert gate.decide([ChunkState.DISK] * 2).reason == "uncalibrated"
     for _ in range(200):  # a disk learnt slow under CPU contention
         gate.observe_load(16 * CT * BPT, 0.001 + 16 * CT * BPT / 2e8)
     clock = [0.0]
     wiring.steps.clock = lambda: clock[0]
     for i, n in enumerate([1024, 512, 2048, 768, 1536, 256]):
-        wiring.step_scheduled(step_work(_output([(f"r{i}", 0, n)], [])))
+        wiring.observe(StepScheduled(step_work(_output([(f"r{i}", 0, n)], []))))
         clock[0] += 0.01 + 2e-3 * n  # a 2-core CPU: ~2 s per 1k tokens
-        wiring.step_finished()
+        wiring.observe(StepFinished())
     assert wiring.steps.observed == 6
     d = gate.decide([ChunkState.DISK] * 16)
     assert d.reason == "load" and d.load_chunks == 16
     assert d.est_recompute_s == pytest.approx(16 * CT * 2e-3, rel=0.1)
-    wiring.clear()
-    assert gate.gauges()["gate_prefill_observations"] == 6
+    wiring.observe(Reset())
+    assert wiring.snapshot().gauges["gate_prefill_observations"] == 6

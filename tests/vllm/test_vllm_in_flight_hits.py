@@ -473,9 +473,8 @@ def test_a_step_that_hands_out_a_load_in_flight_is_timed_as_compute(stall_fs):
         rig.store_chunk()
         gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32",
                                                        kv_bytes_per_token=LAYOUT.payload_bytes // 64,
-                                                       chunk_tokens=64), enabled=False)
+                                                       chunk_tokens=64), enabled=False, steps=True)
         rig.manager.gating = GateWiring(gate, chunk_tokens=64, chunk_bytes=LAYOUT.payload_bytes)
-        rig.manager.gating.enable_step_timing()
         seen = []
         rig.manager.gating.steps._observe = lambda work, seconds: seen.append((work, seconds)) or True
         stall_fs.stall()

@@ -36,9 +36,10 @@ FORMAT = "pykvcache-gate-device/1"
 MAX_AGE_S = 7 * 86400.0
 
 
-def save(path: str | os.PathLike[str], online: OnlineLoadModel, *, wall_now: float | None = None) -> bool:
-    """Write ``online``'s window to ``path``; False when there is nothing to keep."""
-    points = online.window()
+def save(path: str | os.PathLike[str], online: OnlineLoadModel | list[tuple[float, float]], *,
+         wall_now: float | None = None) -> bool:
+    """Write ``online``'s window (or a window taken from it) to ``path``; False when there is nothing to keep."""
+    points = online.window() if isinstance(online, OnlineLoadModel) else online
     if not points:
         return False
     path = Path(path)

@@ -47,7 +47,7 @@ def pykvcache_manager(llm: Any) -> Any:
 # pykvcache's manager (scheduler side)
 # ----------------------------------------------------------------------
 def gate_wired(manager: Any) -> bool:
-    return manager.gating.gate is not None  # NoGating has no gate
+    return getattr(manager.gating, "gate", None) is not None  # NoGating has no gate
 
 
 def request_gate(manager: Any) -> Any:
@@ -61,10 +61,8 @@ def use_gates(manager: Any, request_gate: Any, preload_gate: Any) -> None:
     gate swapped out (an emulated slow device's reads must not teach the
     next mode's gate; decision 0079)."""
     manager.gating.gate = request_gate
-    manager.preloader.gate = preload_gate
-    busy = getattr(manager.gating, "busy", None)
-    if busy is not None:
-        busy.clear()
+    manager.gating.preload_gate = preload_gate
+    manager.gating.busy.clear()
 
 
 def store_of(manager: Any) -> Any:

@@ -96,7 +96,9 @@ class PyKvCacheConnector(OffloadingConnector):
         if chunk_problems:  # with every other problem of the settings, in one error
             validate_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config,
                                   more=lambda _values: chunk_problems)
-        with publishing(vllm_config):  # the spec fingerprints the model from it
+        # The spec fingerprints the model from the config, and its gate learns
+        # the prefill side from the steps this connector reports.
+        with publishing(vllm_config, reports_steps=True):
             super().__init__(vllm_config, role, kv_cache_config)
         self._manager = None
         self._groups: list[tuple[int, int, int]] = []
@@ -115,7 +117,6 @@ class PyKvCacheConnector(OffloadingConnector):
                 f"spec_module_path pykvcache.vllm); got a {type(manager).__name__}"
             )
         self._manager = manager
-        manager.gating.enable_step_timing()  # this connector reports the steps
         manager.disk.load_trace = self._trace
         self._enable_in_flight_hits(vllm_config, manager)
         policy = str(getattr(vllm_config.scheduler_config, "policy", "fcfs"))

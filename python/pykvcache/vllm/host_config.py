@@ -25,6 +25,7 @@ from typing import Any, Iterator
 
 _published: contextvars.ContextVar[Any] = contextvars.ContextVar("pykvcache_vllm_config",
                                                                  default=None)
+_reports_steps: contextvars.ContextVar[bool] = contextvars.ContextVar("pykvcache_reports_steps", default=False)
 
 #: How far up the stack a constructing connector can be (spec factory, tiering
 #: spec wrappers...); a bound so a deep unrelated stack costs nothing.
@@ -32,13 +33,24 @@ _MAX_FRAMES = 32
 
 
 @contextlib.contextmanager
-def publishing(vllm_config: Any) -> Iterator[None]:
-    """Makes ``vllm_config`` visible to specs constructed inside the block."""
+def publishing(vllm_config: Any, *, reports_steps: bool = False) -> Iterator[None]:
+    """Makes ``vllm_config`` visible to specs constructed inside the block,
+    and whether the connector constructing them reports the engine's steps
+    (:func:`steps_reported`)."""
     token = _published.set(vllm_config)
+    steps = _reports_steps.set(reports_steps)
     try:
         yield
     finally:
+        _reports_steps.reset(steps)
         _published.reset(token)
+
+
+def steps_reported() -> bool:
+    """Whether the connector building the caller reports each engine step
+    (PyKvCacheConnector does: the gate learns the prefill side from them;
+    vLLM's stock connector does not)."""
+    return _reports_steps.get()
 
 
 def _is_vllm_config(obj: Any) -> bool:

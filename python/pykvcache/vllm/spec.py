@@ -22,7 +22,8 @@ from pykvcache.vllm.config import (
     validate_extra_config,
 )
 from pykvcache.vllm.scheduler import disk_tier
-from pykvcache.vllm.host_config import find_vllm_config
+from pykvcache.vllm.scheduler.gating import GateHooks, Gating, GatingFactory
+from pykvcache.vllm.host_config import find_vllm_config, steps_reported
 from pykvcache.vllm.layout import ChunkLayout, staging_shm_name
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions
@@ -136,11 +137,17 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 disk_tier.model_identity_digest(self._vllm_config, self.config.model.name, self.settings))
         return self._namespace
 
-    def _build_gating(self):
-        """The break-even gate and store admission (:func:`~pykvcache.vllm.scheduler.disk_tier.build_gating`)."""
-        return disk_tier.build_gating(self.settings, model=self.config.model.name,
-                            dtype=str(self.config.model.dtype),
-                            chunk_bytes=self.layout.payload_bytes, chunk_tokens=self.chunk_tokens)
+    def _gating(self, steps_timed: bool) -> GatingFactory:
+        """Builds the break-even gate and store admission (:func:`~pykvcache.vllm.scheduler.gate_plan.build_gating`)
+        once the manager's store is open; ``steps_timed``: the connector reports the engine's steps."""
+        from pykvcache.vllm.scheduler.gate_plan import build_gating
+
+        def gating(hooks: GateHooks) -> Gating:
+            return build_gating(self.settings, hooks, model=self.config.model.name,
+                                dtype=str(self.config.model.dtype), chunk_bytes=self.layout.payload_bytes,
+                                chunk_tokens=self.chunk_tokens, steps_timed=steps_timed)
+
+        return gating
 
     def _open_store(self, pool, *, close_pool_on_failure: bool = False):
         return disk_tier.open_store(self.settings, pool, self.namespace, close_pool_on_failure=close_pool_on_failure)
@@ -165,7 +172,9 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 else None,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 max_inflight_writes=self.settings.max_inflight_writes,
-                gating=self._build_gating(),
+                # PyKvCacheConnector builds this manager (inside its base class) and reports the steps.
+                gating=self._gating(steps_timed=steps_reported()),
+                chunk_tokens=self.chunk_tokens,
                 lookahead_slots=lookahead_budget_bytes(self.settings) // self.slot_footprint,
                 lookahead_requests=self.settings.lookahead_requests,
                 lookup_hold_slots=lookup_hold_budget_bytes(self.settings) // self.slot_footprint,

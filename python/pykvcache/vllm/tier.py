@@ -62,14 +62,14 @@ from pykvcache.vllm.config import GIB, ConfigError, validate_extra_config
 from pykvcache.vllm.scheduler.disk_tier import (
     DiskTier,
     UsesDiskTier,
-    build_gating,
     chunk_namespace,
     model_identity_digest,
     open_store,
     size_staging,
     staging_size_problems,
 )
-from pykvcache.vllm.scheduler.gate_plan import GateInputs
+from pykvcache.vllm.scheduler.gate_plan import build_gating
+from pykvcache.vllm.scheduler.gating import GateHooks, GateInputs, Gating, RequestDropped
 from pykvcache.vllm.host_config import find_vllm_config
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions
@@ -238,10 +238,12 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         # The store, its pool, the gate (it learns from the reads; decision
         # 0054: not from an outage's), metrics and presence: shared with the
         # standalone spec's manager.
-        self.disk = DiskTier(store, pool, gating=build_gating(
-            self.settings, model=config.model.name, dtype=str(config.model.dtype),
-            chunk_bytes=self.chunk_bytes, chunk_tokens=self.chunk_tokens),
-            label="pykvcache tier", trouble="unusable chunks in the tier (each a miss)", log=logger)
+        def gating(hooks: GateHooks) -> Gating:
+            return build_gating(self.settings, hooks, model=config.model.name, dtype=str(config.model.dtype),
+                                chunk_bytes=self.chunk_bytes, chunk_tokens=self.chunk_tokens)
+
+        self.disk = DiskTier(store, pool, gating=gating, label="pykvcache tier",
+                             trouble="unusable chunks in the tier (each a miss)", log=logger)
         self._jobs: deque[_Job] = deque()  # jobs with chunks not started, in order
         # token -> (handle, job, key, chunk, staging slot or None)
         self._ops: dict[int, tuple[Any, _Job, bytes, int, int | None]] = {}
@@ -290,7 +292,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
 
     @_serialized
     def on_request_finished(self, req_context: ReqContext) -> None:
-        self.gating.drop(req_context.req_id)
+        self.gating.observe(RequestDropped(req_context.req_id))
 
     # -- jobs --------------------------------------------------------------------
     @_serialized

@@ -21,6 +21,7 @@ import time
 
 from pykvcache._core import chunk_file_bytes
 from pykvcache.vllm.scheduler.disk_tier import DiskTier
+from pykvcache.vllm.scheduler.gating import ReadStarted
 from pykvcache.vllm.scheduler.kv_events import KvEvents
 from pykvcache.vllm.scheduler.staging_cache import EntryState, Origin, StagingCache, StagingEntry
 
@@ -86,7 +87,7 @@ class DiskIo:
             self.reads[key] = read(key, entry.slot)
             started = time.monotonic()
             self._read_started[key] = started
-            self._disk.gating.read_started(started)
+            self._disk.gating.observe(ReadStarted(started))
             # The get armed the slot's ready word; the slot stays pinned for
             # it until it ends, so nothing re-arms it before this is read.
             entry.ready_gen = self._disk.pool.ready_state(entry.slot)[0]
@@ -137,11 +138,11 @@ class DiskIo:
         counts reads, not bytes, and on a disk capped at 25 MB/s the preloads
         a server started with kept its first demand reads seconds behind them
         (decision 0061). A gate that does not learn keeps the engine's bound."""
-        gating = self._disk.gating
-        speed = gating.device_bytes_per_s()
+        gate = self._disk.gate_snapshot()
+        speed = gate.device_bytes_per_s
         floor = chunk_file_bytes(self._payload_bytes)
         if speed is None:
-            if not gating.learns_device():
+            if not gate.learns_device:
                 return
             budget = floor
         else:

@@ -12,12 +12,11 @@ the disk side of both is, is said here once:
   the ``storage_dirs`` entry;
 * :func:`model_identity_digest` and :func:`chunk_namespace`: where the chunks
   live; :func:`size_staging`: how many staging slots ``staging_bytes`` gives;
-* :func:`build_gating`: the break-even gate and store admission;
 * :class:`DiskTier`: what a finished read or write means for the metrics, the
   log of unusable chunks and the presence index (one answer for both:
   :mod:`~pykvcache.vllm.scheduler.disk_presence`), the engine's stats as gauges, the
-  device model the gate learnt kept beside the namespace (restored at start,
-  saved at most once a minute and at shutdown: decision 0073), and shutdown.
+  gate built with what only the store's owner knows (its breakers, where the
+  learnt device model is kept: decision 0073), and shutdown.
 """
 
 from __future__ import annotations
@@ -25,14 +24,22 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from pykvcache.gate import device_memory
-from pykvcache.vllm.scheduler.background_save import LatestWriter
 from pykvcache.vllm.config import MAX_STAGING_SLOTS, ConfigError, PykvcacheConfig, store_keywords
 from pykvcache.vllm.scheduler.disk_presence import DiskPresence
+from pykvcache.vllm.scheduler.gating import (
+    GateHooks,
+    GateSnapshot,
+    Gating,
+    GatingFactory,
+    ReadEnded,
+    Tick,
+    no_gating,
+)
 from pykvcache.vllm.logs import ChunkTroubleLog
 from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter
 from pykvcache.vllm.identity.model_identity import model_identity
@@ -146,59 +153,6 @@ def staging_size_problems(staging: int | None, capacity: int | None, payload_byt
     return problems
 
 
-def build_gating(settings: PykvcacheConfig, *, model: str, dtype: str, chunk_bytes: int,
-                 chunk_tokens: int):
-    """The break-even gate and store admission for chunks of ``chunk_bytes``
-    covering ``chunk_tokens`` tokens (``gate: false`` still builds it, loading
-    everything but counting). Built once the store is open (the storage
-    device is read from its first directory)."""
-    from pykvcache.gate import ProfileExpectation, StoreAdmission, build_gate
-    from pykvcache.gate.profile import storage_info
-
-    from pykvcache.vllm.scheduler.gate_plan import GateWiring
-
-    s = settings
-    expected = ProfileExpectation(
-        model=model,
-        dtype=dtype,
-        kv_bytes_per_token=chunk_bytes / chunk_tokens,
-        chunk_tokens=chunk_tokens,
-        storage_device=storage_info(s.storage_dirs[0])["device"],
-    )
-    gate, source = build_gate(s.gate_profile, expected, online=s.gate_online,
-                              margin=s.gate_margin, enabled=s.gate)
-    admission = None
-    if s.store_min_tokens or s.store_second_sighting:
-        admission = StoreAdmission(
-            chunk_tokens=chunk_tokens,
-            min_tokens=0 if s.store_min_tokens == "break_even" else s.store_min_tokens,
-            second_sighting=s.store_second_sighting,
-        )
-    be = gate.break_even_tokens()
-    # The reason for a default cost model was logged as a warning already.
-    logger.info("pykvcache gate: %s, cost model from %s, break-even %s tokens%s",
-                "on" if s.gate else "off (loads everything, counts)", source.split(":", 1)[0],
-                "never" if be == float("inf") else f"{be:.0f}",
-                f", store admission min_tokens={s.store_min_tokens} "
-                f"second_sighting={s.store_second_sighting}" if admission else "")
-    wiring = GateWiring(gate, chunk_tokens=chunk_tokens, chunk_bytes=chunk_bytes,
-                        admission=admission, store_min_tokens=s.store_min_tokens)
-    if s.gate_trace:
-        from pykvcache.gate.trace import DecisionTrace
-
-        try:
-            wiring.set_trace(DecisionTrace(s.gate_trace))
-            logger.info("pykvcache gate: tracing decisions, reads and learnt periods to %s", s.gate_trace)
-        except OSError as exc:  # a diagnostic: serving goes on without it
-            logger.warning("pykvcache gate: cannot open gate_trace %s (%s); not tracing", s.gate_trace, exc)
-    return wiring
-
-
-#: The learnt device model is saved at most this often while serving (and at
-#: shutdown): a server killed without one keeps what it learnt up to a minute before.
-DEVICE_SAVE_EVERY_S = 60.0
-
-
 # -- serving -------------------------------------------------------------------
 class DiskTier:
     """The disk side of a scheduler: the store, its staging pool, the gate
@@ -206,16 +160,18 @@ class DiskTier:
     (the manager or the tier) moves the bytes and keeps its own books of what
     is in flight; this says what a finished read or write means.
 
-    ``label`` starts its log lines (``"pykvcache"``, ``"pykvcache tier"``);
-    ``trouble`` names its log of unusable chunks; ``on_learnt`` is called
-    after the gate learnt the device from a load."""
+    ``gating`` builds the gate (:class:`~pykvcache.vllm.scheduler.gating.GateHooks`
+    from this store, and ``sampler``, which reads an exploration's sample in
+    the background); ``label`` starts its log lines (``"pykvcache"``,
+    ``"pykvcache tier"``); ``trouble`` names its log of unusable chunks;
+    ``on_learnt`` is called after the gate learnt the device from a load."""
 
-    def __init__(self, store, pool, *, gating, label: str = "pykvcache",
+    def __init__(self, store, pool, *, gating: GatingFactory = no_gating,
+                 sampler: Callable[[Sequence[bytes]], Sequence[bytes]] | None = None, label: str = "pykvcache",
                  trouble: str = "unusable chunks (each treated as a miss)",
                  log: logging.Logger = logger, on_learnt: Callable[[], None] | None = None) -> None:
         self.store = store
         self.pool = pool
-        self.gating = gating
         self.metrics = ManagerMetrics()
         self.presence = DiskPresence(self.metrics)
         self.closed = False
@@ -228,21 +184,14 @@ class DiskTier:
         # once at WARNING (a full disk would otherwise log every chunk).
         self._write_failures_logged: set[tuple[str, int | None]] = set()
         # The gate must not learn the device from loads timed during a storage
-        # outage, and restarts its exploration after one (decision 0054). A
-        # lambda: the manager's reset_cache replaces the store.
-        gating.watch_breakers(lambda: self.store.breaker_health(),
-                              io_deadline_s=store.stats()["io_deadline_s"])
-        # A restart starts from what the last server on this namespace learnt
-        # of the device, not from the prior (decision 0073).
-        self._device_file = Path(store.namespace_dir[0]) / device_memory.FILE_NAME
-        self._device_writer = LatestWriter("pykvcache-gate-save", log)
-        restored, why_not = gating.restore_device(self._device_file)
-        if restored:
-            mbps = gating.device_bytes_per_s()
-            log.info("%s: the gate starts from the device model saved in %s (%d loads: %.0f MB/s)",
-                     label, self._device_file, restored, (mbps or 0) / 1e6)
-        else:
-            log.debug("%s: no saved device model used (%s)", label, why_not)
+        # outage, and restarts its exploration after one (decision 0054): it
+        # follows the breakers (a lambda: the manager's reset_cache replaces
+        # the store). A restart starts from what the last server on this
+        # namespace learnt of the device, not from the prior (decision 0073).
+        self.gating: Gating = gating(GateHooks(
+            breakers=lambda: self.store.breaker_health(), io_deadline_s=store.stats()["io_deadline_s"],
+            device_file=Path(store.namespace_dir[0]) / device_memory.FILE_NAME, sampler=sampler,
+            log=log, label=label))
 
     def on_disk(self, key: bytes) -> bool:
         """In the index, or published since by another engine sharing the
@@ -262,24 +211,18 @@ class DiskTier:
         stalled directory could not read. What is left here is not to read
         it again at once (it would end the same way every step)."""
         ok = result.status == "ok"
-        observed = 0
         if self.load_trace is not None and started_at is not None:
             self.load_trace("read", key=bytes(key)[:6].hex(), submitted=round(started_at, 6),
                             ended=round(started_at + (result.latency_s or 0.0), 6), ok=ok,
                             mb=round(int(result.length or 0) / 1e6, 3))
-        if started_at is not None:
-            # Submitted at ``started_at`` (monotonic s): the device's busy
-            # periods, preloads included (decision 0079). Before
-            # read_finished, which ends the plans timing this read.
-            observed += self.gating.read_ended(key, started_at, result.latency_s or 0.0,
-                                               int(result.length or 0) if ok else 0,
-                                               timed_out=not ok and result.errno == errno.ETIMEDOUT)
-        observed += self.gating.read_finished(key, ok, result.latency_s or 0.0)
+        # Submitted at ``started_at`` (monotonic s): the device's busy periods,
+        # preloads included (decision 0079); the plans timing this read.
+        observed = self.gating.observe(ReadEnded(
+            key, ok, result.latency_s or 0.0, int(result.length or 0) if ok else 0, started_at=started_at,
+            timed_out=not ok and result.errno == errno.ETIMEDOUT))
         self.metrics.inc("gate_load_observations", observed)
-        if observed:
-            if self._on_learnt is not None:
-                self._on_learnt()
-            self._save_device_model(every_s=DEVICE_SAVE_EVERY_S)
+        if observed and self._on_learnt is not None:
+            self._on_learnt()
         if ok:
             self._count_io("read", result)
             return True
@@ -288,21 +231,6 @@ class DiskTier:
             self._unusable.report(key, result.status, result.message)
         self.presence.read_failed(key, result.miss_kind)
         return False
-
-    def _save_device_model(self, every_s: float = 0.0, *, here: bool = False) -> None:
-        """Saves the device model the gate learnt on the writer's thread
-        (background_save.py: never on the scheduler's), or ``here`` (shutdown)."""
-        try:
-            self.gating.save_device(self._device_file, every_s=every_s,
-                                    write=None if here else self._write_device_model)
-        except OSError as exc:  # a hint for the next start, never a failure of this one
-            self._log.warning("%s: could not save the gate's device model to %s: %s",
-                              self._label, self._device_file, exc)
-
-    def _write_device_model(self, path: Path, window: list[tuple[float, float]]) -> bool:
-        """Writes ``window`` (the gate's, taken on the scheduler's thread) to ``path`` off that thread."""
-        self._device_writer.submit(lambda: device_memory.save(path, _SavedWindow(window)))
-        return True
 
     def write_finished(self, key: bytes, result) -> bool:
         """Counts a finished write; True when the chunk is on disk. Each kind
@@ -325,14 +253,21 @@ class DiskTier:
         self.metrics.inc(f"disk_{op}_bytes", result.length)
         self.metrics.observe(f"disk_{op}_latency_seconds", result.latency_s)
 
+    def gate_snapshot(self) -> GateSnapshot:
+        """The gate's snapshot; its counters and gauges go into the metrics,
+        whoever takes it (each snapshot takes the counters since the last)."""
+        snap = self.gating.snapshot()
+        for name, value in snap.counters.items():
+            self.metrics.inc(name, value)
+        for name, value in snap.gauges.items():
+            self.metrics.set_gauge(name, value)
+        return snap
+
     def take_stats(self, *, staging_used: int, staging_total: int):
         """The step's report: the gate's counters and gauges, staging use and
         the engine's stats as gauges (added to what the owner set)."""
-        self.gating.poll_breakers()  # once per step: an outage is seen with no load meanwhile
-        for name, value in self.gating.take_counters().items():
-            self.metrics.inc(name, value)
-        for name, value in self.gating.gauges().items():
-            self.metrics.set_gauge(name, value)
+        self.gating.observe(Tick())
+        self.gate_snapshot()
         self.metrics.set_gauge("staging_slots_used", staging_used)
         self.metrics.set_gauge("staging_slots_total", staging_total)
         store = self.store
@@ -353,27 +288,13 @@ class DiskTier:
         try:
             drain()
         finally:
-            # A save stalled longer than this is given up: the model is a hint.
-            self._device_writer.flush(timeout=2.0)
-            self._save_device_model(here=True)
-            self.gating.close_trace()
+            self.gating.close()  # saves the learnt device model
             self._unusable.flush()
             self.store.close()
             try:
                 self.pool.close()
             except Exception:  # noqa: BLE001 - shutting down anyway; say what failed
                 self._log.exception("%s: could not unmap the staging region", self._label)
-
-
-class _SavedWindow:
-    """What :func:`device_memory.save` reads of the gate's online model (its
-    window), as it was when the save was decided."""
-
-    def __init__(self, window: list[tuple[float, float]]) -> None:
-        self._window = window
-
-    def window(self) -> list[tuple[float, float]]:
-        return self._window
 
 
 def _of_disk(name: str, doc: str, *, settable: bool = False) -> property:
@@ -389,6 +310,6 @@ class UsesDiskTier:
     disk: DiskTier
     store = _of_disk("store", "The engine's store (settable: the manager's wipe reopens it, tools wrap it).",
                      settable=True)
-    gating = _of_disk("gating", "The gate wiring (settable).", settable=True)
+    gating = _of_disk("gating", "The gate (gating.Gating; settable).", settable=True)
     pool = _of_disk("pool", "The staging pool the engine reads into and writes from.")
     metrics = _of_disk("metrics", "The counters, gauges and histograms reported to vLLM.")

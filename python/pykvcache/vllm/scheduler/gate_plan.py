@@ -17,12 +17,12 @@ store side asks :meth:`GateWiring.admit_store` how many chunks to write.
 
 Around a storage outage the plan's loads are filtered before they are learnt
 (:class:`~pykvcache.gate.outages.OutageFilter`, fed from the store's circuit
-breakers by :meth:`GateWiring.watch_breakers`): what a dying or reconnecting
+breakers): what a dying or reconnecting
 link took to read is not the device's speed (decision 0054).
 
 An exploration (the gate samples a device it learnt as too slow to load
-from) is read in the background where the owner can (:meth:`GateWiring.set_sampler`,
-the standalone manager): the explored request recomputes, and the busy period
+from) is read in the background where the owner can (a sampler: the standalone
+manager): the explored request recomputes, and the busy period
 holding the sample's reads is the measurement (decision 0054). Without a
 sampler (vLLM's tiering framework owns the tier's reads) the request loads
 its explored prefix, as before.
@@ -32,20 +32,48 @@ the connector reports each step's scheduled work when it builds the step's
 metadata and the step's end when its output comes back (or the next step is
 built, whichever is first); a step that mostly prefilled is one observation
 for the gate's :class:`~pykvcache.gate.online.OnlinePrefillModel`.
+
+The rest of the vLLM side sees all this through :class:`~pykvcache.vllm.scheduler.gating.Gating`
+(six members); what it is given at construction (breakers, sampler, saved
+device model) comes in :class:`~pykvcache.vllm.scheduler.gating.GateHooks`,
+the profile, store admission and decision trace from :func:`build_gating`.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter, StoreAdmission, device_memory
 from pykvcache.gate.busy_periods import DeviceBusyPeriods
 from pykvcache.gate.request_keys import request_keys_from
 from pykvcache.gate.trace import DecisionTrace
+from pykvcache.vllm.scheduler.background_save import LatestWriter
+from pykvcache.vllm.scheduler.gating import (
+    GateEvent,
+    GateHooks,
+    GateInputs,
+    GateInputsOf,
+    GateSnapshot,
+    ReadEnded,
+    ReadStarted,
+    RequestDropped,
+    Reset,
+    StepFinished,
+    StepScheduled,
+    Tick,
+)
 from pykvcache.vllm.scheduler.step_timer import StepTimer
+
+if TYPE_CHECKING:
+    from pykvcache.vllm.config import PykvcacheConfig
+
+logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
 #: Requests whose loads are still timed after they were scheduled (each
 #: holds its plans until its reads end; the oldest are let go beyond this).
@@ -56,23 +84,9 @@ BUSY_PERIOD_CHUNKS = 16
 #: First contact waits at least this long for the device's first read (a FUSE or
 #: network filesystem's first read is tens of ms); past it the request recomputes.
 FIRST_CONTACT_S = 0.25
-
-
-@dataclass(frozen=True, slots=True)
-class GateInputs:
-    """What the gate weighs a request's prefix by, as its scheduler sees it now."""
-
-    #: Where each chunk of the prefix is (staged, on disk, missing).
-    states: list[ChunkState]
-    #: Disk I/O a read submitted now waits behind.
-    queued_bytes: int
-    #: Requests waiting to be scheduled after this one (a recompute delays them).
-    waiting_requests: int = 0
-
-
-#: ``(keys, req_id) -> GateInputs``: the scheduler's answer for a request's prefix,
-#: asked by the gate plan and by the lookahead preloader.
-GateInputsOf = Callable[[Sequence[bytes], Hashable], GateInputs]
+#: The learnt device model is saved at most this often while serving (and at
+#: shutdown): a server killed without one keeps what it learnt up to a minute before.
+DEVICE_SAVE_EVERY_S = 60.0
 
 
 @dataclass(slots=True)
@@ -92,93 +106,29 @@ class Plan:
     retry_until: float | None = None
 
 
-class NoGating:
-    """The null strategy: every chunk a lookup finds is loaded, every chunk offered is stored."""
-
-    gate = None
-    admission = None
-    chunk_tokens = 1
-
-    def allows(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> bool | None:
-        return True
-
-    def preload_gate(self) -> AdmissionGate | None:
-        return None
-
-    def drop(self, req_id: Hashable) -> None:
-        pass
-
-    def read_finished(self, key: bytes, ok: bool, latency_s: float = 0.0) -> int:
-        return 0
-
-    def read_started(self, at: float) -> None:
-        pass
-
-    def set_sampler(self, sampler: Callable[[Sequence[bytes]], Sequence[bytes]]) -> None:
-        pass
-
-    def read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int, *,
-                   timed_out: bool = False) -> int:
-        return 0
-
-    def watch_breakers(self, health: Callable[[], tuple[int, int, int]], *, io_deadline_s: float) -> None:
-        pass
-
-    def device_bytes_per_s(self) -> float | None:
-        return None
-
-    def learns_device(self) -> bool:
-        return False
-
-    def set_trace(self, trace) -> None:
-        pass
-
-    def trace_decision(self, role: str, req_id: Hashable, inputs: GateInputs, decision: GateDecision) -> None:
-        pass
-
-    def close_trace(self) -> None:
-        pass
-
-    def restore_device(self, path) -> tuple[int, str | None]:
-        return 0, "no gate"
-
-    def save_device(self, path, *, every_s: float = 0.0, write=None) -> bool:
-        return False
-
-    def poll_breakers(self) -> None:
-        pass
-
-    def admit_store(self, keys: Sequence[bytes], req_context) -> int:
-        return len(keys)
-
-    def enable_step_timing(self) -> None:
-        pass
-
-    def step_scheduled(self, work: Sequence[tuple[int, int]]) -> None:
-        pass
-
-    def step_finished(self) -> None:
-        pass
-
-    def take_counters(self) -> dict[str, float]:
-        return {}
-
-    def gauges(self) -> dict[str, float]:
-        return {}
-
-    def clear(self) -> None:
-        pass
-
-
 class GateWiring:
+    """The break-even gate as the manager's :class:`~pykvcache.vllm.scheduler.gating.Gating`:
+    a plan per request, its reads timed, the device's busy periods, the
+    prefill side from the engine's steps, store admission, the saved device
+    model and the decision trace."""
+
     def __init__(self, gate: AdmissionGate, *, chunk_tokens: int, chunk_bytes: int,
-                 admission: StoreAdmission | None = None,
-                 store_min_tokens: int | str = 0) -> None:
+                 admission: StoreAdmission | None = None, store_min_tokens: int | str = 0,
+                 hooks: GateHooks | None = None, trace: DecisionTrace | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        hooks = GateHooks() if hooks is None else hooks
         self.gate = gate
+        # Same cost model and online refinement, separate counters: a
+        # preload's decision is not a request's decision.
+        self.preload_gate = AdmissionGate(gate.model, chunk_tokens=gate.chunk_tokens, online=gate.online,
+                                          margin=gate.margin, enabled=gate.enabled,
+                                          prefill_online=gate.prefill_online,
+                                          behind_weight_cap=gate.behind_weight_cap)
         self.chunk_tokens = chunk_tokens
         self.chunk_bytes = chunk_bytes
         self.admission = admission
         self.store_min_tokens = store_min_tokens
+        self.clock = clock
         self._plans: dict[Hashable, dict[bytes, Plan]] = {}  # req -> group -> plan
         self._awaited_by: dict[bytes, set[Hashable]] = {}  # disk key -> requests timing it
         # Plans of requests already scheduled or finished whose disk reads are
@@ -189,9 +139,7 @@ class GateWiring:
         # 25 MB/s, the prior's 1000 MB/s kept).
         self._timing: OrderedDict[Hashable, list[Plan]] = OrderedDict()
         self.observations = 0
-        self.clock: Callable[[], float] = time.monotonic
-        # ``() -> (breaker_opens, breaker_closes, open_dirs)``; None: nothing to watch.
-        self._breaker_health: Callable[[], tuple[int, int, int]] | None = None
+        self._skipped_preloads = 0  # chunks preloads did not read: the gate would recompute them
         self.outages = OutageFilter()
         # A step worth timing prefilled at least one chunk: shorter ones are
         # dominated by per-step overhead, and a chunk is what the gate decides on.
@@ -201,43 +149,115 @@ class GateWiring:
         self.busy = DeviceBusyPeriods(cut_bytes=BUSY_PERIOD_CHUNKS * chunk_bytes)
         # Reads explorations in the background (decision 0054); None: the
         # explored request loads its sample itself.
-        self._sampler: Callable[[Sequence[bytes]], Sequence[bytes]] | None = None
+        self._sampler = hooks.sampler
         self._sample_keys: set[bytes] = set()  # sample reads not ended yet
-        # When the device model was last saved, and how many loads it had then.
+        self.trace = trace  # gate_trace: every decision, read and lesson
+        self._log, self._label = hooks.log, hooks.label
+        # ``() -> (breaker_opens, breaker_closes, open_dirs)``; None: nothing to
+        # watch. What was learnt within 5 I/O deadlines before a breaker opened
+        # is forgotten: it opens after three operations timed out or failed, and
+        # the loads that ended meanwhile timed the failing link (plus a step of
+        # lag before the gate looks).
+        self._breakers = hooks.breakers
+        self.outages.lookback_s = 5 * hooks.io_deadline_s
+        self._poll_breakers()
+        # The learnt device model, kept beside the namespace (decision 0073):
+        # a restart starts from what the last server learnt, not from the prior.
+        self._device_file = hooks.device_file
+        self._device_writer = LatestWriter("pykvcache-gate-save", hooks.log)
         self._device_saved_at = float("-inf")
         self._device_saved_samples = 0
-        self.trace: DecisionTrace | None = None  # gate_trace: every decision, read and lesson
+        if self._device_file is not None:
+            self._restore_device(self._device_file)
 
-    def set_trace(self, trace: DecisionTrace | None) -> None:
-        """Write every decision, read and learnt busy period to ``trace`` (pykvcache.gate.trace)."""
-        self.trace = trace
-
-    def trace_decision(self, role: str, req_id: Hashable, inputs: GateInputs, decision: GateDecision) -> None:
-        """A decision made elsewhere (the preloader's) into the trace."""
-        if self.trace is not None:
-            self.trace.decided(role, req_id, inputs.states, decision, queued_bytes=inputs.queued_bytes,
-                               waiting=inputs.waiting_requests, bytes_per_s=self.device_bytes_per_s())
-
-    def close_trace(self) -> None:
-        if self.trace is not None:
-            self.trace.close()
-
-    def set_sampler(self, sampler: Callable[[Sequence[bytes]], Sequence[bytes]]) -> None:
-        """``sampler(keys)`` starts background reads of ``keys`` (chunks this
-        plan just found on disk and not staged) into staging and returns the keys it started (each then ends in
-        :meth:`read_ended`); from now on an exploration is read by it while
-        its request recomputes (decision 0054)."""
-        self._sampler = sampler
-
-    # -- lookups -------------------------------------------------------------
-    def allows(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> bool | None:
+    # -- the seam (gating.Gating) ----------------------------------------------
+    def allows(self, key: bytes, req_context: Any, inputs_of: GateInputsOf) -> bool | None:
         """Whether this lookup's key is in the request's plan (decided at its first lookup);
         None: ask again later (the device's first read is being timed).
-        ``gate_inputs`` is asked only when a plan is made (once per request, not
+        ``inputs_of`` is asked only when a plan is made (once per request, not
         per key: counting queued I/O walks the I/O tables)."""
-        plan = self.plan_for(key, req_context, gate_inputs)
+        plan = self.plan_for(key, req_context, inputs_of)
         return None if plan.retry_until is not None else key in plan.allowed
 
+    def plan_preload(self, keys: Sequence[bytes], req_id: Hashable, inputs_of: GateInputsOf,
+                     start_tokens: int = 0) -> int:
+        """How many leading ``keys`` of a waiting request the preloader reads.
+        Background reading: before the device is timed, a preload reads none
+        of it (the request's own plan samples it; a chunk read for a preload
+        looks staged to that plan, which would wait for it)."""
+        inputs = inputs_of(keys, req_id)
+        gate = self.preload_gate
+        decision = gate.decide(inputs.states, start_tokens=start_tokens, queued_bytes=inputs.queued_bytes,
+                               waiting_requests=inputs.waiting_requests, sample_in_background=True)
+        gate.take_counters()  # a gate of its own: lookups count decisions, preloads not
+        self._trace_decision("preload", req_id, inputs, decision)
+        self._skipped_preloads += decision.available_chunks - decision.load_chunks
+        return decision.load_chunks
+
+    def admit_store(self, keys: Sequence[bytes], req_context: Any) -> int:
+        """How many leading ``keys`` to write (the rest are skipped for good)."""
+        if self.admission is None or not keys:
+            return len(keys)
+        if self.store_min_tokens == "break_even":
+            self.admission.min_tokens = self.gate.break_even_tokens()
+        positions = getattr(req_context, "_offload_key_positions", None) or {}
+        ct = self.chunk_tokens
+        # Storable length of the whole request (not just this step's chunks:
+        # chunked prefill offers a long prompt's chunks a few at a time).
+        tokens = max((p for p in positions.values() if p % ct == 0), default=0)
+        if not tokens:
+            tokens = len(keys) * ct
+        return self.admission.admit(keys, request_tokens=tokens)
+
+    def observe(self, event: GateEvent) -> int:
+        """What happened; returns how many lessons of the device a read taught."""
+        match event:
+            case ReadEnded():
+                learnt = 0
+                if event.started_at is not None:
+                    # Before the plans' timing, which a failed read ends.
+                    learnt += self._read_ended(event.key, event.started_at, event.latency_s, event.nbytes,
+                                               timed_out=event.timed_out)
+                learnt += self._read_finished(event.key, event.ok, event.latency_s)
+                if learnt:
+                    self._save_device(every_s=DEVICE_SAVE_EVERY_S)
+                return learnt
+            case ReadStarted():
+                self.busy.read_started(event.at)
+            case StepScheduled():
+                self.steps.scheduled(event.work)
+            case StepFinished():
+                self.steps.finished()
+            case RequestDropped():
+                self._drop(event.req_id)
+            case Tick():
+                # Once per step: an outage is seen with no load meanwhile.
+                self._poll_breakers()
+                self._save_device(every_s=DEVICE_SAVE_EVERY_S)
+            case Reset():
+                self._clear()
+        return 0
+
+    def snapshot(self) -> GateSnapshot:
+        counters = dict(self.gate.take_counters())
+        if self.admission is not None:
+            counters.update(self.admission.take_counters())
+        if self._skipped_preloads:
+            counters["lookahead_gate_skipped_chunks"] = self._skipped_preloads
+            self._skipped_preloads = 0
+        return GateSnapshot(counters=counters, gauges=self.gate.gauges(),
+                            device_bytes_per_s=self.device_bytes_per_s(),
+                            learns_device=self.gate.online is not None)
+
+    def close(self) -> None:
+        # A save stalled longer than this is given up: the model is a hint.
+        self._device_writer.flush(timeout=2.0)
+        self._save_device(here=True)
+        if self.trace is not None:
+            self.trace.close()
+        self._clear()
+
+    # -- plans ---------------------------------------------------------------
     def device_bytes_per_s(self) -> float | None:
         """The device's read speed the online load model holds; None before
         it has timed a read (or without an online model). A read pooled into a
@@ -249,70 +269,24 @@ class GateWiring:
             return None
         return online.disk_bytes_per_s
 
-    def learns_device(self) -> bool:
-        """Whether reads teach this gate the device (an online load model)."""
-        return self.gate.online is not None
+    def _trace_decision(self, role: str, req_id: Hashable, inputs: GateInputs, decision: GateDecision) -> None:
+        if self.trace is not None:
+            self.trace.decided(role, req_id, inputs.states, decision, queued_bytes=inputs.queued_bytes,
+                               waiting=inputs.waiting_requests, bytes_per_s=self.device_bytes_per_s())
 
-    def restore_device(self, path) -> tuple[int, str | None]:
-        """Replay the device model a previous server saved at ``path``
-        (decision 0073); ``(loads restored, why none were)``."""
-        online = self.gate.online
-        if online is None:
-            return 0, "the gate does not learn the device (gate_online: false)"
-        if online.samples:
-            return 0, "the gate has learnt the device already"
-        return device_memory.restore(path, online)
-
-    def save_device(self, path, *, every_s: float = 0.0,
-                    write: Callable[[object, list[tuple[float, float]]], bool] | None = None) -> bool:
-        """Save the learnt device model at ``path`` (decision 0073), unless
-        nothing new was learnt since the last save, or it was saved less than
-        ``every_s`` ago and the window already outweighs the prior. Until it
-        does, every load is saved: those are the loads that move the model
-        most, and vLLM's OpenAI server stops its engine without a teardown
-        (``--shutdown-timeout 0``, its default, force-kills it), so the save
-        at shutdown may never run (decision 0073). ``write(path, window)``
-        writes the window, taken now, elsewhere (off the scheduler's thread:
-        disk_tier.py, decision 0082); None: here."""
-        online = self.gate.online
-        now = self.clock()
-        if online is None or online.samples == self._device_saved_samples:
-            return False
-        if now - self._device_saved_at < every_s and online.samples > online.prior_weight + 1:
-            return False
-        saved = device_memory.save(path, online) if write is None else write(path, online.window())
-        self._device_saved_at, self._device_saved_samples = now, online.samples
-        return saved
-
-    def watch_breakers(self, health: Callable[[], tuple[int, int, int]], *, io_deadline_s: float) -> None:
-        """Follow the store's circuit breakers (``BlockStore.breaker_health``).
-        What was learnt within 5 I/O deadlines before a breaker opened is
-        forgotten: it opens after three operations timed out or failed, and the
-        loads that ended meanwhile timed the failing link (plus a step of
-        lag before the gate looks)."""
-        self._breaker_health = health
-        self.outages.lookback_s = 5 * io_deadline_s
-        self.poll_breakers()
-
-    def poll_breakers(self, now: float | None = None) -> None:
+    def _poll_breakers(self, now: float | None = None) -> None:
         """Look at the breakers (once per plan, per observed load and per
         engine step: a few atomic loads)."""
-        if self._breaker_health is None:
+        if self._breakers is None:
             return
         now = self.clock() if now is None else now
-        began, ended = self.outages.update(*self._breaker_health(), now)
+        began, ended = self.outages.update(*self._breakers(), now)
         if began or ended:
             self.gate.storage_outage(began, ended, now, self.outages.lookback_s)
 
-    def preload_gate(self) -> AdmissionGate:
-        """Same cost model and online refinement, separate counters: a
-        preload's decision is not a request's decision."""
-        g = self.gate
-        return AdmissionGate(g.model, chunk_tokens=g.chunk_tokens, online=g.online,
-                             margin=g.margin, enabled=g.enabled, prefill_online=g.prefill_online,
-                             behind_weight_cap=g.behind_weight_cap)
 
-    def plan_for(self, key: bytes, req_context, gate_inputs: GateInputsOf) -> Plan:
+    def plan_for(self, key: bytes, req_context: Any, inputs_of: GateInputsOf) -> Plan:
+        """The plan of the lookup's request, made at its first lookup (see the module docstring)."""
         req_id = req_context.req_id
         group = key[-4:]
         plans = self._plans.get(req_id)
@@ -327,7 +301,7 @@ class GateWiring:
         if plan is not None:
             self._stop_timing(req_id, plan)
         keys, start = request_keys_from(req_context, key, self.chunk_tokens)
-        inputs = gate_inputs(keys, req_id)
+        inputs = inputs_of(keys, req_id)
         states, queued = inputs.states, inputs.queued_bytes
         if self._sample_keys:
             # A chunk whose sample read is in flight has a staging slot but is
@@ -337,12 +311,11 @@ class GateWiring:
         now = self.clock()
         # A breaker that closed since the last look restarts the exploration
         # before this decision.
-        self.poll_breakers(now)
+        self._poll_breakers(now)
         decision = self.gate.decide(states, start_tokens=start, queued_bytes=queued,
                                     waiting_requests=inputs.waiting_requests, now=now,
                                     sample_in_background=self._sampler is not None)
-        if self.trace is not None:
-            self.trace_decision("lookup", req_id, inputs, decision)
+        self._trace_decision("lookup", req_id, inputs, decision)
         allowed = keys[: decision.load_chunks]
         plan = Plan(considered=frozenset(keys), allowed=frozenset(allowed), decision=decision,
                     started=now, queued_bytes=queued)
@@ -374,10 +347,7 @@ class GateWiring:
             self.admission.sighted(req_id, keys)
         return plan
 
-    def plans_of(self, req_id: Hashable) -> list[Plan]:
-        return list(self._plans.get(req_id, {}).values())
-
-    def drop(self, req_id: Hashable) -> None:
+    def _drop(self, req_id: Hashable) -> None:
         """The request was scheduled or finished: its plans end, but reads
         they wait for keep being timed until they end."""
         timed = [plan for plan in self._plans.pop(req_id, {}).values() if plan.awaiting and plan.disk_bytes]
@@ -392,7 +362,7 @@ class GateWiring:
                 self._stop_timing(old_req, plan)
 
     # -- online refinement ----------------------------------------------------
-    def read_finished(self, key: bytes, ok: bool, latency_s: float = 0.0) -> int:
+    def _read_finished(self, key: bytes, ok: bool, latency_s: float) -> int:
         """A disk read completed; returns how many loads were observed."""
         waiters = self._awaited_by.pop(key, None)
         if not waiters:
@@ -410,7 +380,7 @@ class GateWiring:
                 plan.longest_read_s = max(plan.longest_read_s, latency_s)
                 if not plan.awaiting and plan.disk_bytes:
                     now = self.clock()
-                    self.poll_breakers(now)
+                    self._poll_breakers(now)
                     if self.outages.learnable(plan.started):
                         self.gate.observe_load(plan.disk_bytes, plan.longest_read_s,
                                                queued_bytes=plan.queued_bytes, now=now,
@@ -431,14 +401,10 @@ class GateWiring:
         self.observations += observed
         return observed
 
-    def read_started(self, at: float) -> None:
-        """A disk read (demand or preload) was submitted at ``at`` (monotonic s)."""
-        self.busy.read_started(at)
-
-    def read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int, *,
-                   timed_out: bool = False) -> int:
+    def _read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int, *,
+                    timed_out: bool) -> int:
         """The read of ``key`` submitted at ``started_at`` ended after
-        ``latency_s``, serving ``nbytes`` (called before :meth:`read_finished`);
+        ``latency_s``, serving ``nbytes`` (before :meth:`_read_finished`);
         returns 1 when that ended (or cut) a busy period the gate learnt from
         (decision 0079). A period holding an exploration's sample is that
         exploration's measurement (decision 0054).
@@ -462,7 +428,7 @@ class GateWiring:
         if period is None:
             return 0
         now = self.clock()
-        self.poll_breakers(now)
+        self._poll_breakers(now)
         if not self.outages.learnable(period[2]):
             self.gate.ignore_load()
             return 0
@@ -491,50 +457,98 @@ class GateWiring:
         plan.awaiting.clear()
         plan.disk_bytes = 0
 
-    def enable_step_timing(self) -> None:
-        """Steps will be reported: the gate may rely on learning the prefill
-        side (and does not deny loads until it has)."""
-        if self.gate.prefill_online is not None:
-            self.gate.prefill_online.fed = True
-
-    def step_scheduled(self, work: Sequence[tuple[int, int]]) -> None:
-        """A step was built with ``work`` (see :func:`step_work`)."""
-        self.steps.scheduled(work)
-
-    def step_finished(self) -> None:
-        """The oldest built step's output came back."""
-        self.steps.finished()
-
-    # -- stores ---------------------------------------------------------------
-    def admit_store(self, keys: Sequence[bytes], req_context) -> int:
-        """How many leading ``keys`` to write (the rest are skipped for good)."""
-        if self.admission is None or not keys:
-            return len(keys)
-        if self.store_min_tokens == "break_even":
-            self.admission.min_tokens = self.gate.break_even_tokens()
-        positions = getattr(req_context, "_offload_key_positions", None) or {}
-        ct = self.chunk_tokens
-        # Storable length of the whole request (not just this step's chunks:
-        # chunked prefill offers a long prompt's chunks a few at a time).
-        tokens = max((p for p in positions.values() if p % ct == 0), default=0)
-        if not tokens:
-            tokens = len(keys) * ct
-        return self.admission.admit(keys, request_tokens=tokens)
-
-    # -- metrics --------------------------------------------------------------
-    def take_counters(self) -> dict[str, float]:
-        counters = dict(self.gate.take_counters())
-        if self.admission is not None:
-            counters.update(self.admission.take_counters())
-        return counters
-
-    def gauges(self) -> dict[str, float]:
-        return self.gate.gauges()
-
-    def clear(self) -> None:
+    def _clear(self) -> None:
         self._plans.clear()
         self._timing.clear()
         self._awaited_by.clear()
         self.steps.clear()
         self.busy.clear()
         self._sample_keys.clear()
+
+    # -- the device model kept for the next start (decision 0073) --------------
+    def _restore_device(self, path: Path) -> None:
+        """Replay the device model a previous server saved at ``path`` (before anything was learnt)."""
+        online = self.gate.online
+        restored, why_not = 0, "the gate has learnt the device already"
+        if online is None:
+            why_not = "the gate does not learn the device (gate_online: false)"
+        elif not online.samples:
+            restored, reason = device_memory.restore(path, online)
+            why_not = reason or ""
+        if online is not None and restored:
+            self._log.info("%s: the gate starts from the device model saved in %s (%d loads: %.0f MB/s)",
+                           self._label, path, restored, online.disk_bytes_per_s / 1e6)
+        else:
+            self._log.debug("%s: no saved device model used (%s)", self._label, why_not)
+
+    def _save_device(self, every_s: float = 0.0, *, here: bool = False) -> None:
+        """Save the learnt device model, unless nothing new was learnt since
+        the last save, or it was saved less than ``every_s`` ago and the window
+        already outweighs the prior. Until it does, every load is saved: those
+        are the loads that move the model most, and vLLM's OpenAI server stops
+        its engine without a teardown (``--shutdown-timeout 0``, its default,
+        force-kills it), so the save at shutdown may never run. Written on the
+        writer's thread (background_save.py: never on the scheduler's, decision
+        0082), or ``here`` (shutdown)."""
+        online, path = self.gate.online, self._device_file
+        if path is None or online is None or online.samples == self._device_saved_samples:
+            return
+        now = self.clock()
+        if now - self._device_saved_at < every_s and online.samples > online.prior_weight + 1:
+            return
+        try:
+            if here:
+                device_memory.save(path, online)
+            else:
+                window = online.window()  # taken now, on the scheduler's thread
+                self._device_writer.submit(lambda: device_memory.save(path, window))
+        except OSError as exc:  # a hint for the next start, never a failure of this one
+            self._log.warning("%s: could not save the gate's device model to %s: %s", self._label, path, exc)
+            return
+        self._device_saved_at, self._device_saved_samples = now, online.samples
+
+
+def build_gating(settings: PykvcacheConfig, hooks: GateHooks, *, model: str, dtype: str, chunk_bytes: int,
+                 chunk_tokens: int, steps_timed: bool = False) -> GateWiring:
+    """The break-even gate and store admission for chunks of ``chunk_bytes``
+    covering ``chunk_tokens`` tokens (``gate: false`` still builds it, loading
+    everything but counting), with the ``hooks`` of the scheduler that owns
+    the store (built once it is open: the storage device is read from its
+    first directory). ``steps_timed``: the connector reports the engine's
+    steps (PyKvCacheConnector), so the prefill side is learnt from them."""
+    from pykvcache.gate import ProfileExpectation, build_gate
+    from pykvcache.gate.profile import storage_info
+
+    s = settings
+    expected = ProfileExpectation(
+        model=model,
+        dtype=dtype,
+        kv_bytes_per_token=chunk_bytes / chunk_tokens,
+        chunk_tokens=chunk_tokens,
+        storage_device=storage_info(s.storage_dirs[0])["device"],
+    )
+    gate, source = build_gate(s.gate_profile, expected, online=s.gate_online,
+                              margin=s.gate_margin, enabled=s.gate, steps=steps_timed)
+    admission = None
+    if s.store_min_tokens or s.store_second_sighting:
+        admission = StoreAdmission(
+            chunk_tokens=chunk_tokens,
+            min_tokens=0 if s.store_min_tokens == "break_even" else s.store_min_tokens,
+            second_sighting=s.store_second_sighting,
+        )
+    be = gate.break_even_tokens()
+    # The reason for a default cost model was logged as a warning already.
+    logger.info("pykvcache gate: %s, cost model from %s, break-even %s tokens%s",
+                "on" if s.gate else "off (loads everything, counts)", source.split(":", 1)[0],
+                "never" if be == float("inf") else f"{be:.0f}",
+                f", store admission min_tokens={s.store_min_tokens} "
+                f"second_sighting={s.store_second_sighting}" if admission else "")
+    trace = None
+    if s.gate_trace:
+        try:
+            trace = DecisionTrace(s.gate_trace)
+            logger.info("pykvcache gate: tracing decisions, reads and learnt periods to %s", s.gate_trace)
+        except OSError as exc:  # a diagnostic: serving goes on without it
+            logger.warning("pykvcache gate: cannot open gate_trace %s (%s); not tracing", s.gate_trace, exc)
+    return GateWiring(gate, chunk_tokens=chunk_tokens, chunk_bytes=chunk_bytes, admission=admission,
+                      store_min_tokens=s.store_min_tokens, hooks=hooks, trace=trace)

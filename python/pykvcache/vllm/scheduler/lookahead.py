@@ -35,24 +35,24 @@ from typing import Protocol
 
 from vllm.v1.kv_offload.base import LookupResult
 
-from pykvcache.gate import AdmissionGate, ChunkState, GateDecision
-from pykvcache.vllm.scheduler.gate_plan import GateInputs
+from pykvcache.vllm.scheduler.gating import GateInputs, Gating
 from pykvcache.vllm.scheduler.staging_cache import LOOKAHEAD, LOOKUP, EntryState, StagingCache, owner
 
 
 class PreloadHost(Protocol):
     """What the preloader needs of the scheduler it preloads for (the manager)."""
 
+    @property
+    def gating(self) -> Gating:
+        """The gate, which says how much of a waiting request a preload reads."""
+        ...
+
     def gate_inputs(self, keys: Sequence[bytes], req_id: Hashable) -> GateInputs:
-        """The gate's view of a request's prefix, as the gate plan gets it."""
+        """The gate's view of a request's prefix, as the gate gets it for a lookup."""
         ...
 
     def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False) -> LookupResult:
         """Start reading ``key`` into staging, held for ``owner``; MISS when it cannot."""
-        ...
-
-    def trace_decision(self, role: str, req_id: Hashable, inputs: GateInputs, decision: GateDecision) -> None:
-        """Record a preload's decision in the gate's trace (``gate_trace``), if any."""
         ...
 
 
@@ -119,15 +119,13 @@ class Preloader:
     staging ``cache`` it shares with the host (the one book of who holds what)."""
 
     def __init__(self, host: PreloadHost, cache: StagingCache, metrics: Counters, *, chunk_bytes: int,
-                 budget_slots: int, window: int, gate: AdmissionGate | None, chunk_tokens: int,
-                 by_priority: bool = False) -> None:
+                 budget_slots: int, window: int, chunk_tokens: int, by_priority: bool = False) -> None:
         self.host = host
         self.cache = cache
         self.metrics = metrics
         self.chunk_bytes = chunk_bytes
         self.budget_slots = max(0, budget_slots)
         self.window = max(0, window)
-        self.gate = gate
         self.chunk_tokens = chunk_tokens
         self.queue = LookaheadQueue(by_priority=by_priority)
         #: chunks read by a preload that no load has used yet
@@ -267,21 +265,7 @@ class Preloader:
         """Hold or read this request's gated prefix; False when the budget or
         staging stops the pass (later requests must not jump ahead)."""
         cache = self.cache
-        inputs = self.host.gate_inputs(keys, req_id)
-        states = inputs.states
-        if self.gate is not None:
-            # Background reading: before the device is timed, a preload reads
-            # none of it (the request's own plan samples it; a chunk read for a
-            # preload looks staged to that plan, which would wait for it).
-            decision = self.gate.decide(states, start_tokens=start_tokens,
-                                        queued_bytes=inputs.queued_bytes,
-                                        waiting_requests=inputs.waiting_requests, sample_in_background=True)
-            self.gate.take_counters()  # a gate of its own: lookups count decisions, preloads not
-            self.host.trace_decision("preload", req_id, inputs, decision)
-            wanted = decision.load_chunks
-            self.metrics.inc("lookahead_gate_skipped_chunks", decision.available_chunks - wanted)
-        else:
-            wanted = next((i for i, s in enumerate(states) if s is ChunkState.MISSING), len(keys))
+        wanted = self.host.gating.plan_preload(keys, req_id, self.host.gate_inputs, start_tokens)
         holder = self.owner(req_id)
         for key in keys[:wanted]:
             entry = cache.get(key)

@@ -31,7 +31,8 @@ The methods a lookahead preloader or an admission gate builds on are
 :meth:`release` (keep staged keys for an owner), :meth:`staged_state`,
 :meth:`poll_io` and :meth:`allocatable_slots`.
 
-With a gate (:mod:`pykvcache.vllm.scheduler.gate_plan`) the first lookup of a request
+With a gate (:mod:`pykvcache.vllm.scheduler.gate_plan`, seen through
+:class:`~pykvcache.vllm.scheduler.gating.Gating`) the first lookup of a request
 decides how many leading chunks to load; keys past that answer MISS without
 touching the disk. With lookahead (:mod:`pykvcache.vllm.scheduler.lookahead`, fed by
 :class:`pykvcache.vllm.connector.PyKvCacheConnector`) each step end starts
@@ -66,7 +67,15 @@ from pykvcache.gate import ChunkState
 from pykvcache.vllm.layout import ChunkLayout
 from pykvcache.vllm.scheduler.disk_io import DiskIo
 from pykvcache.vllm.scheduler.disk_tier import DiskTier, UsesDiskTier
-from pykvcache.vllm.scheduler.gate_plan import GateInputs, GateWiring, NoGating
+from pykvcache.vllm.scheduler.gating import (
+    GateInputs,
+    GatingFactory,
+    RequestDropped,
+    Reset,
+    StepFinished,
+    StepScheduled,
+    no_gating,
+)
 from pykvcache.vllm.scheduler.kv_events import KvEvents
 from pykvcache.vllm.scheduler.lookahead import Preloader, WaitingRequest
 from pykvcache.vllm.scheduler.staging_cache import (
@@ -96,15 +105,19 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         reopen_store=None,
         enable_events: bool = False,
         max_inflight_writes: int = 64,
-        gating: GateWiring | None = None,
+        gating: GatingFactory | None = None,
+        chunk_tokens: int = 1,  # tokens per chunk: the preloader skips whole chunks the device cache holds
         lookahead_slots: int = 0,
         lookahead_requests: int = 0,
         lookup_hold_slots: int | None = None,
         by_priority: bool = False,
     ) -> None:
         # The store, its staging pool, the gate that learns from its reads,
-        # the metrics: the disk side the tier of vLLM's tiering shares.
-        self.disk = DiskTier(store, pool, gating=gating if gating is not None else NoGating(), log=logger,
+        # the metrics: the disk side the tier of vLLM's tiering shares. The
+        # gate's explorations are read here in the background; the explored
+        # request recomputes (decision 0054).
+        self.disk = DiskTier(store, pool, gating=gating if gating is not None else no_gating,
+                             sampler=lambda keys: self.io.sample(keys), log=logger,
                              on_learnt=lambda: self.io.update_background_budget())
         self.layout = layout
         # Creates a fresh store on the same directories (after a wipe).
@@ -118,8 +131,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
                          max_inflight_writes=max_inflight_writes, events=self.events)
         self.preloader = Preloader(self, self.cache, self.metrics, chunk_bytes=layout.payload_bytes,
                                    budget_slots=lookahead_slots, window=lookahead_requests,
-                                   gate=self.gating.preload_gate(),
-                                   chunk_tokens=self.gating.chunk_tokens, by_priority=by_priority)
+                                   chunk_tokens=chunk_tokens, by_priority=by_priority)
         # Staging that lookups of requests not scheduled yet may hold (the
         # cache knows who holds what: owners ("lookup", req_id)).
         self._lookup_hold_slots = lookup_hold_slots
@@ -134,9 +146,6 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self.in_flight_hits = False
         self._preformatter = None  # BackgroundPreformat while one runs
         self._preformat_wanted = False  # start it again after a wipe
-        # The gate's explorations are read here in the background; the
-        # explored request recomputes (decision 0054).
-        self.gating.set_sampler(self.io.sample)
         # The preload byte bound from the start: what a restored device model
         # says (0073), or one chunk until the gate has timed a read.
         self.io.update_background_budget()
@@ -213,10 +222,6 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
     def queued_bytes(self) -> int:
         """Disk I/O a read submitted now waits behind (:meth:`DiskIo.queued_bytes`)."""
         return self.io.queued_bytes()
-
-    def trace_decision(self, role, req_id, inputs, decision) -> None:
-        """The preloader's decisions into the gate's trace (``gate_trace``)."""
-        self.gating.trace_decision(role, req_id, inputs, decision)
 
     def waiting_behind(self, req_id) -> int:
         """Requests waiting to be scheduled after ``req_id`` (the ones its
@@ -333,7 +338,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self._waited.discard(req_id)
         self._waiting.left(req_id)
         self.preloader.forget(req_id, cancelled=finished)
-        self.gating.drop(req_id)
+        self.gating.observe(RequestDropped(req_id))
 
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         entry = self.cache.get(key)
@@ -479,11 +484,11 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         A step that hands out a load of reads in flight is timed like any
         other: the worker polls those reads, it never waits for them in the
         step (decision 0065)."""
-        self.gating.step_scheduled(work)
+        self.gating.observe(StepScheduled(work))
 
     def step_finished(self) -> None:
         """The connector saw the oldest built step's output."""
-        self.gating.step_finished()
+        self.gating.observe(StepFinished())
 
     def has_pending_work(self) -> bool:
         return self.io.busy()
@@ -505,7 +510,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             self.events.collect_removed(self.store)
             self.events.wiped(entry.key for entry in self.cache)
         self.preloader.clear()
-        self.gating.clear()
+        self.gating.observe(Reset())
         self._waited.clear()
         self.cache.clear()
         self.io.write_queue.clear()
