@@ -33,9 +33,19 @@ import secrets
 import sys
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.v1.kv_offload.base import LookupResult, OffloadKey
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_offload.base import (
+        CacheHitSource,
+        LoadStoreSpec,
+        OffloadingEvent,
+        PrepareStoreOutput,
+        ReqContext,
+        RequestOffloadingContext,
+    )
 
 from pykvcache.vllm.identity.digest_cache import same_file_state
 from pykvcache.vllm.identity.loaded_weights import DigestedFile
@@ -187,11 +197,11 @@ class AdapterKeyedManager(NvmeOffloadingManager):
         super().__init__(**kwargs)
         events = bool(kwargs.get("enable_events", False))
         self.adapters = AdapterDigests()
-        self._raw_of: dict[bytes, bytes] | None = {} if events else None  # derived -> vLLM's
+        self._raw_of: dict[OffloadKey, OffloadKey] | None = {} if events else None  # derived -> vLLM's
         self._nonce = secrets.token_bytes(16)  # keys of refused requests: match nothing
 
     # -- requests --------------------------------------------------------------
-    def on_new_request(self, req_context):
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         req_id = req_context.req_id
         request = _find_request(req_id)
         lora = getattr(request, "lora_request", None) if request is not None else _NO_ADAPTER
@@ -209,46 +219,48 @@ class AdapterKeyedManager(NvmeOffloadingManager):
         return super().on_new_request(req_context)
 
     @staticmethod
-    def _adapter(req_context) -> _RequestAdapter | None:
+    def _adapter(req_context: ReqContext) -> _RequestAdapter | None:
         return req_context.get_state(_RequestAdapter)
 
     def _tag(self, adapter: _RequestAdapter) -> bytes:
         return adapter.tag if adapter.tag is not None else self._nonce
 
-    def _keys(self, keys: Collection[OffloadKey], req_context) -> list[OffloadKey]:
+    def _keys(self, keys: Collection[OffloadKey], req_context: ReqContext) -> list[OffloadKey]:
         adapter = self._adapter(req_context)
         if adapter is None:
             return list(keys)
         return [derived_key(k, self._tag(adapter)) for k in keys]
 
-    def _context(self, req_context):
-        """``req_context`` as the manager must see it (see _DerivedContext)."""
+    def _context(self, req_context: ReqContext) -> ReqContext:
+        """``req_context`` as the manager must see it (see _DerivedContext, which stands in for it)."""
         adapter = self._adapter(req_context)
-        return req_context if adapter is None else _DerivedContext(req_context, adapter, self._tag(adapter))
+        if adapter is None:
+            return req_context
+        return cast("ReqContext", _DerivedContext(req_context, adapter, self._tag(adapter)))
 
-    def _refused(self, req_context) -> bool:
+    def _refused(self, req_context: ReqContext) -> bool:
         adapter = self._adapter(req_context)
         return adapter is not None and adapter.tag is None
 
     # -- keys ------------------------------------------------------------------
-    def lookup(self, key, req_context):
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         if self._refused(req_context):
             return LookupResult.MISS
         return super().lookup(self._keys([key], req_context)[0], self._context(req_context))
 
-    def get_load_source(self, key, req_context):
+    def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return super().get_load_source(self._keys([key], req_context)[0], self._context(req_context))
 
-    def prepare_load(self, keys, req_context):
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
         return super().prepare_load(self._keys(keys, req_context), self._context(req_context))
 
-    def touch(self, keys, req_context) -> None:
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return super().touch(self._keys(keys, req_context), self._context(req_context))
 
-    def complete_load(self, keys, req_context) -> None:
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         return super().complete_load(self._keys(keys, req_context), self._context(req_context))
 
-    def prepare_store(self, keys, req_context):
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         adapter = self._adapter(req_context)
         if adapter is not None and adapter.tag is not None and not adapter.stores_refused \
@@ -266,14 +278,14 @@ class AdapterKeyedManager(NvmeOffloadingManager):
         return dataclasses.replace(out, keys_to_store=[raw[k] for k in out.keys_to_store],
                                    evicted_keys=[raw.get(k, k) for k in out.evicted_keys])
 
-    def complete_store(self, keys, req_context, success: bool = True) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         return super().complete_store(self._keys(keys, req_context), self._context(req_context), success)
 
-    def take_events(self):
+    def take_events(self) -> list[OffloadingEvent]:
         events = list(super().take_events())
         if self._raw_of is None:
             return events
-        out = []
+        out: list[OffloadingEvent] = []
         for event in events:
             raw = [self._raw_of.get(k, k) for k in event.keys]
             if event.removed:

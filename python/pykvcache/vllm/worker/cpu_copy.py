@@ -27,11 +27,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pykvcache.vllm.worker.slot_map import GroupTransfer, SlotMap, Slots
+from pykvcache.vllm.worker.slot_map import GroupTransfer, PageSpec, SlotMap, Slots
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
     from pykvcache import StagingPool
 
 #: One run's KV view and staging view, as torch tensors and as numpy arrays of the same bytes.
@@ -117,20 +115,20 @@ class CpuCopier:
                 if tail else None
             )
 
-    def _indexed(self, gpu_spec: GPULoadStoreSpec,
+    def _indexed(self, gpu_spec: PageSpec,
                  slots: Slots) -> Iterator[tuple[GroupTransfer, list[int], list[int], list[int]]]:
         """Each transfer part with its block, slot and sub-block indices (lists)."""
         for part in self._map.transfers(gpu_spec, slots):
             yield part, part.block_ids.tolist(), part.slots.tolist(), part.sub_blocks.tolist()
 
-    def load(self, gpu_spec: GPULoadStoreSpec, slots: Slots) -> int:
+    def load(self, gpu_spec: PageSpec, slots: Slots) -> int:
         copied = 0
         for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
             for views in self._views[part.group]:
                 copied += _copy_pages(views, blocks, slot_idx, sub_idx, to_kv=True)
         return copied
 
-    def prepare(self, gpu_spec: GPULoadStoreSpec, slots: Slots) -> Prepared:
+    def prepare(self, gpu_spec: PageSpec, slots: Slots) -> Prepared:
         """Per slot of a load whose chunks come in waves (:meth:`load_wave`),
         its pages per group: ``{slot: {group: (blocks, sub-blocks)}}``."""
         by_slot: Prepared = {}
@@ -153,7 +151,7 @@ class CpuCopier:
                     copied += _copy_pages(views, blocks, slots, subs, to_kv=True)
         return copied
 
-    def store(self, gpu_spec: GPULoadStoreSpec, slots: Slots) -> int:
+    def store(self, gpu_spec: PageSpec, slots: Slots) -> int:
         copied = 0
         for part, blocks, slot_idx, sub_idx in self._indexed(gpu_spec, slots):
             for views in self._views[part.group]:

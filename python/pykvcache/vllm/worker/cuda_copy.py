@@ -23,11 +23,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pykvcache.vllm.worker.slot_map import SlotMap, Slots
+from pykvcache.vllm.worker.slot_map import PageSpec, SlotMap, Slots
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
     from pykvcache import StagingPool
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
@@ -101,7 +99,7 @@ class CudaCopier:
         )
 
     # -- address arithmetic --------------------------------------------------
-    def _pointers(self, gpu_spec: GPULoadStoreSpec, slots: Slots) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _pointers(self, gpu_spec: PageSpec, slots: Slots) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(staging addresses, KV addresses, sizes) of every page of the transfer."""
         stage_ptrs: list[np.ndarray] = []
         kv_ptrs: list[np.ndarray] = []
@@ -125,7 +123,7 @@ class CudaCopier:
                 np.concatenate(sizes))
 
     # -- submission ------------------------------------------------------------
-    def submit(self, job_id: int, gpu_spec: GPULoadStoreSpec, slots: Slots, *, to_gpu: bool) -> None:
+    def submit(self, job_id: int, gpu_spec: PageSpec, slots: Slots, *, to_gpu: bool) -> None:
         stage, kv, sizes = self._pointers(gpu_spec, slots)
         src, dst = (stage, kv) if to_gpu else (kv, stage)
         start = torch.cuda.Event(enable_timing=True)
@@ -149,7 +147,7 @@ class CudaCopier:
         self._pending.append(pending)
         self._by_job[job_id] = pending
 
-    def _copy_each(self, gpu_spec: GPULoadStoreSpec, slots: Slots, to_gpu: bool) -> None:
+    def _copy_each(self, gpu_spec: PageSpec, slots: Slots, to_gpu: bool) -> None:
         for part in self._map.transfers(gpu_spec, slots):
             for ref in self._map.groups[part.group]:
                 kv = self._kv[ref.tensor_idx]

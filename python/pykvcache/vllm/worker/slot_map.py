@@ -12,17 +12,35 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
 from pykvcache.vllm.layout import ChunkLayout
 
-if TYPE_CHECKING:
-    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, GPULoadStoreSpec
-
 #: The staging slots of a transfer's chunks: a spec's ``block_ids`` array or a list.
 Slots = np.ndarray | Sequence[int]
+
+
+class PageRef(Protocol):
+    """What the slot map reads of vLLM's ``CanonicalKVCacheRef`` (and its
+    ``mapping``, when there is one, for the canonical layout)."""
+
+    @property
+    def tensor_idx(self) -> int: ...
+    @property
+    def page_size_bytes(self) -> int: ...
+
+
+class PageSpec(Protocol):
+    """What the copies read of vLLM's ``GPULoadStoreSpec``."""
+
+    @property
+    def block_ids(self) -> Slots: ...
+    @property
+    def group_sizes(self) -> Sequence[int]: ...
+    @property
+    def block_indices(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)
@@ -66,7 +84,7 @@ class GroupTransfer:
 
 
 class SlotMap:
-    def __init__(self, group_data_refs: Sequence[Sequence[CanonicalKVCacheRef]], layout: ChunkLayout) -> None:
+    def __init__(self, group_data_refs: Sequence[Sequence[PageRef]], layout: ChunkLayout) -> None:
         self.layout = layout
         bpc = layout.blocks_per_chunk
         self.groups: list[list[RefPlacement]] = []
@@ -96,7 +114,7 @@ class SlotMap:
         return all(len(p.runs) == 1 and p.runs[0].num_fragments == 1
                    for placements in self.groups for p in placements)
 
-    def transfers(self, gpu_spec: GPULoadStoreSpec, slot_ids: Slots) -> Iterator[GroupTransfer]:
+    def transfers(self, gpu_spec: PageSpec, slot_ids: Slots) -> Iterator[GroupTransfer]:
         """Split one transfer into per-group page lists (null blocks dropped)."""
         bpc = self.layout.blocks_per_chunk
         block_ids = np.asarray(gpu_spec.block_ids, dtype=np.int64)
@@ -131,7 +149,7 @@ class SlotMap:
             )
 
 
-def _canonical_placement(group: int, ref: CanonicalKVCacheRef, offset: int) -> RefPlacement:
+def _canonical_placement(group: int, ref: PageRef, offset: int) -> RefPlacement:
     """A ref's place in the shared canonical row, from vLLM's certified mapping;
     refuses (fails closed, as vLLM's own tiering spec does) a ref vLLM could not
     certify as parallelism-agnostic: its bytes would depend on the topology."""
