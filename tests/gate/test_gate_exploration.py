@@ -24,10 +24,9 @@ PREFILL = PrefillCurve(0.0, 2e-4, 0.0)  # 0.2 ms per token: 12.8 ms per chunk
 BASE = LoadCost(0.02, 1e9)
 
 
-def _gate(**explore) -> AdmissionGate:
+def _gate() -> AdmissionGate:
     model = CostModel(PREFILL, BASE, BPT)
-    return AdmissionGate(model, chunk_tokens=CT, online=OnlineLoadModel(BASE),
-                         exploration=Exploration(**explore))
+    return AdmissionGate(model, chunk_tokens=CT, online=OnlineLoadModel(BASE), exploration=Exploration())
 
 
 def _learn(gate, bytes_per_s, n=6, at=0.0):
@@ -36,7 +35,7 @@ def _learn(gate, bytes_per_s, n=6, at=0.0):
 
 
 def test_the_interval_doubles_while_samples_confirm_the_model_and_restarts_on_a_surprise_or_a_recovery():
-    ex = Exploration(min_interval_s=5, max_interval_s=30)
+    ex = Exploration()  # 5 s, doubling up to 30 s
     assert ex.due(0.0)
     ex.started(0.0)
     assert not ex.due(4.9) and ex.due(5.0)
@@ -71,7 +70,7 @@ def test_a_fresh_gate_or_one_whose_learnt_device_is_not_why_it_recomputes_never_
 
 
 def test_a_gate_that_learnt_a_slow_disk_explores_a_bounded_prefix_and_counts_it():
-    gate = _gate(max_load_ratio=2.0)
+    gate = _gate()
     _learn(gate, 20e6)
     states = [ChunkState.STAGED] * 2 + [ChunkState.DISK] * 12
     d = gate.decide(states, now=100.0)
@@ -122,7 +121,7 @@ def test_forgetting_keeps_the_loads_outside_the_interval_and_falls_back_to_the_c
 
 
 def test_the_outage_filter_sees_outages_through_counters_even_between_looks():
-    f = OutageFilter(settle_loads=2, lookback_s=10)
+    f = OutageFilter(lookback_s=10)
     assert f.update(0, 0, 0, now=0.0) == (False, False)
     assert f.learnable(started=0.0)
     assert f.update(1, 0, 1, now=5.0) == (True, False)

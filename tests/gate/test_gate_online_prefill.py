@@ -53,12 +53,14 @@ def test_converges_to_the_observed_cost_despite_outliers():
 
 
 def test_memory_is_bounded_and_the_estimate_follows_a_change():
-    online = OnlinePrefillModel(BASE, calibrated=False, window=16)
-    for work, seconds in _steps(BASE, 0.0, 40):
+    from pykvcache.gate.online import PREFILL_WINDOW
+
+    online = OnlinePrefillModel(BASE, calibrated=False)
+    for work, seconds in _steps(BASE, 0.0, 80):
         online.observe(work, seconds * 3)
-    for work, seconds in _steps(BASE, 0.0, 16):
+    for work, seconds in _steps(BASE, 0.0, PREFILL_WINDOW):
         online.observe(work, seconds * 30)
-    assert len(online._points) == 16
+    assert len(online._points) == PREFILL_WINDOW
     assert online.scale == pytest.approx(30, rel=0.05)
 
 

@@ -56,7 +56,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
-from pykvcache.gate.exploration import Exploration
+from pykvcache.gate.exploration import MAX_LOAD_RATIO, MAX_SAMPLE_CHUNKS, Exploration
 from pykvcache.gate.online import OnlineLoadModel, OnlinePrefillModel
 
 
@@ -258,7 +258,7 @@ class AdmissionGate:
                 if sample_in_background:
                     sample_chunks = self._sample_prefix(ex, states, first_disk, available, load)
                 else:
-                    best_k, best_load, best_staged = self._explored_prefix(ex, states, first_disk, available, model,
+                    best_k, best_load, best_staged = self._explored_prefix(states, first_disk, available, model,
                                                                            start_tokens, queued_bytes)
                     reason = "explore"
         if best_k:
@@ -315,14 +315,13 @@ class AdmissionGate:
                 staged += 1
         return load_s, staged
 
-    def _explored_prefix(self, ex: Exploration, states: Sequence[ChunkState], first_disk: int, available: int,
+    def _explored_prefix(self, states: Sequence[ChunkState], first_disk: int, available: int,
                          model: CostModel, start_tokens: int, queued_bytes: int) -> tuple[int, float, int]:
         """``(chunks, est_load_s, staged)`` of the longest prefix (at least
-        ``first_disk`` chunks) whose estimated load is within the exploration's
-        ``max_load_ratio`` of its recompute. Only when exploring: a second pass
+        ``first_disk`` chunks) whose estimated load is within
+        ``MAX_LOAD_RATIO`` times its recompute. Only when exploring: a second pass
         keeps the hot loop above as it was."""
         load, prefill = model.load, model.prefill
-        ratio = ex.max_load_ratio
         copy_per_chunk = self.chunk_bytes / load.h2d_bytes_per_s
         read_per_chunk = self.chunk_bytes / load.disk_bytes_per_s
         first_read = load.fixed_s + load.disk_step_s + queued_bytes / load.disk_bytes_per_s
@@ -338,7 +337,7 @@ class AdmissionGate:
             if k < first_disk:
                 continue
             recompute_s = prefill.compute_cost(start_tokens, start_tokens + k * self.chunk_tokens)
-            if k == first_disk or load_s <= ratio * recompute_s:
+            if k == first_disk or load_s <= MAX_LOAD_RATIO * recompute_s:
                 chosen = (k, load_s, staged)
         return chosen
 
@@ -347,14 +346,14 @@ class AdmissionGate:
         """Chunks of the prefix (from the start) that hold a background sample:
         disk chunks from ``first_disk`` on, until their estimated read at the
         learnt speed reaches the exploration's ``min_sample_s`` or they are
-        ``max_sample_chunks`` (decision 0054)."""
+        ``MAX_SAMPLE_CHUNKS`` (decision 0054)."""
         read_per_chunk = self.chunk_bytes / load.disk_bytes_per_s
         disk = 0
         k = first_disk - 1
         for k in range(first_disk - 1, available):
             if states[k] == ChunkState.DISK:
                 disk += 1
-                if disk >= ex.max_sample_chunks or load.fixed_s + disk * read_per_chunk >= ex.min_sample_s:
+                if disk >= MAX_SAMPLE_CHUNKS or load.fixed_s + disk * read_per_chunk >= ex.min_sample_s:
                     break
         return k + 1
 

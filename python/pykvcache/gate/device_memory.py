@@ -13,7 +13,7 @@ The file is small JSON written next to the chunks (``<namespace dir>/gate-device
 the engine's scan ignores anything that is not a chunk in a shard directory),
 atomically (a temporary file renamed over it), by whoever saves last when
 several engines share the directory. It is a hint, never a requirement: a
-missing, unreadable, foreign or old file (older than ``max_age_s``: the device
+missing, unreadable, foreign or old file (older than ``MAX_AGE_S``: the device
 may have been replaced) is ignored, and the window still moves with every new
 load and exploration (two surprising samples forget it, decision 0054).
 
@@ -57,8 +57,8 @@ def save(path: str | os.PathLike[str], online: OnlineLoadModel | list[tuple[floa
     return True
 
 
-def restore(path: str | os.PathLike[str], online: OnlineLoadModel, *, wall_now: float | None = None,
-            max_age_s: float = MAX_AGE_S) -> tuple[int, str | None]:
+def restore(path: str | os.PathLike[str], online: OnlineLoadModel, *,
+            wall_now: float | None = None) -> tuple[int, str | None]:
     """Replay the window saved at ``path`` into ``online`` (before it has
     observed anything). Returns ``(loads restored, why none were)``; the
     reason is None when the file was used."""
@@ -76,8 +76,8 @@ def restore(path: str | os.PathLike[str], online: OnlineLoadModel, *, wall_now: 
     if not isinstance(saved_at, (int, float)) or not math.isfinite(saved_at):
         return 0, "no save time"
     age = now - saved_at
-    if age > max_age_s:
-        return 0, f"saved {age / 86400:.1f} days ago (older than {max_age_s / 86400:.1f})"
+    if age > MAX_AGE_S:
+        return 0, f"saved {age / 86400:.1f} days ago (older than {MAX_AGE_S / 86400:.1f})"
     points = data.get("points")
     if not isinstance(points, list):
         return 0, "no loads in it"

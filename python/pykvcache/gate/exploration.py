@@ -14,18 +14,18 @@ the learnt device is why it recomputes (``AdmissionGate.decide``). Its cost
 is bounded twice:
 
 * **how often**: one explored request per interval, which starts at
-  ``min_interval_s`` and doubles (up to ``max_interval_s``) each time a sample
+  ``MIN_INTERVAL_S`` and doubles (up to ``MAX_INTERVAL_S``) each time a sample
   confirms what the model predicted. A sample well faster than predicted (by
-  ``surprise``) says the model is stale: the next eligible request explores
+  ``SURPRISE``) says the model is stale: the next eligible request explores
   again at once. Two surprising samples in a row (:attr:`streak_since`) say
   the device changed: the gate then forgets what it learnt before the first
   of them (two loads that agree move the model, as after calibration; one
   lucky page-cache hit does not), so a disk that got fast is loaded from
   again after two explored requests, not after a window of them;
 * **how much**: the explored prefix is the longest whose estimated load is at
-  most ``max_load_ratio`` times its estimated recompute (at least the first
+  most ``MAX_LOAD_RATIO`` times its estimated recompute (at least the first
   chunk that must come from disk: one read is the smallest sample). Where the
-  model is right, an exploration costs at most ``max_load_ratio - 1`` times
+  model is right, an exploration costs at most ``MAX_LOAD_RATIO - 1`` times
   the recompute of what it loads; where it is stale (the disk is faster than
   believed) it costs less, or saves time.
 
@@ -42,7 +42,7 @@ reads: 1.6 s to save 19 ms, the slowest request of most runs (decision
 own latency includes its wait behind demand reads submitted after it), and
 is sized to outlast a throttle's or cache's burst: its disk chunks until
 their estimated read at the learnt speed reaches ``min_sample_s`` (at most
-``max_sample_chunks``, within the loadable prefix). On an idle device whose
+``MAX_SAMPLE_CHUNKS``, within the loadable prefix). On an idle device whose
 reads are capped at 25 MB/s, a lone 2 MB read is served from the cgroup
 throttle's 100 ms slice allowance at the disk's full speed: a one-chunk
 sample there was "surprising" every time and made the gate forget a window
@@ -53,24 +53,24 @@ from __future__ import annotations
 
 import time
 
+#: The interval after an exploration that confirmed the model: one explored request per 5 s at most.
+MIN_INTERVAL_S = 5.0
+#: Where the doubling stops: a disk that got fast again is sampled within 30 s.
+MAX_INTERVAL_S = 30.0
+#: A sample this many times faster than predicted says the model is stale.
+SURPRISE = 2.0
+#: An explored prefix may cost at most this many times its recompute, as the model prices it.
+MAX_LOAD_RATIO = 2.0
+#: A background sample's disk chunks at most (with ``min_sample_s``): bounded staging use.
+MAX_SAMPLE_CHUNKS = 16
+
 
 class Exploration:
-    def __init__(self, *, min_interval_s: float = 5.0, max_interval_s: float = 30.0, surprise: float = 2.0,
-                 max_load_ratio: float = 2.0, min_sample_s: float = 0.5, max_sample_chunks: int = 16) -> None:
-        if not 0 < min_interval_s <= max_interval_s:
-            raise ValueError(f"need 0 < min_interval_s <= max_interval_s (got {min_interval_s}, {max_interval_s})")
-        if not (surprise > 1 and max_load_ratio >= 1):
-            raise ValueError(f"need surprise > 1 and max_load_ratio >= 1 (got {surprise}, {max_load_ratio})")
-        if not (min_sample_s >= 0 and max_sample_chunks >= 1):
-            raise ValueError(f"need min_sample_s >= 0 and max_sample_chunks >= 1 "
-                             f"(got {min_sample_s}, {max_sample_chunks})")
-        self.min_interval_s = min_interval_s
-        self.max_interval_s = max_interval_s
-        self.surprise = surprise
-        self.max_load_ratio = max_load_ratio
+    def __init__(self, *, min_sample_s: float = 0.5) -> None:
+        if not min_sample_s >= 0:
+            raise ValueError(f"need min_sample_s >= 0 (got {min_sample_s})")
         self.min_sample_s = min_sample_s
-        self.max_sample_chunks = max_sample_chunks
-        self.interval_s = min_interval_s
+        self.interval_s = MIN_INTERVAL_S
         # The first recompute of a loadable prefix may explore at once: nothing
         # was sampled before it.
         self._next_at = float("-inf")
@@ -97,23 +97,23 @@ class Exploration:
         model (before learning from it) predicted ``predicted_s``; returns
         whether this sample and the one before both were surprising (the
         device changed at :attr:`streak_since`)."""
-        if observed_s * self.surprise <= predicted_s:
+        if observed_s * SURPRISE <= predicted_s:
             # Stale model: sample again with the next eligible request.
             self.surprises += 1
             if self.streak == 0:
                 self.streak_since = now
             self.streak += 1
-            self.interval_s = self.min_interval_s
+            self.interval_s = MIN_INTERVAL_S
             self._next_at = now
             return self.streak >= 2
         self.streak = 0
-        self.interval_s = min(self.max_interval_s, self.interval_s * 2)
+        self.interval_s = min(MAX_INTERVAL_S, self.interval_s * 2)
         self._next_at = max(self._next_at, now + self.interval_s)
         return False
 
     def reset(self, now: float) -> None:
         """The storage came back from an outage: explore with the next eligible request."""
-        self.interval_s = self.min_interval_s
+        self.interval_s = MIN_INTERVAL_S
         self.streak = 0
         self._next_at = now
 

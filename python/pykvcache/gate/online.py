@@ -5,7 +5,7 @@ Load side: the calibration measured an idle device. In service the SSD is
 shared with stores, other requests' loads and possibly other processes (or
 it is slower than calibrated). Every completed load is an observation of
 ``(bytes, seconds)`` where the bytes include the I/O already queued ahead of
-it; :class:`OnlineLoadModel` keeps the last ``window`` of them and fits the
+it; :class:`OnlineLoadModel` keeps the last ``LOAD_WINDOW`` of them and fits the
 device from those alone: a Theil-Sen line (fixed cost and bandwidth) when
 the loads' sizes differ enough, else the median throughput of the loads over
 the current fixed cost. Medians make a single stall or a lucky page-cache
@@ -55,13 +55,20 @@ from pykvcache.gate.cost_model import LoadCost, PrefillCurve
 #: What a lesson must cover of the device's time: the slice of Linux's
 #: blk-throttle (io.max), within which a throttled disk serves at full speed.
 MIN_LESSON_S = 0.1
+#: Loads the device is fitted from: a few minutes of a long-prefix server's loads.
+LOAD_WINDOW = 16
+#: Engine steps the prefill scale is fitted from (bounded memory; a few stalled ones do not move it).
+PREFILL_WINDOW = 32
+#: Timed steps before a default prior's prefill side is trusted to deny a load.
+MIN_PREFILL_STEPS = 4
+#: How far a profile's prefill curve may move: it was measured on this host.
+PROFILE_SCALE_BOUND = 8.0
+#: How far the default prior's may move: it cannot tell a 2-core CPU from a GPU.
+DEFAULT_SCALE_BOUND = 1e4
 
 
 class OnlineLoadModel:
-    def __init__(self, base: LoadCost, *, window: int = 16, prior_weight: int = 2,
-                 min_lesson_s: float = 0.0) -> None:
-        if window < 3:
-            raise ValueError(f"window must be >= 3 (got {window})")
+    def __init__(self, base: LoadCost, *, prior_weight: int = 2, min_lesson_s: float = 0.0) -> None:
         if prior_weight < 0:
             raise ValueError(f"prior_weight must be >= 0 (got {prior_weight})")
         if not (min_lesson_s >= 0 and math.isfinite(min_lesson_s)):
@@ -71,7 +78,7 @@ class OnlineLoadModel:
         self._fixed = base.fixed_s
         self._bw = base.disk_bytes_per_s
         # (bytes incl. queued, seconds, observed at (monotonic s))
-        self._points: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._points: deque[tuple[float, float, float]] = deque(maxlen=LOAD_WINDOW)
         self.samples = 0
         self.rejected = 0
         self.forgotten = 0
@@ -225,7 +232,7 @@ class OnlinePrefillModel:
     Each observation is one engine step that mostly prefilled: the work it did
     (``(start, tokens)`` per scheduled request, decodes included as one token
     at their position) and how long it took. The prior prices that work; the
-    step time is ``overhead + scale * priced``. The last ``window`` steps are
+    step time is ``overhead + scale * priced``. The last ``PREFILL_WINDOW`` steps are
     kept (bounded memory) and ``scale`` is their Theil-Sen slope (the median of
     pairwise slopes: robust to a few stalled or idle-inflated steps, and it
     separates the per-step overhead, which recomputing a prefix does not add,
@@ -236,25 +243,19 @@ class OnlinePrefillModel:
     compares is insensitive to.
 
     ``calibrated`` says whether the prior was measured on this host (a gate
-    profile): its scale stays within ``[1/max_factor, max_factor]``; a default
-    prior may be off by orders of magnitude and gets ``uncalibrated_factor``.
+    profile): its scale stays within ``PROFILE_SCALE_BOUND`` of 1 either way; a
+    default prior may be off by orders of magnitude and gets ``DEFAULT_SCALE_BOUND``.
     :attr:`trusted` is what the gate needs before it denies a load, and only
     once :attr:`fed` says that something times steps (PyKvCacheConnector
     does; vLLM's tiering framework and the stock connector do not, and there
     the gate keeps its prior as before).
     """
 
-    def __init__(self, base: PrefillCurve, *, calibrated: bool, window: int = 32, min_samples: int = 4,
-                 max_factor: float = 8.0, uncalibrated_factor: float = 1e4) -> None:
-        if window < 2 or min_samples < 1 or min_samples > window:
-            raise ValueError(f"need 1 <= min_samples <= window and window >= 2 (got {min_samples}, {window})")
-        if not (max_factor >= 1 and uncalibrated_factor >= 1):
-            raise ValueError("max_factor and uncalibrated_factor must be >= 1")
+    def __init__(self, base: PrefillCurve, *, calibrated: bool) -> None:
         self.base = base
         self.calibrated = calibrated
-        self.min_samples = min_samples
-        self.factor = max_factor if calibrated else uncalibrated_factor
-        self._points: deque[tuple[float, float]] = deque(maxlen=window)  # (priced s, observed s)
+        self.factor = PROFILE_SCALE_BOUND if calibrated else DEFAULT_SCALE_BOUND
+        self._points: deque[tuple[float, float]] = deque(maxlen=PREFILL_WINDOW)  # (priced s, observed s)
         self.samples = 0
         self.rejected = 0
         self.scale = 1.0
@@ -264,7 +265,7 @@ class OnlinePrefillModel:
     @property
     def trusted(self) -> bool:
         """A profile, or enough steps observed on this host."""
-        return self.calibrated or self.samples >= self.min_samples
+        return self.calibrated or self.samples >= MIN_PREFILL_STEPS
 
     def current(self) -> PrefillCurve:
         """The refined curve (the same object until the scale changes)."""

@@ -17,7 +17,7 @@ seen) and tells the gate:
 * while a breaker is open or half-open: learn nothing (reads there are
   misses or time out anyway; one that completes timed the outage);
 * when the breakers close again: learn nothing from a load that started
-  before (it straddled the outage), nor from the first ``settle_loads``
+  before (it straddled the outage), nor from the first ``SETTLE_LOADS``
   loads after (a reconnecting network filesystem re-opens files, re-resolves
   paths and refills caches: those loads time the reconnect). The gate keeps
   what it knew before the outage meanwhile, and its exploration starts over
@@ -29,11 +29,14 @@ seen) and tells the gate:
 from __future__ import annotations
 
 
+#: Loads not learnt from after the breakers close: a reconnecting mount's first reads.
+SETTLE_LOADS = 2
+
+
 class OutageFilter:
-    def __init__(self, *, settle_loads: int = 2, lookback_s: float = 10.0) -> None:
-        if settle_loads < 0 or lookback_s < 0:
-            raise ValueError(f"need settle_loads >= 0 and lookback_s >= 0 (got {settle_loads}, {lookback_s})")
-        self.settle_loads = settle_loads
+    def __init__(self, *, lookback_s: float = 10.0) -> None:
+        if lookback_s < 0:
+            raise ValueError(f"need lookback_s >= 0 (got {lookback_s})")
         self.lookback_s = lookback_s
         self._seen: tuple[int, int] | None = None  # (opens, closes) at the last look
         self.down = False
@@ -61,7 +64,7 @@ class OutageFilter:
         if began:
             self.outages += 1
         if ended:
-            self._settle_left = self.settle_loads
+            self._settle_left = SETTLE_LOADS
             self.recovered_at = now
         return began, ended
 

@@ -29,6 +29,10 @@ def step_work(scheduler_output: SchedulerOutput) -> list[tuple[int, int]]:
     return work
 
 
+#: A timed step holds at most one decode per this many prefill tokens (see :class:`StepTimer`).
+DECODE_RATIO = 8
+
+
 class StepTimer:
     """Times engine steps for the prefill side of the gate.
 
@@ -37,16 +41,15 @@ class StepTimer:
     not report outputs with nothing in them), and is timed from whichever is
     later, its build or the previous step's end. Only steps that
     mostly prefilled are observations: at least ``min_prefill_tokens``
-    prefill tokens and at most one decode per ``decode_ratio`` of them (a
+    prefill tokens and at most one decode per ``DECODE_RATIO`` of them (a
     decode is priced as one token at its position, which is right for
     compute and bounded in error by that share).
     """
 
     def __init__(self, observe: Callable[[Sequence[tuple[int, int]], float], bool], *,
-                 min_prefill_tokens: int, decode_ratio: int = 8, clock: Callable[[], float] = time.monotonic):
+                 min_prefill_tokens: int, clock: Callable[[], float] = time.monotonic):
         self._observe = observe
         self.min_prefill_tokens = max(1, min_prefill_tokens)
-        self.decode_ratio = decode_ratio
         self.clock = clock
         self._pending: list[tuple[float, list[tuple[int, int]] | None]] = []  # oldest first
         self._last_end = 0.0
@@ -55,7 +58,7 @@ class StepTimer:
     def qualifies(self, work: Sequence[tuple[int, int]]) -> bool:
         prefill = sum(n for _, n in work if n > 1)
         decodes = sum(1 for _, n in work if n == 1)
-        return prefill >= self.min_prefill_tokens and decodes * self.decode_ratio <= prefill
+        return prefill >= self.min_prefill_tokens and decodes * DECODE_RATIO <= prefill
 
     def scheduled(self, work: Sequence[tuple[int, int]], now: float | None = None) -> None:
         now = self.clock() if now is None else now
