@@ -37,31 +37,11 @@ from pykvcache.gate.request_keys import request_keys_from
 from pykvcache.gate.store_admission import STORE_COUNTERS, StoreAdmission
 
 __all__ = [
-    "DEFAULT_BREAK_EVEN_TOKENS",
-    "GATE_COUNTERS",
-    "GATE_GAUGES",
-    "STORE_COUNTERS",
-    "AdmissionGate",
-    "ChunkState",
-    "CostModel",
-    "Exploration",
-    "GateDecision",
-    "GateProfile",
-    "LoadCost",
-    "MIN_LESSON_S",
-    "OnlineLoadModel",
-    "OnlinePrefillModel",
-    "OutageFilter",
-    "PrefillCurve",
-    "ProfileError",
-    "ProfileExpectation",
-    "StoreAdmission",
-    "build_gate",
-    "default_cost_model",
-    "device_memory",
-    "hardware_id",
-    "load_cost_model",
-    "request_keys_from",
+    "DEFAULT_BREAK_EVEN_TOKENS", "GATE_COUNTERS", "GATE_GAUGES", "STORE_COUNTERS", "AdmissionGate",
+    "ChunkState", "CostModel", "Exploration", "GateDecision", "GateProfile", "LoadCost", "MIN_LESSON_S",
+    "OnlineLoadModel", "OnlinePrefillModel", "OutageFilter", "PrefillCurve", "ProfileError",
+    "ProfileExpectation", "StoreAdmission", "build_gate", "default_cost_model", "device_memory",
+    "hardware_id", "load_cost_model", "request_keys_from",
 ]
 
 
@@ -76,17 +56,12 @@ def build_gate(
 ) -> tuple[AdmissionGate, str]:
     """The gate for a running engine and the source of its model (``"profile"``
     or ``"default: <why>"``; a bad or foreign profile is logged, not raised).
-    ``steps``: engine steps will be timed for the prefill side (also set later
-    through ``gate.prefill_online.fed``)."""
+    ``steps``: the connector reports the engine's steps, which teach the
+    prefill side (PyKvCacheConnector's, through the gate plan's step timer)."""
     model, source = load_cost_model(profile_path, expected, gating=enabled)
-    # The load side of a profile is a prior, as the default's is: it timed a
-    # device (maybe another one, or this one before a throttle or a
-    # replacement), and what this server's reads take overrides it whatever
-    # it said: the first lesson replaces it and nothing bounds the estimate
-    # to it (an 8x bound held a profile's 1426 MB/s at 178 MB/s or more on a
-    # disk capped at 0.26 MB/s). Every
-    # lesson covers a throttle's slice of the device's time, so that a burst
-    # cannot teach the gate (decision 0079).
+    # The load side of a profile is a prior, as the default's is: the first
+    # lesson replaces it and nothing bounds the estimate to it; every lesson
+    # covers a throttle's slice of the device's time (online.py, decision 0079).
     refine = OnlineLoadModel(model.load, prior_weight=0, min_lesson_s=MIN_LESSON_S) if online else None
     # The prefill side is learnt only over the default prior: a profile timed
     # prefill on this host through vLLM and stays authoritative (its load side
