@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import sys
+from types import FrameType
 from typing import Any, Iterator
 
 _published: contextvars.ContextVar[Any] = contextvars.ContextVar("pykvcache_vllm_config",
@@ -66,7 +67,7 @@ def find_vllm_config() -> Any | None:
     cfg = _published.get()
     if cfg is not None:
         return cfg
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             break

@@ -40,12 +40,13 @@ from vllm.v1.kv_offload.base import LookupResult, OffloadKey
 if TYPE_CHECKING:
     from vllm.v1.kv_offload.base import (
         CacheHitSource,
-        LoadStoreSpec,
         OffloadingEvent,
         PrepareStoreOutput,
         ReqContext,
         RequestOffloadingContext,
     )
+
+    from pykvcache.vllm.transfer_spec import StagingSlotsSpec
 
 from pykvcache.vllm.identity.digest_cache import same_file_state
 from pykvcache.vllm.identity.loaded_weights import DigestedFile
@@ -251,7 +252,7 @@ class AdapterKeyedManager(NvmeOffloadingManager):
     def get_load_source(self, key: OffloadKey, req_context: ReqContext) -> CacheHitSource:
         return super().get_load_source(self._keys([key], req_context)[0], self._context(req_context))
 
-    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> StagingSlotsSpec:
         return super().prepare_load(self._keys(keys, req_context), self._context(req_context))
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:

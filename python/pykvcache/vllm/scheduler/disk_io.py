@@ -18,12 +18,17 @@ a chunk that reached or left the disk is a KV event
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pykvcache._core import chunk_file_bytes
 from pykvcache.vllm.scheduler.disk_tier import DiskTier
 from pykvcache.vllm.scheduler.gating import ReadStarted
 from pykvcache.vllm.scheduler.kv_events import KvEvents
 from pykvcache.vllm.scheduler.staging_cache import EntryState, Origin, StagingCache, StagingEntry
+
+if TYPE_CHECKING:
+    from pykvcache._core import IoHandle
 
 #: Device time a load may wait behind preloads already at the device: the
 #: engine's bound on prefetch bytes in flight is the device speed the gate
@@ -42,13 +47,13 @@ class DiskIo:
         self._payload_bytes = payload_bytes
         self._max_inflight_writes = max(1, max_inflight_writes)
         self._events = events
-        self.reads: dict[bytes, object] = {}  # key -> IoHandle
+        self.reads: dict[bytes, IoHandle] = {}
         self._read_started: dict[bytes, float] = {}  # key -> when its read was submitted (monotonic s)
         # Keys a lookup answered HIT while their read was in flight, until the read ends.
         self._hit_in_flight: set[bytes] = set()
         self.prefetching: set[bytes] = set()  # keys of reads submitted at background priority
         self.background_budget: int | None = None  # the engine's prefetch byte bound (None: its default)
-        self.writes: dict[bytes, object] = {}
+        self.writes: dict[bytes, IoHandle] = {}
         self.write_queue: list[bytes] = []  # stored in staging, not yet submitted
 
     def busy(self) -> bool:
@@ -99,7 +104,7 @@ class DiskIo:
             return None
         return entry
 
-    def sample(self, keys) -> list[bytes]:
+    def sample(self, keys: Sequence[bytes]) -> list[bytes]:
         """Start the background reads of an exploration's sample (decision
         0054): preload priority, no owner (a later request may load them),
         into at most half the slots staging could give now, so that a sample

@@ -24,9 +24,10 @@ from __future__ import annotations
 import errno
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from pykvcache.gate import device_memory
 from pykvcache.vllm.config import MAX_STAGING_SLOTS, ConfigError, PykvcacheConfig, store_keywords
@@ -45,6 +46,14 @@ from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter
 from pykvcache.vllm.identity.model_identity import model_identity
 from pykvcache.vllm.identity.namespace import NamespaceInputs, identity_digest, namespace_for
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.v1.kv_offload.config import OffloadingConfig
+
+    from pykvcache._core import BlockStore, IoResult, StagingPool
+    from pykvcache.vllm.load_trace import LoadTrace
+
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
@@ -61,7 +70,8 @@ _ENGINE_GAUGES = (
 
 
 # -- opening -------------------------------------------------------------------
-def open_store(settings: PykvcacheConfig, pool, namespace: str, *, close_pool_on_failure: bool = False):
+def open_store(settings: PykvcacheConfig, pool: StagingPool, namespace: str, *,
+               close_pool_on_failure: bool = False) -> BlockStore:
     """The engine's store on the configured directories, with ``pool`` as its
     staging. The engine creates a missing root (Python creates none first: it
     would give it the umask's mode, not 0o700); when it cannot, the error names
@@ -82,14 +92,14 @@ def open_store(settings: PykvcacheConfig, pool, namespace: str, *, close_pool_on
         raise
 
 
-def model_identity_digest(vllm_config, model_name: str, settings: PykvcacheConfig) -> str:
+def model_identity_digest(vllm_config: VllmConfig | None, model_name: str, settings: PykvcacheConfig) -> str:
     """The model's identity (resolved config and, unless turned off, the
     weights' digest) as the namespace carries it."""
     return identity_digest(model_identity(vllm_config, model_name,
                                           fingerprint_weights=settings.fingerprint_weights))
 
 
-def chunk_namespace(offloading_config, settings: PykvcacheConfig, identity: str,
+def chunk_namespace(offloading_config: OffloadingConfig, settings: PykvcacheConfig, identity: str,
                     adapt: Callable[[NamespaceInputs], NamespaceInputs] | None = None) -> str:
     """The namespace of this engine's chunks: vLLM's offloading config, the
     chunk format, ``model_id``, ``namespace_salt`` and the model's ``identity``;
@@ -166,7 +176,7 @@ class DiskTier:
     ``"pykvcache tier"``); ``trouble`` names its log of unusable chunks;
     ``on_learnt`` is called after the gate learnt the device from a load."""
 
-    def __init__(self, store, pool, *, gating: GatingFactory = no_gating,
+    def __init__(self, store: BlockStore, pool: StagingPool, *, gating: GatingFactory = no_gating,
                  sampler: Callable[[Sequence[bytes]], Sequence[bytes]] | None = None, label: str = "pykvcache",
                  trouble: str = "unusable chunks (each treated as a miss)",
                  log: logging.Logger = logger, on_learnt: Callable[[], None] | None = None) -> None:
@@ -175,7 +185,7 @@ class DiskTier:
         self.metrics = ManagerMetrics()
         self.presence = DiskPresence(self.metrics)
         self.closed = False
-        self.load_trace = None  # gate_trace: the load path's timestamps (load_trace.py)
+        self.load_trace: LoadTrace | None = None  # gate_trace: the load path's timestamps (load_trace.py)
         self._label = label
         self._log = log
         self._on_learnt = on_learnt
@@ -203,7 +213,7 @@ class DiskTier:
         self._log.warning("%s: %s of chunk %s not submitted: %s", self._label, op, key.hex(), exc)
         self.metrics.inc("read_errors" if op == "read" else "write_errors")
 
-    def read_finished(self, key: bytes, result, started_at: float | None = None) -> bool:
+    def read_finished(self, key: bytes, result: IoResult, started_at: float | None = None) -> bool:
         """Counts a finished read (``IoResult``) and teaches the gate; True
         when it served the chunk. After a read that served nothing the engine
         alone decided the file's fate (decision 0050): it removed a corrupt
@@ -232,7 +242,7 @@ class DiskTier:
         self.presence.read_failed(key, result.miss_kind)
         return False
 
-    def write_finished(self, key: bytes, result) -> bool:
+    def write_finished(self, key: bytes, result: IoResult) -> bool:
         """Counts a finished write; True when the chunk is on disk. Each kind
         of failure is logged once as a warning, then at debug level."""
         if result.status == "ok":
@@ -248,7 +258,7 @@ class DiskTier:
                       if first else "")
         return False
 
-    def _count_io(self, op: str, result) -> None:
+    def _count_io(self, op: str, result: IoResult) -> None:
         self.metrics.inc(f"disk_{op}s")
         self.metrics.inc(f"disk_{op}_bytes", result.length)
         self.metrics.observe(f"disk_{op}_latency_seconds", result.latency_s)
@@ -263,7 +273,7 @@ class DiskTier:
             self.metrics.set_gauge(name, value)
         return snap
 
-    def take_stats(self, *, staging_used: int, staging_total: int):
+    def take_stats(self, *, staging_used: int, staging_total: int) -> OffloadingConnectorStats | None:
         """The step's report: the gate's counters and gauges, staging use and
         the engine's stats as gauges (added to what the owner set)."""
         self.gating.observe(Tick())
@@ -274,7 +284,7 @@ class DiskTier:
         self.metrics.set_gauge("disk_used_bytes", store.used_bytes)
         self.metrics.set_gauge("disk_chunks", len(store))
         self.metrics.set_gauge("disk_capacity_bytes", store.capacity_bytes)
-        stats = store.stats()
+        stats: Mapping[str, Any] = store.stats()  # every key of _ENGINE_GAUGES is a count
         for gauge, key in _ENGINE_GAUGES:
             self.metrics.set_gauge(gauge, stats[key])
         return self.metrics.take_stats()
@@ -298,7 +308,7 @@ class DiskTier:
 
 
 def _of_disk(name: str, doc: str, *, settable: bool = False) -> property:
-    def set_(self, value) -> None:
+    def set_(self: UsesDiskTier, value: object) -> None:
         setattr(self.disk, name, value)
 
     return property(lambda self: getattr(self.disk, name), set_ if settable else None, doc=doc)

@@ -47,7 +47,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from pykvcache.gate import AdmissionGate, ChunkState, GateDecision, OutageFilter, StoreAdmission, device_memory
 from pykvcache.gate.busy_periods import DeviceBusyPeriods
@@ -293,7 +293,11 @@ class GateWiring:
         plan = plans.get(group) if plans is not None else None
         again = plan is not None and plan.retry_until is not None
         if plan is not None and key in plan.considered:
-            if not again or not (self.gate.online.timed or self.clock() >= plan.retry_until):
+            if plan.retry_until is None:
+                return plan
+            online = self.gate.online
+            assert online is not None  # a plan retried is an untimed first contact: an online gate's
+            if not (online.timed or self.clock() >= plan.retry_until):
                 return plan
         # First lookup of this request (or of a start the old plan did not
         # cover, e.g. after a preemption, or after first contact): decide once
@@ -533,7 +537,8 @@ def build_gating(settings: PykvcacheConfig, hooks: GateHooks, *, model: str, dty
     if s.store_min_tokens or s.store_second_sighting:
         admission = StoreAdmission(
             chunk_tokens=chunk_tokens,
-            min_tokens=0 if s.store_min_tokens == "break_even" else s.store_min_tokens,
+            # A token count unless "break_even" (the config's check).
+            min_tokens=0 if s.store_min_tokens == "break_even" else cast(int, s.store_min_tokens),
             second_sighting=s.store_second_sighting,
         )
     be = gate.break_even_tokens()

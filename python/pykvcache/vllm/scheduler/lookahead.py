@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections.abc import Callable, Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -71,7 +71,8 @@ class WaitingRequest:
     max_chunks: int | None = None
     #: Tokens of the prompt already in the device cache (re-evaluated each pass).
     device_cached_tokens: Callable[[], int] | None = None
-    order: tuple = field(default=(), init=False)
+    #: ``(priority, arrival, insertion)``: its place in the queue (set by ``LookaheadQueue.add``).
+    order: tuple[float, ...] = field(default=(), init=False)
 
 
 class LookaheadQueue:
@@ -80,7 +81,7 @@ class LookaheadQueue:
 
     def __init__(self, *, by_priority: bool = False) -> None:
         self.by_priority = by_priority
-        self._order: list[tuple] = []
+        self._order: list[tuple[tuple[float, ...], Hashable]] = []
         self._by_id: dict[Hashable, WaitingRequest] = {}
         self._seq = itertools.count()
 
@@ -180,7 +181,7 @@ class Preloader:
             self.metrics.inc("lookahead_requeued_preempted")
 
     # -- accounting ---------------------------------------------------------------
-    def loaded(self, keys) -> None:
+    def loaded(self, keys: Iterable[bytes]) -> None:
         chunk = self.chunk_bytes
         for key in keys:
             if key in self.unused:

@@ -49,7 +49,9 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-from collections.abc import Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable, Sequence
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, cast
 
 from vllm.v1.kv_offload.base import (
     LookupResult,
@@ -90,6 +92,12 @@ from pykvcache.vllm.scheduler.staging_cache import (
 from pykvcache.vllm.scheduler.waiting_queue import WaitingQueue
 from pykvcache.vllm.transfer_spec import StagingSlotsSpec
 
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+
+    from pykvcache._core import BlockStore, StagingPool
+    from pykvcache.preformat import BackgroundPreformat
+
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
@@ -99,10 +107,10 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
     def __init__(
         self,
         *,
-        pool,
-        store,
+        pool: StagingPool,
+        store: BlockStore,
         layout: ChunkLayout,
-        reopen_store=None,
+        reopen_store: Callable[[], BlockStore] | None = None,
         enable_events: bool = False,
         max_inflight_writes: int = 64,
         gating: GatingFactory | None = None,
@@ -144,7 +152,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         # 0055); only a connector that reports failed loads to vLLM, under
         # kv_load_failure_policy="recompute", may turn it on.
         self.in_flight_hits = False
-        self._preformatter = None  # BackgroundPreformat while one runs
+        self._preformatter: BackgroundPreformat | None = None  # while one runs
         self._preformat_wanted = False  # start it again after a wipe
         # The preload byte bound from the start: what a restored device model
         # says (0073), or one chunk until the gate has timed a read.
@@ -158,7 +166,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self.in_flight_hits = True
 
     @property
-    def lock(self):
+    def lock(self) -> AbstractContextManager[bool]:
         """Held by vLLM >= 0.33 around every manager call. A property there
         (no setter), so it is one here too. The background preformat thread
         reads the I/O tables, so a real (re-entrant) lock, not a no-op."""
@@ -223,16 +231,16 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         """Disk I/O a read submitted now waits behind (:meth:`DiskIo.queued_bytes`)."""
         return self.io.queued_bytes()
 
-    def waiting_behind(self, req_id) -> int:
+    def waiting_behind(self, req_id: str) -> int:
         """Requests waiting to be scheduled after ``req_id`` (the ones its
         recompute would delay; waiting_queue.py)."""
         return self._waiting.behind(req_id)
 
-    def gate_inputs(self, keys, req_id) -> GateInputs:
+    def gate_inputs(self, keys: Sequence[bytes], req_id: Hashable) -> GateInputs:
         """What the gate weighs ``req_id``'s prefix ``keys`` by: asked by the
         gate plan at a request's first lookup and by the preloader."""
         return GateInputs([self.chunk_state(k) for k in keys], self.queued_bytes(),
-                          self.waiting_behind(req_id))
+                          self.waiting_behind(cast(str, req_id)))  # vLLM's request ids
 
     def lookahead_add(self, request: WaitingRequest) -> None:
         """A request arrived (lookahead connector): queue it and plan at once,
@@ -304,8 +312,10 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             return LookupResult.MISS
         if result is LookupResult.MISS:
             return result
+        staged = self.cache.get(key)
+        assert staged is not None  # HIT or HIT_PENDING: the chunk has a staging slot
         in_flight = result is LookupResult.HIT_PENDING and self.in_flight_hits \
-            and self.cache.get(key).state is EntryState.READING
+            and staged.state is EntryState.READING
         if in_flight:
             # The read started (now or earlier) at once; the worker's copy
             # waits for it (prepare_load hands over the ready word's generation).
@@ -315,7 +325,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
                 self.metrics.inc("lookup_in_flight_hits")
         elif result is not LookupResult.HIT:
             self.metrics.inc("lookups_deferred")
-            if self.cache.get(key).state is EntryState.STORING:
+            if staged.state is EntryState.STORING:
                 # Stored by a worker this step or the last: readable once its
                 # copy completes (what is left of deferrals with in-flight hits).
                 self.metrics.inc("lookups_deferred_storing")
@@ -346,12 +356,12 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             return CacheHitSource.DISK
         return CacheHitSource.HOST
 
-    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext):
-        slots = []
-        pinned = []
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> StagingSlotsSpec:
+        slots: list[int] = []
+        pinned: list[OffloadKey] = []
         # Per slot: 0 = verified now, > 0 = the worker waits for that
         # generation of the slot's ready word, -1 = failed already.
-        generations = []
+        generations: list[int] = []
         loader = owner(LOAD, req_context.req_id)
         for key in keys:
             self.io.poll_read(key)
@@ -372,6 +382,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
                 for done in pinned:
                     self.cache.release(loader, done)
                 raise RuntimeError(f"prepare_load of chunk {key.hex()} that is not staged")
+            assert entry is not None  # ready or reading
             # Held until complete_load: the slot is never recycled while a
             # worker may wait on it or copy from it.
             self.cache.hold(loader, key)
@@ -479,7 +490,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         # stores were handed to the disk.
         self.preloader.plan()
 
-    def step_scheduled(self, work) -> None:
+    def step_scheduled(self, work: Sequence[tuple[int, int]]) -> None:
         """The connector built a step scheduling ``work`` ((computed, scheduled) per request).
         A step that hands out a load of reads in flight is timed like any
         other: the worker polls those reads, it never waits for them in the
@@ -524,7 +535,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             if self._preformat_wanted:
                 self.start_background_preformat()
 
-    def get_stats(self):
+    def get_stats(self) -> OffloadingConnectorStats | None:
         self.poll_io()
         self.preloader.sweep()
         self.metrics.set_gauge("lookahead_queue_requests", len(self.preloader.queue))
