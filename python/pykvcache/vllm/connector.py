@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import logging
 from itertools import islice
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
@@ -43,13 +43,29 @@ from pykvcache.vllm.load_trace import open_trace
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.scheduler.lookahead import WaitingRequest
 
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import KVTransferConfig, VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorTransferResults
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, PromMetric, PromMetricT
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from pykvcache.vllm.load_trace import LoadTrace
+    from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
+    from pykvcache.vllm.worker.staging_worker import StagingWorker
+
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 route_engine_logs()
 
 SPEC_DEFAULTS = {"spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm"}
 
 
-def _default_spec(vllm_config) -> None:
+def _default_spec(vllm_config: VllmConfig) -> None:
     kv = getattr(vllm_config, "kv_transfer_config", None)
     if kv is None:
         return
@@ -59,16 +75,22 @@ def _default_spec(vllm_config) -> None:
         kv.kv_connector_extra_config.setdefault(name, value)
 
 
-def chunk_size_problems(vllm_config, kv_cache_config) -> list[str]:
+def _kv_transfer_config(vllm_config: VllmConfig) -> KVTransferConfig:
+    kv = vllm_config.kv_transfer_config
+    assert kv is not None  # vLLM builds a connector only from its kv_transfer_config
+    return kv
+
+
+def chunk_size_problems(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> list[str]:
     """``block_size`` (tokens per chunk) against vLLM's KV block size. vLLM
     refuses one that is not a whole number of blocks while it builds the
     offloading config, before pykvcache's spec sees the settings, so its
     error would come alone and the others one start later. Several block
     sizes (hybrid models) or context parallelism: left to vLLM."""
-    extra = vllm_config.kv_transfer_config.kv_connector_extra_config or {}
+    extra = _kv_transfer_config(vllm_config).kv_connector_extra_config or {}
     try:
-        tokens = int(extra.get("block_size"))  # as vLLM reads it
-    except (TypeError, ValueError):
+        tokens = int(extra["block_size"])  # as vLLM reads it
+    except (KeyError, TypeError, ValueError):
         return []
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
     sizes = {getattr(g.kv_cache_spec, "block_size", None) for g in groups} \
@@ -76,6 +98,7 @@ def chunk_size_problems(vllm_config, kv_cache_config) -> list[str]:
     if len(sizes) != 1 or None in sizes or vllm_config.parallel_config.decode_context_parallel_size != 1:
         return []
     (size,) = sizes
+    assert size is not None  # None in sizes returned above
     if tokens <= 0 or tokens % size == 0:
         return []
     lower, upper = tokens // size * size, (tokens // size + 1) * size
@@ -90,17 +113,18 @@ IDLE_STEP_WAIT_S = 0.02
 
 
 class PyKvCacheConnector(OffloadingConnector):
-    def __init__(self, vllm_config, role, kv_cache_config=None):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         _default_spec(vllm_config)
         chunk_problems = chunk_size_problems(vllm_config, kv_cache_config)
         if chunk_problems:  # with every other problem of the settings, in one error
-            validate_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config,
+            validate_extra_config(_kv_transfer_config(vllm_config).kv_connector_extra_config,
                                   more=lambda _values: chunk_problems)
         # The spec fingerprints the model from the config, and its gate learns
         # the prefill side from the steps this connector reports.
         with publishing(vllm_config, reports_steps=True):
-            super().__init__(vllm_config, role, kv_cache_config)
-        self._manager = None
+            # None only from a vLLM whose connectors are built without it (its base takes none then).
+            super().__init__(vllm_config, role, cast("KVCacheConfig", kv_cache_config))
+        self._manager: NvmeOffloadingManager | None = None
         self._groups: list[tuple[int, int, int]] = []
         self._load_reqs: dict[int, str] = {}  # worker: load job -> request
         # gate_trace: the load path's timestamps too (load_trace.py).
@@ -130,12 +154,12 @@ class PyKvCacheConnector(OffloadingConnector):
         ]
 
     @staticmethod
-    def _enable_in_flight_hits(vllm_config, manager) -> None:
+    def _enable_in_flight_hits(vllm_config: VllmConfig, manager: NvmeOffloadingManager) -> None:
         """A failed load must be recomputed, not fail the request: pykvcache is
         a cache, a chunk that cannot be read is one to recompute. vLLM's
         scheduler reads the policy right after building its connector (0.32,
         0.33), so setting it here takes effect."""
-        kv = vllm_config.kv_transfer_config
+        kv = _kv_transfer_config(vllm_config)
         if kv.kv_load_failure_policy != "recompute":
             logger.info("pykvcache: kv_load_failure_policy %r -> 'recompute' (a chunk whose read "
                         "fails during a load is recomputed)", kv.kv_load_failure_policy)
@@ -143,26 +167,26 @@ class PyKvCacheConnector(OffloadingConnector):
         manager.enable_in_flight_hits()
 
     # -- worker side: loads the worker could not copy are failed receives ----
-    def register_kv_caches(self, kv_caches):
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         super().register_kv_caches(kv_caches)
         worker = self._staging_worker()
         if worker is not None:
             worker.report_load_failures = True
             worker.trace = self._trace
 
-    def _staging_worker(self):
+    def _staging_worker(self) -> StagingWorker | None:
         from pykvcache.vllm.worker.staging_worker import StagingWorker
 
         worker = getattr(self.connector_worker, "worker", None)
         return worker if isinstance(worker, StagingWorker) else None
 
-    def start_load_kv(self, forward_context, **kwargs) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._connector_metadata
         for job_id, entry in getattr(meta, "load_jobs", {}).items():
             self._load_reqs[job_id] = entry.req_id
         super().start_load_kv(forward_context, **kwargs)
 
-    def get_transfer_results(self, finished_req_ids):
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         worker = self._staging_worker()
         if worker is not None and getattr(self._connector_metadata, "pykvcache_idle_step", False):
             # vLLM runs a step that computes nothing back to back while a
@@ -193,7 +217,8 @@ class PyKvCacheConnector(OffloadingConnector):
         return super().requires_piecewise_for_cudagraph(extra_config)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
         _default_spec(vllm_config)
         prom = super().build_prom_metrics(vllm_config, metric_types, labelnames,
                                           per_engine_labelvalues)
@@ -207,7 +232,7 @@ class PyKvCacheConnector(OffloadingConnector):
             prom.observe(zeros.data, engine_idx)
         return prom
 
-    def on_new_request(self, request) -> None:
+    def on_new_request(self, request: Request) -> None:
         super().on_new_request(request)
         if self._trace is not None:
             self._trace("arrival", req=request.request_id, tokens=request.num_tokens)
@@ -220,7 +245,7 @@ class PyKvCacheConnector(OffloadingConnector):
         if not hashes:
             return
         key_lists = []
-        max_chunks = None
+        max_chunks: int | None = None
         for group_idx, hashes_per_chunk, tokens_per_chunk in self._groups:
             # vLLM recomputes at least the last prompt token, so a chunk that
             # ends on it is never loaded: preloading it would be waste.
@@ -244,32 +269,31 @@ class PyKvCacheConnector(OffloadingConnector):
             device_cached_tokens=lambda: self._device_cached_tokens(request),
         ))
 
-    def get_num_new_matched_tokens(self, request, num_computed_tokens):
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if self._trace is not None:
             self._trace("lookup", req=request.request_id, computed=num_computed_tokens, hit_tokens=result[0])
         return result
 
-    def update_state_after_alloc(self, request, blocks, num_external_tokens):
-        result = super().update_state_after_alloc(request, blocks, num_external_tokens)
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
         if self._trace is not None and num_external_tokens:
             self._trace("load_out", req=request.request_id, tokens=num_external_tokens)
             self._loads_out.add(request.request_id)
-        return result
 
-    def _trace_step(self, scheduler_output) -> None:
+    def _trace_step(self, trace: LoadTrace, scheduler_output: SchedulerOutput) -> None:
         """A step built while a traced load is out (the last one prefills its request)."""
         if not self._loads_out:
             return
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         prefill = [r for r in self._loads_out if scheduled.get(r)]
-        self._trace("step", tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
+        trace("step", tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
                     prefill=prefill)
         self._loads_out.difference_update(prefill)
 
-    def build_connector_meta(self, scheduler_output):
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if self._trace is not None:
-            self._trace_step(scheduler_output)
+            self._trace_step(self._trace, scheduler_output)
         if self._manager is not None:
             # The gate learns the prefill cost from the engine's own steps:
             # this step's work now, its end at the next output or build.
@@ -282,10 +306,11 @@ class PyKvCacheConnector(OffloadingConnector):
         meta = super().build_connector_meta(scheduler_output)
         # A step that computes nothing: its worker may sleep on the reads of
         # the loads it waits for instead of returning at once (decision 0065).
-        meta.pykvcache_idle_step = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)
+        # vLLM's metadata object carries pykvcache's flag to the worker (which reads it with getattr).
+        meta.pykvcache_idle_step = not getattr(scheduler_output, "total_num_scheduled_tokens", 1)  # type: ignore[attr-defined]
         return meta
 
-    def update_connector_output(self, connector_output) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         if self._trace is not None:
             for req_id in getattr(connector_output, "finished_recving", None) or ():
@@ -299,19 +324,20 @@ class PyKvCacheConnector(OffloadingConnector):
 
     # A request finishes while its last step's output is processed: that step
     # has ended (vLLM reports no connector output for a step with nothing in it).
-    def request_finished(self, request, block_ids):
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         result = super().request_finished(request, block_ids)
         if self._manager is not None:
             self._manager.step_finished()
         return result
 
-    def request_finished_all_groups(self, request, block_ids):
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         result = super().request_finished_all_groups(request, block_ids)
         if self._manager is not None:
             self._manager.step_finished()
         return result
 
-    def _device_cached_tokens(self, request) -> int:
+    def _device_cached_tokens(self, request: Request) -> int:
         """Prompt tokens the device prefix cache already holds (not worth
         preloading); 0 when unknown."""
         kv_manager = getattr(self, "_kv_cache_manager", None)

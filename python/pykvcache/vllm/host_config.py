@@ -22,9 +22,12 @@ import contextlib
 import contextvars
 import sys
 from types import FrameType
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator, TypeGuard
 
-_published: contextvars.ContextVar[Any] = contextvars.ContextVar("pykvcache_vllm_config",
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+
+_published: contextvars.ContextVar[VllmConfig | None] = contextvars.ContextVar("pykvcache_vllm_config",
                                                                  default=None)
 _reports_steps: contextvars.ContextVar[bool] = contextvars.ContextVar("pykvcache_reports_steps", default=False)
 
@@ -34,7 +37,7 @@ _MAX_FRAMES = 32
 
 
 @contextlib.contextmanager
-def publishing(vllm_config: Any, *, reports_steps: bool = False) -> Iterator[None]:
+def publishing(vllm_config: VllmConfig, *, reports_steps: bool = False) -> Iterator[None]:
     """Makes ``vllm_config`` visible to specs constructed inside the block,
     and whether the connector constructing them reports the engine's steps
     (:func:`steps_reported`)."""
@@ -54,7 +57,7 @@ def steps_reported() -> bool:
     return _reports_steps.get()
 
 
-def _is_vllm_config(obj: Any) -> bool:
+def _is_vllm_config(obj: Any) -> TypeGuard[VllmConfig]:
     try:
         from vllm.config import VllmConfig
     except ImportError:  # pragma: no cover - vLLM is what calls us
@@ -62,7 +65,7 @@ def _is_vllm_config(obj: Any) -> bool:
     return isinstance(obj, VllmConfig)
 
 
-def find_vllm_config() -> Any | None:
+def find_vllm_config() -> VllmConfig | None:
     """The ``VllmConfig`` of the engine constructing the caller, or None."""
     cfg = _published.get()
     if cfg is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.v1.kv_offload.base import OffloadingSpec
 
@@ -29,6 +29,15 @@ from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions
 from pykvcache.vllm.staging_sizing import staging_sizing
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_offload.base import CanonicalKVCaches, OffloadingMetricMetadata
+    from vllm.v1.kv_offload.config import OffloadingConfig
+
+    from pykvcache._core import BlockStore, StagingPool
+    from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
+    from pykvcache.vllm.worker.staging_worker import StagingWorker
+
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
@@ -39,7 +48,7 @@ route_engine_logs()
 MIN_STAGING_SLOTS = 4
 
 
-def parallelism_agnostic(config, vllm_config) -> bool:
+def parallelism_agnostic(config: OffloadingConfig, vllm_config: VllmConfig | None) -> bool:
     """Whether chunks can be shared across tensor-parallel sizes: asked for
     (``canonical_layout``) and certified by vLLM (``is_parallelism_agnostic``:
     one full-attention group, KV heads sharded exactly over TP, no context
@@ -62,7 +71,7 @@ def parallelism_agnostic(config, vllm_config) -> bool:
     return True
 
 
-def canonical_head_shards(config, vllm_config) -> int:
+def canonical_head_shards(config: OffloadingConfig, vllm_config: VllmConfig) -> int:
     """How many distinct KV head shards the ranks hold: vLLM's canonical page is
     that many local pages (TP ranks beyond the head count replicate heads)."""
     total = vllm_config.model_config.get_total_num_kv_heads()
@@ -71,7 +80,7 @@ def canonical_head_shards(config, vllm_config) -> int:
 
 class NvmeOffloadingSpec(OffloadingSpec):
     @classmethod
-    def build_metric_definitions(cls, extra_config: dict[str, Any]):
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         # Runs in the front-end process, but only once the engine is up (vLLM
         # builds its stat loggers after the engine core handshake): the early
         # check is pykvcache.vllm.kv_transfer_config and, on CUDA,
@@ -79,12 +88,13 @@ class NvmeOffloadingSpec(OffloadingSpec):
         validate_extra_config(extra_config)
         return metric_definitions()
 
-    def __init__(self, config) -> None:
+    def __init__(self, config: OffloadingConfig) -> None:
         super().__init__(config)
         # Found now, while vLLM is constructing the spec; read in get_manager.
         self._vllm_config = find_vllm_config()
         self.parallelism_agnostic = parallelism_agnostic(config, self._vllm_config)
         if self.parallelism_agnostic:
+            assert self._vllm_config is not None  # parallelism_agnostic: the head count is known
             # One canonical row that every rank shares: the chunk's bytes are
             # the same at any TP size, so the namespace leaves the sizes out.
             self.layout = ChunkLayout(
@@ -116,8 +126,8 @@ class NvmeOffloadingSpec(OffloadingSpec):
         self.slot_footprint = slots.slot_footprint
         self.chunk_tokens = self.blocks_per_chunk * (self.tokens_per_block[0]
                                                      if self.tokens_per_block else 1)
-        self._manager = None
-        self._worker = None
+        self._manager: NvmeOffloadingManager | None = None
+        self._worker: StagingWorker | None = None
 
     def _namespace_for(self, model_identity: str) -> str:
         bytes_per_block = self.layout.bytes_per_block
@@ -149,10 +159,10 @@ class NvmeOffloadingSpec(OffloadingSpec):
 
         return gating
 
-    def _open_store(self, pool, *, close_pool_on_failure: bool = False):
+    def _open_store(self, pool: StagingPool, *, close_pool_on_failure: bool = False) -> BlockStore:
         return disk_tier.open_store(self.settings, pool, self.namespace, close_pool_on_failure=close_pool_on_failure)
 
-    def get_manager(self):
+    def get_manager(self) -> NvmeOffloadingManager:
         if self._manager is None:
             from pykvcache._core import StagingPool
 
@@ -209,7 +219,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
         for line in sizing.advice():
             logger.warning("pykvcache: %s", line)
 
-    def _create_pool(self, staging_pool_cls):
+    def _create_pool(self, staging_pool_cls: type[StagingPool]) -> StagingPool:
         """The staging region: a memfd, so it never outlives the engine (vLLM
         SIGKILLs the EngineCore at shutdown; no destructor runs), reserved in
         full now so that a size the host cannot give fails here, once."""
@@ -227,7 +237,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 f"lower it: {exc.strerror}"
             ) from exc
 
-    def _preformat(self, store, pool) -> None:
+    def _preformat(self, store: BlockStore, pool: StagingPool) -> None:
         """Writes filler chunks up to capacity_bytes before serving starts, so
         that the first fill overwrites allocated files (see pykvcache.preformat).
         One-time: a later start finds the store full (fillers or chunks) and
@@ -259,7 +269,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
                     f"; stopped at preformat_max_s, {left / 1e9:.2f} GB left for the next start"
                     if left >= self.slot_footprint else "")
 
-    def get_worker(self, kv_caches):
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> StagingWorker:
         if self._worker is None:
             from pykvcache.vllm.worker.staging_worker import StagingWorker
 

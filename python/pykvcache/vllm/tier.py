@@ -41,9 +41,9 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, TypeVar, cast
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -73,6 +73,19 @@ from pykvcache.vllm.scheduler.gating import GateHooks, GateInputs, Gating, Reque
 from pykvcache.vllm.host_config import find_vllm_config
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
+    from vllm.v1.kv_offload.base import OffloadingMetricMetadata, OffloadingSpec
+    from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+
+    from pykvcache._core import IoHandle
+    from pykvcache.vllm.config import PykvcacheConfig
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_Tier = TypeVar("_Tier", bound="PykvcacheTier")
 
 logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 route_engine_logs()
@@ -119,7 +132,7 @@ TIER_ROW_LAYOUT = "vllm-tiering-primary-chunk-v1"
 CPU_TIER_IO = ("copy", "direct")
 
 
-def _serialized(method):
+def _serialized(method: Callable[Concatenate[_Tier, _P], _R]) -> Callable[Concatenate[_Tier, _P], _R]:
     """One caller at a time: vLLM 0.33 calls a tier under its manager's lock but
     from more than one thread (the scheduler's and its tier-poll thread), and a
     direct user may call from several; the job queue, the staging slots and
@@ -127,13 +140,13 @@ def _serialized(method):
     the same methods. Uncontended, a lock costs well under a microsecond per
     call, against milliseconds of disk I/O per chunk."""
     @functools.wraps(method)
-    def locked(self, *args, **kwargs):
+    def locked(self: _Tier, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
             return method(self, *args, **kwargs)
     return locked
 
 
-def tier_settings(options: dict[str, Any], chunk_bytes: int | None = None):
+def tier_settings(options: dict[str, Any], chunk_bytes: int | None = None) -> PykvcacheConfig:
     """The tier's keys validated as the spec's are, with the keys that only the
     standalone spec has refused and, given the CPU tier's ``chunk_bytes``,
     what that chunk size makes of the sizes: all problems in one :class:`ConfigError`."""
@@ -161,9 +174,9 @@ def tier_settings(options: dict[str, Any], chunk_bytes: int | None = None):
 class _Job:
     job: TransferJob
     load: bool
-    todo: deque  # (key, chunk_id) not started yet
+    todo: deque[tuple[OffloadKey, int]]  # (key, chunk_id) not started yet
     running: int = 0
-    ok: list = field(default_factory=list)
+    ok: list[OffloadKey] = field(default_factory=list)
     failed: int = 0
     transfer_bytes: int = 0
     started: float = field(default_factory=time.monotonic)
@@ -174,14 +187,15 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
     medium: ClassVar[Medium] = Medium.STORAGE
 
     @classmethod
-    def build_metric_definitions(cls, extra_config: dict[str, Any]):
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
         options = {k: v for k, v in extra_config.items()
                    if k not in ("type", "module_path", "backpressure", "locality")}
         tier_settings(options)  # a bad entry fails where vLLM builds its loggers, once
         return metric_definitions()
 
-    def __init__(self, offloading_spec, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector=None, locality=None, **options: Any) -> None:
+    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
+                 backpressure_detector: BackpressureDetector | None = None, locality: object = None,
+                 **options: Any) -> None:
         vllm_config = find_vllm_config()
         if getattr(vllm_config, "lora_config", None) is not None:
             # vLLM keys a LoRA request's blocks by the adapter's name and path, and a tier sees
@@ -198,10 +212,11 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
 
         config = offloading_spec.config
         # The CPU tier as chunk rows (its stride is one chunk of every rank).
-        self._primary = np.asarray(primary_kv_view).view(np.uint8)
-        if self._primary.ndim != 2:
-            self._primary = self._primary.reshape(self._primary.shape[0], -1)
-        self.chunk_bytes = int(self._primary.shape[1])
+        primary = np.asarray(primary_kv_view).view(np.uint8)
+        if primary.ndim != 2:
+            primary = primary.reshape(primary.shape[0], -1)
+        self._primary: np.ndarray | None = primary  # None once shutdown let it go
+        self.chunk_bytes = int(primary.shape[1])
         self.settings = tier_settings(options, self.chunk_bytes)
         # Chunks in flight at once: what staging_bytes holds (it bounded the
         # slots that bounced chunks before the region path, and still does on
@@ -225,7 +240,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         self._region: int | None = None
         if direct:
             try:
-                self._region = store.register_region(self._primary)
+                self._region = store.register_region(cast("Buffer", primary))  # an ndarray exports its buffer
             except Exception as exc:  # noqa: BLE001 - the staging copy still works
                 why_not = f"the engine refused the region: {exc}"
         if self._region is None:
@@ -246,7 +261,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
                              trouble="unusable chunks in the tier (each a miss)", log=logger)
         self._jobs: deque[_Job] = deque()  # jobs with chunks not started, in order
         # token -> (handle, job, key, chunk, staging slot or None)
-        self._ops: dict[int, tuple[Any, _Job, bytes, int, int | None]] = {}
+        self._ops: dict[int, tuple[IoHandle, _Job, OffloadKey, int, int | None]] = {}
         # Tokens of region reads the I/O deadline abandoned: counted failed,
         # still in self._ops (their job unfinished) until the kernel let go of the row.
         self._unsettled: set[int] = set()
@@ -264,17 +279,23 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         """Why the CPU tier's rows cannot be the engine's transfer memory, or None."""
         if self.chunk_bytes % PAGE:
             return f"a chunk of {self.chunk_bytes} bytes is not a whole number of {PAGE}-byte pages"
-        if not self._primary.flags.c_contiguous or not self._primary.flags.writeable:
+        if not self._rows.flags.c_contiguous or not self._rows.flags.writeable:
             return "vLLM's CPU tier region is not one writable, contiguous buffer"
-        if self._primary.ctypes.data % PAGE:
+        if self._rows.ctypes.data % PAGE:
             return f"vLLM's CPU tier region is not {PAGE}-byte aligned"
         return None
+
+    @property
+    def _rows(self) -> np.ndarray:
+        """The CPU tier's chunk rows."""
+        assert self._primary is not None, "the tier was shut down"
+        return self._primary
 
     # -- lookups ---------------------------------------------------------------
     def _on_disk(self, key: bytes) -> bool:
         return self.disk.on_disk(key)
 
-    def _gate_inputs(self, keys, req_id) -> GateInputs:
+    def _gate_inputs(self, keys: Sequence[bytes], req_id: Hashable) -> GateInputs:
         # Chunks the CPU tier holds never reach this tier's lookup; the
         # framework owns the waiting queue, so no request counts as waiting.
         queued = (len(self._ops) + sum(len(j.todo) for j in self._jobs)) * self.chunk_bytes
@@ -314,7 +335,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         self._jobs.append(_Job(job_metadata, load=load, todo=deque(pairs)))
         self._pump()
 
-    def _job_rows(self, job_metadata: TransferJob, load: bool) -> list[tuple[bytes, int]]:
+    def _job_rows(self, job_metadata: TransferJob, load: bool) -> list[tuple[OffloadKey, int]]:
         """The job's (key, CPU-tier row) pairs, or ValueError saying why there
         are none: one chunk id per key, each a row of the CPU tier (numpy would
         wrap -1 to the last row and a float to its floor), and no row read into
@@ -322,7 +343,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         the engine too; the copy mode has only this."""
         keys = list(job_metadata.keys)
         chunks = np.asarray(job_metadata.chunk_ids)
-        rows = self._primary.shape[0]
+        rows = self._rows.shape[0]
         if chunks.ndim != 1 or len(chunks) != len(keys):
             raise ValueError(f"{len(keys)} key(s) but chunk ids of shape {chunks.shape}: one chunk id per key")
         if len(chunks) and chunks.dtype.kind not in "iu":
@@ -368,7 +389,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
             job.queued = False
             self._maybe_finish(job)
 
-    def _start(self, job: _Job, key: bytes, chunk: int, slot: int | None) -> None:
+    def _start(self, job: _Job, key: OffloadKey, chunk: int, slot: int | None) -> None:
         try:
             if slot is None:
                 # The engine moves the payload between the chunk's row and the disk.
@@ -381,7 +402,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
                 handle = self.store.get(key, slot)
             else:
                 with self.pool.view(slot) as view:
-                    np.frombuffer(view, dtype=np.uint8)[:] = self._primary[chunk]
+                    np.frombuffer(view, dtype=np.uint8)[:] = self._rows[chunk]
                 handle = self.store.put(key, slot, self.chunk_bytes)
         except Exception as exc:  # noqa: BLE001 - refused submission: this chunk fails
             self.disk.submit_refused("read" if job.load else "write", key, exc)
@@ -410,7 +431,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
                 ok = self.disk.read_finished(key, result)
                 if ok and slot is not None:
                     with self.pool.view(slot) as view:
-                        self._primary[chunk] = np.frombuffer(view, dtype=np.uint8)[: self.chunk_bytes]
+                        self._rows[chunk] = np.frombuffer(view, dtype=np.uint8)[: self.chunk_bytes]
             else:
                 ok = self.disk.write_finished(key, result)
             if slot is not None:
@@ -475,7 +496,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         self._pump()
 
     @_serialized
-    def get_stats(self):
+    def get_stats(self) -> OffloadingConnectorStats | None:
         self._pump()
         # With the region, the gauges count chunks in flight against the limit.
         total = self.pool.num_slots if self._region is None else self._limit
