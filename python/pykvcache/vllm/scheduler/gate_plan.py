@@ -1,4 +1,4 @@
-"""The admission gate inside the manager: one decision per request, kept as a plan.
+"""The break-even gate inside the manager: one decision per request, kept as a plan.
 
 vLLM asks the manager one key at a time. At the first lookup of a request the
 whole key list is known (``request_keys_from``), so the gate decides there how
@@ -7,36 +7,23 @@ later lookups of the same request (this step or the next ones, while reads
 complete) are a set probe. Keys the plan does not allow are answered MISS
 before anything is staged, so a recomputed prefix costs no disk read.
 
-The plan also times the request's disk reads and feeds the result to the
-gate's online model: the load time is the longest submit-to-completion time
-among its reads (they are submitted together, at the first lookup), which is
-what the calibrated ``fixed + bytes/BW`` predicts. The scheduler step a
-request may wait before it sees its reads complete is not learned: it depends
-on the step time, not on the device (lookahead preloading hides it). The
-store side asks :meth:`GateWiring.admit_store` how many chunks to write.
-
-Around a storage outage the plan's loads are filtered before they are learnt
-(:class:`~pykvcache.gate.outages.OutageFilter`, fed from the store's circuit
-breakers): what a dying or reconnecting
-link took to read is not the device's speed (decision 0054).
-
-An exploration (the gate samples a device it learnt as too slow to load
-from) is read in the background where the owner can (a sampler: the standalone
-manager): the explored request recomputes, and the busy period
-holding the sample's reads is the measurement (decision 0054). Without a
-sampler (vLLM's tiering framework owns the tier's reads) the request loads
-its explored prefix, as before.
-
-The prefill side is learnt from the engine's own steps (:class:`~pykvcache.vllm.scheduler.step_timer.StepTimer`):
-the connector reports each step's scheduled work when it builds the step's
-metadata and the step's end when its output comes back (or the next step is
-built, whichever is first); a step that mostly prefilled is one observation
-for the gate's :class:`~pykvcache.gate.online.OnlinePrefillModel`.
+The plan times the request's disk reads (the longest submit-to-completion
+time among them, all submitted at the first lookup: what the calibrated
+``fixed + bytes/BW`` predicts; the scheduler step a request may wait for
+their completions depends on the step time, not the device, and is not
+learnt), every read times the device's busy periods (decision 0079), and the
+engine's steps, as the connector reports them, time the prefill side
+(:class:`~pykvcache.vllm.scheduler.step_timer.StepTimer`). Around a storage
+outage nothing is learnt (:class:`~pykvcache.gate.outages.OutageFilter`, from
+the store's breakers: a dying or reconnecting link is not the device). An
+exploration is read in the background where the owner has a sampler (the
+standalone manager: the explored request recomputes, and the busy period
+holding the sample is the measurement), else loaded by its request (decision 0054).
 
 The rest of the vLLM side sees all this through :class:`~pykvcache.vllm.scheduler.gating.Gating`
-(six members); what it is given at construction (breakers, sampler, saved
-device model) comes in :class:`~pykvcache.vllm.scheduler.gating.GateHooks`,
-the profile, store admission and decision trace from :func:`build_gating`.
+(six members); what it is given at construction comes in
+:class:`~pykvcache.vllm.scheduler.gating.GateHooks` (breakers, sampler, saved
+device model) and from :func:`build_gating` (profile, store admission, trace).
 """
 
 from __future__ import annotations
@@ -140,7 +127,6 @@ class GateWiring:
         self._timing: OrderedDict[Hashable, list[Plan]] = OrderedDict()
         self.observations = 0
         self._skipped_preloads = 0  # chunks preloads did not read: the gate would recompute them
-        self.outages = OutageFilter()
         # A step worth timing prefilled at least one chunk: shorter ones are
         # dominated by per-step overhead, and a chunk is what the gate decides on.
         self.steps = StepTimer(gate.observe_prefill, min_prefill_tokens=chunk_tokens)
@@ -159,7 +145,7 @@ class GateWiring:
         # the loads that ended meanwhile timed the failing link (plus a step of
         # lag before the gate looks).
         self._breakers = hooks.breakers
-        self.outages.lookback_s = 5 * hooks.io_deadline_s
+        self.outages = OutageFilter(lookback_s=5 * hooks.io_deadline_s)
         self._poll_breakers()
         # The learnt device model, kept beside the namespace (decision 0073):
         # a restart starts from what the last server learnt, not from the prior.
@@ -524,23 +510,16 @@ def build_gating(settings: PykvcacheConfig, hooks: GateHooks, *, model: str, dty
     from pykvcache.gate.profile import storage_info
 
     s = settings
-    expected = ProfileExpectation(
-        model=model,
-        dtype=dtype,
-        kv_bytes_per_token=chunk_bytes / chunk_tokens,
-        chunk_tokens=chunk_tokens,
-        storage_device=storage_info(s.storage_dirs[0])["device"],
-    )
+    expected = ProfileExpectation(model=model, dtype=dtype, kv_bytes_per_token=chunk_bytes / chunk_tokens,
+                                  chunk_tokens=chunk_tokens, storage_device=storage_info(s.storage_dirs[0])["device"])
     gate, source = build_gate(s.gate_profile, expected, online=s.gate_online,
                               margin=s.gate_margin, enabled=s.gate, steps=steps_timed)
     admission = None
     if s.store_min_tokens or s.store_second_sighting:
-        admission = StoreAdmission(
-            chunk_tokens=chunk_tokens,
-            # A token count unless "break_even" (the config's check).
-            min_tokens=0 if s.store_min_tokens == "break_even" else cast(int, s.store_min_tokens),
-            second_sighting=s.store_second_sighting,
-        )
+        # A token count unless "break_even" (the config's check).
+        min_tokens = 0 if s.store_min_tokens == "break_even" else cast(int, s.store_min_tokens)
+        admission = StoreAdmission(chunk_tokens=chunk_tokens, min_tokens=min_tokens,
+                                   second_sighting=s.store_second_sighting)
     be = gate.break_even_tokens()
     # The reason for a default cost model was logged as a warning already.
     logger.info("pykvcache gate: %s, cost model from %s, break-even %s tokens%s",
