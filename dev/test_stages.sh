@@ -4,7 +4,7 @@
 #
 #   venv      .venv (dev/setup_venv.sh: reused when its stamp matches)
 #   build     the Rust extension into .venv (maturin develop --release)
-#   lint      clippy -D warnings, cargo fmt --check, ruff check, stubtest of _core.pyi (make lint)
+#   lint      clippy -D warnings, cargo fmt --check, ruff check, mypy, stubtest of _core.pyi (make lint)
 #   lmcache   LMCache into .lmcache (the storage-level comparison's private install)
 #   cargo     cargo test (the engine alone)
 #   pytest    tests/ (real files, real io_uring, a real vLLM CPU build), slowest 30 printed

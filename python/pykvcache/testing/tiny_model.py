@@ -133,12 +133,10 @@ def _build_model(spec: TinyModelSpec, tokenizer, dest: Path) -> None:
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         tie_word_embeddings=False,
-        # Taken by an __init__ wrapper that transformers 5's dataclass typing does not show.
-        torch_dtype="float32",  # type: ignore[call-arg]
+        torch_dtype="float32",
     )
     torch.manual_seed(spec.seed)
-    # PreTrainedModel.to is functools.wraps(Module.to), which typeshed's _Wrapped types without self bound.
-    model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
+    model = LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():
         # A zero EOS row keeps its logit at 0 while random rows spread widely,
         # so greedy generation does not stop early.

@@ -11,6 +11,10 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pykvcache.tools.bench.runner import BenchRun
 
 Handler = Callable[[argparse.Namespace], int]
 Setup = Callable[[argparse.ArgumentParser], Handler]
@@ -198,14 +202,14 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
-def _print_summary(result: object) -> None:
+def _print_summary(result: BenchRun) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console()
     if not console.is_terminal:
         console = Console(width=200)
-    for out in result.outputs:  # type: ignore[attr-defined]
+    for out in result.outputs:
         if out.skipped:
             console.print(f"[yellow]{out.name}: skipped ({out.skipped})")
         for t in out.tables[:1]:
@@ -217,7 +221,7 @@ def _print_summary(result: object) -> None:
             console.print(table)
         for name, (met, why) in out.targets.items():
             console.print(f"{'[green]met' if met else '[red]missed'}[/] {name}: {why}")
-    console.print(f"report: {result.report} ({result.elapsed_s:.0f} s)")  # type: ignore[attr-defined]
+    console.print(f"report: {result.report} ({result.elapsed_s:.0f} s)")
 
 
 @subcommand("demo", "the main job on an embedded default: prefix reuse in vLLM through a local directory, then bench --quick")

@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.progress import Progress, TaskID
 
 
 class RichProgress:
@@ -29,19 +34,20 @@ class RichProgress:
         self._p.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self._p.__exit__(*exc)  # type: ignore[arg-type]
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self._p.__exit__(exc_type, exc, tb)
 
     def part(self, name: str, total: int) -> RichStep:
         return RichStep(self._p, self._p.add_task("", total=total, part=name))
 
 
 class RichStep:
-    def __init__(self, progress: object, task: object) -> None:
+    def __init__(self, progress: Progress, task: TaskID) -> None:
         self._p, self._t = progress, task
 
     def advance(self, description: str = "") -> None:
-        self._p.update(self._t, advance=1, description=description)  # type: ignore[attr-defined]
+        self._p.update(self._t, advance=1, description=description)
 
 
 class PhaseProgress:
@@ -61,9 +67,10 @@ class PhaseProgress:
             self._p.__enter__()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         if self._p is not None:
-            self._p.__exit__(*exc)  # type: ignore[arg-type]
+            self._p.__exit__(exc_type, exc, tb)
 
     def phase(self, name: str, total: int) -> Callable[..., None]:
         if self._p is None:

@@ -43,7 +43,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, TypeVar, cast
+from typing import TYPE_CHECKING, Any, ClassVar, Concatenate, ParamSpec, Protocol, TypeVar, cast
 
 import numpy as np
 from vllm.v1.kv_offload.base import (
@@ -75,13 +75,19 @@ from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
     from vllm.v1.kv_offload.base import OffloadingMetricMetadata, OffloadingSpec
     from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 
     from pykvcache._core import IoHandle
     from pykvcache.vllm.config import PykvcacheConfig
+
+
+class _Exported(Protocol):
+    """The buffer protocol (PEP 688's ``Buffer``): numpy's stubs declare it on arrays from Python 3.12 on."""
+
+    def __buffer__(self, flags: int, /) -> memoryview: ...
+
 
 _P = ParamSpec("_P")
 _R = TypeVar("_R")
@@ -240,7 +246,7 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         self._region: int | None = None
         if direct:
             try:
-                self._region = store.register_region(cast("Buffer", primary))  # an ndarray exports its buffer
+                self._region = store.register_region(cast(_Exported, primary))
             except Exception as exc:  # noqa: BLE001 - the staging copy still works
                 why_not = f"the engine refused the region: {exc}"
         if self._region is None:
