@@ -59,7 +59,7 @@ def test_restored_reads_the_measured_servers_log(tmp_path, text, expected):
     assert restored(tmp_path / "missing.log") is None
 
 
-def test_the_mark_is_what_the_tier_logs():
-    from pykvcache.vllm.scheduler import disk_tier
+def test_the_mark_is_what_the_gate_logs():
+    from pykvcache.vllm.scheduler import gate_plan
 
-    assert RESTORED_MARK in Path(disk_tier.__file__).read_text()
+    assert RESTORED_MARK in Path(gate_plan.__file__).read_text()
