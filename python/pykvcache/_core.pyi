@@ -37,13 +37,13 @@ DIRECT_IO_POLICIES: tuple[str, ...]
 VERIFY_MODES: tuple[str, ...]
 #: The engine's defaults of the ``BlockStore`` keywords (``queue_depth``,
 #: ``max_inflight``, ``segment_bytes``, ``write_segment_bytes``, ``io_threads``,
-#: ``chunk_workers``, ``submit_timeout``, ``backend``, ``direct_io``, ``verify``,
+#: ``chunk_workers``, ``seal_buffers``, ``submit_timeout``, ``backend``, ``direct_io``, ``verify``,
 #: ``dir_mode``, ``file_mode``): the one place they are defined
 #: (``rust/src/store/config.rs``); the defaults below repeat them, checked by
 #: ``tests/test_core_constants.py``.
 ENGINE_DEFAULTS: dict[str, int | float | str]
 #: The engine's inclusive bounds ``(low, high)`` of the counts ``queue_depth``,
-#: ``max_inflight``, ``io_threads``, ``chunk_workers`` (``BlockStore``) and
+#: ``max_inflight``, ``io_threads``, ``chunk_workers``, ``seal_buffers`` (``BlockStore``) and
 #: ``num_slots`` (``StagingPool``): the one place they are defined
 #: (``rust/src/store/config.rs``, ``limits``); the vLLM layer reads them.
 ENGINE_LIMITS: dict[str, tuple[int, int]]
@@ -114,6 +114,15 @@ class StoreStats(TypedDict):
     shared_capacity_refused: int
     #: Anomalies the engine survived instead of panicking (each also on stderr).
     internal_errors: int
+    # Sealed chunks (``encryption_key_file``, decision 0083): puts sealed, gets
+    # whose every frame opened, gets of a chunk sealed with another key or for
+    # another tenant, a plaintext chunk where chunks are sealed or a sealed one
+    # where they are not (misses of kind "kept", never deleted), and gets whose
+    # frames failed authentication (corrupt).
+    sealed_puts: int
+    opened_gets: int
+    not_ours_misses: int
+    auth_failures: int
     read_latency_sum_us: int
     write_latency_sum_us: int
     read_latency_hist: list[int]
@@ -145,6 +154,17 @@ class StoreStats(TypedDict):
     open_scan_s: float
     open_scan_error: str
     staging_free_slots: int
+    #: An encryption key is configured: every chunk written is sealed.
+    sealing: bool
+    #: Hex ids of the current and previous key (derived from the keys, never
+    #: key bytes; "" without one).
+    encryption_key_id: str
+    encryption_previous_key_id: str
+    #: Seal buffers, and those no sealed put holds now (0 without a key).
+    seal_buffers: int
+    seal_buffers_free: int
+    #: Tenants whose derived keys are cached (at most 1024).
+    sealed_tenants_cached: int
     # A stalled or failing storage directory (decision 0031): operations
     # abandoned past the I/O deadline, storage-failure errnos (EIO, ENOTCONN,
     # ESTALE...), circuit-breaker openings, probes and what the open breakers
@@ -384,6 +404,9 @@ class BlockStore:
         min_free_fraction: float | None = None,
         io_deadline: float | None = None,
         refresh_interval_s: float | Literal["auto"] | None = "auto",
+        encryption_key_file: str | PathLike[str] | None = None,
+        encryption_previous_key_file: str | PathLike[str] | None = None,
+        seal_buffers: int = 2,
     ) -> BlockStore:
         """``chunk_workers`` threads checksum, verify and publish chunks, off the
         caller's and the ring's threads. Reads move in ``segment_bytes`` pieces
@@ -438,8 +461,22 @@ class BlockStore:
         writer's chunks count here: at once when one appears, then every 20x
         the walk's duration (1-10 s); alone, never. A number of seconds: that
         often, whoever writes (a filesystem shared with nodes that may not
-        hold leases); ``None`` or 0: only at open and on :meth:`refresh`."""
-    def put(self, key: bytes, slot: int, length: int) -> IoHandle:
+        hold leases); ``None`` or 0: only at open and on :meth:`refresh`.
+
+        ``encryption_key_file`` (decision 0083): a file of exactly 32 random
+        bytes (``pykvcache keygen PATH``), a regular file no group or other may
+        read or write (``ValueError`` naming the path and ``chmod 600``
+        otherwise; the key never appears in an error, a log or ``stats()``).
+        Every chunk is then sealed with AES-256-GCM under a key derived for the
+        operation's ``tenant``; reads load only chunks sealed with this key (or
+        ``encryption_previous_key_file``'s, read only) for the same tenant: any
+        other chunk, a plaintext one included, is a ``miss`` of kind
+        ``"kept"``, left in place; a chunk that fails authentication is
+        ``corrupt``. ``seal_buffers`` (1..=1024) buffers the size of a slot's
+        file, allocated here, hold the ciphertext of the sealed puts in flight:
+        a put waits for one up to ``submit_timeout`` (then
+        :class:`PoolExhausted`); the slot itself is never written by a put."""
+    def put(self, key: bytes, slot: int, length: int, *, tenant: bytes = b"") -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
         visible atomically once complete; an existing chunk is success.
         ``length`` above ``slot_bytes`` is a ``ValueError``. A slot that already
@@ -448,11 +485,14 @@ class BlockStore:
         call waits for an operation entry, raises :class:`PykvcacheError`
         ("store is closed"). An operation admitted just before a concurrent
         ``close()`` but not yet submitted completes with status ``error``
-        and its slot unpinned."""
-    def get(self, key: bytes, slot: int) -> IoHandle:
+        and its slot unpinned. With an encryption key the chunk is sealed for
+        ``tenant`` (ignored without a key; at most 1024 bytes)."""
+    def get(self, key: bytes, slot: int, *, tenant: bytes = b"") -> IoHandle:
         """Read chunk ``key`` into ``slot`` and verify it. Status ``miss`` when
-        absent, ``corrupt`` when verification fails (the file is then removed)."""
-    def prefetch(self, key: bytes, slot: int) -> IoHandle:
+        absent, ``corrupt`` when verification fails (the file is then removed).
+        With an encryption key, a chunk sealed for another ``tenant`` or with
+        another key is a ``miss`` of kind ``"kept"``."""
+    def prefetch(self, key: bytes, slot: int, *, tenant: bytes = b"") -> IoHandle:
         """``get`` at background priority, for chunks that will be needed soon:
         its transfers start only when no ``get``/``put`` transfer is waiting and
         never occupy more than half of ``queue_depth`` (nor, once set, more than
@@ -476,7 +516,7 @@ class BlockStore:
     @property
     def region_count(self) -> int:
         """Regions registered (or retired with operations left)."""
-    def put_region(self, key: bytes, region: int, offset: int, length: int) -> IoHandle:
+    def put_region(self, key: bytes, region: int, offset: int, length: int, *, tenant: bytes = b"") -> IoHandle:
         """``put`` of bytes ``[offset, offset + length)`` of ``region``, written
         straight from there (no staging slot, no copy); the chunk header travels
         from a block of the engine's own, so the file is the one ``put`` writes.
@@ -485,8 +525,10 @@ class BlockStore:
         the filesystem: a payload fills whole blocks on disk); the caller copies
         such rows through a slot instead. :class:`PykvcacheError` for a region
         not registered (or being unregistered) and on a closed store. The
-        region's bytes must not change until the put completes."""
-    def get_region(self, key: bytes, region: int, offset: int, length: int) -> IoHandle:
+        region's bytes must not change until the put completes. With an
+        encryption key it is sealed into a seal buffer (the region is only
+        read), so ``length`` may not exceed ``slot_bytes`` (``ValueError``)."""
+    def get_region(self, key: bytes, region: int, offset: int, length: int, *, tenant: bytes = b"") -> IoHandle:
         """``get`` into bytes ``[offset, offset + length)`` of ``region`` (errors
         as :meth:`put_region`). Only the chunk's payload blocks are written
         there; a chunk larger than ``length`` is a ``miss`` (kept on disk).

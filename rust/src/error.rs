@@ -11,6 +11,9 @@ pub enum EngineError {
     #[error("too many operations in flight ({max_inflight}); none completed within {waited_ms} ms")]
     QueueFull { waited_ms: u64, max_inflight: usize },
 
+    #[error("no seal buffer free within {waited_ms} ms: {buffers} sealed puts in flight (seal_buffers)")]
+    SealBuffersBusy { waited_ms: u64, buffers: usize },
+
     #[error("corrupt chunk {path}: {reason}")]
     Corrupt { path: String, reason: String },
 

@@ -47,4 +47,6 @@ pub use ready::Readiness;
 pub use staging::StagingPool;
 pub use stats::Stats;
 pub use store::config::defaults;
-pub use store::{BackendChoice, BlockStore, FreeSpaceReserve, OpenReport, RegionId, StoreConfig, StoreSnapshot, VerifyPolicy};
+pub use store::{
+    BackendChoice, BlockStore, FreeSpaceReserve, OpenReport, RegionId, SealingSnapshot, StoreConfig, StoreSnapshot, VerifyPolicy,
+};

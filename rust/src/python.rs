@@ -63,6 +63,7 @@ impl PyBlockStore {
                         chunk_workers=defaults::CHUNK_WORKERS, verify=defaults::VERIFY, recycle_files=true, background_scan=false,
                         preallocate=true, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
                         min_free_bytes=None, min_free_fraction=None, io_deadline=None, refresh_interval_s=defaults::REFRESH_INTERVAL_S,
+                        encryption_key_file=None, encryption_previous_key_file=None, seal_buffers=defaults::SEAL_BUFFERS,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -92,6 +93,9 @@ impl PyBlockStore {
         min_free_fraction: Option<f64>,
         io_deadline: Option<f64>,
         #[pyo3(from_py_with = refresh_arg)] refresh_interval_s: store::RefreshPolicy,
+        encryption_key_file: Option<PathBuf>,
+        encryption_previous_key_file: Option<PathBuf>,
+        #[pyo3(from_py_with = seal_buffers_arg)] seal_buffers: usize,
         _fault_max_transfer: Option<usize>,
         _fault_fail_nth: Option<(u64, i32)>,
     ) -> PyResult<Self> {
@@ -115,6 +119,9 @@ impl PyBlockStore {
                 store::FreeSpaceReserve::AtLeast { bytes: min_free_bytes.unwrap_or(0), fraction: min_free_fraction.unwrap_or(0.0) };
         }
         config.refresh = refresh_interval_s;
+        config.encryption_key_file = encryption_key_file;
+        config.encryption_previous_key_file = encryption_previous_key_file;
+        config.seal_buffers = seal_buffers;
         config.faults = args::fault_plan(_fault_max_transfer, _fault_fail_nth)?;
         config.io_deadline = io_deadline_of(io_deadline)?;
         let submit_timeout = timeout_of("submit_timeout", submit_timeout)?;
@@ -133,30 +140,41 @@ impl PyBlockStore {
         report::log_notices(py, self.inner.take_notices())
     }
 
+    // `tenant`: whose key seals or opens the chunk (a store without an encryption key ignores it).
+    #[pyo3(signature = (key, slot, length, *, tenant=Vec::new()), text_signature = "($self, key, slot, length, *, tenant=b'')")]
     fn put(
         &self,
         py: Python<'_>,
         key: Vec<u8>,
         #[pyo3(from_py_with = slot_arg)] slot: usize,
         #[pyo3(from_py_with = length_arg)] length: usize,
+        tenant: Vec<u8>,
     ) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
-        let id = py.detach(move || store.put(&k, slot, length, t)).map_err(to_py)?;
+        let id = py.detach(move || store.put_for(&tenant, &k, slot, length, t)).map_err(to_py)?;
         Ok(PyIoHandle::new(&self.inner, id, "put", key, Some(slot)))
     }
 
-    fn get(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<PyIoHandle> {
+    #[pyo3(signature = (key, slot, *, tenant=Vec::new()), text_signature = "($self, key, slot, *, tenant=b'')")]
+    fn get(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize, tenant: Vec<u8>) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
-        let id = py.detach(move || store.get(&k, slot, t)).map_err(to_py)?;
+        let id = py.detach(move || store.get_for(&tenant, &k, slot, t)).map_err(to_py)?;
         Ok(PyIoHandle::new(&self.inner, id, "get", key, Some(slot)))
     }
 
-    fn prefetch(&self, py: Python<'_>, key: Vec<u8>, #[pyo3(from_py_with = slot_arg)] slot: usize) -> PyResult<PyIoHandle> {
+    #[pyo3(signature = (key, slot, *, tenant=Vec::new()), text_signature = "($self, key, slot, *, tenant=b'')")]
+    fn prefetch(
+        &self,
+        py: Python<'_>,
+        key: Vec<u8>,
+        #[pyo3(from_py_with = slot_arg)] slot: usize,
+        tenant: Vec<u8>,
+    ) -> PyResult<PyIoHandle> {
         let (store, t) = (self.inner.clone(), self.submit_timeout);
         let k = key.clone();
-        let id = py.detach(move || store.prefetch(&k, slot, t)).map_err(to_py)?;
+        let id = py.detach(move || store.prefetch_for(&tenant, &k, slot, t)).map_err(to_py)?;
         Ok(PyIoHandle::new(&self.inner, id, "prefetch", key, Some(slot)))
     }
 
@@ -184,19 +202,23 @@ impl PyBlockStore {
 
     /// Writes chunk `key` from bytes `[offset, offset + length)` of `region`
     /// (`length` a multiple of 4096, the address 4096-aligned).
-    fn put_region(&self, py: Python<'_>, key: Vec<u8>, region: u64, offset: usize, length: usize) -> PyResult<PyIoHandle> {
+    #[pyo3(signature = (key, region, offset, length, *, tenant=Vec::new()),
+           text_signature = "($self, key, region, offset, length, *, tenant=b'')")]
+    fn put_region(&self, py: Python<'_>, key: Vec<u8>, region: u64, offset: usize, length: usize, tenant: Vec<u8>) -> PyResult<PyIoHandle> {
         let (store, t, r) = (self.inner.clone(), self.submit_timeout, store::RegionId::from_u64(region));
         let k = key.clone();
-        let id = py.detach(move || store.put_region(&k, r, offset, length, t)).map_err(to_py)?;
+        let id = py.detach(move || store.put_region_for(&tenant, &k, r, offset, length, t)).map_err(to_py)?;
         Ok(PyIoHandle::new(&self.inner, id, "put", key, None))
     }
 
     /// Reads chunk `key` into bytes `[offset, offset + length)` of `region`
     /// (a larger chunk is a miss); verified in place before it is ok.
-    fn get_region(&self, py: Python<'_>, key: Vec<u8>, region: u64, offset: usize, length: usize) -> PyResult<PyIoHandle> {
+    #[pyo3(signature = (key, region, offset, length, *, tenant=Vec::new()),
+           text_signature = "($self, key, region, offset, length, *, tenant=b'')")]
+    fn get_region(&self, py: Python<'_>, key: Vec<u8>, region: u64, offset: usize, length: usize, tenant: Vec<u8>) -> PyResult<PyIoHandle> {
         let (store, t, r) = (self.inner.clone(), self.submit_timeout, store::RegionId::from_u64(region));
         let k = key.clone();
-        let id = py.detach(move || store.get_region(&k, r, offset, length, t)).map_err(to_py)?;
+        let id = py.detach(move || store.get_region_for(&tenant, &k, r, offset, length, t)).map_err(to_py)?;
         Ok(PyIoHandle::new(&self.inner, id, "get", key, None))
     }
 
@@ -347,6 +369,7 @@ fn engine_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("write_segment_bytes", defaults::WRITE_SEGMENT_BYTES)?;
     d.set_item("io_threads", defaults::IO_THREADS)?;
     d.set_item("chunk_workers", defaults::CHUNK_WORKERS)?;
+    d.set_item("seal_buffers", defaults::SEAL_BUFFERS)?;
     d.set_item("submit_timeout", defaults::SUBMIT_TIMEOUT_S)?;
     d.set_item("backend", defaults::BACKEND)?;
     d.set_item("direct_io", defaults::DIRECT_IO)?;
@@ -367,6 +390,7 @@ fn engine_limits(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("max_inflight", limits::MAX_INFLIGHT)?;
     d.set_item("io_threads", limits::IO_THREADS)?;
     d.set_item("chunk_workers", limits::CHUNK_WORKERS)?;
+    d.set_item("seal_buffers", limits::SEAL_BUFFERS)?;
     d.set_item("num_slots", limits::NUM_SLOTS)?;
     Ok(d)
 }

@@ -61,6 +61,15 @@ pub struct Stats {
     /// Anomalies the engine survived instead of panicking (a completion for
     /// an operation not in flight, ...): each is also written to stderr.
     pub internal_errors: AtomicU64,
+    /// Sealed chunks (an encryption key configured, decision 0083): puts
+    /// sealed, gets whose every frame opened, gets that found a chunk sealed
+    /// with another key or for another tenant (or a plaintext one where
+    /// chunks are sealed, or a sealed one where they are not: kept, never
+    /// deleted), and gets whose frames failed authentication (corrupt).
+    pub sealed_puts: AtomicU64,
+    pub opened_gets: AtomicU64,
+    pub not_ours_misses: AtomicU64,
+    pub auth_failures: AtomicU64,
     pub read_latency_us: [AtomicU64; 16],
     pub write_latency_us: [AtomicU64; 16],
     pub read_latency_sum_us: AtomicU64,
@@ -141,6 +150,10 @@ impl Stats {
             ("auto_refresh_starts", g(&self.auto_refresh_starts)),
             ("other_namespace_evictions", g(&self.other_namespace_evictions)),
             ("internal_errors", g(&self.internal_errors)),
+            ("sealed_puts", g(&self.sealed_puts)),
+            ("opened_gets", g(&self.opened_gets)),
+            ("not_ours_misses", g(&self.not_ours_misses)),
+            ("auth_failures", g(&self.auth_failures)),
             ("read_latency_sum_us", g(&self.read_latency_sum_us)),
             ("write_latency_sum_us", g(&self.write_latency_sum_us)),
         ]

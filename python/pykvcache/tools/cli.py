@@ -82,6 +82,9 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
                         help="engine write segment size (MiB; default: each chunk in one write)")
     parser.add_argument("--verify", choices=("full", "header"), default=None,
                         help="engine read verification (default full: header + payload CRC)")
+    parser.add_argument("--encrypt", action="store_true",
+                        help="storage part: also run every engine case with an encryption key (sealed chunks), "
+                             "both verify=full, side by side: the throughput ratio and CPU per GB")
     parser.add_argument("--serve-preset", default=None, choices=("sessions", "long-context", "quick"),
                         help="serve part: what it runs (docs/performance.md, Serving): sessions (default: multi-turn "
                              "users over 1.5k-token documents, every tier), long-context (TTFT vs context length "
@@ -160,6 +163,9 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
             config.store_kwargs["write_segment_bytes"] = int(args.write_segment_mib * MiB)
         if args.verify:
             config.store_kwargs["verify"] = args.verify
+        if args.encrypt and args.verify == "header":
+            parser.error("--encrypt compares verify=full stores; leave out --verify header")
+        config.encrypt = args.encrypt
         if args.serve_configs:
             config.serve_configs = [c.strip() for c in args.serve_configs.split(",") if c.strip()]
         config.serve_model = args.serve_model
@@ -255,6 +261,34 @@ def _calibrate(parser: argparse.ArgumentParser) -> Handler:
 
     calibrate.add_arguments(parser)
     return calibrate.run
+
+
+@subcommand("keygen", "write a new encryption key file (32 random bytes, mode 0600) for BlockStore(encryption_key_file=...)")
+def _keygen(parser: argparse.ArgumentParser) -> Handler:
+    parser.add_argument("path", type=Path, help="the key file to create (never overwritten)")
+
+    def run(args: argparse.Namespace) -> int:
+        import os
+
+        try:
+            # O_EXCL: an existing file (a key in use, or a link planted there) is never replaced.
+            fd = os.open(args.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            print(f"pykvcache keygen: cannot create {args.path}: {exc.strerror}"
+                  + (" (refusing to overwrite a key file)" if isinstance(exc, FileExistsError) else ""), file=sys.stderr)
+            return 1
+        try:
+            os.fchmod(fd, 0o600)  # whatever the umask left
+            key = os.urandom(32)
+            while key:
+                key = key[os.write(fd, key):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        print(f"wrote a 32-byte key to {args.path} (mode 0600); keep a copy: chunks sealed with it are unreadable without it")
+        return 0
+
+    return run
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -83,9 +83,10 @@ impl UringBackend {
         let mut fixed_buffer_error = None;
         let mut fixed = false;
         if let Some(iovecs) = buffers {
-            // SAFETY: the iovecs cover the staging mapping, which outlives the ring: the ring lives
-            // on the ring thread, and that thread holds the store's core (the sink), and through it
-            // an `Arc` of the pool, until the ring is dropped.
+            // SAFETY: the iovecs cover the staging mapping and the store's seal buffers, which
+            // outlive the ring: the ring lives on the ring thread, and that thread holds the store's
+            // core (the sink), which owns the seal buffers and an `Arc` of the pool, until the ring
+            // is dropped.
             match unsafe { ring.submitter().register_buffers(iovecs) } {
                 Ok(()) => fixed = true,
                 Err(e) => fixed_buffer_error = Some(e),

@@ -4,6 +4,13 @@
 //! The header is self-verifying (its own CRC) and binds the payload to the
 //! namespace and the full key, so a foreign, renamed, truncated or bit-flipped
 //! file can never be returned as data.
+//!
+//! A sealed chunk (`FLAG_SEALED`, decision 0083) carries, after the key area,
+//! the key id, the tenant id, a random nonce, its frame size and one
+//! AES-256-GCM tag per frame of the payload; the tags replace the payload CRC.
+//! Each frame's associated data is the header up to the tags (its CRC field
+//! zeroed) followed by the frame's number (`frame_aad`), so a sealed payload
+//! moved under another name, namespace, tenant, key or length fails to open.
 
 use xxhash_rust::xxh3::xxh3_128;
 
@@ -26,12 +33,37 @@ const OFF_KEY_LEN: usize = 44;
 const OFF_HEADER_CRC: usize = 48;
 const OFF_FLAGS: usize = 52;
 const OFF_KEY: usize = 64;
+// Sealed chunks only: after the key area.
+const OFF_KEY_ID: usize = OFF_KEY + MAX_KEY_BYTES;
+const OFF_TENANT_ID: usize = OFF_KEY_ID + 8;
+const OFF_NONCE: usize = OFF_TENANT_ID + 16;
+const OFF_FRAME_BYTES: usize = OFF_NONCE + 12;
+const OFF_TAGS: usize = OFF_FRAME_BYTES + 4;
+pub const TAG_BYTES: usize = 16;
+/// Tags that fit the header: at most this many frames per chunk.
+pub const MAX_FRAMES: usize = (HEADER_BYTES - OFF_TAGS) / TAG_BYTES;
+/// The smallest frame: a read opens each frame as soon as its bytes landed,
+/// a write starts writing after its first frame is sealed.
+pub const MIN_FRAME_BYTES: usize = 1 << 20;
+/// Associated data of one frame: the header up to the tags, then the frame number.
+pub const AAD_BYTES: usize = OFF_TAGS + 4;
+/// The header bytes before the tags: what `frame_aad` reads.
+pub const SEALED_FIELDS_END: usize = OFF_TAGS;
+
+/// Where frame `frame`'s tag lies in a sealed header.
+pub fn tag_offset(frame: usize) -> usize {
+    assert!(frame < MAX_FRAMES, "frame {frame} of at most {MAX_FRAMES}");
+    OFF_TAGS + frame * TAG_BYTES
+}
 
 /// Header flag: the writer computed no payload checksum (`verify="header"`,
 /// for storage that checksums data itself); the payload CRC field is 0.
 /// Files written before flags existed have 0 here: checksummed.
 pub const FLAG_PAYLOAD_UNCHECKED: u32 = 1;
-const KNOWN_FLAGS: u32 = FLAG_PAYLOAD_UNCHECKED;
+/// Header flag: the payload is AES-256-GCM ciphertext in frames, the sealed
+/// fields are set and the payload CRC field is 0 (decision 0083).
+pub const FLAG_SEALED: u32 = 2;
+const KNOWN_FLAGS: u32 = FLAG_PAYLOAD_UNCHECKED | FLAG_SEALED;
 
 pub type Fingerprint = [u8; 16];
 
@@ -55,12 +87,41 @@ pub fn file_len(payload_len: usize) -> usize {
     HEADER_BYTES + round_up(payload_len, IO_ALIGN)
 }
 
+/// The frame size of a sealed payload of `payload_len` bytes: a function of
+/// its padded length, so that a reader knows the frames from the file's size
+/// before the header lands. A multiple of `IO_ALIGN`, at least
+/// `MIN_FRAME_BYTES`, large enough for the tags to fit the header.
+pub fn frame_bytes_for(payload_len: u64) -> u64 {
+    let padded = round_up_u64(payload_len).unwrap_or(u64::MAX);
+    let spread = padded.div_ceil(MAX_FRAMES as u64);
+    round_up_u64(spread).unwrap_or(u64::MAX).max(MIN_FRAME_BYTES as u64)
+}
+
+/// Frames of a sealed payload of `payload_len` bytes (an empty payload has one, empty).
+pub fn frame_count(payload_len: u64) -> usize {
+    payload_len.div_ceil(frame_bytes_for(payload_len)).max(1) as usize
+}
+
+/// The sealed fields of a header (`FLAG_SEALED`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SealFields {
+    /// Names the key file (derived from it, never the key).
+    pub key_id: [u8; 8],
+    /// Names the tenant under that key (derived from key and tenant).
+    pub tenant_id: [u8; 16],
+    /// Random per write; frame `i` uses it with `i` folded in (`disk::seal`).
+    pub nonce: [u8; 12],
+    pub frame_bytes: u64,
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChunkHeader {
     pub namespace: Fingerprint,
     pub payload_len: u64,
-    /// None: written without a payload checksum (FLAG_PAYLOAD_UNCHECKED).
+    /// None: written without a payload checksum (FLAG_PAYLOAD_UNCHECKED), or sealed.
     pub payload_crc: Option<u32>,
+    /// Some: the payload is sealed; its tags are in the header (`tag`).
+    pub sealed: Option<SealFields>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -87,6 +148,8 @@ pub enum FormatError {
     PayloadCrc,
     #[error("unknown header flags {0:#x} (written by a newer pykvcache?)")]
     Flags(u32),
+    #[error("sealed chunk declares frames of {declared} bytes, its length implies {expected}")]
+    Frames { declared: u64, expected: u64 },
 }
 
 #[cfg(test)] // the engine seals in place (`encode_header_for`) and verifies piecewise
@@ -113,6 +176,53 @@ pub fn encode_header_for(block: &mut [u8], namespace: &Fingerprint, key: &[u8], 
     block[OFF_KEY..OFF_KEY + key.len()].copy_from_slice(key);
     let crc = crc32c(block);
     put_u32(block, OFF_HEADER_CRC, crc);
+}
+
+/// Writes the header of a sealed payload into `block`: every field but the
+/// tags (zero; `set_tag`) and the header CRC (`seal_header_crc`, once the
+/// tags are in).
+pub fn encode_sealed_header(block: &mut [u8], namespace: &Fingerprint, key: &[u8], payload_len: u64, fields: &SealFields) {
+    encode_header_for(block, namespace, key, payload_len, Some(0));
+    let block = &mut block[..HEADER_BYTES];
+    put_u32(block, OFF_FLAGS, FLAG_SEALED);
+    block[OFF_KEY_ID..OFF_KEY_ID + 8].copy_from_slice(&fields.key_id);
+    block[OFF_TENANT_ID..OFF_TENANT_ID + 16].copy_from_slice(&fields.tenant_id);
+    block[OFF_NONCE..OFF_NONCE + 12].copy_from_slice(&fields.nonce);
+    put_u32(block, OFF_FRAME_BYTES, u32::try_from(fields.frame_bytes).unwrap_or(u32::MAX));
+    put_u32(block, OFF_HEADER_CRC, 0);
+}
+
+/// The tag of frame `frame` into a sealed header (before `seal_header_crc`).
+#[cfg(test)] // the seal jobs write their tags through `tag_offset`, each its own
+pub fn set_tag(block: &mut [u8], frame: usize, tag: &[u8; TAG_BYTES]) {
+    let at = tag_offset(frame);
+    block[at..at + TAG_BYTES].copy_from_slice(tag);
+}
+
+/// The tag of frame `frame` of a sealed header.
+pub fn tag(block: &[u8], frame: usize) -> [u8; TAG_BYTES] {
+    let at = tag_offset(frame);
+    block[at..at + TAG_BYTES].try_into().unwrap()
+}
+
+/// Computes and stores the header CRC over the whole block (its own field as 0).
+pub fn seal_header_crc(block: &mut [u8]) {
+    let block = &mut block[..HEADER_BYTES];
+    put_u32(block, OFF_HEADER_CRC, 0);
+    let crc = crc32c(block);
+    put_u32(block, OFF_HEADER_CRC, crc);
+}
+
+/// The associated data of frame `frame`: the header up to the tags with its
+/// CRC field zeroed (identity, lengths, flags, key id, tenant id, nonce,
+/// frame size), then the frame number.
+pub fn frame_aad(block: &[u8], frame: u32) -> [u8; AAD_BYTES] {
+    let block = &block[..OFF_TAGS];
+    let mut aad = [0u8; AAD_BYTES];
+    aad[..OFF_TAGS].copy_from_slice(&block[..OFF_TAGS]);
+    put_u32(&mut aad, OFF_HEADER_CRC, 0);
+    put_u32(&mut aad, OFF_TAGS, frame);
+    aad
 }
 
 /// Parses and checks a header against the expected namespace and key.
@@ -162,7 +272,25 @@ pub fn decode_header(block: &[u8], namespace: &Fingerprint, key: &[u8], file_len
         return Err(FormatError::Flags(flags));
     }
     let unchecked = flags & FLAG_PAYLOAD_UNCHECKED != 0;
-    Ok(ChunkHeader { namespace: *namespace, payload_len, payload_crc: (!unchecked).then(|| get_u32(block, OFF_PAYLOAD_CRC)) })
+    if flags & FLAG_SEALED == 0 {
+        let payload_crc = (!unchecked).then(|| get_u32(block, OFF_PAYLOAD_CRC));
+        return Ok(ChunkHeader { namespace: *namespace, payload_len, payload_crc, sealed: None });
+    }
+    if unchecked {
+        // Sealed payloads are always authenticated: no writer sets both.
+        return Err(FormatError::Flags(flags));
+    }
+    let fields = SealFields {
+        key_id: block[OFF_KEY_ID..OFF_KEY_ID + 8].try_into().unwrap(),
+        tenant_id: block[OFF_TENANT_ID..OFF_TENANT_ID + 16].try_into().unwrap(),
+        nonce: block[OFF_NONCE..OFF_NONCE + 12].try_into().unwrap(),
+        frame_bytes: u64::from(get_u32(block, OFF_FRAME_BYTES)),
+    };
+    let expected = frame_bytes_for(payload_len);
+    if fields.frame_bytes != expected {
+        return Err(FormatError::Frames { declared: fields.frame_bytes, expected });
+    }
+    Ok(ChunkHeader { namespace: *namespace, payload_len, payload_crc: None, sealed: Some(fields) })
 }
 
 #[cfg(test)] // the engine seals in place (`encode_header_for`) and verifies piecewise
@@ -257,6 +385,66 @@ mod tests {
             let got = decode_header(&block, &ns, b"k", HEADER_BYTES as u64);
             assert!(matches!(got, Err(FormatError::Length { .. })), "{got:?}");
         }
+    }
+
+    fn sealed_block(payload_len: u64) -> Vec<u8> {
+        let ns = namespace_fingerprint("ns");
+        let fields = SealFields { key_id: [1; 8], tenant_id: [2; 16], nonce: [3; 12], frame_bytes: frame_bytes_for(payload_len) };
+        let mut block = vec![0u8; HEADER_BYTES];
+        encode_sealed_header(&mut block, &ns, b"k", payload_len, &fields);
+        set_tag(&mut block, 0, &[9; TAG_BYTES]);
+        seal_header_crc(&mut block);
+        block
+    }
+
+    #[test]
+    fn sealed_headers_round_trip_and_their_frame_size_is_checked() {
+        let ns = namespace_fingerprint("ns");
+        let len = (3 << 20) + 5;
+        let block = sealed_block(len);
+        let h = decode_header(&block, &ns, b"k", file_len(len as usize) as u64).unwrap();
+        let f = h.sealed.unwrap();
+        assert_eq!((h.payload_crc, f.key_id, f.tenant_id, f.nonce), (None, [1; 8], [2; 16], [3; 12]));
+        assert_eq!((f.frame_bytes, frame_count(len)), (MIN_FRAME_BYTES as u64, 4));
+        assert_eq!(tag(&block, 0), [9; TAG_BYTES]);
+        let mut bad = block.clone();
+        put_u32(&mut bad, OFF_FRAME_BYTES, 4096);
+        seal_header_crc(&mut bad);
+        assert!(matches!(decode_header(&bad, &ns, b"k", file_len(len as usize) as u64), Err(FormatError::Frames { .. })));
+        let mut both = block.clone();
+        put_u32(&mut both, OFF_FLAGS, FLAG_SEALED | FLAG_PAYLOAD_UNCHECKED);
+        seal_header_crc(&mut both);
+        assert!(matches!(decode_header(&both, &ns, b"k", file_len(len as usize) as u64), Err(FormatError::Flags(_))));
+    }
+
+    #[test]
+    fn the_associated_data_binds_the_identity_and_the_frame_but_not_the_tags_or_crc() {
+        let block = sealed_block(5000);
+        let aad = frame_aad(&block, 0);
+        assert_ne!(aad, frame_aad(&block, 1));
+        let mut tagged = block.clone();
+        set_tag(&mut tagged, 3, &[7; TAG_BYTES]);
+        seal_header_crc(&mut tagged);
+        assert_eq!(frame_aad(&tagged, 0), aad, "tags and CRC are not associated data");
+        for at in
+            [OFF_MAGIC, OFF_NAMESPACE, OFF_PAYLOAD_LEN, OFF_FLAGS, OFF_KEY, OFF_KEY_ID, OFF_TENANT_ID, OFF_NONCE + 11, OFF_FRAME_BYTES]
+        {
+            let mut other = block.clone();
+            other[at] ^= 1;
+            assert_ne!(frame_aad(&other, 0), aad, "byte {at} is bound");
+        }
+    }
+
+    #[test]
+    fn frames_always_fit_the_header() {
+        for len in [0u64, 1, 4096, (1 << 20) - 1, 1 << 20, 185 << 20, (185 << 20) + 1, 1 << 40, (1 << 44) - 1] {
+            let f = frame_bytes_for(len);
+            assert!(f.is_multiple_of(IO_ALIGN as u64) && f >= MIN_FRAME_BYTES as u64, "{len}: {f}");
+            assert!(frame_count(len) <= MAX_FRAMES, "{len}: {} frames", frame_count(len));
+            let padded = round_up_u64(len).unwrap();
+            assert_eq!(frame_bytes_for(padded), f, "a function of the padded length");
+        }
+        assert_eq!(MAX_FRAMES, 185);
     }
 
     proptest! {

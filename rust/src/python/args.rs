@@ -61,6 +61,7 @@ int_args! {
     max_inflight_arg: usize = "max_inflight";
     io_threads_arg: usize = "io_threads";
     chunk_workers_arg: usize = "chunk_workers";
+    seal_buffers_arg: usize = "seal_buffers";
     length_arg: usize = "length";
     payload_bytes_arg: usize = "payload_bytes";
     slot_arg: usize = "slot";

@@ -38,7 +38,7 @@ pub(super) fn to_py(err: EngineError) -> PyErr {
             Err(e) => e,
         };
         match &err {
-            EngineError::PoolExhausted { .. } | EngineError::QueueFull { .. } => {
+            EngineError::PoolExhausted { .. } | EngineError::QueueFull { .. } | EngineError::SealBuffersBusy { .. } => {
                 build(exc(py, &POOL_EXHAUSTED), PyTuple::new(py, [msg]).unwrap())
             }
             EngineError::Corrupt { .. } => build(exc(py, &CORRUPT_CHUNK), PyTuple::new(py, [msg]).unwrap()),

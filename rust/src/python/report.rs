@@ -127,5 +127,13 @@ pub(super) fn stats_dict(py: Python<'_>, s: StoreSnapshot) -> PyResult<Bound<'_,
     d.set_item("open_scan_s", s.scan.time.as_secs_f64())?;
     d.set_item("open_scan_error", s.scan.error.unwrap_or_default())?;
     d.set_item("staging_free_slots", s.staging_free_slots)?;
+    // Sealing (decision 0083): ids derived from the keys, never key bytes.
+    let sealing = s.sealing.as_ref();
+    d.set_item("sealing", sealing.is_some())?;
+    d.set_item("encryption_key_id", sealing.map(|x| x.key_id.clone()).unwrap_or_default())?;
+    d.set_item("encryption_previous_key_id", sealing.map(|x| x.previous_key_id.clone()).unwrap_or_default())?;
+    d.set_item("seal_buffers", sealing.map_or(0, |x| x.seal_buffers))?;
+    d.set_item("seal_buffers_free", sealing.map_or(0, |x| x.seal_buffers_free))?;
+    d.set_item("sealed_tenants_cached", sealing.map_or(0, |x| x.tenants_cached))?;
     Ok(d)
 }

@@ -172,7 +172,7 @@ impl SegmentSink for Core {
         if (seg.root as usize) < self.health.dirs.len() {
             self.health.progress(seg.root as usize);
         }
-        if !seg.write && result.is_ok() && self.verify == VerifyPolicy::Full {
+        if !seg.write && result.is_ok() && (self.verify == VerifyPolicy::Full || self.sealing.is_some()) {
             return self.jobs.push(Job::VerifyPiece { seg: *seg });
         }
         let done = match self.ops.segment_done(seg.op, result) {
@@ -180,7 +180,7 @@ impl SegmentSink for Core {
             Ok(None) => return,
             Err(stray) => return self.stray_completion(stray),
         };
-        if done.ctx.kind == OpKind::Get && self.verify == VerifyPolicy::Header {
+        if done.ctx.kind == OpKind::Get && self.verify == VerifyPolicy::Header && self.sealing.is_none() {
             // A 4 KiB header check: cheaper here than waking a chunk
             // worker for it (a wake-up costs more CPU than the check, and
             // at queue depth 1 every operation pays one).
@@ -214,7 +214,17 @@ pub(super) const CLOSED_WHILE_SUBMITTING: &str = "store closed while the operati
 /// Hands an operation's whole file to the backend: reads, and a put's
 /// rewrite after ENOSPC (its slot, or header block and region, sealed by then).
 pub(super) fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContext, fd: i32, write: bool) {
-    let seg_bytes = if write { core.write_segment_bytes } else { core.segment_bytes };
+    let seg_bytes = match (write, &core.sealing) {
+        (true, _) => core.write_segment_bytes,
+        (false, None) => core.segment_bytes,
+        // A sealed read lands frame by frame: each is opened by whichever chunk worker is free
+        // as soon as it landed, so opening a chunk runs on every worker and ends a frame after
+        // the transfer, not a segment after.
+        (false, Some(_)) => {
+            let frame = crate::disk::format::frame_bytes_for(ctx.file_len.saturating_sub(HEADER_BYTES) as u64) as usize;
+            core.segment_bytes.min(frame)
+        }
+    };
     let (file_len, mut mem) = (ctx.file_len, core.file_memory(id, &ctx, fd, write));
     match core.ops.start(id, ctx, mem.segment_count(0, file_len, seg_bytes) as u32) {
         Err(ctx) => return core.fail_early(id, ctx, None, CLOSED_WHILE_SUBMITTING.into()),
@@ -232,7 +242,17 @@ pub(super) fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContex
 impl Core {
     /// The memory of operation `id`'s file (see `FileMemory`).
     pub(super) fn file_memory(&self, id: OpId, ctx: &OpContext, fd: i32, write: bool) -> FileMemory {
+        if let (Some(sealing), Some(buffer)) = (&self.sealing, ctx.seal.as_ref().and_then(|s| s.buffer)) {
+            // A sealed put: the whole file is in its seal buffer.
+            return FileMemory { header: sealing.buffers.transfer(id, buffer, fd, ctx.background, ctx.root), payload: None };
+        }
         match ctx.region {
+            None if self.sealing.is_some() && !write => {
+                // A sealed read: the header lands as a transfer of its own and the payload
+                // segments are cut from `HEADER_BYTES`, so frames land whole (`sealing`).
+                let slot = Transfer::of_slot(&self.pool, id, ctx.slot, fd, write, ctx.background, ctx.root);
+                FileMemory { header: slot, payload: Some(slot) }
+            }
             None => FileMemory { header: Transfer::of_slot(&self.pool, id, ctx.slot, fd, write, ctx.background, ctx.root), payload: None },
             Some(pin) => {
                 let header = Transfer::of_memory(id, self.headers.block(id.index), fd, write, ctx.background, ctx.root);
@@ -259,8 +279,12 @@ impl Core {
         }
     }
 
-    /// The operation's memory is the caller's again: its slot unpinned, or its region.
+    /// The operation's memory is the caller's again: its slot unpinned, or its
+    /// region; a sealed put's seal buffer is free again.
     pub(super) fn unpin_memory(&self, ctx: &OpContext) {
+        if let (Some(sealing), Some(buffer)) = (&self.sealing, ctx.seal.as_ref().and_then(|s| s.buffer)) {
+            sealing.buffers.release(buffer);
+        }
         let unpinned = match ctx.region {
             None => self.pool.unpin_io(ctx.slot),
             Some(pin) => self.regions.unpin(pin),
@@ -283,6 +307,7 @@ pub(super) fn chunk_worker(core: &Core, backend: &dyn Backend) {
                 core.seal(id, header, payload as *const u8, payload_len);
                 submit_range(backend, header, 0, HEADER_BYTES, 0);
             }
+            Job::SealFrames(job) => core.seal_frames(job, backend, core.sealing.as_ref().map_or(1, |s| s.workers)),
             Job::VerifyPiece { seg } => {
                 if let Some(done) = core.verify_piece(&seg) {
                     core.finish_op(done, backend);

@@ -23,6 +23,8 @@ pub mod defaults {
     /// 0 = chosen from the queue depth.
     pub const IO_THREADS: usize = 0;
     pub const CHUNK_WORKERS: usize = 2;
+    /// Seal buffers of a store with an encryption key: sealed puts in flight at once.
+    pub const SEAL_BUFFERS: usize = 2;
     /// Seconds a put/get waits for a free operation entry (Python `submit_timeout`).
     pub const SUBMIT_TIMEOUT_S: f64 = 30.0;
     pub const BACKEND: &str = "auto";
@@ -45,6 +47,8 @@ pub mod limits {
     pub const IO_THREADS: (usize, usize) = (0, 1024);
     /// 0 = one.
     pub const CHUNK_WORKERS: (usize, usize) = (0, 1024);
+    /// Seal buffers, each the size of a slot's file, allocated at open.
+    pub const SEAL_BUFFERS: (usize, usize) = (1, 1024);
     /// Staging slots of one pool (slot numbers are 16-bit).
     pub const NUM_SLOTS: (usize, usize) = (1, crate::staging::MAX_SLOTS);
     /// Timeouts longer than this many seconds (about 31.7 years, `inf`
@@ -175,6 +179,14 @@ pub struct StoreConfig {
     /// write too, so that the capacity bounds what all of them store (their
     /// chunks count and are evicted here). Default `Auto`.
     pub refresh: RefreshPolicy,
+    /// Seal every chunk written with this key file, and read only sealed
+    /// chunks (decision 0083). None: plaintext chunks, as before.
+    pub encryption_key_file: Option<PathBuf>,
+    /// The key file `encryption_key_file` replaced: chunks sealed with it stay
+    /// readable; nothing is sealed with it.
+    pub encryption_previous_key_file: Option<PathBuf>,
+    /// Seal buffers (with a key): each holds one put from submission to completion.
+    pub seal_buffers: usize,
     pub faults: SharedFaults,
 }
 
@@ -250,6 +262,9 @@ impl StoreConfig {
             min_free: FreeSpaceReserve::Default,
             io_deadline: IoDeadline::Default,
             refresh: RefreshPolicy::Auto,
+            encryption_key_file: None,
+            encryption_previous_key_file: None,
+            seal_buffers: defaults::SEAL_BUFFERS,
             faults: None,
         }
     }
@@ -276,6 +291,12 @@ impl StoreConfig {
         check_range("max_inflight", self.max_inflight, limits::MAX_INFLIGHT, "")?;
         check_range("io_threads", self.io_threads, limits::IO_THREADS, " (0 = auto)")?;
         check_range("chunk_workers", self.chunk_workers, limits::CHUNK_WORKERS, "")?;
+        check_range("seal_buffers", self.seal_buffers, limits::SEAL_BUFFERS, "")?;
+        if self.encryption_previous_key_file.is_some() && self.encryption_key_file.is_none() {
+            return Err(EngineError::invalid(
+                "encryption_previous_key_file needs encryption_key_file (the key new chunks are sealed with)",
+            ));
+        }
         // Segments of one operation are counted in a u32.
         let smallest = self.segment_bytes.min(if self.write_segment_bytes == 0 { usize::MAX } else { self.write_segment_bytes });
         if stride / smallest >= u32::MAX as usize {
@@ -336,11 +357,12 @@ mod tests {
     fn validate_accepts_the_defaults_and_each_limit() {
         config().validate(1 << 20).unwrap();
         type Field = fn(&mut StoreConfig) -> &mut usize;
-        let fields: [(Field, (usize, usize)); 4] = [
+        let fields: [(Field, (usize, usize)); 5] = [
             (|c| &mut c.queue_depth, limits::QUEUE_DEPTH),
             (|c| &mut c.max_inflight, limits::MAX_INFLIGHT),
             (|c| &mut c.io_threads, limits::IO_THREADS),
             (|c| &mut c.chunk_workers, limits::CHUNK_WORKERS),
+            (|c| &mut c.seal_buffers, limits::SEAL_BUFFERS),
         ];
         for (field, (lo, hi)) in fields {
             for v in [lo, hi] {
@@ -354,7 +376,7 @@ mod tests {
     #[test]
     fn validate_refuses_each_bound_naming_it() {
         type Set = fn(&mut StoreConfig);
-        let cases: [(Set, &str); 10] = [
+        let cases: [(Set, &str); 12] = [
             (|c| c.queue_depth = 0, "queue_depth must be in 1..=4096, got 0"),
             (|c| c.queue_depth = 4097, "queue_depth must be in 1..=4096, got 4097"),
             (|c| c.max_inflight = 0, "max_inflight must be in 1..=65536, got 0"),
@@ -365,6 +387,8 @@ mod tests {
             (|c| c.write_segment_bytes = 100, "write_segment_bytes must be 0 (whole chunk) or a multiple of 4096"),
             (|c| c.capacity_bytes = 4096, "capacity_bytes is too small to hold one chunk"),
             (|c| c.io_deadline = IoDeadline::After(Duration::ZERO), "io_deadline must be > 0 seconds"),
+            (|c| c.seal_buffers = 0, "seal_buffers must be in 1..=1024, got 0"),
+            (|c| c.encryption_previous_key_file = Some("/k".into()), "encryption_previous_key_file needs encryption_key_file"),
         ];
         for (set, message) in cases {
             let mut c = config();

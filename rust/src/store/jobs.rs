@@ -18,7 +18,11 @@ pub enum Job {
     /// Checksum a put's payload (already being written) and write its header.
     /// `header`: the header block's transfer; `payload`: the payload's address.
     Seal { id: OpId, header: super::transfer::Transfer, payload: usize, payload_len: usize },
-    /// One segment of a fully verified read landed: checksum its payload piece.
+    /// Seal a share of a put's frames into its seal buffer (one job per chunk
+    /// worker), queueing the writes as they become ready, the header last (`sealing`).
+    SealFrames(super::sealing::SealJob),
+    /// One segment of a fully verified or sealed read landed: checksum its
+    /// payload piece, or open the frames it completes.
     VerifyPiece { seg: Segment },
     /// The transfer completed: verify (get) or publish (put), then complete.
     Finish(Finished<OpContext>),

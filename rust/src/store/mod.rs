@@ -59,6 +59,12 @@
 //!    (sealed) slot; otherwise publishes the file under its name, indexes it,
 //!    trims any overshoot, and `finish`es (the slot is unpinned, the caller's
 //!    again).
+//!
+//! # Sealed chunks (an encryption key configured)
+//! A put's caller also takes a seal buffer (step 1; the slot is never
+//! written), the chunk workers seal the frames into it together and write it
+//! in three transfers, the header last; a get's frames are opened in place as
+//! they land, on the chunk workers, before `finish`. See `sealing`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -93,13 +99,14 @@ mod read;
 mod recovery;
 mod refresh;
 mod region;
+mod sealing;
 mod snapshot;
 mod transfer;
 mod write;
 
 pub use config::{BackendChoice, FreeSpaceReserve, RefreshPolicy, StoreConfig, VerifyPolicy};
 pub use region::RegionId;
-pub use snapshot::StoreSnapshot;
+pub use snapshot::{SealingSnapshot, StoreSnapshot};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum OpKind {
@@ -136,6 +143,8 @@ pub struct OpContext {
     /// A get's generation of its slot's ready word (`ready.rs`), settled
     /// with its verdict; 0 for a put.
     pub ready_gen: u32,
+    /// In a store that seals: the tenant's keys, and a put's seal buffer.
+    pub seal: Option<sealing::OpSeal>,
     /// A region operation (`region.rs`): its pinned payload memory; `slot`
     /// is unused then.
     region: Option<region::RegionPin>,
@@ -197,6 +206,8 @@ struct Core {
     headers: region::HeaderBlocks,
     stats: Stats,
     verify: VerifyPolicy,
+    /// Some: an encryption key is configured, every chunk is sealed (`sealing`).
+    sealing: Option<sealing::Sealing>,
     jobs: JobQueue,
     health: Health,
     /// One queue of blocking directory work per root (`health::DIR_WORKERS` threads each).
@@ -254,12 +265,19 @@ impl BlockStore {
 
     /// Steps 1 of a put and a get: checks, an op entry, the slot pinned, the
     /// context. The entry is the caller's until `ops.start`.
-    fn begin(&self, kind: OpKind, key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<(OpId, OpContext)> {
-        self.begin_on(kind, key, Memory::Slot(slot), timeout)
+    fn begin(&self, kind: OpKind, key: &[u8], tenant: &[u8], slot: usize, timeout: Option<Duration>) -> Result<(OpId, OpContext)> {
+        self.begin_on(kind, key, tenant, Memory::Slot(slot), timeout)
     }
 
-    /// `begin` for an operation on a slot or a region range (pinned, not the slot).
-    fn begin_on(&self, kind: OpKind, key: &[u8], memory: Memory, timeout: Option<Duration>) -> Result<(OpId, OpContext)> {
+    /// `begin` for an operation on a slot or a region range (pinned, not the
+    /// slot). In a store that seals, also the tenant's keys and, for a put, a
+    /// seal buffer: all of it within `timeout`.
+    fn begin_on(&self, kind: OpKind, key: &[u8], tenant: &[u8], memory: Memory, timeout: Option<Duration>) -> Result<(OpId, OpContext)> {
+        if tenant.len() > crate::disk::seal::MAX_TENANT_BYTES {
+            let max = crate::disk::seal::MAX_TENANT_BYTES;
+            return Err(EngineError::invalid(format!("tenant must be at most {max} bytes, got {}", tenant.len())));
+        }
+        let started = Instant::now();
         let id = self.core.ops.allocate(timeout)?;
         let pinned = match memory {
             Memory::Slot(slot) => self.core.pool.pin_io(slot).map(|()| None),
@@ -279,7 +297,7 @@ impl BlockStore {
         };
         let hash = format::key_hash(key);
         let root = self.core.layout.root_of(hash);
-        let ctx = OpContext {
+        let mut ctx = OpContext {
             kind,
             key: key.to_vec(),
             hash,
@@ -297,8 +315,23 @@ impl BlockStore {
             reserved: 0,
             close_elsewhere: false,
             ready_gen: 0,
+            seal: None,
             region,
         };
+        if let Some(sealing) = &self.core.sealing {
+            let buffer = match kind {
+                OpKind::Get => None,
+                OpKind::Put => match sealing.buffers.acquire(timeout.map(|t| t.saturating_sub(started.elapsed()))) {
+                    Ok(b) => Some(b),
+                    Err(e) => {
+                        self.core.unpin_memory(&ctx);
+                        self.core.ops.cancel(id);
+                        return Err(e);
+                    }
+                },
+            };
+            ctx.seal = Some(sealing::OpSeal { keys: sealing.keys.tenant(tenant), buffer });
+        }
         Ok((id, ctx))
     }
 

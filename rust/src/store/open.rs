@@ -8,6 +8,7 @@ use std::time::Instant;
 use super::config::{BackendChoice, StoreConfig};
 use super::health::Health;
 use super::jobs::{DirQueue, JobQueue};
+use super::sealing::{OpenStates, SealBuffers, Sealing};
 use super::{capacity, completion, read, region, BlockStore, Core, OpenReport};
 use crate::backend::threads::ThreadBackend;
 use crate::backend::uring::UringBackend;
@@ -18,6 +19,7 @@ use crate::disk::index::ChunkIndex;
 use crate::disk::layout::Layout;
 use crate::disk::roots::RootIdentity;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
+use crate::disk::seal::{KeyRing, MasterKey};
 use crate::disk::writers::WriterLease;
 use crate::error::{EngineError, Result};
 use crate::ops::OpTable;
@@ -30,6 +32,8 @@ impl BlockStore {
             return Err(EngineError::invalid("a store needs the staging pool's owner (not an attached mapping)"));
         }
         config.validate(pool.stride())?;
+        // The keys first: a key file refused leaves nothing touched.
+        let sealing = open_sealing(&config, &pool)?;
         let namespace = format::namespace_fingerprint(&config.namespace);
         let layout = Layout::open(&config.dirs, &namespace, &config.namespace, &config.permissions)?;
         let stats = Stats::default();
@@ -114,6 +118,7 @@ impl BlockStore {
             headers: region::HeaderBlocks::new(config.max_inflight)?,
             stats,
             verify: config.verify,
+            sealing,
             jobs: JobQueue::default(),
         });
         // The capacity ledgers, counted from the index at once while this
@@ -209,8 +214,12 @@ fn make_backend(config: &StoreConfig, core: &Arc<Core>) -> Result<Box<dyn Backen
         return make_threads(sink);
     }
     let pool = &core.pool;
-    let iovecs: Vec<libc::iovec> =
+    let mut iovecs: Vec<libc::iovec> =
         (0..pool.num_slots()).map(|s| libc::iovec { iov_base: pool.slot_ptr(s) as *mut _, iov_len: pool.stride() }).collect();
+    // The seal buffers follow the slots (`SealBuffers::register_after` numbered them so).
+    if let Some(s) = &core.sealing {
+        iovecs.extend(s.buffers.registered());
+    }
     let buffers = (config.register_buffers).then_some(&iovecs[..]);
     match UringBackend::new(config.queue_depth, buffers, sink.clone(), config.faults.clone()) {
         Ok(setup) => {
@@ -227,4 +236,20 @@ fn make_backend(config: &StoreConfig, core: &Arc<Core>) -> Result<Box<dyn Backen
         }
         Err(e) => Err(EngineError::BackendUnavailable(format!("io_uring unavailable: {e}"))),
     }
+}
+
+/// The keys and seal buffers of a store with an encryption key; None without.
+fn open_sealing(config: &StoreConfig, pool: &StagingPool) -> Result<Option<Sealing>> {
+    let Some(path) = &config.encryption_key_file else { return Ok(None) };
+    let current = MasterKey::load(path, "encryption_key_file")?;
+    let previous = match &config.encryption_previous_key_file {
+        Some(p) => Some(MasterKey::load(p, "encryption_previous_key_file")?),
+        None => None,
+    };
+    let keys = KeyRing::new(current, previous)?;
+    let mut buffers = SealBuffers::new(config.seal_buffers, pool.stride())?;
+    if config.register_buffers {
+        buffers.number_after(pool.num_slots());
+    }
+    Ok(Some(Sealing { keys, buffers, opens: OpenStates::new(config.max_inflight), workers: config.chunk_workers.max(1) }))
 }

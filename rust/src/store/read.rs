@@ -23,14 +23,25 @@ use super::{BlockStore, Core, OpContext, OpKind, VerifyPolicy};
 impl BlockStore {
     /// Reads chunk `key` into `slot` and verifies it.
     pub fn get(&self, key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<OpId> {
-        self.read(key, slot, timeout, false)
+        self.read(key, b"", slot, timeout, false)
+    }
+
+    /// `get` of a chunk sealed for `tenant` (a store without a key ignores it):
+    /// a chunk of another tenant or key is a miss of kind `Kept`.
+    pub fn get_for(&self, tenant: &[u8], key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<OpId> {
+        self.read(key, tenant, slot, timeout, false)
     }
 
     /// `get` at background priority: its transfers start only when no demand
     /// transfer waits, and take at most half of the queue depth, so reads
     /// for what is needed now overtake reads for what may be needed soon.
     pub fn prefetch(&self, key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<OpId> {
-        self.read(key, slot, timeout, true)
+        self.read(key, b"", slot, timeout, true)
+    }
+
+    /// `prefetch` of a chunk sealed for `tenant` (see `get_for`).
+    pub fn prefetch_for(&self, tenant: &[u8], key: &[u8], slot: usize, timeout: Option<Duration>) -> Result<OpId> {
+        self.read(key, tenant, slot, timeout, true)
     }
 
     /// Raises the prefetch `id` to demand priority: its transfers not
@@ -70,13 +81,13 @@ impl BlockStore {
         }
     }
 
-    fn read(&self, key: &[u8], slot: usize, timeout: Option<Duration>, background: bool) -> Result<OpId> {
+    fn read(&self, key: &[u8], tenant: &[u8], slot: usize, timeout: Option<Duration>, background: bool) -> Result<OpId> {
         self.check_open()?;
         self.check_args(key, slot)?;
         if background {
             Stats::add(&self.core.stats.prefetches, 1);
         }
-        let (id, mut ctx) = self.begin(OpKind::Get, key, slot, timeout)?;
+        let (id, mut ctx) = self.begin(OpKind::Get, key, tenant, slot, timeout)?;
         ctx.background = background;
         // Armed before the get can end (a refusal ends it at once): a worker
         // may wait on this word from now on (`ready.rs`).
@@ -146,6 +157,10 @@ impl Core {
             return self.finish(id, ctx, Outcome::miss(MissKind::Unavailable, None, "opened after the deadline"));
         }
         ctx.file_len = size;
+        if let (Some(sealing), Some(seal)) = (&self.sealing, &ctx.seal) {
+            let (header, payload) = (self.header_ptr(id, &ctx), self.payload_ptr(&ctx));
+            sealing.opens.reset(id.index, seal.keys.clone(), &ctx.key, header, payload, size);
+        }
         // One more piece than segments: a region read's payload segments are
         // cut from `HEADER_BYTES`, so with 4 KiB segments they number from 1.
         self.pieces.reset(id.index, transfer::segment_count(0, size, self.segment_bytes) + 1);
@@ -223,6 +238,9 @@ impl Core {
     /// payload whatever the header says: those before the file's last 4 KiB
     /// (padding is shorter than that). The rest is checked in `finish_get`.
     pub(super) fn verify_piece(&self, seg: &Segment) -> Option<Finished<OpContext>> {
+        if let Some(sealing) = &self.sealing {
+            return self.open_piece(sealing, seg);
+        }
         let Some(file_len) = self.ops.with_context(seg.op, |ctx| ctx.file_len) else {
             self.stray_completion(format!("read segment of operation {} without context", seg.op));
             return None;
@@ -284,6 +302,21 @@ impl Core {
             Err(_) if on_backend_thread => return to_worker(ctx),
             Err(e) => return self.corrupt(id, ctx, e.to_string()),
         };
+        if let Some(sealing) = &self.sealing {
+            let Some(keys) = ctx.seal.as_ref().map(|s| s.keys.clone()) else {
+                return self.corrupt(id, ctx, "a sealed read without its tenant's keys".into());
+            };
+            match self.judge_sealed(sealing, id, &keys, &header) {
+                Ok(()) => return self.serve(id, ctx, header.payload_len, on_backend_thread),
+                Err((true, why)) => return self.corrupt(id, ctx, why),
+                Err((false, why)) => return self.keep(id, ctx, why),
+            }
+        }
+        if header.sealed.is_some() {
+            // Another store's sealed chunk: sound for all this store can tell, not openable here.
+            Stats::add(&self.stats.not_ours_misses, 1);
+            return self.keep(id, ctx, "a sealed chunk, and this store has no encryption key: not ours, kept".into());
+        }
         // SAFETY: `decode_header` checked that `payload_len` fits the file after its header, and
         // the file fit the operation's room (`open_read`: the slot's payload, or the region's
         // pinned range), so the bytes lie in memory the operation holds, where every transfer has
@@ -309,6 +342,12 @@ impl Core {
                 return self.corrupt(id, ctx, FormatError::PayloadCrc.to_string());
             }
         }
+        self.serve(id, ctx, header.payload_len, on_backend_thread)
+    }
+
+    /// A verified read: the chunk is indexed (adopted when another process
+    /// wrote it: then, on a chunk worker, within capacity) and the get is Ok.
+    fn serve(&self, id: OpId, ctx: OpContext, payload_len: u64, on_backend_thread: bool) {
         let adopted = {
             let mut index = self.index.lock().unwrap();
             if index.contains(ctx.hash) {
@@ -316,7 +355,9 @@ impl Core {
                 false
             } else if on_backend_thread {
                 drop(index);
-                return to_worker(ctx);
+                let mut ctx = ctx;
+                ctx.close_elsewhere = false;
+                return self.jobs.push(Job::Finish(Finished { id, ctx, error: None }));
             } else {
                 index.insert(ctx.hash, ctx.file_len as u64);
                 true
@@ -326,7 +367,6 @@ impl Core {
             // A chunk another process wrote now counts here too: stay within capacity.
             self.make_room(0, ctx.hash, None, None);
         }
-        let len = header.payload_len;
-        self.finish(id, ctx, Outcome::new(Status::Ok, len, None, ""));
+        self.finish(id, ctx, Outcome::new(Status::Ok, payload_len, None, ""));
     }
 }

@@ -244,6 +244,21 @@ impl super::BlockStore {
     /// `put` of the `length` bytes at `offset` of region `id`: the payload is
     /// written from there, the header from the operation's own block.
     pub fn put_region(&self, key: &[u8], id: RegionId, offset: usize, length: usize, timeout: Option<Duration>) -> Result<OpId> {
+        self.put_region_for(b"", key, id, offset, length, timeout)
+    }
+
+    /// `put_region` sealed for `tenant` (see `put_for`). In a store that
+    /// seals, a chunk is sealed into a seal buffer the size of a slot's
+    /// file: a longer range is refused.
+    pub fn put_region_for(
+        &self,
+        tenant: &[u8],
+        key: &[u8],
+        id: RegionId,
+        offset: usize,
+        length: usize,
+        timeout: Option<Duration>,
+    ) -> Result<OpId> {
         self.check_open()?;
         Self::check_key(key)?;
         let file_len = format::file_len(length);
@@ -251,7 +266,10 @@ impl super::BlockStore {
             let cap = self.core.configured_capacity;
             return Err(EngineError::invalid(format!("a {file_len}-byte chunk cannot fit the capacity of {cap} bytes")));
         }
-        let (op, mut ctx) = self.begin_on(OpKind::Put, key, Memory::Region { id, offset, length }, timeout)?;
+        if let Some(room) = self.core.sealing.as_ref().map(|s| s.buffers.payload_room()).filter(|&room| length > room) {
+            return Err(EngineError::invalid(format!("a sealed chunk of {length} bytes exceeds the seal buffers' {room} (the slot size)")));
+        }
+        let (op, mut ctx) = self.begin_on(OpKind::Put, key, tenant, Memory::Region { id, offset, length }, timeout)?;
         (ctx.file_len, ctx.payload_len) = (file_len, length);
         self.queue(DirJobKind::Write, op, ctx);
         Ok(op)
@@ -263,9 +281,22 @@ impl super::BlockStore {
     /// before the get is Ok (a bad chunk is removed, the bytes left in the
     /// region are then the caller's to ignore).
     pub fn get_region(&self, key: &[u8], id: RegionId, offset: usize, length: usize, timeout: Option<Duration>) -> Result<OpId> {
+        self.get_region_for(b"", key, id, offset, length, timeout)
+    }
+
+    /// `get_region` of a chunk sealed for `tenant` (see `get_for`).
+    pub fn get_region_for(
+        &self,
+        tenant: &[u8],
+        key: &[u8],
+        id: RegionId,
+        offset: usize,
+        length: usize,
+        timeout: Option<Duration>,
+    ) -> Result<OpId> {
         self.check_open()?;
         Self::check_key(key)?;
-        let (op, mut ctx) = self.begin_on(OpKind::Get, key, Memory::Region { id, offset, length }, timeout)?;
+        let (op, mut ctx) = self.begin_on(OpKind::Get, key, tenant, Memory::Region { id, offset, length }, timeout)?;
         ctx.payload_len = length;
         self.queue(DirJobKind::Read, op, ctx);
         Ok(op)

@@ -59,6 +59,19 @@ pub struct StoreSnapshot {
     /// The open-time scan.
     pub scan: ScanReport,
     pub staging_free_slots: usize,
+    /// With an encryption key: what `stats()` shows of it (never key bytes).
+    pub sealing: Option<SealingSnapshot>,
+}
+
+/// The sealing side of a store (decision 0083).
+pub struct SealingSnapshot {
+    /// Hex of the id of the key new chunks are sealed with (derived from the
+    /// key, never the key), and of the previous key's ("" without one).
+    pub key_id: String,
+    pub previous_key_id: String,
+    pub seal_buffers: usize,
+    pub seal_buffers_free: usize,
+    pub tenants_cached: usize,
 }
 
 impl BlockStore {
@@ -115,6 +128,16 @@ impl BlockStore {
             chunk_worker_cpu: Duration::from_nanos(core.jobs.cpu_time_ns()),
             scan: core.scan.report(),
             staging_free_slots: core.pool.free_slots(),
+            sealing: core.sealing.as_ref().map(|s| {
+                let hex = |id: [u8; 8]| id.iter().map(|b| format!("{b:02x}")).collect::<String>();
+                SealingSnapshot {
+                    key_id: hex(s.keys.key_id()),
+                    previous_key_id: s.keys.previous_key_id().map(hex).unwrap_or_default(),
+                    seal_buffers: s.buffers.count(),
+                    seal_buffers_free: s.buffers.available(),
+                    tenants_cached: s.keys.cached_tenants(),
+                }
+            }),
         }
     }
 

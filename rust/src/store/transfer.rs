@@ -49,6 +49,19 @@ impl Transfer {
         self.background
     }
 
+    /// Memory at `base` for file offset 0, registered buffer `buf_index` if any (a seal buffer).
+    pub(super) fn of_registered(
+        id: OpId,
+        base: *mut u8,
+        buf_index: Option<u16>,
+        fd: i32,
+        write: bool,
+        background: bool,
+        root: usize,
+    ) -> Self {
+        Transfer { op: id.index, buf_index, base, fd, write, background, root }
+    }
+
     /// Memory at `base` for file offset 0, not a registered buffer.
     pub(super) fn of_memory(id: OpId, base: *mut u8, fd: i32, write: bool, background: bool, root: usize) -> Self {
         Transfer { op: id.index, buf_index: None, base, fd, write, background, root }

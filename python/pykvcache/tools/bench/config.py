@@ -67,6 +67,9 @@ class BenchConfig:
     memory_staging_bytes: int = 32 * MiB
     # Extra BlockStore keyword arguments for every pykvcache store (segment_bytes, ...).
     store_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Storage part: every engine case also with an encryption key (sealed chunks), both
+    # verify="full", side by side (``--encrypt``; decision 0083).
+    encrypt: bool = False
     argv: list[str] | None = None
     # Set by the quick preset; parts with their own quick sizes read it.
     quick: bool = False

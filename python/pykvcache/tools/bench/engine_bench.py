@@ -45,6 +45,9 @@ class EngineCase:
     overwrite: bool = False
     # Also measure the first fill of a preformatted store (phase "write_preformatted").
     preformat: bool = False
+    # The phases' system name: "pykvcache", or "pykvcache_sealed" for a store with an
+    # encryption key (store_kwargs' encryption_key_file; the storage part's --encrypt).
+    system: str = "pykvcache"
 
     @property
     def chunks(self) -> int:
@@ -138,7 +141,7 @@ def run_engine_case(
             assert cpu is not None
             delta = DiskCounter.delta(d0, d1)
             results.append(
-                PhaseResult.measured("pykvcache", direction, chunk, ok, cpu, params, delta,
+                PhaseResult.measured(case.system, direction, chunk, ok, cpu, params, delta,
                                      dropped, errors, info)
             )
             if errors:
@@ -150,16 +153,16 @@ def run_engine_case(
                     raise BenchDataError(f"pykvcache read back wrong data into slot {s}")
         results[-1].info["stats"] = _plain(store.stats())
         if case.overwrite:
-            results.append(_overwrite(store, keys, slots, chunk, params, info, disk, "overwrite"))
+            results.append(_overwrite(store, keys, slots, chunk, params, info, disk, "overwrite", system=case.system))
             store.close()
             store = open_store(directory, pool, capacity, namespace, **{**case.store_kwargs, "recycle_files": False})
-            results.append(_overwrite(store, keys, slots, chunk, params, info, disk, "overwrite_no_recycle"))
+            results.append(_overwrite(store, keys, slots, chunk, params, info, disk, "overwrite_no_recycle", system=case.system))
         if case.preformat:
             store.close()
             for d in _namespace_dirs(store, directory):
                 shutil.rmtree(d, ignore_errors=True)
             store = open_store(directory, pool, capacity, namespace, **case.store_kwargs)
-            results.append(_write_preformatted(store, pool, keys, slots, chunk, params, info, disk))
+            results.append(_write_preformatted(store, pool, keys, slots, chunk, params, info, disk, case.system))
     finally:
         store.close()
         for s in slots:
@@ -172,7 +175,8 @@ def run_engine_case(
 
 
 def _overwrite(store: Any, keys: list[bytes], slots: list[int], chunk: int, params: dict[str, Any],
-               info: dict[str, Any], disk: DiskCounter | None, direction: str, suffix: bool = True) -> PhaseResult:
+               info: dict[str, Any], disk: DiskCounter | None, direction: str, suffix: bool = True,
+               system: str = "pykvcache") -> PhaseResult:
     """One pass of new keys into the full store: each put evicts one chunk."""
     new_keys = [k + b"-" + direction.encode() for k in keys] if suffix else keys
     before = store.stats()
@@ -184,7 +188,7 @@ def _overwrite(store: Any, keys: list[bytes], slots: list[int], chunk: int, para
     assert meter.result is not None
     after = store.stats()
     counts = {k: after[k] - before[k] for k in ("evictions", "recycled_files", "recycle_skipped")}
-    phase = PhaseResult.measured("pykvcache", direction, chunk, ok, meter.result, params,
+    phase = PhaseResult.measured(system, direction, chunk, ok, meter.result, params,
                                  DiskCounter.delta(d0, d1), None, errors, {**info, **counts})
     if errors:
         raise BenchDataError(f"pykvcache {direction} had {len(errors)} errors, first: {errors[0]}")
@@ -194,7 +198,8 @@ def _overwrite(store: Any, keys: list[bytes], slots: list[int], chunk: int, para
 
 
 def _write_preformatted(store: Any, pool: Any, keys: list[bytes], slots: list[int], chunk: int,
-                        params: dict[str, Any], info: dict[str, Any], disk: DiskCounter | None) -> PhaseResult:
+                        params: dict[str, Any], info: dict[str, Any], disk: DiskCounter | None,
+                        system: str = "pykvcache") -> PhaseResult:
     """Preformat the empty store (timed apart, in ``info``), then write every chunk once."""
     from pykvcache import preformat
 
@@ -211,7 +216,7 @@ def _write_preformatted(store: Any, pool: Any, keys: list[bytes], slots: list[in
             v[:] = payload(i, chunk)
     if report.chunks != len(keys):
         raise BenchDataError(f"preformat wrote {report.chunks} fillers for a store of {len(keys)} chunks")
-    phase = _overwrite(store, keys, slots, chunk, params, info, disk, "write_preformatted", suffix=False)
+    phase = _overwrite(store, keys, slots, chunk, params, info, disk, "write_preformatted", suffix=False, system=system)
     phase.info.update(preformat_gbps=report.gb_per_s, preformat_s=report.seconds, fillers=report.chunks)
     return phase
 

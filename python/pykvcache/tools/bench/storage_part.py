@@ -3,7 +3,10 @@
 For every chunk size: a fio sweep (read and write; depth x numjobs, fixed
 buffers) and the engine at each queue depth, interleaved per repeat so both see
 the same state of the shared disk. Ratios are taken against fio at the same
-depth with one job, and against the best fio configuration.
+depth with one job, and against the best fio configuration. With ``--encrypt``
+each engine case also runs with an encryption key (sealed chunks), both
+``verify="full"``, one after the other (the order alternating per repeat), and
+a table gives the sealed/plaintext ratios (``sealed.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from .cold_cache import drop_caches
 from .fio_runner import FioJob, FioResult, FioRunner, sweep_jobs
 from .parts import BenchContext, Figure, Part, PartOutput, Table, register_part
 from .results import Medians, PhaseResult, median_by, ratio
+from .sealed import SEALED, engine_cases, sealed_output
 
 RW = ("read", "write")
 # Rows of the table: fresh writes into an empty store, the first fill of a
@@ -66,7 +70,8 @@ def engine_unavailable() -> str | None:
 
 
 def steps(config: BenchConfig) -> int:
-    per_rep = sum(len(_fio_jobs(config, c)) + len(config.queue_depths) for c in config.chunk_sizes)
+    cases = len(config.queue_depths) * (2 if config.encrypt else 1)
+    per_rep = sum(len(_fio_jobs(config, c)) + cases for c in config.chunk_sizes)
     return 1 + config.repeats * per_rep
 
 
@@ -129,13 +134,14 @@ def measure(ctx: BenchContext) -> tuple[list[PhaseResult], list[str]]:
 
                 def engine_block() -> None:
                     for qd in cfg.queue_depths:
-                        if no_engine:
-                            step.advance("pykvcache engine unavailable")
-                            continue
-                        case = EngineCase(chunk, qd, cfg.engine_bytes, dict(cfg.store_kwargs), overwrite=True, preformat=True)
-                        phases.extend(run_engine_case(case, eng_dir, disk=ctx.disk, cold=cfg.cold_reads,
-                                                                  repeat=rep, cold_metadata=cfg.cold_metadata))
-                        step.advance(f"pykvcache bs={chunk // MiB}MiB qd={qd} (repeat {rep + 1})")
+                        for system, kwargs in engine_cases(cfg, eng_dir, rep):
+                            if no_engine:
+                                step.advance("pykvcache engine unavailable")
+                                continue
+                            case = EngineCase(chunk, qd, cfg.engine_bytes, kwargs, overwrite=True, preformat=True, system=system)
+                            phases.extend(run_engine_case(case, eng_dir, disk=ctx.disk, cold=cfg.cold_reads,
+                                                          repeat=rep, cold_metadata=cfg.cold_metadata))
+                            step.advance(f"{system} bs={chunk // MiB}MiB qd={qd} (repeat {rep + 1})")
 
                 for block in (fio_block, engine_block) if fio_first else (engine_block, fio_block):
                     block()
@@ -272,6 +278,11 @@ def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
     out.notes += _cold_notes(phases)
     out.figures += _figures(eng, fio, fio_cf, cfg)
     out.raw = {"summary": summary, "engine_medians": _keyed(eng), "fio_medians": _keyed(fio)}
+    if any(p.system == SEALED for p in phases):
+        table, targets, raw = sealed_output(phases)
+        out.tables.append(table)
+        out.targets.update(targets)
+        out.raw["sealed"] = raw
     return out
 
 
