@@ -32,7 +32,7 @@ lmcache-env:
 
 # The lint gate (stage `lint` of `make test`, after `build`): clippy with warnings as errors
 # (--release in target/maturin: reuses the extension build's dependency build scripts, 27 s
-# instead of 52 s cold on 2 cores; ~1 s when only lint config changed), rustfmt (rustfmt.toml), ruff (pyproject.toml),
+# instead of 52 s cold on 2 cores; ~1 s when only lint config changed), rustfmt (rustfmt.toml), ruff's checks and format (pyproject.toml),
 # mypy over python/pykvcache (pyproject.toml: strict for the package root, gate/ and vllm/; ~30 s of CPU
 # cold, a few seconds with its .mypy_cache) and mypy's stubtest of the hand-written _core.pyi against the
 # extension `develop` built (dev/stubtest-allowlist.txt: only what stubtest cannot judge). ruff and mypy: requirements-dev.
@@ -40,6 +40,7 @@ lint:
 	CARGO_TARGET_DIR=target/maturin cargo clippy --release --all-targets --features python --quiet -- -D warnings
 	cargo fmt --check
 	$(PY) -m ruff check --quiet .
+	$(PY) -m ruff format --check --quiet .
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest pykvcache._core --allowlist dev/stubtest-allowlist.txt
 

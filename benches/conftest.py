@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
 from pykvcache.tools.bench import cold_cache
 from pykvcache.tools.bench.cold_cache import DiskCounter
 from pykvcache.tools.bench.machine import block_device_of

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 from conftest import record
-
 from pykvcache.tools.bench.engine_bench import EngineCase, run_engine_case
 
 

@@ -7,7 +7,6 @@ import shutil
 
 import pytest
 from conftest import record
-
 from pykvcache.tools.bench.fio_runner import FioJob, FioRunner
 from pykvcache.tools.bench.storage_part import fio_phase
 

@@ -7,7 +7,6 @@ import importlib.util
 
 import pytest
 from conftest import record
-
 from pykvcache.tools.bench.contention import CpuContention
 from pykvcache.tools.bench.fs_tier_bench import FsCase, run_fs_case, vllm_fs_tier_available
 

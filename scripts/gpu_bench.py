@@ -138,8 +138,13 @@ def e2e_scenario(model: str, store: Path, generated: bool) -> dict:
     return {
         "model": model,
         "engine": {
-            "dtype": "bfloat16" if generated else "auto", "enable_prefix_caching": True, "enforce_eager": True,
-            "gpu_memory_utilization": 0.3, "max_model_len": max_len, "disable_log_stats": False, "seed": 0,
+            "dtype": "bfloat16" if generated else "auto",
+            "enable_prefix_caching": True,
+            "enforce_eager": True,
+            "gpu_memory_utilization": 0.3,
+            "max_model_len": max_len,
+            "disable_log_stats": False,
+            "seed": 0,
         },  # fmt: skip
         "runs": [{"name": "without", "phases": phases}, {"name": "with", "kv_transfer_config": kv, "phases": phases}],
     }
@@ -236,8 +241,9 @@ def main() -> int:
     parser.add_argument("--no-storage", action="store_true")
     parser.add_argument("--no-e2e", action="store_true")
     parser.add_argument("--no-crossover", action="store_true", help="skip part 3 (prefill vs load crossover)")
-    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
-                        help="cpu: run part 3 only, on the CPU (a smoke run where there is no GPU)")
+    parser.add_argument(
+        "--device", choices=("cuda", "cpu"), default="cuda", help="cpu: run part 3 only, on the CPU (a smoke run where there is no GPU)"
+    )
     parser.add_argument("--tiny", action="store_true", help="part 3 with a two-layer model and short prefixes")
     args = parser.parse_args()
     if args.device == "cpu":

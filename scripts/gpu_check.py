@@ -71,7 +71,6 @@ class _Harness:
 
     def __init__(self, chunk_mib: int, chunks: int, layers: int = 8, bpc: int = 16) -> None:
         import torch
-
         from pykvcache import StagingPool
         from pykvcache.vllm.layout import ChunkLayout
 
@@ -79,8 +78,7 @@ class _Harness:
         self.chunks = chunks
         self.num_blocks = chunks * bpc + 1  # block 0 is vLLM's null block
         self.layout = ChunkLayout(bpc, bytes_per_block=layers * self.page, world_size=1)
-        self.kv = [torch.randint(-128, 127, (self.num_blocks, self.page), dtype=torch.int8, device="cuda")
-                   for _ in range(layers)]
+        self.kv = [torch.randint(-128, 127, (self.num_blocks, self.page), dtype=torch.int8, device="cuda") for _ in range(layers)]
         blocks = list(range(1, self.num_blocks))
         self.through_vllm = _vllm_worker_available()
         # vLLM's workers map staging by name; the copier alone takes anonymous
@@ -88,15 +86,14 @@ class _Harness:
         self.shm = f"pykvcache-gpucheck-{os.getpid()}" if self.through_vllm else None
         self.pool = StagingPool(self.layout.payload_bytes, chunks, shm_name=self.shm)
         if self.through_vllm:
+            from pykvcache.vllm.transfer_spec import StagingSlotsSpec
+            from pykvcache.vllm.worker.staging_worker import StagingWorker
             from vllm.v1.kv_offload.base import (
                 CanonicalKVCacheRef,
                 CanonicalKVCaches,
                 CanonicalKVCacheTensor,
                 GPULoadStoreSpec,
             )
-
-            from pykvcache.vllm.transfer_spec import StagingSlotsSpec
-            from pykvcache.vllm.worker.staging_worker import StagingWorker
 
             caches = CanonicalKVCaches(
                 tensors=[CanonicalKVCacheTensor(t, self.page) for t in self.kv],
@@ -216,8 +213,7 @@ def check_stream_ordering(h: _Harness) -> dict:
     h.wait(100)
     row = h.layout.row_offset(0)
     ordered = all(
-        bool((staging[h.pool.payload_offset(i) + row : h.pool.payload_offset(i) + row + h.layout.row_bytes]
-              == marker).all())
+        bool((staging[h.pool.payload_offset(i) + row : h.pool.payload_offset(i) + row + h.layout.row_bytes] == marker).all())
         for i in range(h.chunks)
     )
     return {"compute_pending_at_submit": pending_at_submit, "store_saw_compute_writes": ordered}
@@ -227,7 +223,6 @@ def check_disk_to_gpu(h: _Harness, store_dir: Path) -> dict:
     """GPU -> staging -> NVMe (put) ... page cache dropped ... NVMe -> staging
     (get, verified) -> GPU: the whole tier on this machine's disk."""
     import torch
-
     from pykvcache import BlockStore
 
     for t in h.kv:
@@ -235,8 +230,7 @@ def check_disk_to_gpu(h: _Harness, store_dir: Path) -> dict:
     original = [t.clone() for t in h.kv]
     h.run(200, store=True)
     store_dir.mkdir(parents=True, exist_ok=True)
-    with BlockStore([store_dir], h.pool, namespace="gpu-check", capacity_bytes=4 * h.total_bytes,
-                    queue_depth=32) as store:
+    with BlockStore([store_dir], h.pool, namespace="gpu-check", capacity_bytes=4 * h.total_bytes, queue_depth=32) as store:
         # The store writes only slots it owns: take all of them (a fresh pool hands out each once).
         owned = [h.pool.acquire() for _ in range(h.chunks)]
         assert sorted(owned) == list(range(h.chunks)), owned
@@ -287,18 +281,25 @@ def _engine(scenario_path: str) -> int:
     scenario = json.loads(Path(scenario_path).read_text())
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=scenario["model"], dtype="float32", enable_prefix_caching=True,
-              enforce_eager=True, gpu_memory_utilization=0.2, max_model_len=2048,
-              kv_cache_memory_bytes=64 << 20, disable_log_stats=False, seed=0,
-              **scenario.get("llm", {}))
+    llm = LLM(
+        model=scenario["model"],
+        dtype="float32",
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        gpu_memory_utilization=0.2,
+        max_model_len=2048,
+        kv_cache_memory_bytes=64 << 20,
+        disable_log_stats=False,
+        seed=0,
+        **scenario.get("llm", {}),
+    )
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     out = {}
     for name, prompts, reset in scenario["phases"]:
         if reset:
             llm.reset_prefix_cache()
         res = llm.generate(prompts, params, use_tqdm=False)
-        out[name] = {"tokens": [list(r.outputs[0].token_ids) for r in res],
-                     "cached": [r.num_cached_tokens or 0 for r in res]}
+        out[name] = {"tokens": [list(r.outputs[0].token_ids) for r in res], "cached": [r.num_cached_tokens or 0 for r in res]}
         time.sleep(0.5)
     print("RESULT " + json.dumps(out), flush=True)
     llm.llm_engine.engine_core.shutdown()
@@ -320,18 +321,29 @@ def check_engine(workdir: Path) -> dict:
     xs = [f"{prefix} {synthetic_text(12, seed=200 + i)}" for i in range(3)]
     fillers = [synthetic_text(250, seed=300 + i) for i in range(6)]
     phases = [("first", xs, False), ("fillers", fillers, True), ("repeat", [xs[0]], False)]
-    kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {
-              "spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm",
-              "storage_dirs": [str(workdir / "store")], "capacity_bytes": 1 << 30,
-              "staging_bytes": 8 << 20, "block_size": 64}}
+    kv = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "NvmeOffloadingSpec",
+            "spec_module_path": "pykvcache.vllm",
+            "storage_dirs": [str(workdir / "store")],
+            "capacity_bytes": 1 << 30,
+            "staging_bytes": 8 << 20,
+            "block_size": 64,
+        },
+    }
     results = {}
     for name, llm_kwargs in (("baseline", {}), ("pykvcache", {"kv_transfer_config": kv})):
         path = workdir / f"{name}.json"
         path.write_text(json.dumps({"model": model, "llm": llm_kwargs, "phases": phases}))
-        proc = subprocess.run([sys.executable, __file__, "--engine", str(path)],
-                              capture_output=True, text=True, timeout=420,
-                              env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        proc = subprocess.run(
+            [sys.executable, __file__, "--engine", str(path)],
+            capture_output=True,
+            text=True,
+            timeout=420,
+            env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        )
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not lines:
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])

@@ -19,7 +19,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-
 import pykvcache as kv
 
 KINDS = ("slots", "region-private-huge", "region-private-4k", "region-shared-4k")
@@ -47,8 +46,7 @@ def region(kind: str, size: int) -> mmap.mmap:
 
 def run(kind: str, root: Path, chunk: int, n: int) -> dict[str, tuple[float, float]]:
     pool = kv.StagingPool(chunk, n if kind == "slots" else 1)
-    store = kv.BlockStore([str(root / kind)], pool, namespace="region-bench",
-                          capacity_bytes=4 * n * (chunk + (1 << 20)), min_free_bytes=0)
+    store = kv.BlockStore([str(root / kind)], pool, namespace="region-bench", capacity_bytes=4 * n * (chunk + (1 << 20)), min_free_bytes=0)
     out = {}
     try:
         if kind == "slots":
@@ -56,15 +54,16 @@ def run(kind: str, root: Path, chunk: int, n: int) -> dict[str, tuple[float, flo
             for s in slots:
                 with pool.view(s) as v:
                     np.frombuffer(v, dtype=np.uint8)[:] = 7
-            ops = {"put": lambda i: store.put(b"k%d" % i, slots[i], chunk),
-                   "get": lambda i: store.get(b"k%d" % i, slots[i])}
+            ops = {"put": lambda i: store.put(b"k%d" % i, slots[i], chunk), "get": lambda i: store.get(b"k%d" % i, slots[i])}
         else:
             m = region(kind, n * chunk)
             rows = np.frombuffer(m, dtype=np.uint8).reshape(n, chunk)
             rows[:] = 7
             rid = store.register_region(rows)
-            ops = {"put": lambda i: store.put_region(b"k%d" % i, rid, i * chunk, chunk),
-                   "get": lambda i: store.get_region(b"k%d" % i, rid, i * chunk, chunk)}
+            ops = {
+                "put": lambda i: store.put_region(b"k%d" % i, rid, i * chunk, chunk),
+                "get": lambda i: store.get_region(b"k%d" % i, rid, i * chunk, chunk),
+            }
         for op in ("put", "get"):
             drop_caches()
             t, c = time.perf_counter(), cpu_s()

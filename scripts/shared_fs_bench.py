@@ -75,8 +75,12 @@ def engine_case(dir_a: Path, dir_b: Path, total: int, chunk: int, qd: int, pids:
     for h in inflight:
         assert h.wait().ok
     dt, cpu, ext = time.monotonic() - t0, _self_cpu_s() - c0, _proc_cpu_s(pids) - e0
-    out["write"] = {"gbps": n * chunk / dt / 1e9, "cpu_s_per_gb": cpu / (n * chunk / 1e9),
-                    "cpu_s_per_gb_all": (cpu + ext) / (n * chunk / 1e9), "seconds": dt}
+    out["write"] = {
+        "gbps": n * chunk / dt / 1e9,
+        "cpu_s_per_gb": cpu / (n * chunk / 1e9),
+        "cpu_s_per_gb_all": (cpu + ext) / (n * chunk / 1e9),
+        "seconds": dt,
+    }
     for s in slots:
         pool_a.release(s)
     store_a.close()
@@ -96,8 +100,12 @@ def engine_case(dir_a: Path, dir_b: Path, total: int, chunk: int, qd: int, pids:
     dt, cpu, ext = time.monotonic() - t0, _self_cpu_s() - c0, _proc_cpu_s(pids) - e0
     with pool_b.view(slots[(n - 1) % qd]) as v:
         assert bytes(v[:chunk]) == payload
-    out["read"] = {"gbps": n * chunk / dt / 1e9, "cpu_s_per_gb": cpu / (n * chunk / 1e9),
-                   "cpu_s_per_gb_all": (cpu + ext) / (n * chunk / 1e9), "seconds": dt}
+    out["read"] = {
+        "gbps": n * chunk / dt / 1e9,
+        "cpu_s_per_gb": cpu / (n * chunk / 1e9),
+        "cpu_s_per_gb_all": (cpu + ext) / (n * chunk / 1e9),
+        "seconds": dt,
+    }
     out["direct_io"] = store_b.direct_io
     for s in slots:
         pool_b.release(s)
@@ -109,21 +117,30 @@ def engine_case(dir_a: Path, dir_b: Path, total: int, chunk: int, qd: int, pids:
 def fio_case(dir_a: Path, dir_b: Path, total: int, chunk: int, qd: int, pids: list[int]) -> dict:
     out = {}
     for rw, directory in (("write", dir_a), ("read", dir_b)):
-        cmd = ["fio", "--name=shared", f"--filename={directory / 'fio.dat'}", f"--rw={rw}", f"--bs={chunk}",
-               f"--size={total}", "--ioengine=io_uring", f"--iodepth={qd}", "--direct=1", "--numjobs=1",
-               "--output-format=json"]
+        cmd = [
+            "fio",
+            "--name=shared",
+            f"--filename={directory / 'fio.dat'}",
+            f"--rw={rw}",
+            f"--bs={chunk}",
+            f"--size={total}",
+            "--ioengine=io_uring",
+            f"--iodepth={qd}",
+            "--direct=1",
+            "--numjobs=1",
+            "--output-format=json",
+        ]
         e0 = _proc_cpu_s(pids)
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         ext = _proc_cpu_s(pids) - e0
         if proc.returncode != 0:
             raise RuntimeError(f"fio failed: {proc.stderr.strip()}")
-        job = json.loads(proc.stdout[proc.stdout.index("{"):])["jobs"][0]
+        job = json.loads(proc.stdout[proc.stdout.index("{") :])["jobs"][0]
         side = job[rw]
         seconds = side["runtime"] / 1000
         gb = side["io_bytes"] / 1e9
         cpu = (job["usr_cpu"] + job["sys_cpu"]) / 100 * seconds
-        out[rw] = {"gbps": gb / seconds, "cpu_s_per_gb": cpu / gb, "cpu_s_per_gb_all": (cpu + ext) / gb,
-                   "seconds": seconds}
+        out[rw] = {"gbps": gb / seconds, "cpu_s_per_gb": cpu / gb, "cpu_s_per_gb_all": (cpu + ext) / gb, "seconds": seconds}
     (dir_a / "fio.dat").unlink(missing_ok=True)
     return out
 
@@ -134,27 +151,36 @@ def measure(mount_a: Path, mount_b: Path, local: Path, total: int, chunk: int, q
         run_dir = f"bench-{os.getpid()}"
         (a / run_dir).mkdir(mode=0o700)
         try:
-            results[where] = {"pykvcache": engine_case(a / run_dir, b / run_dir, total, chunk, qd, p),
-                              "fio": fio_case(a / run_dir, b / run_dir, total, chunk, qd, p)}
+            results[where] = {
+                "pykvcache": engine_case(a / run_dir, b / run_dir, total, chunk, qd, p),
+                "fio": fio_case(a / run_dir, b / run_dir, total, chunk, qd, p),
+            }
         finally:
             shutil.rmtree(a / run_dir, ignore_errors=True)
     return results
 
 
 def table(results: dict, label: str) -> str:
-    rows = ["| setup | tool | store (A writes) GB/s | load (B reads) GB/s | CPU-s/GB store / load "
-            "(process; + FUSE clients and brick) | vs local disk (store / load) |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| setup | tool | store (A writes) GB/s | load (B reads) GB/s | CPU-s/GB store / load "
+        "(process; + FUSE clients and brick) | vs local disk (store / load) |",
+        "|---|---|---|---|---|---|",
+    ]
     for tool in ("pykvcache", "fio"):
         for where in ("local disk", "shared"):
             r = results[where][tool]
             loc = results["local disk"][tool]
-            ratio = (f"{r['write']['gbps'] / loc['write']['gbps']:.2f} / {r['read']['gbps'] / loc['read']['gbps']:.2f}"
-                     if where == "shared" else "1 / 1")
+            ratio = (
+                f"{r['write']['gbps'] / loc['write']['gbps']:.2f} / {r['read']['gbps'] / loc['read']['gbps']:.2f}"
+                if where == "shared"
+                else "1 / 1"
+            )
             name = label if where == "shared" else "local ext4 (virtio), same run"
-            rows.append(f"| {name} | {tool} | {r['write']['gbps']:.2f} | {r['read']['gbps']:.2f} | "
-                        f"{r['write']['cpu_s_per_gb']:.2f} / {r['read']['cpu_s_per_gb']:.2f} "
-                        f"({r['write']['cpu_s_per_gb_all']:.2f} / {r['read']['cpu_s_per_gb_all']:.2f}) | {ratio} |")
+            rows.append(
+                f"| {name} | {tool} | {r['write']['gbps']:.2f} | {r['read']['gbps']:.2f} | "
+                f"{r['write']['cpu_s_per_gb']:.2f} / {r['read']['cpu_s_per_gb']:.2f} "
+                f"({r['write']['cpu_s_per_gb_all']:.2f} / {r['read']['cpu_s_per_gb_all']:.2f}) | {ratio} |"
+            )
     return "\n".join(rows)
 
 
@@ -194,8 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.mib} MiB per case, {args.chunk_mib} MiB chunks/blocks, QD {args.qd}; node A writes, node B reads")
     print(table(results, label))
     if args.json:
-        args.json.write_text(json.dumps({"mib": args.mib, "chunk_mib": args.chunk_mib, "qd": args.qd,
-                                         "results": results}, indent=2))
+        args.json.write_text(json.dumps({"mib": args.mib, "chunk_mib": args.chunk_mib, "qd": args.qd, "results": results}, indent=2))
     return 0
 
 

@@ -61,8 +61,10 @@ def evict(directory: Path) -> None:
 
 def describe(name: str, ident: WeightsIdentity) -> str:
     rate = ident.bytes_hashed / max(ident.seconds, 1e-9)
-    line = (f"{name:>6}: {ident.bytes_hashed / 1e9:.2f} GB hashed, {ident.files_cached}/{ident.files} "
-            f"files from the digest cache, {ident.seconds:.3f} s")
+    line = (
+        f"{name:>6}: {ident.bytes_hashed / 1e9:.2f} GB hashed, {ident.files_cached}/{ident.files} "
+        f"files from the digest cache, {ident.seconds:.3f} s"
+    )
     if ident.bytes_hashed:
         line += f" = {rate / 1e6:.0f} MB/s -> 16 GB in {EXTRAPOLATE_BYTES / rate:.1f} s"
     return line

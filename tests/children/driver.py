@@ -44,8 +44,7 @@ def _metrics(llm) -> dict[str, float]:
     out: dict[str, float] = {}
     for metric in llm.get_metrics():
         name = metric.name
-        if not (name.startswith("vllm:pykvcache_") or name.startswith("vllm:kv_offload_")
-                or name.startswith("vllm:prefix_cache")):
+        if not (name.startswith("vllm:pykvcache_") or name.startswith("vllm:kv_offload_") or name.startswith("vllm:prefix_cache")):
             continue
         value = getattr(metric, "value", None)
         if value is None:
@@ -130,8 +129,7 @@ def staging_memfds(prefix: str) -> set[str]:
     process on this host holds (the EngineCore, a child of this driver)."""
     from proc_fds import fd_links
 
-    return {target[len("/memfd:"):-len(" (deleted)")]
-            for _, _, target in fd_links(f"/memfd:{prefix}") if target.endswith(" (deleted)")}
+    return {target[len("/memfd:") : -len(" (deleted)")] for _, _, target in fd_links(f"/memfd:{prefix}") if target.endswith(" (deleted)")}
 
 
 def _attach_staging(llm):
@@ -167,8 +165,7 @@ def _settle(llm, tokenizer, timeout: float = 30.0) -> None:
     time.sleep(1.0)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        llm.generate([{"prompt_token_ids": tokenizer("settle").input_ids}],
-                     SamplingParams(max_tokens=1), use_tqdm=False)
+        llm.generate([{"prompt_token_ids": tokenizer("settle").input_ids}], SamplingParams(max_tokens=1), use_tqdm=False)
         if _metrics(llm).get("vllm:pykvcache_staging_slots_pinned", 0) == 0:
             return
         time.sleep(0.5)
@@ -215,9 +212,15 @@ class _EventSubscriber:
             batch = self.decoder.decode(frames[-1])
             for ev in batch.events:
                 hashes = [h.hex() if isinstance(h, bytes) else h for h in getattr(ev, "block_hashes", [])]
-                out.append({"type": type(ev).__name__, "medium": getattr(ev, "medium", None),
-                            "block_hashes": hashes, "token_ids": list(getattr(ev, "token_ids", []) or []),
-                            "block_size": getattr(ev, "block_size", None)})
+                out.append(
+                    {
+                        "type": type(ev).__name__,
+                        "medium": getattr(ev, "medium", None),
+                        "block_hashes": hashes,
+                        "token_ids": list(getattr(ev, "token_ids", []) or []),
+                        "block_size": getattr(ev, "block_size", None),
+                    }
+                )
             deadline = time.monotonic() + 0.5  # drain what follows closely
 
 
@@ -265,12 +268,10 @@ def run_scenario(scenario: dict, report) -> None:
         entry = {"op": phase["op"], "name": phase.get("name", phase["op"])}
         print(f"driver: phase {entry['name']} starts", file=sys.stderr, flush=True)
         if phase["op"] == "generate":
-            params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 24),
-                                    ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=phase.get("max_tokens", 24), ignore_eos=True)
             prompts = [_prompt(p, tokenizer) for p in phase["prompts"]]
             loras = [_lora(p) for p in phase["prompts"]]
-            outs = llm.generate(prompts, params, use_tqdm=False,
-                                lora_request=loras if any(loras) else None)
+            outs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras if any(loras) else None)
             entry["tokens"] = [list(o.outputs[0].token_ids) for o in outs]
             entry["num_cached_tokens"] = [o.num_cached_tokens or 0 for o in outs]
             entry["prompt_lens"] = [len(p["prompt_token_ids"]) for p in prompts]

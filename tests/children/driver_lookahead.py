@@ -31,8 +31,9 @@ def _ttft(out) -> float | None:
 
 def _timestamps(out) -> dict[str, float]:
     m = getattr(out, "metrics", None)
-    return {k: float(getattr(m, k + "_ts", 0.0) or 0.0) if m is not None else 0.0
-            for k in ("queued", "scheduled", "first_token", "last_token")}
+    return {
+        k: float(getattr(m, k + "_ts", 0.0) or 0.0) if m is not None else 0.0 for k in ("queued", "scheduled", "first_token", "last_token")
+    }
 
 
 def main() -> int:
@@ -63,8 +64,9 @@ def main() -> int:
             kv_each = phase.get("kv_transfer_params_each") or [phase.get("kv_transfer_params")] * n
             max_each = phase.get("max_tokens_each") or [phase.get("max_tokens", 4)] * n
             params = [
-                SamplingParams(temperature=0.0, max_tokens=mt, ignore_eos=True,
-                               **({"extra_args": {"kv_transfer_params": kv}} if kv else {}))
+                SamplingParams(
+                    temperature=0.0, max_tokens=mt, ignore_eos=True, **({"extra_args": {"kv_transfer_params": kv}} if kv else {})
+                )
                 for kv, mt in zip(kv_each, max_each)
             ]
             prompts = [driver._prompt(p, tokenizer) for p in phase["prompts"]]
@@ -78,14 +80,12 @@ def main() -> int:
                 driver._settle(llm, tokenizer)
             entry["metrics"] = driver._metrics(llm)
         elif phase["op"] == "reset_prefix_cache":
-            entry["ok"] = bool(llm.reset_prefix_cache(
-                reset_connector=bool(phase.get("reset_connector", False))))
+            entry["ok"] = bool(llm.reset_prefix_cache(reset_connector=bool(phase.get("reset_connector", False))))
         else:
             raise ValueError(f"unknown phase op {phase['op']}")
         entry["seconds"] = round(time.monotonic() - t0, 3)
         results.append(entry)
-    print("RESULT " + json.dumps({"startup_s": round(startup_s, 2), "phases": results}),
-          flush=True)
+    print("RESULT " + json.dumps({"startup_s": round(startup_s, 2), "phases": results}), flush=True)
     llm.llm_engine.engine_core.shutdown()
     return 0
 

@@ -17,7 +17,6 @@ import json
 import sys
 import time
 
-
 #: Printed before the refused engine start of ``json_kv``.
 JSON_START = "-- the same kind of settings as JSON, no helper --"
 
@@ -25,9 +24,18 @@ JSON_START = "-- the same kind of settings as JSON, no helper --"
 def _llm(model: str, kv: dict):
     from vllm import LLM
 
-    return LLM(model=model, dtype="float32", block_size=32, enable_prefix_caching=True,
-               enforce_eager=True, disable_log_stats=False, max_model_len=2048,
-               kv_cache_memory_bytes=8 << 20, seed=0, kv_transfer_config=kv)
+    return LLM(
+        model=model,
+        dtype="float32",
+        block_size=32,
+        enable_prefix_caching=True,
+        enforce_eager=True,
+        disable_log_stats=False,
+        max_model_len=2048,
+        kv_cache_memory_bytes=8 << 20,
+        seed=0,
+        kv_transfer_config=kv,
+    )
 
 
 def _metrics(llm) -> dict[str, float]:
@@ -39,7 +47,6 @@ def _metrics(llm) -> dict[str, float]:
 def main() -> int:
     scenario = json.load(open(sys.argv[1]))
     import vllm  # noqa: F401 - imported before the clock starts: its import time is no start-up
-
     from pykvcache.vllm import ConfigError
     from pykvcache.vllm.config import kv_transfer_config
 
@@ -57,8 +64,7 @@ def main() -> int:
             try:
                 _llm(scenario["model"], scenario["json_kv"])
             except Exception as exc:  # noqa: BLE001 - vLLM's engine start failure; its cause is in the log
-                result.update(json_error=f"{type(exc).__name__}: {exc}",
-                              json_seconds=round(time.monotonic() - started, 1))
+                result.update(json_error=f"{type(exc).__name__}: {exc}", json_seconds=round(time.monotonic() - started, 1))
             else:
                 result.update(json_error=None)
         print("RESULT " + json.dumps(result), flush=True)
@@ -68,10 +74,8 @@ def main() -> int:
     before = _metrics(llm)
     from vllm import SamplingParams
 
-    llm.generate([{"prompt_token_ids": list(range(1, 200))}], SamplingParams(max_tokens=4),
-                 use_tqdm=False)
-    print("RESULT " + json.dumps({"startup_s": round(startup_s, 2), "metrics_before": before,
-                                  "metrics_after": _metrics(llm)}), flush=True)
+    llm.generate([{"prompt_token_ids": list(range(1, 200))}], SamplingParams(max_tokens=4), use_tqdm=False)
+    print("RESULT " + json.dumps({"startup_s": round(startup_s, 2), "metrics_before": before, "metrics_after": _metrics(llm)}), flush=True)
     llm.llm_engine.engine_core.shutdown()
     return 0
 

@@ -51,10 +51,10 @@ def file_len(payload_len: int) -> int:
 
 def parse_header(block: bytes) -> dict:
     return {
-        "magic": block[OFF_MAGIC:OFF_MAGIC + 8],
+        "magic": block[OFF_MAGIC : OFF_MAGIC + 8],
         "version": struct.unpack_from("<I", block, OFF_VERSION)[0],
         "header_len": struct.unpack_from("<I", block, OFF_HEADER_LEN)[0],
-        "namespace": block[OFF_NAMESPACE:OFF_NAMESPACE + 16],
+        "namespace": block[OFF_NAMESPACE : OFF_NAMESPACE + 16],
         "payload_len": struct.unpack_from("<Q", block, OFF_PAYLOAD_LEN)[0],
         "payload_crc": struct.unpack_from("<I", block, OFF_PAYLOAD_CRC)[0],
         "key_len": struct.unpack_from("<I", block, OFF_KEY_LEN)[0],
@@ -70,14 +70,19 @@ def seal_header(block: bytearray) -> bytearray:
 
 
 def set_field(block: bytearray, name: str, value) -> bytearray:
-    fmt = {"version": ("<I", OFF_VERSION), "header_len": ("<I", OFF_HEADER_LEN), "payload_len": ("<Q", OFF_PAYLOAD_LEN),
-           "payload_crc": ("<I", OFF_PAYLOAD_CRC), "key_len": ("<I", OFF_KEY_LEN)}
+    fmt = {
+        "version": ("<I", OFF_VERSION),
+        "header_len": ("<I", OFF_HEADER_LEN),
+        "payload_len": ("<Q", OFF_PAYLOAD_LEN),
+        "payload_crc": ("<I", OFF_PAYLOAD_CRC),
+        "key_len": ("<I", OFF_KEY_LEN),
+    }
     if name == "magic":
-        block[OFF_MAGIC:OFF_MAGIC + 8] = value
+        block[OFF_MAGIC : OFF_MAGIC + 8] = value
     elif name == "namespace":
-        block[OFF_NAMESPACE:OFF_NAMESPACE + 16] = value
+        block[OFF_NAMESPACE : OFF_NAMESPACE + 16] = value
     elif name == "key":
-        block[OFF_KEY:OFF_KEY + len(value)] = value
+        block[OFF_KEY : OFF_KEY + len(value)] = value
     else:
         f, off = fmt[name]
         struct.pack_into(f, block, off, value)
@@ -86,11 +91,11 @@ def set_field(block: bytearray, name: str, value) -> bytearray:
 
 def encode_header(namespace: bytes, key: bytes, payload: bytes) -> bytes:
     block = bytearray(HEADER_BYTES)
-    block[OFF_MAGIC:OFF_MAGIC + 8] = MAGIC
+    block[OFF_MAGIC : OFF_MAGIC + 8] = MAGIC
     struct.pack_into("<IIQ", block, OFF_VERSION, FORMAT_VERSION, HEADER_BYTES, 0)
-    block[OFF_NAMESPACE:OFF_NAMESPACE + 16] = namespace
+    block[OFF_NAMESPACE : OFF_NAMESPACE + 16] = namespace
     struct.pack_into("<QII", block, OFF_PAYLOAD_LEN, len(payload), crc32c(payload), len(key))
-    block[OFF_KEY:OFF_KEY + len(key)] = key
+    block[OFF_KEY : OFF_KEY + len(key)] = key
     return bytes(seal_header(block))
 
 
@@ -100,11 +105,15 @@ def is_valid_chunk_for(data: bytes, namespace: bytes, key: bytes, served: bytes)
     Padding after the payload is not covered by any checksum and is never
     served, so it may hold anything."""
     n = len(served)
-    return (len(data) == file_len(n) and data[:HEADER_BYTES] == encode_header(namespace, key, served)
-            and data[HEADER_BYTES:HEADER_BYTES + n] == served)
+    return (
+        len(data) == file_len(n)
+        and data[:HEADER_BYTES] == encode_header(namespace, key, served)
+        and data[HEADER_BYTES : HEADER_BYTES + n] == served
+    )
 
 
 # ---- payloads derived from the key, so any reader can check what it got
+
 
 def payload_for(key: bytes, max_len: int, min_len: int = 1) -> bytes:
     rng = random.Random(key)
@@ -112,6 +121,7 @@ def payload_for(key: bytes, max_len: int, min_len: int = 1) -> bytes:
 
 
 # ---- files
+
 
 def chunk_files(root) -> list[str]:
     return sorted(os.path.join(d, f) for d, _, fs in os.walk(root) for f in fs if f.endswith(".kvc"))
@@ -128,6 +138,7 @@ def namespace_fingerprint(store) -> bytes:
 
 
 # ---- store round trips through a staging slot
+
 
 def put_bytes(store, pool, slot: int, key: bytes, data: bytes, timeout: float = 30):
     with pool.view(slot) as v:

@@ -43,8 +43,7 @@ def fill_past_full(kv, store_dir) -> dict:
     logging.getLogger("pykvcache").addHandler(records)
     # min_free_bytes=0: no free-space reserve, so that the filesystem really
     # fills and the ENOSPC path (evict, retry, lower the capacity) is what runs.
-    store = kv.BlockStore([str(store_dir)], pool, namespace="robust-full", capacity_bytes=1 << 40,
-                          min_free_bytes=0)
+    store = kv.BlockStore([str(store_dir)], pool, namespace="robust-full", capacity_bytes=1 << 40, min_free_bytes=0)
     free_at_open = free_bytes(store_dir)
     fs_bytes = free_at_open + chunk_bytes(store_dir)
     keys = [b"full-%03d" % i for i in range(3 * fs_bytes // (PAYLOAD + 4096))]  # 3x the filesystem
@@ -66,7 +65,7 @@ def fill_past_full(kv, store_dir) -> dict:
     assert temp_files(store_dir) == []
     assert free_at_open - free_bytes(store_dir) == chunk_bytes(store_dir)
     kept = [k for k in keys if store.contains(k)]
-    assert kept and kept == keys[-len(kept):], "LRU keeps the newest chunks"
+    assert kept and kept == keys[-len(kept) :], "LRU keeps the newest chunks"
     assert len(chunk_files(store_dir)) == len(kept)
     for key in keys:
         r, data = get_bytes(store, pool, slot, key)
@@ -74,10 +73,18 @@ def fill_past_full(kv, store_dir) -> dict:
             assert r.ok and data == payload_for(key, PAYLOAD, PAYLOAD), key
         else:
             assert r.status == "miss", key
-    report = {"puts": len(keys), "failed": 0, "enospc_retries": s["enospc_retries"],
-              "enospc_evictions": s["enospc_evictions"], "evictions": s["evictions"],
-              "capacity_lowered_to": store.capacity_bytes, "filesystem_bytes": fs_bytes,
-              "kept_and_loaded": len(kept), "recycled_files": s["recycled_files"], "fallbacks": s["fallbacks"]}
+    report = {
+        "puts": len(keys),
+        "failed": 0,
+        "enospc_retries": s["enospc_retries"],
+        "enospc_evictions": s["enospc_evictions"],
+        "evictions": s["evictions"],
+        "capacity_lowered_to": store.capacity_bytes,
+        "filesystem_bytes": fs_bytes,
+        "kept_and_loaded": len(kept),
+        "recycled_files": s["recycled_files"],
+        "fallbacks": s["fallbacks"],
+    }
     store.close()
     return report
 

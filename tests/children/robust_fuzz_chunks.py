@@ -13,13 +13,25 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import pykvcache as kv  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-import pykvcache as kv  # noqa: E402
-from robust_chunkfmt import (FORMAT_VERSION, HEADER_BYTES, MAGIC, MAX_KEY_BYTES, OFF_HEADER_CRC, OFF_KEY,  # noqa: E402
-                             crc32c, encode_header, file_len, namespace_fingerprint, parse_header, put_bytes,
-                             seal_header, set_field)
+from robust_chunkfmt import (  # noqa: E402
+    FORMAT_VERSION,
+    HEADER_BYTES,
+    MAGIC,
+    MAX_KEY_BYTES,
+    OFF_HEADER_CRC,
+    OFF_KEY,
+    crc32c,
+    encode_header,
+    file_len,
+    namespace_fingerprint,
+    parse_header,
+    put_bytes,
+    seal_header,
+    set_field,
+)
 
 SLOT = 16 << 10
 KEY = b"fuzz-victim"
@@ -37,12 +49,12 @@ def reference_decode(content: bytes, ns: bytes, key: bytes, max_len: int):
         return None
     if crc32c(bytes(block)) != h["header_crc"] or h["namespace"] != ns:
         return None
-    if h["key_len"] > MAX_KEY_BYTES or content[OFF_KEY:OFF_KEY + h["key_len"]] != key:
+    if h["key_len"] > MAX_KEY_BYTES or content[OFF_KEY : OFF_KEY + h["key_len"]] != key:
         return None
     n = h["payload_len"]
     if file_len(n) != len(content):
         return None
-    payload = content[HEADER_BYTES:HEADER_BYTES + n]
+    payload = content[HEADER_BYTES : HEADER_BYTES + n]
     return payload if crc32c(payload) == h["payload_crc"] else None
 
 
@@ -55,8 +67,7 @@ def contents(ns: bytes):
     # Empty payloads make header-only files, where length arithmetic is tightest.
     payloads = st.one_of(st.just(b""), st.binary(max_size=SLOT))
     valid = payloads.map(lambda p: chunk(ns, KEY, p))
-    header_fields = st.sampled_from(["magic", "version", "header_len", "namespace", "payload_len", "payload_crc",
-                                     "key_len"])
+    header_fields = st.sampled_from(["magic", "version", "header_len", "namespace", "payload_len", "payload_crc", "key_len"])
     values = st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 4095, 4096, 2**32 - 1, 2**63, 2**64 - 1]))
     # Lengths around the file's real capacity and around 2**64 (where rounding wraps).
     lengths = st.one_of(st.integers(0, SLOT + 2 * 4096), st.integers(2**64 - 3 * 4096, 2**64 - 1), values)
@@ -86,8 +97,9 @@ def contents(ns: bytes):
         valid,
         st.tuples(valid, header_fields, values).map(lambda t: tamper(*t)),
         st.tuples(valid, lengths).map(lambda t: tamper(t[0], "payload_len", t[1])),
-        st.tuples(valid, st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 255)), min_size=1, max_size=4))
-        .map(lambda t: overwrite(*t)),
+        st.tuples(valid, st.lists(st.tuples(st.integers(0, 2**31), st.integers(0, 255)), min_size=1, max_size=4)).map(
+            lambda t: overwrite(*t)
+        ),
         st.tuples(valid, st.integers(0, 6 * 4096)).map(lambda t: resize(*t)),
         st.tuples(payloads, st.sampled_from([b"fuzz-victin", b"", b"x" * 40])).map(lambda t: chunk(ns, t[1], t[0])),
         payloads.map(lambda p: chunk(OTHER_NS, KEY, p)),

@@ -68,8 +68,12 @@ def main():
         elif r.status != "miss":  # the other process may have evicted it since
             seen["bad"] += 1
     stats = store.stats()
-    seen.update({k: stats[k] for k in ("corrupt_chunks", "write_races", "evictions", "read_errors", "write_errors",
-                                        "recycled_files", "recycle_skipped")})
+    seen.update(
+        {
+            k: stats[k]
+            for k in ("corrupt_chunks", "write_races", "evictions", "read_errors", "write_errors", "recycled_files", "recycle_skipped")
+        }
+    )
     seen["capacity"] = CAPACITY
     store.close()
     print(json.dumps(seen), flush=True)

@@ -53,8 +53,7 @@ def main():
     lock = threading.Lock()
     baseline = vm("VmRSS")  # before the pool: growth = staging + engine + threads
     pool = kv.StagingPool(SLOT, SLOTS)
-    store = kv.BlockStore([store_dir], pool, namespace="robust-staging", capacity_bytes=1 << 30,
-                          max_inflight=2, submit_timeout=0.002)
+    store = kv.BlockStore([store_dir], pool, namespace="robust-staging", capacity_bytes=1 << 30, max_inflight=2, submit_timeout=0.002)
 
     def worker(n: int):
         blocking = n % 2 == 0
@@ -90,9 +89,18 @@ def main():
     for t in threads:
         t.join(max(0.0, DEADLINE - (time.monotonic() - t0)))
     stuck = sum(t.is_alive() for t in threads)
-    report = dict(counts, stuck=stuck, requests=THREADS * REQUESTS, seconds=round(time.monotonic() - t0, 3),
-                  baseline_rss=baseline, hwm=vm("VmHWM"), rss=vm("VmRSS"), budget=pool.total_bytes,
-                  free_slots=pool.free_slots, num_slots=SLOTS)
+    report = dict(
+        counts,
+        stuck=stuck,
+        requests=THREADS * REQUESTS,
+        seconds=round(time.monotonic() - t0, 3),
+        baseline_rss=baseline,
+        hwm=vm("VmHWM"),
+        rss=vm("VmRSS"),
+        budget=pool.total_bytes,
+        free_slots=pool.free_slots,
+        num_slots=SLOTS,
+    )
     print(json.dumps(report), flush=True)
     if not stuck:
         store.close()

@@ -19,8 +19,7 @@ def main():
     pool = kv.StagingPool(int(payload), 1)
     slot = pool.acquire()
     store = kv.BlockStore([store_dir], pool, namespace=namespace, capacity_bytes=int(capacity), min_free_bytes=0)
-    ok = sum(put_bytes(store, pool, slot, f"second-{i:03d}".encode(), bytes([i % 251]) * int(payload)).ok
-             for i in range(int(count)))
+    ok = sum(put_bytes(store, pool, slot, f"second-{i:03d}".encode(), bytes([i % 251]) * int(payload)).ok for i in range(int(count)))
     namespace_dir = os.path.basename(store.namespace_dir[0])
     store.close()
     print(json.dumps({"written": ok, "ns_dir": namespace_dir}))

@@ -58,8 +58,17 @@ def main():
         if line.strip() != "report":
             break
         stats = store.stats()
-        print(json.dumps({"errors": errors, "chunks": stats["chunks"], "used_bytes": stats["used_bytes"],
-                          "ns_dir": os.path.basename(store.namespace_dir[0])}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "errors": errors,
+                    "chunks": stats["chunks"],
+                    "used_bytes": stats["used_bytes"],
+                    "ns_dir": os.path.basename(store.namespace_dir[0]),
+                }
+            ),
+            flush=True,
+        )
     store.close()
     print("closed", flush=True)
 

@@ -26,7 +26,7 @@ MAX_PAYLOAD = 64 << 10
 
 def main():
     sc = json.load(open(sys.argv[1]))
-    mine = ALL_KEYS[sc["first"]:sc["last"]]
+    mine = ALL_KEYS[sc["first"] : sc["last"]]
     rng = random.Random(sc["seed"])
     pool = kv.StagingPool(MAX_PAYLOAD, 1)
     slot = pool.acquire()
@@ -37,8 +37,7 @@ def main():
     print("ready", flush=True)
     assert sys.stdin.readline().strip() == "go"
     put_ever = set()
-    seen = {"puts": 0, "put_errors": 0, "gets": 0, "hits": 0, "misses": 0, "foreign_hits": 0, "bad": 0,
-            "max_used": 0, "failures": []}
+    seen = {"puts": 0, "put_errors": 0, "gets": 0, "hits": 0, "misses": 0, "foreign_hits": 0, "bad": 0, "max_used": 0, "failures": []}
     began = time.monotonic()
     deadline, cap = began + sc["seconds"], began + 10 * sc["seconds"]
     min_puts = sc.get("min_puts", 0)
@@ -70,8 +69,21 @@ def main():
                 seen["failures"].append(f"get {r.status}: {r.message}"[:300])
         seen["max_used"] = max(seen["max_used"], store.used_bytes)
     stats = store.stats()
-    seen.update({k: stats[k] for k in ("corrupt_chunks", "write_races", "evictions", "read_errors", "write_errors",
-                                        "recycled_files", "recycle_skipped", "shared_capacity_refused")})
+    seen.update(
+        {
+            k: stats[k]
+            for k in (
+                "corrupt_chunks",
+                "write_races",
+                "evictions",
+                "read_errors",
+                "write_errors",
+                "recycled_files",
+                "recycle_skipped",
+                "shared_capacity_refused",
+            )
+        }
+    )
     store.close()
     print(json.dumps(seen), flush=True)
 

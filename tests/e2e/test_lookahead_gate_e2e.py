@@ -34,9 +34,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_marks import VLLM_ENGINE
 from child_paths import child
 from engine_driver import driver_env
+from vllm_marks import VLLM_ENGINE
 
 sys.path.insert(0, str(Path(__file__).parent))
 from slow_device import ThrottledDevice  # noqa: E402
@@ -76,17 +76,22 @@ def _profile(model: str, path: Path) -> float:
     from pykvcache.gate import GateProfile, hardware_id
     from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
 
-    model_cost = CostModel(PrefillCurve(0.0, 0.0, PREFILL_C),
-                           LoadCost(FIXED_S, DISK_BYTES_PER_S, H2D_BYTES_PER_S), 2048.0)
+    model_cost = CostModel(PrefillCurve(0.0, 0.0, PREFILL_C), LoadCost(FIXED_S, DISK_BYTES_PER_S, H2D_BYTES_PER_S), 2048.0)
     break_even = model_cost.break_even_tokens()
     GateProfile(
-        model=model, dtype="float32", block_size=32, chunk_tokens=CHUNK_TOKENS,
-        kv_bytes_per_token=2048.0, world_size=1, hardware=hardware_id(),
+        model=model,
+        dtype="float32",
+        block_size=32,
+        chunk_tokens=CHUNK_TOKENS,
+        kv_bytes_per_token=2048.0,
+        world_size=1,
+        hardware=hardware_id(),
         storage={"dir": str(path.parent), "device": None},
         prefill={"a": 0.0, "b": 0.0, "c": PREFILL_C},
-        load={"fixed_s": FIXED_S, "disk_bytes_per_s": DISK_BYTES_PER_S,
-              "h2d_bytes_per_s": H2D_BYTES_PER_S},
-        break_even_tokens=break_even, created="test", pykvcache_version="test",
+        load={"fixed_s": FIXED_S, "disk_bytes_per_s": DISK_BYTES_PER_S, "h2d_bytes_per_s": H2D_BYTES_PER_S},
+        break_even_tokens=break_even,
+        created="test",
+        pykvcache_version="test",
         notes=["coefficients chosen by the test, not measured"],
     ).save(path)
     return break_even
@@ -132,11 +137,16 @@ def scenario_result(tmp_path_factory, tiny_model, slow_device):
     for i in range(PAIRS):
         for j, lookahead in enumerate(_pair_order(i)):
             k = 2 * i + j
-            phases += [reset, {
-                "op": "generate", "name": f"{'on' if lookahead else 'off'}_{i}",
-                "prompts": [heads[k], queued[k]], "max_tokens_each": [HEAD_DECODE, 2],
-                "kv_transfer_params_each": [None, None if lookahead else off],
-            }]
+            phases += [
+                reset,
+                {
+                    "op": "generate",
+                    "name": f"{'on' if lookahead else 'off'}_{i}",
+                    "prompts": [heads[k], queued[k]],
+                    "max_tokens_each": [HEAD_DECODE, 2],
+                    "kv_transfer_params_each": [None, None if lookahead else off],
+                },
+            ]
     # One short prompt per generate(): none waits behind another. Co-queued at arrival, the
     # preloader weighs a recompute by the requests waiting behind it (decision 0079) and may
     # preload what the lookup's gate then recomputes: a disagreement since
@@ -149,9 +159,14 @@ def scenario_result(tmp_path_factory, tiny_model, slow_device):
         "llm": {
             "max_num_seqs": 1,
             "kv_transfer_config": kv_transfer_config(
-                [str(storage)], 256 << 20, lookahead=True,
-                staging_bytes=STAGING_SLOTS * SLOT_FOOTPRINT, block_size=CHUNK_TOKENS,
-                gate_profile=str(work / "profile.json"), wipe_on_reset=False),
+                [str(storage)],
+                256 << 20,
+                lookahead=True,
+                staging_bytes=STAGING_SLOTS * SLOT_FOOTPRINT,
+                block_size=CHUNK_TOKENS,
+                gate_profile=str(work / "profile.json"),
+                wipe_on_reset=False,
+            ),
         },
         "phases": phases,
     }
@@ -163,15 +178,20 @@ def scenario_result(tmp_path_factory, tiny_model, slow_device):
     # recompute by the requests waiting behind it (decision 0079), then preloaded the chunks
     # of 3 prompts the lookup's gate recomputes (3 wasted preload reads, seen in this run).
     env = driver_env(multiprocess=True)
-    proc = subprocess.run([sys.executable, str(DRIVER), str(path)], capture_output=True,
-                          text=True, timeout=900, env=env,
-                          preexec_fn=dev.preexec if dev is not None else None)
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER), str(path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+        preexec_fn=dev.preexec if dev is not None else None,
+    )
     (work / "run.log").write_text(proc.stdout + "\n" + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
         pytest.fail(f"lookahead driver failed (rc={proc.returncode}):\n{tail}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = json.loads(lines[-1][len("RESULT ") :])
     result["by_name"] = {p["name"]: p for p in result["phases"]}
     result["break_even"] = break_even
     result["log"] = proc.stdout + proc.stderr
@@ -212,8 +232,7 @@ def test_first_pass_computes_everything(scenario_result):
     first = scenario_result["by_name"]["first"]
     assert first["num_cached_tokens"] == [0] * len(first["tokens"])
     assert min(first["prompt_lens"][: 2 * PAIRS + 1]) > Q_CHUNKS * CHUNK_TOKENS
-    assert "Using a conservative default" not in scenario_result["log"], \
-        "the test profile was rejected"
+    assert "Using a conservative default" not in scenario_result["log"], "the test profile was rejected"
     if scenario_result["no_device"]:
         print(f"\n[lookahead] no slow device: {scenario_result['no_device']}", file=sys.stderr)
 
@@ -237,8 +256,7 @@ def test_queued_request_is_staged_before_it_is_scheduled(scenario_result):
                 assert _delta(r, name, "lookahead_preload_reads") >= Q_CHUNKS, name
                 assert _delta(r, name, "lookahead_wasted_bytes") == 0, name
                 assert _delta(r, name, "lookahead_used_bytes") == _delta(r, name, "lookahead_preload_bytes")
-                ready[name] = (_delta(r, name, "lookup_ready_requests"),
-                               _delta(r, name, "lookup_waited_requests"))
+                ready[name] = (_delta(r, name, "lookup_ready_requests"), _delta(r, name, "lookup_waited_requests"))
             else:
                 # No preload: Q's reads started at its first probe, after H.
                 assert _delta(r, name, "lookahead_preload_reads") == 0, name
@@ -257,20 +275,25 @@ def test_queued_request_is_staged_before_it_is_scheduled(scenario_result):
 def test_lookahead_lowers_arrival_to_first_token(scenario_result):
     r = scenario_result
     if not r["slow_device"]:
-        pytest.skip(f"no slow device ({r['no_device']}): on this disk a 14-chunk read takes "
-                    "~1 ms, far below the run-to-run noise of a shared machine")
+        pytest.skip(
+            f"no slow device ({r['no_device']}): on this disk a 14-chunk read takes "
+            "~1 ms, far below the run-to-run noise of a shared machine"
+        )
     b = _batches(r)
     expected_read = Q_CHUNKS * CHUNK_BYTES / SLOW_READ_BPS
     ttft_gain = [b[("off", i)]["ttft_s"] - b[("on", i)]["ttft_s"] for i in range(PAIRS)]
     wait_gain = [b[("off", i)]["after_head_s"] - b[("on", i)]["after_head_s"] for i in range(PAIRS)]
     head_noise = [b[("off", i)]["head_s"] - b[("on", i)]["head_s"] for i in range(PAIRS)]
-    report = {f"{m}_{i}": {k: round(v * 1e3, 1) for k, v in b[(m, i)].items()}
-              for i in range(PAIRS) for m in ("on", "off")}
-    print("\nlookahead timing (ms):", json.dumps(report),
-          f"\npaired off - on (ms): arrival->first token {[round(g * 1e3) for g in ttft_gain]}, "
-          f"after the head's last token {[round(g * 1e3) for g in wait_gain]}, "
-          f"head's own time {[round(g * 1e3) for g in head_noise]}; "
-          f"expected read {expected_read * 1e3:.0f} ms", file=sys.stderr)
+    report = {f"{m}_{i}": {k: round(v * 1e3, 1) for k, v in b[(m, i)].items()} for i in range(PAIRS) for m in ("on", "off")}
+    print(
+        "\nlookahead timing (ms):",
+        json.dumps(report),
+        f"\npaired off - on (ms): arrival->first token {[round(g * 1e3) for g in ttft_gain]}, "
+        f"after the head's last token {[round(g * 1e3) for g in wait_gain]}, "
+        f"head's own time {[round(g * 1e3) for g in head_noise]}; "
+        f"expected read {expected_read * 1e3:.0f} ms",
+        file=sys.stderr,
+    )
     # Once the running slot is free, Q waits for its reads only without
     # lookahead: the paired difference is about one throttled read, set by
     # the device, not by the CPU (many times this machine's step noise).
@@ -282,9 +305,11 @@ def test_lookahead_lowers_arrival_to_first_token(scenario_result):
     # the expected gain; otherwise reported.
     spread = statistics.median(abs(x) for x in head_noise)
     if spread > 0.5 * expected_read:
-        pytest.skip(f"head's time varied by {spread * 1e3:.0f} ms (median |paired difference|) in this run, "
-                    f"more than half the expected gain ({expected_read * 1e3:.0f} ms): arrival -> first token "
-                    f"gains {[round(g * 1e3) for g in ttft_gain]} ms reported, not asserted")
+        pytest.skip(
+            f"head's time varied by {spread * 1e3:.0f} ms (median |paired difference|) in this run, "
+            f"more than half the expected gain ({expected_read * 1e3:.0f} ms): arrival -> first token "
+            f"gains {[round(g * 1e3) for g in ttft_gain]} ms reported, not asserted"
+        )
     assert statistics.median(ttft_gain) > 0.25 * expected_read
 
 
@@ -297,7 +322,7 @@ def test_gate_recomputes_below_break_even_and_loads_above(scenario_result):
     assert len(shorts) == 3
     assert max(short["prompt_lens"]) < r["break_even"]
     assert all(n >= 2 * CHUNK_TOKENS for n in short["prompt_lens"])  # chunks exist on disk
-    assert short["tokens"] == first["tokens"][2 * PAIRS + 1:]
+    assert short["tokens"] == first["tokens"][2 * PAIRS + 1 :]
     assert short["num_cached_tokens"] == [0] * len(short["tokens"])
     assert _delta(r, "short_0", "disk_reads", "short_2") == 0
     assert _delta(r, "short_0", "gate_decisions_recompute", "short_2") >= len(short["tokens"])
@@ -332,12 +357,21 @@ def test_a_load_that_times_out_on_a_slow_disk_is_recomputed_in_a_small_kv_cache(
         # 44 blocks of 32 tokens: the prompt (29 blocks) fits once, not twice.
         "max_model_len": 1024,
         "kv_cache_memory_bytes": 44 * 32 * 2 * 2 * 2 * 64 * 4,
-        "llm": {"kv_transfer_config": kv_transfer_config(
-            [str(dev.mount / "store-failed-load")], 256 << 20, lookahead=True, lookahead_bytes=0,
-            lookahead_requests=0, staging_bytes=24 * SLOT_FOOTPRINT, block_size=CHUNK_TOKENS,
-            # At 256 KiB/s one 128 KiB chunk takes ~0.5 s: no read ends
-            # within the deadline, the engine abandons them, the load fails.
-            io_deadline_s=0.15, gate=False)},
+        "llm": {
+            "kv_transfer_config": kv_transfer_config(
+                [str(dev.mount / "store-failed-load")],
+                256 << 20,
+                lookahead=True,
+                lookahead_bytes=0,
+                lookahead_requests=0,
+                staging_bytes=24 * SLOT_FOOTPRINT,
+                block_size=CHUNK_TOKENS,
+                # At 256 KiB/s one 128 KiB chunk takes ~0.5 s: no read ends
+                # within the deadline, the engine abandons them, the load fails.
+                io_deadline_s=0.15,
+                gate=False,
+            )
+        },
         "phases": [
             {"op": "generate", "name": "first", "prompts": [prompt]},
             {"op": "reset_prefix_cache"},
@@ -349,14 +383,19 @@ def test_a_load_that_times_out_on_a_slow_disk_is_recomputed_in_a_small_kv_cache(
     path = tmp_path / "scenario.json"
     path.write_text(json.dumps(scenario))
     with dev.read_rate(256 << 10):
-        proc = subprocess.run([sys.executable, str(child("driver.py")), str(path)], capture_output=True,
-                              text=True, timeout=300, env=driver_env(multiprocess=False), preexec_fn=dev.preexec)
+        proc = subprocess.run(
+            [sys.executable, str(child("driver.py")), str(path)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=driver_env(multiprocess=False),
+            preexec_fn=dev.preexec,
+        )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, "\n".join((proc.stdout + proc.stderr).splitlines()[-60:])
-    by = {p["name"]: p for p in json.loads(lines[-1][len("RESULT "):])["phases"] if "name" in p}
+    by = {p["name"]: p for p in json.loads(lines[-1][len("RESULT ") :])["phases"] if "name" in p}
     reload = by["reload"]
     metric = reload["metrics"].get
-    print(f"[failed load] reload {reload['seconds']} s, failed loads {metric('vllm:pykvcache_failed_loads', 0)}",
-          file=sys.stderr)
+    print(f"[failed load] reload {reload['seconds']} s, failed loads {metric('vllm:pykvcache_failed_loads', 0)}", file=sys.stderr)
     assert metric("vllm:pykvcache_failed_loads", 0) >= 1, "the load was expected to outlive the worker's wait"
     assert reload["tokens"] == by["first"]["tokens"], "recomputed, identical greedy tokens"

@@ -40,14 +40,14 @@ import json
 import os
 import re
 import shutil
-import time
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from vllm_marks import VLLM_ENGINE
 from test_vllm_e2e import _kv_config, _run, _texts
+from vllm_marks import VLLM_ENGINE
 
 pytestmark = VLLM_ENGINE
 
@@ -81,7 +81,7 @@ def _edit_embedding_rows(weights: Path, token_ids: set[int], rows: int = 200) ->
         return all(hi <= a or lo >= b for a, b in sampled)
 
     chosen = [r for r in sorted(token_ids) if r < vocab and clear(r)]
-    chosen += [r for r in range(vocab) if r not in token_ids and clear(r)][:max(0, rows - len(chosen))]
+    chosen += [r for r in range(vocab) if r not in token_ids and clear(r)][: max(0, rows - len(chosen))]
     chosen = sorted(chosen[:rows])
     before = weights.stat()
     with open(weights, "r+b") as f:
@@ -116,9 +116,11 @@ def _write_adapter(dest: Path, seed: int, rank: int = 8) -> None:
     tmp = dest.parent / f".{dest.name}.new"
     tmp.mkdir(exist_ok=True)
     save_file(tensors, str(tmp / "adapter_model.safetensors"))
-    (tmp / "adapter_config.json").write_text(json.dumps({
-        "peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": sorted(outs),
-        "bias": "none", "task_type": "CAUSAL_LM"}))
+    (tmp / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": sorted(outs), "bias": "none", "task_type": "CAUSAL_LM"}
+        )
+    )
     for f in tmp.iterdir():
         os.replace(f, dest / f.name)
     tmp.rmdir()
@@ -131,8 +133,7 @@ def _token_ids(model: Path, text: str) -> set[int]:
 
 
 def _phases(x: str, *, reference: bool) -> list[dict]:
-    phases = [{"op": "generate", "name": "reference", "prompts": [{"text": x, "salt": "fresh"}]}] \
-        if reference else []
+    phases = [{"op": "generate", "name": "reference", "prompts": [{"text": x, "salt": "fresh"}]}] if reference else []
     return phases + [{"op": "generate", "name": "x", "prompts": [x]}]
 
 
@@ -156,8 +157,11 @@ def runs(tmp_path_factory, tiny_model):
     mp.setenv("XDG_CACHE_HOME", str(work / "xdg-cache"))
 
     def run(name: str, *, reference: bool, **llm) -> dict:
-        scenario = {"model": str(model), "phases": _phases(x, reference=reference),
-                    "llm": {"kv_transfer_config": _kv_config(store, 24), **llm}}
+        scenario = {
+            "model": str(model),
+            "phases": _phases(x, reference=reference),
+            "llm": {"kv_transfer_config": _kv_config(store, 24), **llm},
+        }
         return _run(scenario, work, name)
 
     try:
@@ -210,8 +214,11 @@ def test_the_same_model_again_loads_the_stored_prefix(runs):
 
 def _weights_log(run: dict) -> dict[str, int]:
     """The start-up's weights-identity log line, as numbers."""
-    m = re.search(r"weights identity of \S+: (\d+) file\(s\), (\d+) from the digest cache, "
-                  r"(\d+) bytes hashed", run["log"])
+    m = re.search(
+        r"weights identity of \S+: (\d+) file\(s\), (\d+) from the digest cache, "
+        r"(\d+) bytes hashed",
+        run["log"],
+    )
     assert m, "no weights identity line in the engine's log"
     return dict(zip(("files", "cached", "hashed"), map(int, m.groups())))
 
@@ -246,26 +253,31 @@ def startup(tmp_path_factory, tiny_model, tiny_model_other_weights):
     store = work / "store"
     xs = [synthetic_text(250, seed=500 + i) for i in range(5)]
     lora_a, lora_b = ["a", 1, str(adapter_a)], ["b", 2, str(adapter_b)]
-    prompts = [{"text": xs[0]}, {"text": xs[1]}, {"text": xs[2], "lora": lora_a}, {"text": xs[3]},
-               {"text": xs[4], "lora": lora_b}]
+    prompts = [{"text": xs[0]}, {"text": xs[1]}, {"text": xs[2], "lora": lora_a}, {"text": xs[3]}, {"text": xs[4], "lora": lora_b}]
     mp = pytest.MonkeyPatch()
     mp.setenv("XDG_CACHE_HOME", str(work / "xdg-cache"))
 
     def run(name: str, phases: list[dict], **llm) -> dict:
-        scenario = {"model": str(model), "phases": phases, **llm.pop("scenario", {}),
-                    "llm": {"kv_transfer_config": _kv_config(store, 40), **LORA, **llm}}
+        scenario = {
+            "model": str(model),
+            "phases": phases,
+            **llm.pop("scenario", {}),
+            "llm": {"kv_transfer_config": _kv_config(store, 40), **LORA, **llm},
+        }
         result = _run(scenario, work, name)
         result["log"] = (work / f"{name}.log").read_text()
         return result
 
     def gen(name: str, *which: int, salt: str | None = None) -> list[dict]:
-        return [{"op": "generate", "name": f"{name}{i}",
-                 "prompts": [{**prompts[i], **({"salt": salt} if salt else {})}]} for i in which]
+        return [{"op": "generate", "name": f"{name}{i}", "prompts": [{**prompts[i], **({"salt": salt} if salt else {})}]} for i in which]
 
     out = {}
     try:
-        out["swapped"] = run("swapped", gen("x", 0), scenario={"replace_on_log": {
-            "pattern": "Loading weights took", "src": str(staged), "dst": str(model / "model.safetensors")}})
+        out["swapped"] = run(
+            "swapped",
+            gen("x", 0),
+            scenario={"replace_on_log": {"pattern": "Loading weights took", "src": str(staged), "dst": str(model / "model.safetensors")}},
+        )
         out["dummy"] = run("dummy", gen("x", 1), load_format="dummy")
         out["adapted"] = run("adapted", gen("x", 2, 3, 4))
         _write_adapter(adapter_a, seed=3)  # retrained, saved under the same name and path

@@ -17,8 +17,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_marks import VLLM_ENGINE
 from test_vllm_e2e import CHUNK_BYTES, _kv_config, _run, _texts
+from vllm_marks import VLLM_ENGINE
 
 pytestmark = VLLM_ENGINE
 
@@ -43,13 +43,15 @@ def runs(tiny_model, tmp_path_factory):
         return {"model": tiny_model, "phases": phases, "llm": llm}
 
     out = {"store": store}
-    out["tp1"] = _run(scenario(1, [{"op": "generate", "name": "x", "prompts": xs}, {"op": "settle"}]),
-                      workdir, "canonical-tp1")
-    out["tp2"] = _run(scenario(2, [{"op": "generate", "name": "x0", "prompts": [xs[0]]},
-                                   {"op": "generate", "name": "y", "prompts": [y]},
-                                   {"op": "settle"}]), workdir, "canonical-tp2")
-    out["back"] = _run(scenario(1, [{"op": "generate", "name": "y", "prompts": [y]}]),
-                       workdir, "canonical-tp1-again")
+    out["tp1"] = _run(scenario(1, [{"op": "generate", "name": "x", "prompts": xs}, {"op": "settle"}]), workdir, "canonical-tp1")
+    out["tp2"] = _run(
+        scenario(
+            2, [{"op": "generate", "name": "x0", "prompts": [xs[0]]}, {"op": "generate", "name": "y", "prompts": [y]}, {"op": "settle"}]
+        ),
+        workdir,
+        "canonical-tp2",
+    )
+    out["back"] = _run(scenario(1, [{"op": "generate", "name": "y", "prompts": [y]}]), workdir, "canonical-tp1-again")
     return out
 
 

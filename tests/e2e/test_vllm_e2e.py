@@ -25,9 +25,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_paths import child
 from engine_driver import hosted_run
 from vllm_marks import VLLM_ENGINE
-from child_paths import child
 
 pytestmark = VLLM_ENGINE
 
@@ -81,9 +81,9 @@ def _kv_config(store_dir: Path, staging_slots: int, **extra) -> dict:
     from pykvcache.vllm.config import kv_transfer_config
 
     extra.setdefault("capacity_bytes", 1 << 30)
-    return kv_transfer_config([str(store_dir)], extra.pop("capacity_bytes"),
-                              staging_bytes=staging_slots * SLOT_FOOTPRINT, block_size=CHUNK_TOKENS,
-                              **extra)
+    return kv_transfer_config(
+        [str(store_dir)], extra.pop("capacity_bytes"), staging_bytes=staging_slots * SLOT_FOOTPRINT, block_size=CHUNK_TOKENS, **extra
+    )
 
 
 def _run(scenario: dict, workdir: Path, name: str) -> dict:
@@ -127,16 +127,22 @@ def offload(models, workdir, store_dir):
     xs, fillers, partial = _texts()
     # 24 staging slots: the fillers push the X prefix out of staging, so the
     # repeat must read it back from disk.
-    scenario = {"model": models["main"], "llm": {"kv_transfer_config": _kv_config(store_dir, 24)},
-                "phases": _phases_offload(xs, fillers, partial)}
+    scenario = {
+        "model": models["main"],
+        "llm": {"kv_transfer_config": _kv_config(store_dir, 24)},
+        "phases": _phases_offload(xs, fillers, partial),
+    }
     return _run(scenario, workdir, "offload")
 
 
 @pytest.fixture(scope="session")
 def restart(models, workdir, store_dir, offload):
     xs, fillers, _ = _texts()
-    scenario = {"model": models["main"], "llm": {"kv_transfer_config": _kv_config(store_dir, 24)},
-                "phases": _phases_restart(xs, fillers, store_dir)}
+    scenario = {
+        "model": models["main"],
+        "llm": {"kv_transfer_config": _kv_config(store_dir, 24)},
+        "phases": _phases_restart(xs, fillers, store_dir),
+    }
     return _run(scenario, workdir, "restart")
 
 
@@ -182,8 +188,15 @@ def two_writers(models, workdir):
     xs, _, _ = _texts()
     store = workdir / "store-two-writers"
     capacity = SHARED_CAPACITY_CHUNKS * SLOT_FOOTPRINT
-    writer = [sys.executable, str(child("second_writer.py")), str(store), "second-writer",
-              str(SHARED_CAPACITY_CHUNKS), str(CHUNK_BYTES), str(capacity)]
+    writer = [
+        sys.executable,
+        str(child("second_writer.py")),
+        str(store),
+        "second-writer",
+        str(SHARED_CAPACITY_CHUNKS),
+        str(CHUNK_BYTES),
+        str(capacity),
+    ]
     scenario = {
         "model": models["main"],
         "llm": {"kv_transfer_config": _kv_config(store, 24, capacity_bytes=capacity)},
@@ -223,8 +236,7 @@ def in_flight(models, workdir):
         {"op": "generate", "name": "fillers_after_corruption", "prompts": fillers},
         {"op": "generate", "name": "corrupt_repeat", "prompts": [xs[0]]},
     ]
-    return _run({"model": models["main"], "llm": {"kv_transfer_config": config}, "phases": phases},
-                workdir, "in_flight")
+    return _run({"model": models["main"], "llm": {"kv_transfer_config": config}, "phases": phases}, workdir, "in_flight")
 
 
 def _metric(phase: dict, name: str) -> float:
@@ -337,7 +349,6 @@ def test_loaded_kv_is_really_used(other_model):
     assert scribbled["tokens"] != mismatch["tokens"], "noise in loaded KV did not change output"
 
 
-
 def test_no_staging_region_left_behind(offload, restart, other_model):
     from driver import staging_memfds
     from engine_driver import close_hosts
@@ -361,8 +372,7 @@ def full_disk_tenants(models, workdir, baseline):
     xs, fillers, _ = _texts()
     mnt = workdir / "tmpfs"
     mnt.mkdir()
-    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)],
-                        capture_output=True)
+    rc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m,mode=0700", "tmpfs", str(mnt)], capture_output=True)
     if rc.returncode != 0:
         pytest.skip(f"cannot mount tmpfs here: {rc.stderr.decode().strip()}")
     try:
@@ -425,8 +435,7 @@ def preformatted(models, workdir, baseline):
     chunks take the capacity before serving, and every chunk vLLM then
     stores overwrites a filler's file."""
     xs, fillers, _ = _texts()
-    config = _kv_config(workdir / "preformatted", 24, capacity_bytes=PREFORMAT_CHUNKS * SLOT_FOOTPRINT,
-                        preformat=True)
+    config = _kv_config(workdir / "preformatted", 24, capacity_bytes=PREFORMAT_CHUNKS * SLOT_FOOTPRINT, preformat=True)
     scenario = {
         "model": models["main"],
         "llm": {"kv_transfer_config": config},
@@ -482,12 +491,14 @@ def test_reads_in_flight_are_hits_and_a_failed_one_is_recomputed(baseline, offlo
     stock = offload["by_name"]
     stock_deferred = _metric(stock["repeat"], "lookups_deferred") - _metric(stock["fillers"], "lookups_deferred")
     corrupt = by["corrupt_repeat"]
-    print(f"[in_flight] the repeat from disk: deferred lookups stock connector {stock_deferred:.0f}, "
-          f"PyKvCacheConnector {delta('lookups_deferred'):.0f}; phase {stock['repeat']['seconds']} s vs "
-          f"{repeat['seconds']} s; in-flight hits {delta('lookup_in_flight_hits'):.0f}. Corrupt repeat: "
-          f"in-flight read failures {_metric(corrupt, 'in_flight_read_failures'):.0f}, failed loads "
-          f"{_metric(corrupt, 'failed_loads'):.0f}, corrupt chunks {_metric(corrupt, 'corrupt_chunks'):.0f}",
-          file=sys.stderr)
+    print(
+        f"[in_flight] the repeat from disk: deferred lookups stock connector {stock_deferred:.0f}, "
+        f"PyKvCacheConnector {delta('lookups_deferred'):.0f}; phase {stock['repeat']['seconds']} s vs "
+        f"{repeat['seconds']} s; in-flight hits {delta('lookup_in_flight_hits'):.0f}. Corrupt repeat: "
+        f"in-flight read failures {_metric(corrupt, 'in_flight_read_failures'):.0f}, failed loads "
+        f"{_metric(corrupt, 'failed_loads'):.0f}, corrupt chunks {_metric(corrupt, 'corrupt_chunks'):.0f}",
+        file=sys.stderr,
+    )
     assert stock_deferred > 0
     # Corrupted on disk: answered HIT, read, found corrupt; the load failed,
     # vLLM recomputed the request and the tokens are the same.

@@ -32,9 +32,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from vllm_marks import VLLM_ENGINE
 from driver import staging_memfds
 from test_vllm_e2e import BLOCK_TOKENS, CHUNK_TOKENS, _kv_config
+from vllm_marks import VLLM_ENGINE
 
 pytestmark = VLLM_ENGINE
 
@@ -103,16 +103,35 @@ class Server:
         self.prefix = staging_shm_prefix(engine_id)
         self.port = _free_port()
         self.log = log
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
-               "--port", str(self.port), "--host", "127.0.0.1", "--dtype", "float32",
-               "--block-size", str(BLOCK_TOKENS), "--enable-prefix-caching", "--enforce-eager",
-               "--max-model-len", "2048", "--kv-cache-memory-bytes", str(8 << 20),
-               "--seed", "0", "--kv-transfer-config", json.dumps(kv), *extra_args]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                   TOKENIZERS_PARALLELISM="false")
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+            "--host",
+            "127.0.0.1",
+            "--dtype",
+            "float32",
+            "--block-size",
+            str(BLOCK_TOKENS),
+            "--enable-prefix-caching",
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+            "--kv-cache-memory-bytes",
+            str(8 << 20),
+            "--seed",
+            "0",
+            "--kv-transfer-config",
+            json.dumps(kv),
+            *extra_args,
+        ]
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", TOKENIZERS_PARALLELISM="false")
         self._log_file = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, stdout=self._log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
     def wait_ready(self, timeout: float = 600) -> None:
         deadline = time.monotonic() + timeout
@@ -128,12 +147,11 @@ class Server:
             time.sleep(1)
         pytest.fail(f"server not ready in {timeout} s:\n{self.tail()}")
 
-    def complete(self, prompt_ids: list[int], *, model: str, max_tokens: int = 1,
-                 timeout: float = 300) -> dict:
-        body = json.dumps({"model": model, "prompt": prompt_ids, "max_tokens": max_tokens,
-                           "temperature": 0, "ignore_eos": True}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
+    def complete(self, prompt_ids: list[int], *, model: str, max_tokens: int = 1, timeout: float = 300) -> dict:
+        body = json.dumps({"model": model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
 
@@ -141,8 +159,13 @@ class Server:
         """Requests the engine runs or queues now (its own gauges)."""
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/metrics", timeout=30) as r:
             text = r.read().decode()
-        return int(sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                       if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))))
+        return int(
+            sum(
+                float(line.rsplit(" ", 1)[1])
+                for line in text.splitlines()
+                if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{"))
+            )
+        )
 
     def model_name(self) -> str:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/v1/models", timeout=30) as r:
@@ -228,8 +251,10 @@ def test_stopped_before_any_transfer_leaves_no_staging_behind(server_factory, si
     mapped = server.dev_shm_mapped()
     seconds = server.stop(sig)
     vllm_leftovers = _remove_vllm_leftovers(mapped)
-    print(f"[{signal.Signals(sig).name}] all processes gone {seconds:.1f} s after the signal; "
-          f"vLLM's own leftovers removed: {vllm_leftovers}", file=sys.stderr)
+    print(
+        f"[{signal.Signals(sig).name}] all processes gone {seconds:.1f} s after the signal; vLLM's own leftovers removed: {vllm_leftovers}",
+        file=sys.stderr,
+    )
     leaked = _pykvcache_shm() - before
     for name in leaked:  # keep the machine clean when the test fails (before the fix)
         if name.startswith(server.prefix):
@@ -251,8 +276,7 @@ def _chunk_files(store: Path) -> tuple[int, int]:
     return chunks, temps
 
 
-def test_sigterm_under_load_persists_chunks_only_with_a_shutdown_timeout(
-        server_factory, model, tmp_path):
+def test_sigterm_under_load_persists_chunks_only_with_a_shutdown_timeout(server_factory, model, tmp_path):
     """The same concurrent requests twice, SIGTERM as soon as the first one is
     answered (fresh store each time). vLLM's default stop aborts what is in
     flight and SIGKILLs the EngineCore at once: chunks already in staging but
@@ -272,6 +296,7 @@ def test_sigterm_under_load_persists_chunks_only_with_a_shutdown_timeout(
     for label, args in (("default", ()), ("timeout", ("--shutdown-timeout", "60"))):
         if store.exists():
             import shutil
+
             shutil.rmtree(store)
         server = server_factory(*args)
         name = server.model_name()
@@ -298,17 +323,19 @@ def test_sigterm_under_load_persists_chunks_only_with_a_shutdown_timeout(
         # machine stopped with 2 of 8 there: the API server aborted the other
         # 6 before they were computed, and their chunks never existed).
         admitted = time.monotonic() + 120
-        while (not answered.is_set() and time.monotonic() < admitted
-               and server.requests_in_engine() < len(prompts)):
+        while not answered.is_set() and time.monotonic() < admitted and server.requests_in_engine() < len(prompts):
             time.sleep(0.05)
         answered.wait(300)
         seconds = server.stop(signal.SIGTERM)
         chunks, temps = _chunk_files(store)
-        outcome[label] = {"answered_in_full": len(done), "their_chunks": sum(done), "chunks": chunks,
-                          "temps": temps,
-                          "stop_s": round(seconds, 1)}
-    print(f"[shutdown] {len(prompts)} requests, {expected} chunks in all: {outcome}",
-          file=sys.stderr)
+        outcome[label] = {
+            "answered_in_full": len(done),
+            "their_chunks": sum(done),
+            "chunks": chunks,
+            "temps": temps,
+            "stop_s": round(seconds, 1),
+        }
+    print(f"[shutdown] {len(prompts)} requests, {expected} chunks in all: {outcome}", file=sys.stderr)
     timed = outcome["timeout"]
     # Every chunk of every request computed in full is on disk (all of them
     # when all reached the engine before the stop, the usual case).

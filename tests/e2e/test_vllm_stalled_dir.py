@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
+from child_paths import child
 from engine_driver import run_driver
 from vllm_marks import VLLM_ENGINE
-from child_paths import child
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
 from stall_fs import StallFs, skip_reason  # noqa: E402
@@ -41,12 +40,17 @@ def test_a_stalled_store_never_stalls_serving_and_hits_return_after_it_resumes(t
     fillers = [synthetic_text(250, seed=300 + i) for i in range(3)]
     with StallFs(tmp_path / "fs") as fs:
         pid, mp = fs.proc.pid, fs.mount_point
-        config = kv_transfer_config([str(fs.mount_point)], 1 << 30, staging_bytes=24 * SLOT_FOOTPRINT,
-                                    block_size=CHUNK_TOKENS, io_deadline_s=DEADLINE_S,
-                                    # The breaker is under test, not the gate: once it has learnt
-                                    # this FUSE mount (~190 MB/s from two loads), the gate rightly
-                                    # recomputes a 250-token prompt of the tiny model.
-                                    gate=False)
+        config = kv_transfer_config(
+            [str(fs.mount_point)],
+            1 << 30,
+            staging_bytes=24 * SLOT_FOOTPRINT,
+            block_size=CHUNK_TOKENS,
+            io_deadline_s=DEADLINE_S,
+            # The breaker is under test, not the gate: once it has learnt
+            # this FUSE mount (~190 MB/s from two loads), the gate rightly
+            # recomputes a 250-token prompt of the tiny model.
+            gate=False,
+        )
         scenario = {
             "model": tiny_model,
             "llm": {"kv_transfer_config": config},
@@ -88,8 +92,7 @@ def test_a_stalled_store_never_stalls_serving_and_hits_return_after_it_resumes(t
         finally:
             fs.resume()
     p = {ph["name"]: ph for ph in result["phases"]}
-    print(f"[stalled] startup={result['startup_s']}s " + ", ".join(f"{n}={ph['seconds']}s" for n, ph in p.items()),
-          file=sys.stderr)
+    print(f"[stalled] startup={result['startup_s']}s " + ", ".join(f"{n}={ph['seconds']}s" for n, ph in p.items()), file=sys.stderr)
     expected = p["first"]["tokens"]
     stalled = p["stalled"]
     assert stalled["tokens"] == expected and p["stalled_again"]["tokens"] == expected

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from child_paths import child
 from engine_driver import run_driver
 from vllm_marks import VLLM_ENGINE
-from child_paths import child
 
 pytestmark = VLLM_ENGINE
 
@@ -37,8 +37,7 @@ def started(model, tmp_path_factory):
     work = tmp_path_factory.mktemp("pykvcache-startup")
     from pykvcache.vllm.config import kv_transfer_config
 
-    kv = kv_transfer_config([str(work / "store")], "1000TiB", lookahead=True,
-                            staging_bytes=32 * (64 << 10), block_size=64)
+    kv = kv_transfer_config([str(work / "store")], "1000TiB", lookahead=True, staging_bytes=32 * (64 << 10), block_size=64)
     result, output = _run({"mode": "start", "model": model, "kv": kv}, work, "start")
     print(f"[startup] normal start {result['startup_s']} s", file=sys.stderr)
     return result, output, work
@@ -93,14 +92,28 @@ def refused(model, started):
     """One driver process: the helper's refusal (no engine), then the same kind of mistakes
     as a JSON dict handed to vLLM (one engine start, refused)."""
     work = started[2]
-    extra = {"spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm",
-             "storage_dirs": [str(work / "json-store")],
-             **{key: value for key, (value, _) in FIRST_CONTACT_PROBLEMS.items()}}
-    json_kv = {"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm",
-               "kv_role": "kv_both", "kv_connector_extra_config": extra}
-    result, output = _run({"mode": "bad", "model": model, "json_kv": json_kv,
-                           "helper_args": {"storage_dirs": [str(work / "bad")],
-                                           "capacity_bytes": "infGiB"}}, work, "bad")
+    extra = {
+        "spec_name": "NvmeOffloadingSpec",
+        "spec_module_path": "pykvcache.vllm",
+        "storage_dirs": [str(work / "json-store")],
+        **{key: value for key, (value, _) in FIRST_CONTACT_PROBLEMS.items()},
+    }
+    json_kv = {
+        "kv_connector": "PyKvCacheConnector",
+        "kv_connector_module_path": "pykvcache.vllm",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": extra,
+    }
+    result, output = _run(
+        {
+            "mode": "bad",
+            "model": model,
+            "json_kv": json_kv,
+            "helper_args": {"storage_dirs": [str(work / "bad")], "capacity_bytes": "infGiB"},
+        },
+        work,
+        "bad",
+    )
     from driver_startup import JSON_START
 
     # vLLM's processes log to stdout, which the output starts with: before the marker is
@@ -119,8 +132,11 @@ def test_every_problem_of_a_json_config_is_reported_by_one_engine_start(refused,
     # refused them before vLLM's own check and before the KV cache was allocated.
     assert "must be a multiple of the GPU KV cache block size" not in output
     assert "pykvcache: namespace" not in output
-    print(f"[startup] JSON settings with {len(FIRST_CONTACT_PROBLEMS)} problems refused by one engine start "
-          f"after {result['json_seconds']} s (a normal start: {started[0]['startup_s']} s)", file=sys.stderr)
+    print(
+        f"[startup] JSON settings with {len(FIRST_CONTACT_PROBLEMS)} problems refused by one engine start "
+        f"after {result['json_seconds']} s (a normal start: {started[0]['startup_s']} s)",
+        file=sys.stderr,
+    )
 
 
 def test_a_bad_setting_is_refused_before_any_engine_starts(model, started, refused):
@@ -132,5 +148,4 @@ def test_a_bad_setting_is_refused_before_any_engine_starts(model, started, refus
     assert result["seconds"] < min(1.0, normal_start_s / 10), (result, normal_start_s)
     # Said once, by the exception: nothing logged it before it reached the caller.
     assert result["error"].count("capacity_bytes must be") == 1 and "capacity_bytes must be" not in output, output
-    print(f"[startup] bad setting refused after {result['seconds']} s "
-          f"(a normal start: {normal_start_s} s)", file=sys.stderr)
+    print(f"[startup] bad setting refused after {result['seconds']} s (a normal start: {normal_start_s} s)", file=sys.stderr)

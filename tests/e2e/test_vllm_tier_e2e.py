@@ -12,8 +12,8 @@ raises on the CPU platform): that refusal, its exact text, is the skip reason
 from __future__ import annotations
 
 import pytest
-from vllm_marks import VLLM_ENGINE
 from test_vllm_e2e import _run, _texts
+from vllm_marks import VLLM_ENGINE
 
 pytestmark = VLLM_ENGINE
 
@@ -31,8 +31,7 @@ def _refusal(tmp_path) -> str | None:
     if current_platform.is_cuda_alike() or current_platform.is_xpu():
         return None
     config = tiny_offloading_config({})
-    config = dataclasses.replace(config, extra_config={"cpu_bytes_to_use": 1 << 20, "blocks_per_chunk": 2,
-                                                       "secondary_tiers": []})
+    config = dataclasses.replace(config, extra_config={"cpu_bytes_to_use": 1 << 20, "blocks_per_chunk": 2, "secondary_tiers": []})
     try:
         TieringOffloadingSpec(config).get_worker(CanonicalKVCaches(tensors=[], group_data_refs=[]))
     except Exception as exc:  # noqa: BLE001 - its text is the report
@@ -45,18 +44,29 @@ def test_the_tier_serves_a_stored_prefix_to_a_new_engine(tiny_model, tmp_path):
     if refusal is not None:
         pytest.skip(f"vLLM's TieringOffloadingSpec refuses this platform in its workers: {refusal}")
     store = tmp_path / "store"
-    tier = {"type": "PykvcacheTier", "module_path": "pykvcache.vllm.tier",
-            "storage_dirs": [str(store)], "capacity_bytes": "1GiB", "staging_bytes": "16MiB"}
-    kv = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
-          "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 64 << 20,
-                                        "block_size": 64, "secondary_tiers": [tier]}}
+    tier = {
+        "type": "PykvcacheTier",
+        "module_path": "pykvcache.vllm.tier",
+        "storage_dirs": [str(store)],
+        "capacity_bytes": "1GiB",
+        "staging_bytes": "16MiB",
+    }
+    kv = {
+        "kv_connector": "OffloadingConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {
+            "spec_name": "TieringOffloadingSpec",
+            "cpu_bytes_to_use": 64 << 20,
+            "block_size": 64,
+            "secondary_tiers": [tier],
+        },
+    }
     xs, _, _ = _texts()
 
     def scenario(phases):
         return {"model": tiny_model, "phases": phases, "llm": {"kv_transfer_config": kv}}
 
-    first = _run(scenario([{"op": "generate", "name": "x", "prompts": [xs[0]]}, {"op": "settle"}]),
-                 tmp_path, "tier-first")
+    first = _run(scenario([{"op": "generate", "name": "x", "prompts": [xs[0]]}, {"op": "settle"}]), tmp_path, "tier-first")
     second = _run(scenario([{"op": "generate", "name": "x", "prompts": [xs[0]]}]), tmp_path, "tier-second")
     stored, served = first["by_name"]["x"], second["by_name"]["x"]
     assert served["num_cached_tokens"][0] >= 800

@@ -12,8 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_marks import VLLM_ENGINE
 from test_vllm_e2e import CHUNK_BYTES, _kv_config, _run, _texts
+from vllm_marks import VLLM_ENGINE
 
 pytestmark = VLLM_ENGINE
 
@@ -31,8 +31,7 @@ def tp2(tiny_model, tmp_path_factory):
         {"op": "generate", "name": "fillers", "prompts": fillers},
         {"op": "generate", "name": "repeat", "prompts": [xs[0]]},
     ]
-    scenario = {"model": model, "phases": phases,
-                "llm": {"tensor_parallel_size": 2, "kv_transfer_config": _kv_config(store, 24)}}
+    scenario = {"model": model, "phases": phases, "llm": {"tensor_parallel_size": 2, "kv_transfer_config": _kv_config(store, 24)}}
     result = _run(scenario, workdir, "tp2")
     result["store"] = store
     return result

@@ -5,9 +5,8 @@ import os
 import threading
 import time
 
-import pytest
-
 import pykvcache as kv
+import pytest
 from fault_marks import NEEDS_FAULT_INJECTION
 
 MiB = 1 << 20

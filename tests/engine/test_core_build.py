@@ -15,9 +15,8 @@ import re
 import tomllib
 from pathlib import Path
 
-import pytest
-
 import pykvcache as kv
+import pytest
 from pykvcache import _core
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,8 +35,13 @@ def test_the_build_says_whether_it_has_the_test_hooks():
 @pytest.mark.parametrize(("keyword", "value"), HOOKS)
 def test_a_fault_keyword_works_only_in_a_build_with_fault_injection(tmp_path, keyword, value):
     pool = kv.StagingPool(64 << 10, 2)
-    make = lambda: kv.BlockStore([str(tmp_path)], pool, namespace="build", capacity_bytes=1 << 30,  # noqa: E731
-                                 **{keyword: value})
+    make = lambda: kv.BlockStore(
+        [str(tmp_path)],
+        pool,
+        namespace="build",
+        capacity_bytes=1 << 30,  # noqa: E731
+        **{keyword: value},
+    )
     if _core.FAULT_INJECTION:
         with make() as store:
             assert store.stats()["writes"] == 0

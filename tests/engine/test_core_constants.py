@@ -8,7 +8,6 @@ import ast
 from pathlib import Path
 
 import pytest
-
 from pykvcache import _core
 from pykvcache.vllm import config as vllm_config
 

@@ -8,9 +8,8 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 import pykvcache as kv
+import pytest
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "children")  # sandbox.py
 

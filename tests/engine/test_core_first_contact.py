@@ -12,10 +12,9 @@ import threading
 import time
 import weakref
 
-import pytest
-
 import pykvcache as kv
 import pykvcache.aio
+import pytest
 from fault_marks import NEEDS_FAULT_INJECTION
 
 MiB = 1 << 20
@@ -25,8 +24,7 @@ def slow_store(directory, slot_bytes: int, num_slots: int = 2):
     """A store whose transfers move 4 KiB at a time, so that operations are
     still in flight when they are waited for."""
     pool = kv.StagingPool(slot_bytes, num_slots)
-    store = kv.BlockStore([str(directory)], pool, namespace="first-contact", capacity_bytes=1 << 30,
-                          _fault_max_transfer=4096)
+    store = kv.BlockStore([str(directory)], pool, namespace="first-contact", capacity_bytes=1 << 30, _fault_max_transfer=4096)
     return store, pool
 
 

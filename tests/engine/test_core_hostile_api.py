@@ -16,10 +16,9 @@ import textwrap
 import threading
 import time
 
-import pytest
-
 import pykvcache as kv
 import pykvcache.aio
+import pytest
 from fault_marks import NEEDS_FAULT_INJECTION
 
 MiB = 1 << 20
@@ -46,8 +45,9 @@ def run_isolated(code: str, store_dir, timeout: float = 60) -> subprocess.Comple
     """Runs `code` in a fresh interpreter (`store_dir` is its sys.argv[1]); a hang is a test failure."""
     env = dict(os.environ, PYTHONPATH=PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""))
     try:
-        return subprocess.run([sys.executable, "-c", textwrap.dedent(code), str(store_dir)], capture_output=True,
-                              text=True, timeout=timeout, env=env)
+        return subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), str(store_dir)], capture_output=True, text=True, timeout=timeout, env=env
+        )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"hung for {timeout} s; output so far: {e.stdout!r} {e.stderr!r}")
 
@@ -63,15 +63,18 @@ def test_pool_sizes_that_wrap_the_stride_are_refused(slot_bytes):
         kv.StagingPool(slot_bytes, 2)
 
 
-@pytest.mark.parametrize(("kw", "name"), [
-    ({"slot_bytes": 2**64, "num_slots": 2}, "slot_bytes"),
-    ({"slot_bytes": -1, "num_slots": 2}, "slot_bytes"),
-    ({"slot_bytes": 0, "num_slots": 2}, "slot_bytes"),
-    ({"slot_bytes": 4096, "num_slots": 2**64}, "num_slots"),
-    ({"slot_bytes": 4096, "num_slots": -2}, "num_slots"),
-    ({"slot_bytes": 4096, "num_slots": 0}, "num_slots"),
-    ({"slot_bytes": 4096, "num_slots": 65536}, "num_slots"),
-])
+@pytest.mark.parametrize(
+    ("kw", "name"),
+    [
+        ({"slot_bytes": 2**64, "num_slots": 2}, "slot_bytes"),
+        ({"slot_bytes": -1, "num_slots": 2}, "slot_bytes"),
+        ({"slot_bytes": 0, "num_slots": 2}, "slot_bytes"),
+        ({"slot_bytes": 4096, "num_slots": 2**64}, "num_slots"),
+        ({"slot_bytes": 4096, "num_slots": -2}, "num_slots"),
+        ({"slot_bytes": 4096, "num_slots": 0}, "num_slots"),
+        ({"slot_bytes": 4096, "num_slots": 65536}, "num_slots"),
+    ],
+)
 def test_out_of_range_pool_arguments_are_value_errors_naming_them(kw, name):
     with pytest.raises(ValueError, match=name):
         kv.StagingPool(**kw)
@@ -148,11 +151,16 @@ REFUSED_OPS = """
 
 @NEEDS_FAULT_INJECTION
 def test_refused_operations_release_their_entry_and_close_completes(store_dir):
-    r = run_isolated(REFUSED_OPS + """
+    r = run_isolated(
+        REFUSED_OPS
+        + """
     t0 = time.monotonic()
     store.close()
     print("closed in", round(time.monotonic() - t0, 3))
-    """, store_dir, timeout=30)
+    """,
+        store_dir,
+        timeout=30,
+    )
     assert r.returncode == 0, r.stderr
     assert "refused 12 inflight 0" in r.stdout and "closed in" in r.stdout, r.stdout
 
@@ -160,9 +168,14 @@ def test_refused_operations_release_their_entry_and_close_completes(store_dir):
 @NEEDS_FAULT_INJECTION
 def test_interpreter_exit_after_refused_operations_does_not_hang(store_dir):
     # The store is never closed: its destructor runs at interpreter exit.
-    r = run_isolated(REFUSED_OPS + """
+    r = run_isolated(
+        REFUSED_OPS
+        + """
     print("exiting", flush=True)
-    """, store_dir, timeout=30)
+    """,
+        store_dir,
+        timeout=30,
+    )
     assert r.returncode == 0, r.stderr
     assert "exiting" in r.stdout
 
@@ -288,7 +301,8 @@ def test_huge_timeouts_mean_forever_and_nan_or_negative_are_value_errors(store_d
 
 def test_max_inflight_out_of_range_is_a_value_error_not_sigabrt(store_dir):
     # Before: 2**33 entries were allocated up front and the process aborted.
-    r = run_isolated("""
+    r = run_isolated(
+        """
     import sys
     import pykvcache as kv
     d = sys.argv[1]
@@ -303,7 +317,9 @@ def test_max_inflight_out_of_range_is_a_value_error_not_sigabrt(store_dir):
             raise SystemExit(f"max_inflight={n} accepted")
     with kv.BlockStore([d], pool, namespace="n", capacity_bytes=1 << 30, max_inflight=65536) as store:
         print("max ok", store.inflight())
-    """, store_dir)
+    """,
+        store_dir,
+    )
     assert r.returncode != -signal.SIGABRT, "aborted (SIGABRT)"
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("refused") == 5 and "max ok 0" in r.stdout

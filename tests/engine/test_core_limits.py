@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from pykvcache import _core
 
 MiB = 1 << 20

@@ -13,11 +13,10 @@ import errno
 import os
 import struct
 
-import pytest
-
 import pykvcache as kv
-from robust_chunkfmt import HEADER_BYTES, chunk_files, seal_header
+import pytest
 from fault_marks import NEEDS_FAULT_INJECTION
+from robust_chunkfmt import HEADER_BYTES, chunk_files, seal_header
 
 MiB = 1 << 20
 #: Offset of the flags word in the chunk header (rust/src/disk/format.rs).

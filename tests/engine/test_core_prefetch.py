@@ -2,9 +2,8 @@
 
 import os
 
-import pytest
-
 import pykvcache as kv
+import pytest
 
 MiB = 1 << 20
 
@@ -15,8 +14,15 @@ def _burst_store(store_dir, backend, n, *, queue_depth=2, io_threads=2):
     slots = [pool.acquire() for _ in range(n + 1)]
     keys = [f"p{i}".encode() for i in range(n + 1)]
     data = [os.urandom(2 * MiB) for _ in keys]
-    store = kv.BlockStore([str(store_dir)], pool, namespace="prefetch", capacity_bytes=1 << 30,
-                          backend=backend, queue_depth=queue_depth, io_threads=io_threads)
+    store = kv.BlockStore(
+        [str(store_dir)],
+        pool,
+        namespace="prefetch",
+        capacity_bytes=1 << 30,
+        backend=backend,
+        queue_depth=queue_depth,
+        io_threads=io_threads,
+    )
     for slot, key, payload in zip(slots, keys, data):
         with pool.view(slot) as v:
             v[:] = payload

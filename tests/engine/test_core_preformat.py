@@ -5,9 +5,8 @@ evicted while a filler remains, and fillers stay fillers across a reopen."""
 import os
 from pathlib import Path
 
-import pytest
-
 import pykvcache as kv
+import pytest
 
 CHUNK = 256 << 10
 FILE = kv.HEADER_BYTES + CHUNK

@@ -7,9 +7,8 @@ import os
 from pathlib import Path
 
 import numpy as np
-import pytest
-
 import pykvcache as kv
+import pytest
 from pykvcache import _core
 
 ROW = 64 << 10
@@ -25,7 +24,7 @@ def rows(n=4):
     """Page-aligned rows, as vLLM's CPU tier lays out its chunks."""
     raw = np.zeros(n * ROW + 4096, dtype=np.uint8)
     start = (-raw.ctypes.data) % 4096
-    return raw[start:start + n * ROW].reshape(n, ROW)
+    return raw[start : start + n * ROW].reshape(n, ROW)
 
 
 @pytest.mark.parametrize("backend,direct_io", [("io_uring", "optional"), ("threads", "optional"), ("io_uring", "disabled")])
@@ -96,7 +95,7 @@ def test_a_flipped_payload_byte_fails_only_its_key(store_dir):
         assert store.put_region(b"bad", rid, 0, ROW).wait(10).ok
         assert store.put_region(b"good", rid, ROW, ROW).wait(10).ok
         h = _core.key_hash(b"bad")
-        bad = Path(store.namespace_dir[0]) / f"{h & 0xff:02x}" / f"{h:032x}.kvc"
+        bad = Path(store.namespace_dir[0]) / f"{h & 0xFF:02x}" / f"{h:032x}.kvc"
         with open(bad, "r+b") as f:
             f.seek(4096 + 12345)
             b = f.read(1)

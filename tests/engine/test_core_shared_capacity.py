@@ -12,7 +12,6 @@ import sys
 import time
 
 import pytest
-
 from capacity_writers import held_bytes, run_writers
 from child_paths import child
 
@@ -63,13 +62,18 @@ def test_two_processes_writing_one_local_directory_stay_within_one_capacity(stor
         while True:
             reports, on_disk = ask(), chunk_files_by_ns(store_dir)
             total = sum(sum(v) for v in on_disk.values())
-            true_stats = all((r["chunks"], r["used_bytes"]) == (len(on_disk.get(r["ns_dir"], [])), sum(on_disk.get(r["ns_dir"], [])))
-                             for r in reports)
+            true_stats = all(
+                (r["chunks"], r["used_bytes"]) == (len(on_disk.get(r["ns_dir"], [])), sum(on_disk.get(r["ns_dir"], []))) for r in reports
+            )
             if (total <= CAPACITY and true_stats) or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        print(f"settled {time.monotonic() - written:.2f} s after both wrote; reports:", reports,
-              "on disk:", {k: len(v) for k, v in on_disk.items()})
+        print(
+            f"settled {time.monotonic() - written:.2f} s after both wrote; reports:",
+            reports,
+            "on disk:",
+            {k: len(v) for k, v in on_disk.items()},
+        )
         assert all(r["errors"] == 0 for r in reports), reports
         assert total <= CAPACITY, f"{total} bytes on disk for a shared capacity of {CAPACITY}"
         assert true_stats, (reports, {k: (len(v), sum(v)) for k, v in on_disk.items()})
@@ -113,8 +117,7 @@ def test_auto_refresh_walks_only_while_another_writer_holds_a_lease(store_dir, c
     assert os.listdir(store_dir / ".writers") == []
 
 
-@pytest.mark.parametrize("writers,rate", [(2, 0), (4, 0), (2, 5e6), (4, 5e6)],
-                         ids=["2-full-speed", "4-full-speed", "2-paced", "4-paced"])
+@pytest.mark.parametrize("writers,rate", [(2, 0), (4, 0), (2, 5e6), (4, 5e6)], ids=["2-full-speed", "4-full-speed", "2-paced", "4-paced"])
 def test_writer_processes_never_hold_more_than_a_tenth_over_the_capacity(store_dir, writers, rate):
     """Processes of their own namespaces write one local directory at once, 8 MiB of
     capacity each (the report that found 2.0x): sampled at 10 Hz while they write and
@@ -123,8 +126,10 @@ def test_writer_processes_never_hold_more_than_a_tenth_over_the_capacity(store_d
     seconds = 2.0 if rate else 1.5
     during, after, reports = run_writers([store_dir] * writers, capacity, seconds, rate, lambda: held_bytes(store_dir))
     puts = sum(r["puts"] - r["skipped"] for r in reports)
-    print(f"{writers} writers at {rate or 'full speed'} B/s: {puts} chunks stored, {sum(r['skipped'] for r in reports)} "
-          f"skipped, {len(during)} samples, peak {max(during) / capacity:.3f}x, after the closes {max(after) / capacity:.3f}x")
+    print(
+        f"{writers} writers at {rate or 'full speed'} B/s: {puts} chunks stored, {sum(r['skipped'] for r in reports)} "
+        f"skipped, {len(during)} samples, peak {max(during) / capacity:.3f}x, after the closes {max(after) / capacity:.3f}x"
+    )
     assert all(r["errors"] == 0 for r in reports), reports
     assert puts * FILE_LEN > capacity * 3 // 2, ("the capacity was under pressure", reports)
     assert sum(r["skipped"] for r in reports) * 50 <= puts, reports

@@ -4,9 +4,8 @@ symlinks *inside* the store stay refused (tests/robustness/test_robust_corruptio
 
 import os
 
-import pytest
-
 import pykvcache as kv
+import pytest
 
 MiB = 1 << 20
 
@@ -54,5 +53,4 @@ def test_a_symlink_to_a_world_writable_directory_is_judged_by_its_target(tmp_pat
     pool = kv.StagingPool(MiB, 1)
     with pytest.raises(ValueError, match="world-writable.*allow_insecure_root"):
         kv.BlockStore([str(link)], pool, namespace="ns", capacity_bytes=1 << 30)
-    kv.BlockStore([str(link)], pool, namespace="ns", capacity_bytes=1 << 30,
-                  allow_insecure_root=True).close()
+    kv.BlockStore([str(link)], pool, namespace="ns", capacity_bytes=1 << 30, allow_insecure_root=True).close()

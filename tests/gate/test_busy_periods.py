@@ -4,7 +4,6 @@ on submit times and latencies."""
 from __future__ import annotations
 
 import pytest
-
 from pykvcache.gate.busy_periods import DeviceBusyPeriods
 
 MIB = 1 << 20
@@ -100,4 +99,3 @@ def test_a_period_holding_a_sample_read_is_flagged_and_the_next_one_is_not():
     assert period[0] == 4 * MIB and period[3] is True
     after = busy.read_ended(0.01, 0.23, 2 * MIB)
     assert after[0] == 2 * MIB and after[3] is False
-

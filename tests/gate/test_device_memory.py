@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from pykvcache.gate import LoadCost, OnlineLoadModel, device_memory
 
 PRIOR = LoadCost(fixed_s=1e-3, disk_bytes_per_s=1e9, h2d_bytes_per_s=1e10)
@@ -41,13 +40,16 @@ def test_nothing_learnt_writes_nothing(tmp_path):
     assert device_memory.restore(path, OnlineLoadModel(PRIOR)) == (0, "no saved device model")
 
 
-@pytest.mark.parametrize(("content", "why"), [
-    ("{not json", "unreadable"),
-    (json.dumps({"format": "something-else/1", "saved_at": 0, "points": []}), "not a pykvcache-gate-device/1 file"),
-    (json.dumps({"format": device_memory.FORMAT, "points": [[1, 1]]}), "no save time"),
-    (json.dumps({"format": device_memory.FORMAT, "saved_at": 1.0, "points": "many"}), "saved"),
-    (json.dumps({"format": device_memory.FORMAT, "saved_at": "now", "points": []}), "no save time"),
-])
+@pytest.mark.parametrize(
+    ("content", "why"),
+    [
+        ("{not json", "unreadable"),
+        (json.dumps({"format": "something-else/1", "saved_at": 0, "points": []}), "not a pykvcache-gate-device/1 file"),
+        (json.dumps({"format": device_memory.FORMAT, "points": [[1, 1]]}), "no save time"),
+        (json.dumps({"format": device_memory.FORMAT, "saved_at": 1.0, "points": "many"}), "saved"),
+        (json.dumps({"format": device_memory.FORMAT, "saved_at": "now", "points": []}), "no save time"),
+    ],
+)
 def test_a_file_that_is_not_a_recent_device_model_is_ignored(tmp_path, content, why):
     path = tmp_path / device_memory.FILE_NAME
     path.write_text(content)

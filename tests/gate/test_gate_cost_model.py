@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 
 import pytest
-
 from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve, nonneg_least_squares
 
 
@@ -58,8 +57,7 @@ def test_disk_fit_is_not_fooled_by_a_burst():
     """``pykvcache calibrate``'s points on this VM's disk capped at 100 MB/s
     (a cgroup throttle serves ~10 MB at once after idling): the relative fit
     said 1437 MB/s. The sustained rate is what loads in service get."""
-    points = [(2097152, 0.00169), (4194304, 0.00235), (10485760, 0.1065), (25165824, 0.3089),
-              (58720256, 0.5881)]
+    points = [(2097152, 0.00169), (4194304, 0.00235), (10485760, 0.1065), (25165824, 0.3089), (58720256, 0.5881)]
     fixed, bw = LoadCost.fit_disk(points)
     assert 90e6 <= bw <= 130e6 and fixed >= 0
     assert fixed + 58720256 / bw == pytest.approx(0.5881, rel=0.1)
@@ -127,8 +125,9 @@ def test_queued_io_raises_the_break_even():
     idle = model.break_even_tokens()
     busy = model.break_even_tokens(queued_bytes=512 << 20)
     assert busy > 2 * idle
-    assert math.ceil(busy - 1e-9) == _brute_break_even(model, queued=512 << 20) or abs(
-        busy - _brute_break_even(model, queued=512 << 20)) <= 1
+    assert (
+        math.ceil(busy - 1e-9) == _brute_break_even(model, queued=512 << 20) or abs(busy - _brute_break_even(model, queued=512 << 20)) <= 1
+    )
 
 
 def test_saving_includes_attention_over_earlier_tokens():

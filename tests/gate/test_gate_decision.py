@@ -7,7 +7,6 @@ import math
 import time
 
 import pytest
-
 from pykvcache.gate import AdmissionGate, ChunkState, CostModel, LoadCost, OnlineLoadModel, PrefillCurve
 
 S, D, M = ChunkState.STAGED, ChunkState.DISK, ChunkState.MISSING
@@ -66,8 +65,7 @@ def test_engine_step_makes_short_staged_prefixes_recompute():
     assert gate.decide([S]).recompute
     n_staged = math.ceil(step_s / (CHUNK * (10e-6 - BPT / 10e9))) + 2
     d = gate.decide([S] * n_staged)
-    assert d.load_chunks == n_staged and d.est_load_s == pytest.approx(
-        step_s + n_staged * CHUNK * BPT / 10e9)
+    assert d.load_chunks == n_staged and d.est_load_s == pytest.approx(step_s + n_staged * CHUNK * BPT / 10e9)
     # The step is paid once, and agrees with the model's break-even.
     be = gate.break_even_tokens()
     assert gate.decide([D] * (int(be // CHUNK) - 1)).recompute

@@ -22,8 +22,9 @@ PREFILL = PrefillCurve(0.0, 6.5e-4, 0.0)  # ~1 s for a 1.5k-token prefix (a 2-co
 
 
 def _gate(**kw) -> AdmissionGate:
-    return AdmissionGate(CostModel(PREFILL, PROFILED, BPT), chunk_tokens=CT,
-                         online=OnlineLoadModel(PROFILED, prior_weight=0, min_lesson_s=0.1), **kw)
+    return AdmissionGate(
+        CostModel(PREFILL, PROFILED, BPT), chunk_tokens=CT, online=OnlineLoadModel(PROFILED, prior_weight=0, min_lesson_s=0.1), **kw
+    )
 
 
 def test_before_a_read_is_timed_a_request_waits_for_no_disk_read_and_one_read_ends_that():

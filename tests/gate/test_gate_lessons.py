@@ -10,7 +10,6 @@ first lesson and again as a later one. The default prior
 from __future__ import annotations
 
 import pytest
-
 from pykvcache.gate import (
     MIN_LESSON_S,
     GateProfile,
@@ -100,12 +99,19 @@ def test_a_saved_window_is_replayed_as_it_was_learnt(tmp_path):
 
 def _profile(tmp_path, disk_bytes_per_s: float):
     profile = GateProfile(
-        model="/models/tiny-llama", dtype="float32", block_size=32, chunk_tokens=CT,
-        kv_bytes_per_token=BPT, world_size=1, hardware=hardware_id(),
+        model="/models/tiny-llama",
+        dtype="float32",
+        block_size=32,
+        chunk_tokens=CT,
+        kv_bytes_per_token=BPT,
+        world_size=1,
+        hardware=hardware_id(),
         storage={"dir": "/data", "device": "nvme0n1", "fstype": "ext4"},
         prefill={"a": 0.004, "b": 2e-5, "c": 1e-9, "points": []},
         load={"fixed_s": 0.0, "disk_bytes_per_s": disk_bytes_per_s, "h2d_bytes_per_s": 2e10, "points": []},
-        break_even_tokens=30.0, created="2025-01-01T00:00:00+00:00", pykvcache_version="0.1.0",
+        break_even_tokens=30.0,
+        created="2025-01-01T00:00:00+00:00",
+        pykvcache_version="0.1.0",
     )
     expect = ProfileExpectation(model=profile.model, dtype=profile.dtype, kv_bytes_per_token=BPT, chunk_tokens=CT)
     gate, source = build_gate(profile.save(tmp_path / "p.json"), expect)

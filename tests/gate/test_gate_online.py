@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pykvcache.gate import CostModel, LoadCost, OnlineLoadModel, PrefillCurve
 
 BASE = LoadCost(0.001, 2e9, 10e9)

@@ -8,7 +8,6 @@ prefixes that loading served much faster.
 from __future__ import annotations
 
 import pytest
-
 from pykvcache.gate import (
     ChunkState,
     GateProfile,
@@ -25,8 +24,7 @@ BASE = PrefillCurve(0.0, 1e-5, 1e-9)
 
 
 def _expect() -> ProfileExpectation:
-    return ProfileExpectation(model="tiny-llama", dtype="torch.float32", kv_bytes_per_token=BPT,
-                              chunk_tokens=CT)
+    return ProfileExpectation(model="tiny-llama", dtype="torch.float32", kv_bytes_per_token=BPT, chunk_tokens=CT)
 
 
 def _steps(truth: PrefillCurve, overhead: float, count: int):
@@ -114,17 +112,24 @@ def test_a_host_that_computes_faster_than_it_loads_still_recomputes_short_prompt
 
 def test_a_profile_stays_authoritative_and_no_load_is_waved_through(tmp_path):
     profile = GateProfile(
-        model="/models/tiny-llama", dtype="float32", block_size=32, chunk_tokens=CT,
-        kv_bytes_per_token=4096.0, world_size=1, hardware=hardware_id(),
+        model="/models/tiny-llama",
+        dtype="float32",
+        block_size=32,
+        chunk_tokens=CT,
+        kv_bytes_per_token=4096.0,
+        world_size=1,
+        hardware=hardware_id(),
         storage={"dir": "/data", "device": "nvme0n1", "fstype": "ext4"},
         prefill={"a": 0.004, "b": 2e-5, "c": 1e-9, "points": []},
         load={"fixed_s": 0.0005, "disk_bytes_per_s": 2e9, "h2d_bytes_per_s": 2e10, "points": []},
-        break_even_tokens=30.0, created="2025-01-01T00:00:00+00:00", pykvcache_version="0.1.0",
+        break_even_tokens=30.0,
+        created="2025-01-01T00:00:00+00:00",
+        pykvcache_version="0.1.0",
     )
     path = profile.save(tmp_path / "p.json")
-    expect = ProfileExpectation(model=profile.model, dtype=profile.dtype,
-                                kv_bytes_per_token=profile.kv_bytes_per_token,
-                                chunk_tokens=profile.chunk_tokens)
+    expect = ProfileExpectation(
+        model=profile.model, dtype=profile.dtype, kv_bytes_per_token=profile.kv_bytes_per_token, chunk_tokens=profile.chunk_tokens
+    )
     gate, source = build_gate(path, expect, steps=True)
     assert source == "profile" and not gate.uncalibrated
     be = gate.break_even_tokens()

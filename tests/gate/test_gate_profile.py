@@ -7,7 +7,6 @@ import json
 import logging
 
 import pytest
-
 from pykvcache.gate import (
     DEFAULT_BREAK_EVEN_TOKENS,
     ChunkState,
@@ -25,12 +24,19 @@ BPT = 4096.0
 
 def _profile(**over) -> GateProfile:
     fields = dict(
-        model="/models/tiny-llama", dtype="float32", block_size=32, chunk_tokens=64,
-        kv_bytes_per_token=BPT, world_size=1, hardware=hardware_id(),
+        model="/models/tiny-llama",
+        dtype="float32",
+        block_size=32,
+        chunk_tokens=64,
+        kv_bytes_per_token=BPT,
+        world_size=1,
+        hardware=hardware_id(),
         storage={"dir": "/data", "device": "nvme0n1", "fstype": "ext4"},
         prefill={"a": 0.004, "b": 2e-5, "c": 1e-9, "points": []},
         load={"fixed_s": 0.0005, "disk_bytes_per_s": 2e9, "h2d_bytes_per_s": 2e10, "points": []},
-        break_even_tokens=30.0, created="2025-01-01T00:00:00+00:00", pykvcache_version="0.1.0",
+        break_even_tokens=30.0,
+        created="2025-01-01T00:00:00+00:00",
+        pykvcache_version="0.1.0",
     )
     fields.update(over)
     return GateProfile(**fields)
@@ -50,8 +56,7 @@ def test_round_trip(tmp_path):
     assert model.bytes_per_token == BPT and model.load.disk_bytes_per_s == 2e9
     assert not list(path.parent.glob(".p.json.*"))  # no temporary left behind
     assert model.load.step_s == 0.0  # profiles without a measured load path (older ones)
-    stepped = _profile(load={"fixed_s": 0.0005, "disk_bytes_per_s": 2e9, "h2d_bytes_per_s": 2e10,
-                             "step_s": 0.002})
+    stepped = _profile(load={"fixed_s": 0.0005, "disk_bytes_per_s": 2e9, "h2d_bytes_per_s": 2e10, "step_s": 0.002})
     back = GateProfile.read(stepped.save(tmp_path / "s.json")).cost_model()
     assert back.load.step_s == 0.002 and back.break_even_tokens() > model.break_even_tokens()
 

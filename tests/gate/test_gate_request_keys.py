@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-
 from pykvcache.gate.request_keys import request_keys_from
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")

@@ -37,8 +37,17 @@ def run_writers(dirs, capacity, seconds, rate, sample):
     samples after each close, what each writer reported)."""
     procs = []
     for i, d in enumerate(dirs):
-        cmd = [sys.executable, child("shared_capacity_worker.py"), str(d), f"writer-{i}", f"w{i}", "0", str(capacity),
-               str(seconds), str(rate)]
+        cmd = [
+            sys.executable,
+            child("shared_capacity_worker.py"),
+            str(d),
+            f"writer-{i}",
+            f"w{i}",
+            "0",
+            str(capacity),
+            str(seconds),
+            str(rate),
+        ]
         procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     try:
         for p in procs:

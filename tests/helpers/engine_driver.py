@@ -27,9 +27,13 @@ import pytest
 def driver_env(multiprocess: bool) -> dict[str, str]:
     """The environment every engine child gets (also for tests that start a
     driver themselves, e.g. under a cgroup's preexec_fn)."""
-    return dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
-                TOKENIZERS_PARALLELISM="false",
-                VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0")
+    return dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        VLLM_CPU_OMP_THREADS_BIND="nobind",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocess else "0",
+    )
 
 
 def needs_multiprocess(scenario: dict) -> bool:
@@ -38,21 +42,23 @@ def needs_multiprocess(scenario: dict) -> bool:
     return int(scenario.get("llm", {}).get("tensor_parallel_size", 1)) > 1
 
 
-def run_driver(driver: str, scenario: dict, workdir: Path, name: str,
-               timeout: float = 900, multiprocess: bool | None = None) -> tuple[dict, str]:
+def run_driver(
+    driver: str, scenario: dict, workdir: Path, name: str, timeout: float = 900, multiprocess: bool | None = None
+) -> tuple[dict, str]:
     if multiprocess is None:
         multiprocess = needs_multiprocess(scenario)
     path = workdir / f"{name}.json"
     path.write_text(json.dumps(scenario))
-    proc = subprocess.run([sys.executable, driver, str(path)], capture_output=True,
-                          text=True, timeout=timeout, env=driver_env(multiprocess))
+    proc = subprocess.run(
+        [sys.executable, driver, str(path)], capture_output=True, text=True, timeout=timeout, env=driver_env(multiprocess)
+    )
     output = proc.stdout + "\n" + proc.stderr
     (workdir / f"{name}.log").write_text(output)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join(output.splitlines()[-60:])
         pytest.fail(f"driver {name} failed (rc={proc.returncode}):\n{tail}")
-    return json.loads(lines[-1][len("RESULT "):]), output
+    return json.loads(lines[-1][len("RESULT ") :]), output
 
 
 class EngineHost:
@@ -72,9 +78,14 @@ class EngineHost:
     def _start(self, workdir: Path) -> subprocess.Popen:
         if self.proc is None or self.proc.poll() is not None:
             self.log = workdir / "engine-host.log"
-            self.proc = subprocess.Popen([sys.executable, self.driver, "--host"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True,
-                                         env=driver_env(multiprocess=False))
+            self.proc = subprocess.Popen(
+                [sys.executable, self.driver, "--host"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=open(self.log, "a"),
+                text=True,
+                env=driver_env(multiprocess=False),
+            )
         return self.proc
 
     def run(self, scenario: dict, workdir: Path, name: str, timeout: float) -> tuple[dict, str]:
@@ -96,7 +107,7 @@ class EngineHost:
             why = "timed out" if not ready else (line.strip() or f"host exited ({proc.poll()})")
             tail = "\n".join(output.splitlines()[-60:])
             pytest.fail(f"driver {name} failed in the engine host ({why[:4000]}):\n{tail}")
-        return json.loads(line[len("RESULT "):]), output
+        return json.loads(line[len("RESULT ") :]), output
 
     def close(self) -> None:
         if self.proc is not None:

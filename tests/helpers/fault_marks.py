@@ -1,7 +1,6 @@
 """The mark of every test that passes the engine's ``_fault_*`` keywords (its test hooks)."""
 
 import pytest
-
 from pykvcache import _core
 
 #: On a test that passes ``BlockStore(_fault_...=)``: the release wheel is built without
@@ -9,4 +8,5 @@ from pykvcache import _core
 NEEDS_FAULT_INJECTION = pytest.mark.skipif(
     not _core.FAULT_INJECTION,
     reason="this build of pykvcache._core has no fault injection (the release wheel); "
-           "the _fault_* keywords need the build `make develop` makes")
+    "the _fault_* keywords need the build `make develop` makes",
+)

@@ -53,8 +53,7 @@ STRICT_VOLUME_OPTIONS = {
     "performance.open-behind": "off",
     "performance.flush-behind": "off",
 }
-STRICT_CLIENT_OPTIONS = ["--attribute-timeout=0", "--entry-timeout=0", "--negative-timeout=0",
-                         "--fopen-keep-cache=false"]
+STRICT_CLIENT_OPTIONS = ["--attribute-timeout=0", "--entry-timeout=0", "--negative-timeout=0", "--fopen-keep-cache=false"]
 # O_DIRECT reaches the brick (unaligned O_DIRECT fails as on ext4) instead of
 # being acknowledged early by write-behind.
 ODIRECT_VOLUME_OPTIONS = {"performance.strict-o-direct": "on", "network.remote-dio": "disable"}
@@ -68,8 +67,7 @@ def missing_requirement() -> str | None:
     """Why the fixture cannot run here, or None."""
     if os.geteuid() != 0:
         return "GlusterFS fixture needs root (mounts, network namespaces)"
-    for binary, package in ((GLUSTERD, "glusterfs-server"), (GLUSTER_CLI, "glusterfs-server"),
-                            (GLUSTERFS, "glusterfs-client")):
+    for binary, package in ((GLUSTERD, "glusterfs-server"), (GLUSTER_CLI, "glusterfs-server"), (GLUSTERFS, "glusterfs-client")):
         if not os.access(binary, os.X_OK):
             return f"{binary} missing: apt-get install -y glusterfs-server glusterfs-client ({package})"
     if not os.path.exists("/dev/fuse"):
@@ -161,10 +159,13 @@ class GlusterFixture:
 
     def _save(self) -> None:
         state = {
-            "owner_pid": os.getpid(), "tag": self.tag,
+            "owner_pid": os.getpid(),
+            "tag": self.tag,
             "mounts": {k: str(v) for k, v in self.mounts.items()},
-            "netns": self.netns, "client_pids": self.client_pids,
-            "glusterd_pid": self.glusterd_pid, "glusterd_mnt_ns": self.glusterd_mnt_ns,
+            "netns": self.netns,
+            "client_pids": self.client_pids,
+            "glusterd_pid": self.glusterd_pid,
+            "glusterd_mnt_ns": self.glusterd_mnt_ns,
         }
         self.state_file.write_text(json.dumps(state))
 
@@ -172,8 +173,11 @@ class GlusterFixture:
     def srv(self, *cmd: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         """Runs ``cmd`` where glusterd runs (its network and mount namespaces)."""
         assert self.glusterd_pid is not None
-        return _run(["nsenter", f"--net=/run/netns/{self.netns['s']}",
-                     f"--mount=/proc/{self.glusterd_pid}/ns/mnt", *cmd], check=check, timeout=timeout)
+        return _run(
+            ["nsenter", f"--net=/run/netns/{self.netns['s']}", f"--mount=/proc/{self.glusterd_pid}/ns/mnt", *cmd],
+            check=check,
+            timeout=timeout,
+        )
 
     def cli(self, *args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
         return self.srv(GLUSTER_CLI, "--mode=script", *args, check=check, timeout=timeout)
@@ -198,8 +202,9 @@ class GlusterFixture:
 
     def server_pids(self) -> list[int]:
         """glusterd and the brick process (everything in glusterd's mount namespace)."""
-        return [int(e) for e in os.listdir("/proc")
-                if e.isdigit() and _mnt_ns(int(e)) == self.glusterd_mnt_ns and "gluster" in _cmdline(int(e))]
+        return [
+            int(e) for e in os.listdir("/proc") if e.isdigit() and _mnt_ns(int(e)) == self.glusterd_mnt_ns and "gluster" in _cmdline(int(e))
+        ]
 
     def kill_client(self, node: str) -> None:
         """SIGKILLs node ``node``'s FUSE client: its mount answers ENOTCONN until remounted."""
@@ -254,8 +259,7 @@ class GlusterFixture:
             # Created in the host namespace under unique temporary names, then
             # moved: a fixed name could collide with another run's half-made pair.
             host_c, host_s = f"{t}{node}c", f"{t}{node}s"
-            _run(["ip", "link", "add", host_c, "netns", ns, "type", "veth", "peer", "name", host_s,
-                  "netns", s])
+            _run(["ip", "link", "add", host_c, "netns", ns, "type", "veth", "peer", "name", host_s, "netns", s])
             _run(["ip", "-n", ns, "link", "set", host_c, "name", CLIENT_DEV])
             _run(["ip", "-n", s, "link", "set", host_s, "master", "kvbr"])
             _run(["ip", "-n", s, "link", "set", host_s, "up"])
@@ -275,8 +279,7 @@ class GlusterFixture:
             f"mount --bind {d}/log /var/log/glusterfs; "
             f"exec {GLUSTERD} -p {pidfile} --log-level WARNING"
         )
-        _run(["ip", "netns", "exec", self.netns["s"], "unshare", "--mount", "--propagation",
-              "private", "sh", "-c", script])
+        _run(["ip", "netns", "exec", self.netns["s"], "unshare", "--mount", "--propagation", "private", "sh", "-c", script])
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not pidfile.exists():
             time.sleep(0.05)
@@ -316,10 +319,22 @@ class GlusterFixture:
         opts = STRICT_CLIENT_OPTIONS if self.consistency == "strict" else []
         # The client binary directly: mount.glusterfs mangles
         # "-o fopen-keep-cache=false" into an invalid option.
-        _run(["nsenter", f"--net=/run/netns/{self.netns[node]}", GLUSTERFS, "--process-name", "fuse",
-              f"--volfile-server={SERVER_IP}", f"--volfile-id=/{VOLUME}", f"--pid-file={pidfile}",
-              f"--log-file={self.run_dir / 'log' / f'client-{node}.log'}", "--log-level=WARNING",
-              *opts, str(mp)])
+        _run(
+            [
+                "nsenter",
+                f"--net=/run/netns/{self.netns[node]}",
+                GLUSTERFS,
+                "--process-name",
+                "fuse",
+                f"--volfile-server={SERVER_IP}",
+                f"--volfile-id=/{VOLUME}",
+                f"--pid-file={pidfile}",
+                f"--log-file={self.run_dir / 'log' / f'client-{node}.log'}",
+                "--log-level=WARNING",
+                *opts,
+                str(mp),
+            ]
+        )
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline:
             if pidfile.exists() and os.path.ismount(mp):
@@ -424,8 +439,7 @@ def start(consistency: str = "strict", ping_timeout: int | None = 5) -> GlusterF
     clean_leftovers()
     ROOT.mkdir(parents=True, exist_ok=True)
     tag = f"kv{os.getpid() % 100000:05d}{'d' if consistency == 'default' else ''}"
-    fx = GlusterFixture(run_dir=ROOT / f"run-{tag}", tag=tag, consistency=consistency,
-                        ping_timeout=ping_timeout)
+    fx = GlusterFixture(run_dir=ROOT / f"run-{tag}", tag=tag, consistency=consistency, ping_timeout=ping_timeout)
     if fx.run_dir.exists():
         teardown_state(fx.run_dir)
     try:

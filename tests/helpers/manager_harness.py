@@ -12,7 +12,6 @@ import time
 from collections import deque
 
 import pytest
-
 from pykvcache import BlockStore, StagingPool
 from pykvcache.gate import AdmissionGate, CostModel, LoadCost, OnlineLoadModel, PrefillCurve
 from pykvcache.vllm.layout import ChunkLayout
@@ -46,31 +45,55 @@ def break_even_gate(break_even_chunks: float | None = None) -> AdmissionGate:
     bpt = CHUNK / CT
     load = LoadCost(fixed_s=1e-3, disk_bytes_per_s=1e15, h2d_bytes_per_s=1e15)
     b = 1.0 if break_even_chunks is None else 1e-3 / (break_even_chunks * CT)
-    return AdmissionGate(CostModel(PrefillCurve(0.0, b, 0.0), load, bpt), chunk_tokens=CT,
-                         online=None)
+    return AdmissionGate(CostModel(PrefillCurve(0.0, b, 0.0), load, bpt), chunk_tokens=CT, online=None)
 
 
 def learning_gate(load: LoadCost) -> AdmissionGate:
     """A gate calibrated at ``load`` that learns the device from the loads it times
     (one second of prefill per token: every prefix loads)."""
-    return AdmissionGate(CostModel(PrefillCurve(0.0, 1.0, 0.0), load, CHUNK / CT), chunk_tokens=CT,
-                         online=OnlineLoadModel(load))
+    return AdmissionGate(CostModel(PrefillCurve(0.0, 1.0, 0.0), load, CHUNK / CT), chunk_tokens=CT, online=OnlineLoadModel(load))
 
 
 class Harness:
-    def __init__(self, directory, *, num_slots, lookahead_slots=0, window=0,
-                 hold_slots=None, gate=None, admission=None, store_min_tokens=0, trace=None):
+    def __init__(
+        self,
+        directory,
+        *,
+        num_slots,
+        lookahead_slots=0,
+        window=0,
+        hold_slots=None,
+        gate=None,
+        admission=None,
+        store_min_tokens=0,
+        trace=None,
+    ):
         self.pool = StagingPool(CHUNK, num_slots)
-        self.store_obj = BlockStore([str(directory)], self.pool, namespace="la-ns",
-                                    capacity_bytes=1 << 30)
+        self.store_obj = BlockStore([str(directory)], self.pool, namespace="la-ns", capacity_bytes=1 << 30)
         gating = None
         if gate is not None:
+
             def gating(hooks):  # what build_gating makes of the settings, with this gate
-                return GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK, admission=admission,
-                                  store_min_tokens=store_min_tokens, hooks=hooks, trace=trace)
-        self.m = NvmeOffloadingManager(pool=self.pool, store=self.store_obj, layout=LAYOUT,
-                                       gating=gating, chunk_tokens=CT, lookahead_slots=lookahead_slots,
-                                       lookahead_requests=window, lookup_hold_slots=hold_slots)
+                return GateWiring(
+                    gate,
+                    chunk_tokens=CT,
+                    chunk_bytes=CHUNK,
+                    admission=admission,
+                    store_min_tokens=store_min_tokens,
+                    hooks=hooks,
+                    trace=trace,
+                )
+
+        self.m = NvmeOffloadingManager(
+            pool=self.pool,
+            store=self.store_obj,
+            layout=LAYOUT,
+            gating=gating,
+            chunk_tokens=CT,
+            lookahead_slots=lookahead_slots,
+            lookahead_requests=window,
+            lookup_hold_slots=hold_slots,
+        )
 
     def ctx(self, rid, keys):
         c = ReqContext(req_id=rid)
@@ -93,7 +116,7 @@ class Harness:
                 view[:] = chunk_payload(key)
                 view.release()
             self.m.complete_store(out.keys_to_store, ctx)
-            pending = pending[len(batch):]
+            pending = pending[len(batch) :]
             self.settle()
 
     def on_disk_only(self, keys):
@@ -102,8 +125,7 @@ class Harness:
         self.m.cache.clear()
 
     def step(self, scheduled=()):
-        self.m.on_schedule_end(ScheduleEndContext(new_req_ids=list(scheduled),
-                                                  preempted_req_ids=[]))
+        self.m.on_schedule_end(ScheduleEndContext(new_req_ids=list(scheduled), preempted_req_ids=[]))
 
     def settle(self, timeout=10.0):
         deadline = time.monotonic() + timeout

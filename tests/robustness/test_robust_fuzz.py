@@ -8,16 +8,20 @@ import os
 import subprocess
 import sys
 
-from robust_chunkfmt import HEADER_BYTES, parse_header
 from child_paths import child
+from robust_chunkfmt import HEADER_BYTES, parse_header
 
 EXAMPLES = int(os.environ.get("ROBUST_FUZZ_EXAMPLES", "600"))
 
 
 def test_arbitrary_chunk_files_never_crash_and_are_served_only_when_valid(store_dir, tmp_path):
     last = tmp_path / "last-input.bin"
-    out = subprocess.run([sys.executable, child("robust_fuzz_chunks.py"), str(store_dir), str(EXAMPLES),
-                          str(last)], capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, child("robust_fuzz_chunks.py"), str(store_dir), str(EXAMPLES), str(last)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     if out.returncode < 0:
         data = last.read_bytes()
         head = parse_header(data[:HEADER_BYTES]) if len(data) >= HEADER_BYTES else data.hex()

@@ -42,28 +42,28 @@ def _run_py(code: str, *, small_shm_mib: int | None = None, timeout: float = 120
     """Runs ``code`` in a fresh interpreter, optionally in a private mount
     namespace where /dev/shm is a tmpfs of ``small_shm_mib`` MiB (the
     namespace and its mount vanish with the process)."""
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_PY, CHILDREN, os.environ.get("PYTHONPATH", "")]),
-               HF_HUB_OFFLINE="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO_PY, CHILDREN, os.environ.get("PYTHONPATH", "")]), HF_HUB_OFFLINE="1")
     cmd = [sys.executable, "-c", textwrap.dedent(code)]
     if small_shm_mib is not None:
-        script = f"mount -t tmpfs -o size={small_shm_mib}m tmpfs /dev/shm && exec \"$@\""
+        script = f'mount -t tmpfs -o size={small_shm_mib}m tmpfs /dev/shm && exec "$@"'
         cmd = ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", *cmd]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _result(proc: subprocess.CompletedProcess) -> dict:
     assert proc.returncode == 0, (
-        f"rc={proc.returncode} ({'SIGBUS' if proc.returncode == -signal.SIGBUS else 'error'})\n"
-        f"{proc.stdout}\n{proc.stderr[-4000:]}"
+        f"rc={proc.returncode} ({'SIGBUS' if proc.returncode == -signal.SIGBUS else 'error'})\n{proc.stdout}\n{proc.stderr[-4000:]}"
     )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, proc.stdout + proc.stderr[-4000:]
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 @needs_unshare
 def test_named_pool_larger_than_dev_shm_is_an_error_not_a_sigbus():
-    result = _result(_run_py("""
+    result = _result(
+        _run_py(
+            """
         import json, os
         from pykvcache._core import StagingPool, StoreError
         MiB = 1 << 20
@@ -91,7 +91,10 @@ def test_named_pool_larger_than_dev_shm_is_an_error_not_a_sigbus():
             out["error"] = None
         out["left"] = sorted(os.listdir("/dev/shm"))
         print("RESULT " + json.dumps(out))
-    """, small_shm_mib=8))
+    """,
+            small_shm_mib=8,
+        )
+    )
     assert result["reserved"] >= result["fits_total"] - 4096
     msg = result["error"]
     assert msg is not None, "a 16 MiB pool on an 8 MiB /dev/shm was created"
@@ -138,7 +141,10 @@ def test_vllm_staging_is_a_memfd_a_small_dev_shm_does_not_limit(tmp_path):
     """16 MiB of staging with an 8 MiB /dev/shm (Docker's default is 64 MiB,
     vLLM's default staging 1 GiB): every slot is written, nothing appears in
     /dev/shm, and a worker process (a child, as vLLM's are) maps the same bytes."""
-    result = _result(_run_py(SPEC_SNIPPET + f"""
+    result = _result(
+        _run_py(
+            SPEC_SNIPPET
+            + f"""
     import subprocess
     s = spec({str(tmp_path / "kv")!r}, 16 << 20)
     manager = s.get_manager()
@@ -159,7 +165,10 @@ def test_vllm_staging_is_a_memfd_a_small_dev_shm_does_not_limit(tmp_path):
             "child": child.stdout.strip(), "child_err": child.stderr[-2000:]}}
     manager.shutdown()
     print("RESULT " + json.dumps(out))
-    """, small_shm_mib=8))
+    """,
+            small_shm_mib=8,
+        )
+    )
     assert result["total"] > 8 << 20
     assert result["is_memfd"] and result["dev_shm"] == []
     assert len(result["memfds"]) == 1
@@ -170,11 +179,13 @@ def test_vllm_staging_beyond_free_memory_is_one_config_error(tmp_path):
     """staging_bytes twice the machine's memory: refused with the settings' other problems
     (when the spec reads them, before the model loads) in a ConfigError naming the key, the size
     and the host's memory, before a page is allocated (allocating it would wake the OOM killer)."""
-    mem_total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo")
-                     if line.startswith("MemTotal:"))
+    mem_total = next(int(line.split()[1]) * 1024 for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
     staging = 2 * mem_total
     block = max(65536, staging // 4000 // 2 // 4096 * 4096)  # ~4000 slots
-    result = _result(_run_py(SPEC_SNIPPET + f"""
+    result = _result(
+        _run_py(
+            SPEC_SNIPPET
+            + f"""
     from pykvcache.vllm.config import ConfigError
     try:
         s = spec({str(tmp_path / "kv")!r}, {staging}, bytes_per_block={block})
@@ -187,7 +198,9 @@ def test_vllm_staging_beyond_free_memory_is_one_config_error(tmp_path):
             os.unlink("/dev/shm/" + s.shm_name)
     out["memfds"] = memfds()
     print("RESULT " + json.dumps(out))
-    """))
+    """
+        )
+    )
     msg = result["error"]
     assert msg is not None, f"staging_bytes={staging} was accepted"
     for fragment in (f"staging_bytes ({staging} bytes", "GiB", "more than this host's memory"):
@@ -200,7 +213,9 @@ def test_failed_start_up_after_the_manager_is_created_leaves_nothing(tmp_path):
     it) and exits the way a forked multiprocessing child does, os._exit, with
     no destructor run: /dev/shm is as before and no process holds the region."""
     before = sorted(os.listdir("/dev/shm"))
-    proc = _run_py(SPEC_SNIPPET + f"""
+    proc = _run_py(
+        SPEC_SNIPPET
+        + f"""
     import multiprocessing
 
     def engine_core():
@@ -213,7 +228,8 @@ def test_failed_start_up_after_the_manager_is_created_leaves_nothing(tmp_path):
     p.start()
     p.join()
     print("RESULT " + json.dumps({{"exitcode": p.exitcode}}))
-    """)
+    """
+    )
     result = _result(proc)
     assert result["exitcode"] == 1
     leaked = sorted(set(os.listdir("/dev/shm")) - set(before))

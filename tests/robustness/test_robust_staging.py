@@ -6,6 +6,7 @@ memory high-water mark stays within the staging budget plus a constant."""
 import json
 import subprocess
 import sys
+
 from child_paths import child
 
 MiB = 1 << 20
@@ -14,8 +15,7 @@ CONSTANT = 8 * MiB
 
 
 def run_worker(store_dir) -> dict:
-    out = subprocess.run([sys.executable, child("robust_staging_worker.py"), str(store_dir)],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, child("robust_staging_worker.py"), str(store_dir)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -34,4 +34,3 @@ def test_tiny_staging_pool_under_many_threads(store_dir):
     r = run_worker(store_dir)
     print("staging report:", r, "growth MiB:", round((r["hwm"] - r["baseline_rss"]) / MiB, 2))
     check(r)
-

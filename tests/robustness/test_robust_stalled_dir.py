@@ -13,13 +13,12 @@ import sys
 import time
 from pathlib import Path
 
+import pykvcache as kv
 import pytest
 
-import pykvcache as kv
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from stall_fs import StallFs, skip_reason  # noqa: E402
 from fault_marks import NEEDS_FAULT_INJECTION
+from stall_fs import StallFs, skip_reason  # noqa: E402
 
 pytestmark = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reason()))
 
@@ -222,8 +221,16 @@ def test_a_slow_but_moving_transfer_is_not_abandoned(tmp_path):
     # 16384 transfers of 4 KiB on one I/O thread: far longer than the deadline, but
     # every landed segment is progress on the directory (before the fix: abandoned as stalled).
     pool = kv.StagingPool(64 * MiB, 1)
-    store = kv.BlockStore([str(tmp_path)], pool, namespace="slow", capacity_bytes=1 << 30, backend="threads",
-                          io_threads=1, _fault_max_transfer=4096, io_deadline=DEADLINE_SLOW)
+    store = kv.BlockStore(
+        [str(tmp_path)],
+        pool,
+        namespace="slow",
+        capacity_bytes=1 << 30,
+        backend="threads",
+        io_threads=1,
+        _fault_max_transfer=4096,
+        io_deadline=DEADLINE_SLOW,
+    )
     try:
         slot = pool.acquire()
         t0 = time.monotonic()

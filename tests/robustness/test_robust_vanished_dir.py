@@ -15,9 +15,8 @@ import os
 import shutil
 import time
 
-import pytest
-
 import pykvcache as kv
+import pytest
 from robust_chunkfmt import get_bytes, put_bytes
 from stall_fs import StallFs, skip_reason
 

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import atexit
 
-import pytest
-
 import glusterfs
+import pytest
 
 
 def _start(consistency: str, ping_timeout: int | None):
@@ -51,8 +50,10 @@ def shared_dirs(gluster, request):
     a, b = gluster.mounts["a"] / name, gluster.mounts["b"] / name
     if a.exists():
         import shutil
+
         shutil.rmtree(a, ignore_errors=True)
     a.mkdir(mode=0o700)
     yield a, b
     import shutil
+
     shutil.rmtree(a, ignore_errors=True)

@@ -18,10 +18,31 @@ def test_the_shared_fs_bench_measures_pykvcache_and_fio_on_both_setups(gluster, 
     local = tmp_path / "local"
     local.mkdir()
     pids = [str(p) for p in list(gluster.client_pids.values()) + gluster.server_pids()]
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--mib", "16", "--chunk-mib", "4", "--qd", "4",
-                           "--mount-a", str(gluster.mounts["a"]), "--mount-b", str(gluster.mounts["b"]),
-                           "--local", str(local), "--json", str(out), "--cpu-pids", *pids],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "--mib",
+            "16",
+            "--chunk-mib",
+            "4",
+            "--qd",
+            "4",
+            "--mount-a",
+            str(gluster.mounts["a"]),
+            "--mount-b",
+            str(gluster.mounts["b"]),
+            "--local",
+            str(local),
+            "--json",
+            str(out),
+            "--cpu-pids",
+            *pids,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "shared filesystem (GlusterFS over veth, 2-core VM)" in proc.stdout
     results = json.loads(out.read_text())["results"]

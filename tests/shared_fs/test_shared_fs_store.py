@@ -8,16 +8,15 @@ the shared directory, not each node's share of it."""
 from __future__ import annotations
 
 import json
-import shutil
 import os
+import shutil
 import subprocess
 import sys
 import threading
 import time
 
-import pytest
-
 import pykvcache as kv
+import pytest
 from child_paths import child
 from robust_chunkfmt import chunk_files, get_bytes, payload_for, put_bytes
 
@@ -54,8 +53,7 @@ def test_a_chunk_published_on_one_node_is_found_and_verified_on_the_other(shared
             assert served == data
             assert b.contains(key)
         latencies.sort()
-        print(f"A's put done -> B's probe and verified get: median {latencies[len(latencies) // 2]:.1f} ms, "
-              f"max {latencies[-1]:.1f} ms")
+        print(f"A's put done -> B's probe and verified get: median {latencies[len(latencies) // 2]:.1f} ms, max {latencies[-1]:.1f} ms")
         assert b.stats()["corrupt_chunks"] == 0
     finally:
         for store, pool, slot in ((a, pool_a, sa), (b, pool_b, sb)):
@@ -92,13 +90,25 @@ def _run_two_nodes(gluster, shared_dirs, workdir, *, capacity, seconds, refresh,
     ranges = {"a": (0, 200), "b": (100, 300)}
     procs = {}
     for i, (node, (first, last)) in enumerate(ranges.items()):
-        sc = {"dir": str(shared_dirs[i]), "first": first, "last": last, "seconds": seconds, "seed": i,
-              "capacity": capacity, "refresh_interval_s": refresh, "min_puts": min_puts}
+        sc = {
+            "dir": str(shared_dirs[i]),
+            "first": first,
+            "last": last,
+            "seconds": seconds,
+            "seed": i,
+            "capacity": capacity,
+            "refresh_interval_s": refresh,
+            "min_puts": min_puts,
+        }
         path = workdir / f"node-{node}.json"
         path.write_text(json.dumps(sc))
-        procs[node] = subprocess.Popen([sys.executable, child("shared_fs_worker.py"), str(path)],
-                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True)
+        procs[node] = subprocess.Popen(
+            [sys.executable, child("shared_fs_worker.py"), str(path)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
     for p in procs.values():
         assert p.stdout.readline().strip() == "ready", p.stderr.read()
     peak = [0]
@@ -135,8 +145,7 @@ def test_two_nodes_writing_at_once_serve_no_wrong_byte_and_share_one_capacity(gl
     capacity = 4 << 20
     # 200 puts a node (~250 distinct chunks of ~36 KiB in all, ~2x the capacity) whatever the
     # host's speed: a busy CI host once wrote 89 and 57 in 6 s, all of which fit.
-    seen, peak = _run_two_nodes(gluster, shared_dirs, tmp_path, capacity=capacity, seconds=6.0, refresh=0.25,
-                                min_puts=200)
+    seen, peak = _run_two_nodes(gluster, shared_dirs, tmp_path, capacity=capacity, seconds=6.0, refresh=0.25, min_puts=200)
     print("two nodes:", seen, "brick peak", peak)
     for node, s in seen.items():
         assert s["bad"] == 0 and s["corrupt_chunks"] == 0 and s["read_errors"] == 0, (node, s)
@@ -155,12 +164,11 @@ def test_two_nodes_writing_at_once_serve_no_wrong_byte_and_share_one_capacity(gl
     slack = capacity * 2 // 5
     assert peak <= capacity + slack, f"the shared directory held {peak} bytes, capacity {capacity}"
     final = sum(os.path.getsize(f) for f in chunk_files(gluster.brick / shared_dirs[0].name))
-    print(f"brick: peak {peak / (1 << 20):.2f} MiB, final {final / (1 << 20):.2f} MiB, "
-          f"capacity {capacity / (1 << 20):.0f} MiB")
+    print(f"brick: peak {peak / (1 << 20):.2f} MiB, final {final / (1 << 20):.2f} MiB, capacity {capacity / (1 << 20):.0f} MiB")
 
 
 def test_refresh_interval_auto_is_on_for_the_shared_mount_and_lease_driven_on_local_disk(shared_dirs, tmp_path):
-    from pykvcache.vllm.config import ConfigError, SHARED_REFRESH_S, parse_extra_config, refresh_interval
+    from pykvcache.vllm.config import SHARED_REFRESH_S, ConfigError, parse_extra_config, refresh_interval
 
     def cfg(d, **kw):
         return parse_extra_config({"storage_dirs": [str(d)], "capacity_bytes": "1GiB", **kw})
@@ -203,8 +211,7 @@ def test_with_gluster_default_caching_a_recycled_file_is_never_served_as_the_old
                 assert r.status in ("ok", "miss", "corrupt"), (r.status, r.message)
                 if r.ok:
                     assert served == payload_for(old, PAYLOAD, PAYLOAD), "wrong bytes served"
-        print("B's reads under Gluster's default caching:", statuses, "A recycled",
-              a.stats()["recycled_files"], "files")
+        print("B's reads under Gluster's default caching:", statuses, "A recycled", a.stats()["recycled_files"], "files")
         assert a.stats()["recycled_files"] > 0
         assert statuses.get("ok", 0) > 0
     finally:

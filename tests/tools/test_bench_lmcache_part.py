@@ -7,9 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-
-from pykvcache.tools.bench import BenchConfig, run_bench
-from pykvcache.tools.bench import lmcache_part
+from pykvcache.tools.bench import BenchConfig, lmcache_part, run_bench
 from pykvcache.tools.bench.lmcache_part import LMCACHE_PATH_ENV, lmcache_import_error, lmcache_install
 from pykvcache.tools.cli import main
 
@@ -28,9 +26,17 @@ def _lmcache_or_skip():
 @pytest.mark.slow
 def test_both_systems_store_and_load_identical_bytes_through_their_real_stores(tmp_path):
     _lmcache_or_skip()
-    cfg = BenchConfig(out=tmp_path / "out", directory=tmp_path, parts=["lmcache_disk"], repeats=1,
-                      lmcache_chunk_sizes=[2 * MiB], lmcache_bytes=8 * MiB, lmcache_concurrency=[2],
-                      lmcache_latency_ops=3, cold_reads=False)
+    cfg = BenchConfig(
+        out=tmp_path / "out",
+        directory=tmp_path,
+        parts=["lmcache_disk"],
+        repeats=1,
+        lmcache_chunk_sizes=[2 * MiB],
+        lmcache_bytes=8 * MiB,
+        lmcache_concurrency=[2],
+        lmcache_latency_ops=3,
+        cold_reads=False,
+    )
     result = run_bench(cfg)
     (out,) = result.outputs
     assert out.skipped is None, out.raw.get("error")
@@ -64,8 +70,22 @@ def test_a_path_without_lmcache_is_skipped_with_the_reason_and_how_to_install(tm
     empty.mkdir()
     monkeypatch.setenv(LMCACHE_PATH_ENV, str(empty))
     out = tmp_path / "out"
-    rc = main(["bench", "--out", str(out), "--dir", str(tmp_path), "--parts", "lmcache_disk", "--no-progress",
-               "--lmcache-mib", "8", "--lmcache-concurrency", "2"])
+    rc = main(
+        [
+            "bench",
+            "--out",
+            str(out),
+            "--dir",
+            str(tmp_path),
+            "--parts",
+            "lmcache_disk",
+            "--no-progress",
+            "--lmcache-mib",
+            "8",
+            "--lmcache-concurrency",
+            "2",
+        ]
+    )
     assert rc == 0
     part = json.loads((out / "results.json").read_text())["parts"]["lmcache_disk"]
     assert part["skipped"].startswith(f"{LMCACHE_PATH_ENV}={empty} holds no lmcache package")
@@ -95,5 +115,4 @@ def test_an_install_that_does_not_import_is_skipped_with_its_own_error(tmp_path,
     monkeypatch.setenv(LMCACHE_PATH_ENV, str(broken.parent))
     cfg = BenchConfig(out=tmp_path / "out", directory=tmp_path, parts=["lmcache_disk"])
     (out,) = run_bench(cfg).outputs
-    assert out.skipped == (f"LMCache does not import from {broken.parent}: "
-                           "ImportError: lmcache needs a module this install lacks")
+    assert out.skipped == (f"LMCache does not import from {broken.parent}: ImportError: lmcache needs a module this install lacks")

@@ -14,8 +14,7 @@ import textwrap
 import time
 
 import pytest
-
-from pykvcache.tools.bench.config import MiB, BenchConfig
+from pykvcache.tools.bench.config import BenchConfig, MiB
 from pykvcache.tools.bench.memory_part import OVERHEAD_CONSTANT, analyse, peaks
 from pykvcache.tools.bench.proc_memory import MemSample, ProcInfo, TreeSampler, descendants, read_memory
 

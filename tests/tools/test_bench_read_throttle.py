@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from pykvcache.tools.bench.read_throttle import ReadThrottle, disk_of, unavailable
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
@@ -48,8 +47,7 @@ def test_a_child_reads_through_the_capped_group_and_is_moved_back(tmp_path):
     data = tmp_path / "data.bin"
     data.write_bytes(os.urandom(8 << 20))
     os.sync()
-    child = subprocess.Popen([sys.executable, "-c", _READER, str(data)], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", _READER, str(data)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         with ReadThrottle(child.pid, tmp_path, 400_000_000) as throttle:
             group = throttle.cgroup

@@ -8,7 +8,6 @@ import threading
 import time
 
 import pytest
-
 from pykvcache.tools.bench.config import BenchConfig
 from pykvcache.tools.bench.contention import CpuContention
 from pykvcache.tools.bench.cpu_meter import CpuMeter

@@ -45,8 +45,7 @@ def test_the_calibration_is_a_valid_command_sized_for_the_workload(tmp_path):
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(cmd[3:])
-    assert (args.model, args.dtype, args.block_size, args.chunk_tokens, args.quick) == ("/models/m", "float32", 32,
-                                                                                        64, True)
+    assert (args.model, args.dtype, args.block_size, args.chunk_tokens, args.quick) == ("/models/m", "float32", 32, 64, True)
     longest = opts.doc_tokens + opts.turns * (opts.question_tokens + opts.answer_tokens) + opts.output_tokens
     assert args.max_tokens == min(longest, opts.max_model_len - 32)
 
@@ -65,10 +64,8 @@ def test_a_failed_calibration_raises_with_its_output(tmp_path):
 
 
 def test_gate_trace_gives_every_pykvcache_server_a_trace_beside_its_storage(tmp_path):
-    opts = ServeOptions(configs=["recompute", "pykvcache", CALIBRATED], calibrated_profile=__file__,
-                        gate_trace=True)
+    opts = ServeOptions(configs=["recompute", "pykvcache", CALIBRATED], calibrated_profile=__file__, gate_trace=True)
     for name in ("pykvcache", CALIBRATED):
-        extra = server_config(name, "m", opts, BPT, tmp_path / name / "kv").kv_transfer_config[
-            "kv_connector_extra_config"]
+        extra = server_config(name, "m", opts, BPT, tmp_path / name / "kv").kv_transfer_config["kv_connector_extra_config"]
         assert extra["gate_trace"] == str(tmp_path / name / "gate-trace.jsonl")
     assert server_config("recompute", "m", opts, BPT, tmp_path / "r" / "kv").kv_transfer_config is None

@@ -23,16 +23,21 @@ def test_a_traced_servers_trace_and_logs_are_kept_under_its_logs_name(tmp_path):
     (work / "logs").mkdir(parents=True)
     trace.parent.mkdir(parents=True)
     trace.write_text('{"ev": "start"}\n')
-    runs = [{"config": "pykvcache", "log": str(work / "logs" / "pykvcache-1.log"), "trace": str(trace),
-             "predecessor": {"log": str(work / "logs" / "pykvcache-1-predecessor.log")}},
-            {"config": "recompute", "log": str(work / "logs" / "recompute-1.log")},
-            {"config": "pykvcache", "log": str(work / "logs" / "pykvcache-2.log"), "trace": str(work / "gone.jsonl")}]
+    runs = [
+        {
+            "config": "pykvcache",
+            "log": str(work / "logs" / "pykvcache-1.log"),
+            "trace": str(trace),
+            "predecessor": {"log": str(work / "logs" / "pykvcache-1-predecessor.log")},
+        },
+        {"config": "recompute", "log": str(work / "logs" / "recompute-1.log")},
+        {"config": "pykvcache", "log": str(work / "logs" / "pykvcache-2.log"), "trace": str(work / "gone.jsonl")},
+    ]
     for name in ("pykvcache-1", "pykvcache-1-predecessor", "recompute-1"):
         (work / "logs" / f"{name}.log").write_text(f"{name} served\n")
     _keep_logs(runs, out)
     kept = sorted(p.name for p in (out / "serve-logs").iterdir())
-    assert kept == ["pykvcache-1-predecessor.log", "pykvcache-1.gate-trace.jsonl", "pykvcache-1.log",
-                    "recompute-1.log"]
+    assert kept == ["pykvcache-1-predecessor.log", "pykvcache-1.gate-trace.jsonl", "pykvcache-1.log", "recompute-1.log"]
     assert (out / "serve-logs" / "pykvcache-1.gate-trace.jsonl").read_text() == '{"ev": "start"}\n'
 
 

@@ -22,8 +22,7 @@ def test_the_predecessor_serves_none_of_the_measured_documents(tiny_model):
     tok = str(Path(tiny_model) / "tokenizer.json")
     theirs, _ = build_sessions(predecessor_workload(opts, BPT), tok)
     for level in range(2):  # every concurrency level's documents (run_server: seed + 1000 * level)
-        ours, _ = build_sessions(Workload(documents=opts.documents, doc_tokens=opts.doc_tokens,
-                                          seed=opts.seed + 1000 * level), tok)
+        ours, _ = build_sessions(Workload(documents=opts.documents, doc_tokens=opts.doc_tokens, seed=opts.seed + 1000 * level), tok)
         # The first block after "Document N." already differs: no chunk hash is shared.
         assert not {d.split(".", 1)[1][:64] for d in theirs} & {d.split(".", 1)[1][:64] for d in ours}
 
@@ -49,9 +48,13 @@ def test_restarted_is_pykvcache_with_one_more_server_per_repeat(tmp_path):
     assert any(p.startswith(f"configuration {RESTARTED}: the session workload only") for p in check_sweep(sweep))
 
 
-@pytest.mark.parametrize(("text", "expected"), [
-    (f"INFO x: {RESTORED_MARK} /kv/ns/gate-device.json (4 loads: 25 MB/s)", (4, 25.0)),
-    ("INFO pykvcache gate: on, cost model from default", None)])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (f"INFO x: {RESTORED_MARK} /kv/ns/gate-device.json (4 loads: 25 MB/s)", (4, 25.0)),
+        ("INFO pykvcache gate: on, cost model from default", None),
+    ],
+)
 def test_restored_reads_the_measured_servers_log(tmp_path, text, expected):
     log = tmp_path / "server.log"
     log.write_text("start\n" + text + "\n")

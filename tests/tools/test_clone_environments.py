@@ -22,17 +22,24 @@ _BUILD_INPUTS = ("Makefile", "Cargo.toml", "Cargo.lock", "pyproject.toml", "READ
 
 def _imported_paths(clone: Path) -> tuple[Path, Path]:
     out = subprocess.run(
-        [str(clone / ".venv" / "bin" / "python"), "-c",
-         "import pykvcache, pykvcache._core as c; print(pykvcache.__file__); print(c.__file__)"],
-        cwd="/", capture_output=True, text=True, check=True,
+        [
+            str(clone / ".venv" / "bin" / "python"),
+            "-c",
+            "import pykvcache, pykvcache._core as c; print(pykvcache.__file__); print(c.__file__)",
+        ],
+        cwd="/",
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     return Path(out[0]).resolve(), Path(out[1]).resolve()
 
 
 def _copy_clone(dest: Path) -> None:
     """The tracked and new (not ignored) build inputs of this tree, as a fresh clone has them."""
-    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z", "--", *_BUILD_INPUTS],
-                            cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    listed = subprocess.run(
+        ["git", "ls-files", "-co", "--exclude-standard", "-z", "--", *_BUILD_INPUTS], cwd=ROOT, capture_output=True, check=True
+    ).stdout.split(b"\0")
     for raw in filter(None, listed):
         rel = raw.decode()
         src = ROOT / rel
@@ -60,8 +67,7 @@ def test_a_second_clone_installs_into_its_own_environment(tmp_path):
     env["PYKVCACHE_ENV_CACHE"] = str(Path((venv / ".pykvcache-deps").read_text().strip()).parent)
     env["PYKVCACHE_MATURIN_TARGET"] = str(ROOT / "target" / "maturin")
     env.pop("VIRTUAL_ENV", None)
-    done = subprocess.run(["make", "--no-print-directory", "develop"], cwd=other, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run(["make", "--no-print-directory", "develop"], cwd=other, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
 
     theirs = _imported_paths(other)
@@ -70,6 +76,5 @@ def test_a_second_clone_installs_into_its_own_environment(tmp_path):
 
     # The shared environment holds third-party packages only.
     deps = Path((venv / ".pykvcache-deps").read_text().strip())
-    shared = subprocess.run([str(deps / "bin" / "python"), "-c", "import pykvcache"], cwd="/",
-                            capture_output=True, text=True)
+    shared = subprocess.run([str(deps / "bin" / "python"), "-c", "import pykvcache"], cwd="/", capture_output=True, text=True)
     assert shared.returncode != 0, "the shared environment imports a pykvcache of some clone"

@@ -23,17 +23,25 @@ def test_a_missed_target_fails_the_demo_and_a_smoke_run_judges_none():
     from pykvcache.tools.bench.parts import PartOutput
     from pykvcache.tools.demo import missed_targets
 
-    fs_tier = PartOutput(name="fs_tier", title="pykvcache vs vLLM's filesystem tier", targets={
-        ">= 1.0x fs tier everywhere (idle)": (True, "worst 1.37x"),
-        ">= 1.5x fs tier under CPU contention": (False, "worst 1.02x"),
-        "CPU-s/GB <= 1/4 of the fs tier's": (False, "worst 1.63x")})
-    storage = PartOutput(name="storage", title="Engine vs fio", targets={
-        "(diagnostic) first fill of an unformatted store (fresh files) >= 0.9x best fio": (False, "0.5x")})
-    skipped = PartOutput(name="lmcache", title="LMCache", skipped="not installed",
-                         targets={"cold loads >= 1.0x": (False, "-")})
+    fs_tier = PartOutput(
+        name="fs_tier",
+        title="pykvcache vs vLLM's filesystem tier",
+        targets={
+            ">= 1.0x fs tier everywhere (idle)": (True, "worst 1.37x"),
+            ">= 1.5x fs tier under CPU contention": (False, "worst 1.02x"),
+            "CPU-s/GB <= 1/4 of the fs tier's": (False, "worst 1.63x"),
+        },
+    )
+    storage = PartOutput(
+        name="storage",
+        title="Engine vs fio",
+        targets={"(diagnostic) first fill of an unformatted store (fresh files) >= 0.9x best fio": (False, "0.5x")},
+    )
+    skipped = PartOutput(name="lmcache", title="LMCache", skipped="not installed", targets={"cold loads >= 1.0x": (False, "-")})
     assert missed_targets([fs_tier, storage, skipped], measured=True) == [
         "pykvcache vs vLLM's filesystem tier: >= 1.5x fs tier under CPU contention (worst 1.02x)",
-        "pykvcache vs vLLM's filesystem tier: CPU-s/GB <= 1/4 of the fs tier's (worst 1.63x)"]
+        "pykvcache vs vLLM's filesystem tier: CPU-s/GB <= 1/4 of the fs tier's (worst 1.63x)",
+    ]
     assert missed_targets([fs_tier], measured=False) == []
     fs_tier.targets = {k: (True, why) for k, (_, why) in fs_tier.targets.items()}
     assert missed_targets([fs_tier, storage], measured=True) == []

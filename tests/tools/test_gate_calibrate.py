@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from pykvcache.tools.calibrate import cli, fit, measure
 from pykvcache.gate import ChunkState, GateProfile, ProfileExpectation, build_gate
+from pykvcache.tools.calibrate import cli, fit, measure
 
 # The tiny model: 2 layers x (K, V) x 2 KV heads x head_dim 64 x 4 bytes (float32).
 TINY_KV_BYTES_PER_TOKEN = 2 * 2 * 2 * 64 * 4
@@ -64,12 +63,20 @@ def test_the_summary_names_the_dtype_and_what_each_column_shows(tmp_path, capsys
     from pykvcache.gate import hardware_id
 
     profile = GateProfile(
-        model="m", dtype="float32", block_size=32, chunk_tokens=32, kv_bytes_per_token=2048.0, world_size=1,
-        hardware=hardware_id(), storage={"dir": str(tmp_path), "cold": "O_DIRECT", "backend": "io_uring"},
+        model="m",
+        dtype="float32",
+        block_size=32,
+        chunk_tokens=32,
+        kv_bytes_per_token=2048.0,
+        world_size=1,
+        hardware=hardware_id(),
+        storage={"dir": str(tmp_path), "cold": "O_DIRECT", "backend": "io_uring"},
         prefill={"a": 0.0, "b": 1e-4, "c": 0.0},
-        load={"fixed_s": 1e-4, "disk_bytes_per_s": 1e9, "h2d_bytes_per_s": 1e10, "step_s": 1e-3,
-              "copy": {"bytes_per_s": 1e10}},
-        break_even_tokens=12.0, created="2026-01-01T00:00:00+00:00", pykvcache_version="0")
+        load={"fixed_s": 1e-4, "disk_bytes_per_s": 1e9, "h2d_bytes_per_s": 1e10, "step_s": 1e-3, "copy": {"bytes_per_s": 1e10}},
+        break_even_tokens=12.0,
+        created="2026-01-01T00:00:00+00:00",
+        pykvcache_version="0",
+    )
     points = [measure.Point(32, [0.010, 0.011, 0.012]), measure.Point(256, [0.040, 0.041, 0.042])]
     cli._summary(profile, points, [], tmp_path / "p.json", 1.0)
     out = capsys.readouterr().out
@@ -100,14 +107,14 @@ def test_storage_sweep_reads_real_chunks_back(tmp_path):
 def test_load_path_fit_recovers_step_and_rate():
     bpt = 2048.0
     step, per_token = 0.9e-3, 4e-6  # s per load, s per token
-    points = [measure.Point(n, [step + n * per_token + e for e in (-1e-4, 0.0, 3e-3)])
-              for n in (32, 96, 256, 736, 2048)]
+    points = [measure.Point(n, [step + n * per_token + e for e in (-1e-4, 0.0, 3e-3)]) for n in (32, 96, 256, 736, 2048)]
     got_step, bw = fit.fit_load_path(points, bpt, copy_bytes_per_s=20e9)
     assert got_step == pytest.approx(step, rel=0.05)
     assert bpt / bw == pytest.approx(per_token, rel=0.05)
     # Never faster than the raw copy; differences <= 0 (noise) carry no weight.
-    _, bw = fit.fit_load_path([measure.Point(32, [1e-3]), measure.Point(2048, [1e-3]),
-                                     measure.Point(64, [-5e-3])], bpt, copy_bytes_per_s=1e9)
+    _, bw = fit.fit_load_path(
+        [measure.Point(32, [1e-3]), measure.Point(2048, [1e-3]), measure.Point(64, [-5e-3])], bpt, copy_bytes_per_s=1e9
+    )
     assert bw == pytest.approx(1e9)
     assert fit.fit_load_path([measure.Point(32, [-1e-3])], bpt, 1e9) == (0.0, 1e9)
 
@@ -115,9 +122,11 @@ def test_load_path_fit_recovers_step_and_rate():
 def test_disk_step_is_what_a_disk_load_adds_beyond_the_modelled_read():
     bpt, fixed, bw = 2048.0, 2e-4, 1e9
     extra = 1.1e-3  # e.g. the scheduler step a request waits while its chunks are read
-    path = {"disk_extra_points": [
-        measure.Point(n, [fixed + n * bpt / bw + extra + e for e in (-2e-4, 0.0, 5e-3)])
-        for n in (32, 64, 128, 512, 2048)]}
+    path = {
+        "disk_extra_points": [
+            measure.Point(n, [fixed + n * bpt / bw + extra + e for e in (-2e-4, 0.0, 5e-3)]) for n in (32, 64, 128, 512, 2048)
+        ]
+    }
     assert fit.fit_disk_step(path, fixed, bw, bpt) == pytest.approx(extra, rel=0.01)
     # Faster than the modelled read (noise, or a pessimistic storage sweep): 0, never negative.
     quick = {"disk_extra_points": [measure.Point(64, [1e-5]), measure.Point(128, [2e-5])]}
@@ -127,8 +136,7 @@ def test_disk_step_is_what_a_disk_load_adds_beyond_the_modelled_read():
 
 def test_recompute_fit_uses_the_paired_medians_through_the_origin():
     b, c = 24e-6, 5e-9
-    paired = [measure.Point(n, [b * n + c * n * n + e for e in (-2e-4, 0.0, 0.05)])
-              for n in (32, 96, 256, 736, 2048)]
+    paired = [measure.Point(n, [b * n + c * n * n + e for e in (-2e-4, 0.0, 0.05)]) for n in (32, 96, 256, 736, 2048)]
     sweep = [measure.Point(n, [0.006 + 17e-6 * n]) for n in (32, 2048)]
     curve, source = fit.fit_recompute({"recompute_points": paired}, sweep)
     assert source == "paired" and curve.a == 0.0
@@ -145,9 +153,11 @@ def test_one_fit_recovers_the_whole_cost_model():
     fixed, disk_bw, step, per_token, extra = 2e-4, 1e9, 0.9e-3, 4e-6, 1.1e-3
     lengths = (32, 96, 256, 736, 2048)
     prefill = [measure.Point(n, [0.006 + b * n]) for n in lengths]
-    path = {"points": [measure.Point(n, [step + n * per_token]) for n in lengths],
-            "recompute_points": [measure.Point(n, [b * n]) for n in lengths],
-            "disk_extra_points": [measure.Point(n, [fixed + n * bpt / disk_bw + extra]) for n in lengths]}
+    path = {
+        "points": [measure.Point(n, [step + n * per_token]) for n in lengths],
+        "recompute_points": [measure.Point(n, [b * n]) for n in lengths],
+        "disk_extra_points": [measure.Point(n, [fixed + n * bpt / disk_bw + extra]) for n in lengths],
+    }
     storage = [measure.Point(k * 65536, [fixed + k * 65536 / disk_bw]) for k in (1, 4, 16)]
     model, source = fit.fit_cost_model(prefill, path, storage, 20e9, bpt)
     assert source == "paired" and model.bytes_per_token == bpt
@@ -214,15 +224,28 @@ def calibrated(request, tmp_path_factory):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "pykvcache.tools.calibrate", "--quick", "--model-cache", str(cache),
-         "--storage-dir", str(storage), "--out", str(out), "--no-progress"],
-        env=env, capture_output=True, text=True, timeout=600,
+        [
+            sys.executable,
+            "-m",
+            "pykvcache.tools.calibrate",
+            "--quick",
+            "--model-cache",
+            str(cache),
+            "--storage-dir",
+            str(storage),
+            "--out",
+            str(out),
+            "--no-progress",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     elapsed = time.monotonic() - started
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
     print(f"calibrate --quick took {elapsed:.0f} s\n{proc.stdout}")
-    return {"profile": GateProfile.read(out), "path": out, "storage": storage, "elapsed": elapsed,
-            "stdout": proc.stdout}
+    return {"profile": GateProfile.read(out), "path": out, "storage": storage, "elapsed": elapsed, "stdout": proc.stdout}
 
 
 @pytest.mark.vllm
@@ -294,8 +317,7 @@ def _queue_for_break_even(gate, target_tokens: float) -> int:
 @needs_vllm
 def test_gate_from_the_profile_recomputes_below_and_loads_above_break_even(calibrated):
     p: GateProfile = calibrated["profile"]
-    expect = ProfileExpectation(model=p.model, dtype="float32",
-                                kv_bytes_per_token=TINY_KV_BYTES_PER_TOKEN, chunk_tokens=32)
+    expect = ProfileExpectation(model=p.model, dtype="float32", kv_bytes_per_token=TINY_KV_BYTES_PER_TOKEN, chunk_tokens=32)
     gate, source = build_gate(calibrated["path"], expect)
     assert source == "profile"
     assert gate.break_even_tokens() == pytest.approx(p.break_even_tokens)
@@ -320,16 +342,19 @@ def test_chunk_tokens_that_are_not_whole_blocks_are_refused_once_in_the_commands
     key the user never typed; now one line, before anything starts (the CPU backend's blocks
     are 32 tokens; --block-size when given)."""
     started = time.monotonic()
-    for argv, words in ((["--chunk-tokens", "48"], "the CPU backend's KV block size, 32 tokens: give 64 or 32"),
-                        (["--block-size", "64", "--chunk-tokens", "96"], "the --block-size KV block size, 64 tokens: give 128 or 64")):
+    for argv, words in (
+        (["--chunk-tokens", "48"], "the CPU backend's KV block size, 32 tokens: give 64 or 32"),
+        (["--block-size", "64", "--chunk-tokens", "96"], "the --block-size KV block size, 64 tokens: give 128 or 64"),
+    ):
         if argv[0] == "--chunk-tokens" and importlib.util.find_spec("torch") is None:
             continue
         rc = cli.main(["--storage-dir", str(tmp_path), "--out", str(tmp_path / "p.json"), "--no-progress", *argv])
         captured = capfd.readouterr()
         lines = [line for line in (captured.out + captured.err).splitlines() if line.strip()]
         assert rc == 2 and len(lines) == 1, lines
-        assert lines[0] == f"pykvcache calibrate: --chunk-tokens {argv[-1]} is not a multiple of {words}" \
-            + (" (or set --block-size)" if argv[0] == "--chunk-tokens" else ""), lines
+        assert lines[0] == f"pykvcache calibrate: --chunk-tokens {argv[-1]} is not a multiple of {words}" + (
+            " (or set --block-size)" if argv[0] == "--chunk-tokens" else ""
+        ), lines
         assert "block_size" not in lines[0]
     assert time.monotonic() - started < 60, "no engine started"
     assert not (tmp_path / "p.json").exists()

@@ -60,8 +60,9 @@ def test_gpu_bench_crossover_part_runs_on_the_cpu(tmp_path):
     import json
 
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out)],
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--device", "cpu", "--tiny", "--out", str(out)], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     [result] = json.loads((out / "crossover.json").read_text())
     assert result["model"] == "tiny-llama" and len(result["prefill"]) == len(result["load"]["rows"]) == 4
@@ -74,8 +75,10 @@ def test_gpu_bench_crossover_part_runs_on_the_cpu(tmp_path):
 def test_the_copy_path_and_crossover_import_without_vllm():
     """A GPU host often has torch and transformers but no vLLM: the copiers,
     the slot map and the crossover module must import with vLLM unimportable."""
-    code = ("import sys; sys.modules['vllm'] = None\n"
-            "import pykvcache.vllm.worker.cuda_copy, pykvcache.vllm.worker.cpu_copy, pykvcache.tools.gpu_crossover\n"
-            "print('ok')")
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "import pykvcache.vllm.worker.cuda_copy, pykvcache.vllm.worker.cpu_copy, pykvcache.tools.gpu_crossover\n"
+        "print('ok')"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

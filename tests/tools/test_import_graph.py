@@ -111,7 +111,7 @@ FORBIDDEN = {
 
 def _group(module: str) -> str:
     """The group a module of pykvcache.vllm belongs to: a subpackage, or ``shared``."""
-    rest = module[len(VLLM) + 1:].split(".")
+    rest = module[len(VLLM) + 1 :].split(".")
     return f"{VLLM}.{rest[0]}" if len(rest) > 1 or f"{VLLM}.{rest[0]}" in FORBIDDEN else "shared"
 
 
@@ -129,10 +129,14 @@ def _layering_breaches(graph: dict[str, set[str]]) -> list[str]:
 
 
 def test_the_layering_check_finds_a_breach():
-    assert _layering_breaches({f"{VLLM}.worker.copy": {f"{VLLM}.scheduler.manager"},
-                               f"{VLLM}.scheduler.manager": {f"{VLLM}.worker"},
-                               f"{VLLM}.layout": {f"{VLLM}.identity.namespace"},
-                               f"{VLLM}.spec": {f"{VLLM}.worker.copy", f"{VLLM}.scheduler.manager"}}) == [
+    assert _layering_breaches(
+        {
+            f"{VLLM}.worker.copy": {f"{VLLM}.scheduler.manager"},
+            f"{VLLM}.scheduler.manager": {f"{VLLM}.worker"},
+            f"{VLLM}.layout": {f"{VLLM}.identity.namespace"},
+            f"{VLLM}.spec": {f"{VLLM}.worker.copy", f"{VLLM}.scheduler.manager"},
+        }
+    ) == [
         f"{VLLM}.worker.copy ({VLLM}.worker) imports {VLLM}.scheduler.manager",
         f"{VLLM}.scheduler.manager ({VLLM}.scheduler) imports {VLLM}.worker",
         f"{VLLM}.layout (shared) imports {VLLM}.identity.namespace",

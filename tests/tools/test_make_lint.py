@@ -1,4 +1,4 @@
-"""`make lint` runs the five lint gates, and `make test` runs it as a stage.
+"""`make lint` runs the six lint gates, and `make test` runs it as a stage.
 
 Cheap: reads the Makefile, dev/test_stages.sh, the pins, the mypy configuration, the stubtest
 allowlist and the package's ignore comments; the gates themselves run in the lint stage, which
@@ -12,28 +12,37 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 #: mypy's --strict, as pyproject.toml spells it out per module (an override's `strict = true`
 #: would turn it on for every module).
-STRICT_FLAGS = ("disallow_any_generics", "disallow_subclassing_any", "disallow_untyped_calls",
-                "disallow_untyped_defs", "disallow_incomplete_defs", "disallow_untyped_decorators",
-                "warn_return_any", "strict_equality", "extra_checks")
+STRICT_FLAGS = (
+    "disallow_any_generics",
+    "disallow_subclassing_any",
+    "disallow_untyped_calls",
+    "disallow_untyped_defs",
+    "disallow_incomplete_defs",
+    "disallow_untyped_decorators",
+    "warn_return_any",
+    "strict_equality",
+    "extra_checks",
+)
 
 
 def _recipe(target: str) -> list[str]:
     lines = (ROOT / "Makefile").read_text().splitlines()
     start = lines.index(f"{target}:")
     recipe = []
-    for line in lines[start + 1:]:
+    for line in lines[start + 1 :]:
         if not line.startswith("\t"):
             break
         recipe.append(line.strip())
     return recipe
 
 
-def test_make_lint_runs_clippy_rustfmt_ruff_mypy_and_stubtest():
+def test_make_lint_runs_clippy_rustfmt_ruff_ruff_format_mypy_and_stubtest():
     recipe = _recipe("lint")
     expected = [
         r"(CARGO_TARGET_DIR=target/maturin )?cargo clippy( --release)? --all-targets --features python( --quiet)? -- -D warnings",
         r"cargo fmt --check",
         r"\$\(PY\) -m ruff check( --quiet)? \.",
+        r"\$\(PY\) -m ruff format --check( --quiet)? \.",
         r"\$\(PY\) -m mypy",
         r"\$\(PY\) -m mypy\.stubtest pykvcache\._core --allowlist dev/stubtest-allowlist\.txt",
     ]
@@ -50,8 +59,11 @@ def test_make_test_runs_the_lint_stage_right_after_the_build():
 
 
 def test_the_lint_tools_are_pinned_and_configured():
-    pins = dict(line.split("==") for line in (ROOT / "dev" / "requirements-dev.txt").read_text().splitlines()
-                if "==" in line and not line.startswith("#"))
+    pins = dict(
+        line.split("==")
+        for line in (ROOT / "dev" / "requirements-dev.txt").read_text().splitlines()
+        if "==" in line and not line.startswith("#")
+    )
     assert "ruff" in pins and "mypy" in pins, pins
     pyproject = (ROOT / "pyproject.toml").read_text()
     select = re.search(r"^\[tool\.ruff\.lint\]\n(?:#.*\n)*select = \[(.*?)\]", pyproject, re.M)
@@ -83,7 +95,7 @@ def test_every_type_ignore_in_the_package_names_its_error_code_and_reason():
                 continue
             coded = re.search(r"# type: ignore\[[a-z-]+(, *[a-z-]+)*\]", line)
             # The reason: after the code on the same line, or a comment line just above.
-            reason = coded and (line[coded.end():].strip(" #") or (i and lines[i - 1].strip().startswith("#")))
+            reason = coded and (line[coded.end() :].strip(" #") or (i and lines[i - 1].strip().startswith("#")))
             if not reason:
                 bare.append(f"{path.relative_to(ROOT)}:{i + 1}: {line.strip()}")
     assert not bare, "\n".join(bare)

@@ -61,7 +61,7 @@ def _strip(text: str) -> str:
                         break
                 else:
                     j += 1
-        elif (m := re.match(r'b?r(#*)"', text[i:i + 12])) and (i == 0 or not re.match(r"\w", text[i - 1])):
+        elif (m := re.match(r'b?r(#*)"', text[i : i + 12])) and (i == 0 or not re.match(r"\w", text[i - 1])):
             end = '"' + m.group(1)
             j = text.find(end, i + m.end())
             j = n if j < 0 else j + len(end)
@@ -70,7 +70,7 @@ def _strip(text: str) -> str:
             while j < n and text[j] != '"':
                 j += 2 if text[j] == "\\" else 1
             j += 1
-        elif text[i] == "'" and (m := re.match(r"'(\\.|\\u\{[0-9a-fA-F]+\}|[^\\'\n])'", text[i:i + 12])):
+        elif text[i] == "'" and (m := re.match(r"'(\\.|\\u\{[0-9a-fA-F]+\}|[^\\'\n])'", text[i : i + 12])):
             j = i + m.end()
         else:
             out.append(text[i])
@@ -145,8 +145,7 @@ def rust_graph(src: Path = SRC) -> dict[Module, dict[Module, str]]:
     for module, path in files.items():
         code = _strip(path.read_text())
         spans = _inline_modules(code)
-        inline = {module + tuple(name for s, e, name in spans if s < start <= e) + (own,)
-                  for start, _, own in spans}
+        inline = {module + tuple(name for s, e, name in spans if s < start <= e) + (own,) for start, _, own in spans}
 
         def scope(at: int) -> Module:
             return module + tuple(name for s, e, name in spans if s < at <= e)
@@ -233,8 +232,12 @@ def test_the_parser_sees_the_crate():
     assert ("staging",) in graph[("store", "config")]  # `crate::staging::MAX_SLOTS` in a const
     assert ("store", "jobs") in graph[("store",)]  # `use jobs::{...}` where `mod jobs;` is declared
     assert ("store",) not in graph[("store", "read")]
-    assert _use_paths("crate::a::{self, b::{c as d, e}, f}") == [["crate", "a"], ["crate", "a", "b", "c"],
-                                                                  ["crate", "a", "b", "e"], ["crate", "a", "f"]]
+    assert _use_paths("crate::a::{self, b::{c as d, e}, f}") == [
+        ["crate", "a"],
+        ["crate", "a", "b", "c"],
+        ["crate", "a", "b", "e"],
+        ["crate", "a", "f"],
+    ]
     assert "crate::x" not in _strip('let s = "crate::x"; // crate::y\n/* crate::z */ let c = \'"\';')
 
 
@@ -260,6 +263,5 @@ def test_no_arrow_against_the_layers():
             continue  # the crate root declares and re-exports every layer
         for used, where in sorted(uses.items()):
             if used and _layer(used[0]) > _layer(module[0]):
-                bad.append(f"{where}: {_name(module)} (layer {_layer(module[0])}) uses "
-                           f"{_name(used)} (layer {_layer(used[0])})")
+                bad.append(f"{where}: {_name(module)} (layer {_layer(module[0])}) uses {_name(used)} (layer {_layer(used[0])})")
     assert not bad, "a lower layer reaches up:\n" + "\n".join(bad)

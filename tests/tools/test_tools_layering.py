@@ -78,9 +78,14 @@ def test_the_layout_has_both_sides():
     product = {_module_name(p) for p in _product_files()}
     assert {"pykvcache", "pykvcache.aio", "pykvcache.preformat", "pykvcache.vllm.spec", "pykvcache.gate"} <= product
     tools = {_module_name(p) for p in _tool_files()}
-    assert {"pykvcache.tools.cli", "pykvcache.tools.demo", "pykvcache.tools.bench.runner",
-            "pykvcache.tools.calibrate.measure", "pykvcache.tools.calibrate.fit",
-            "pykvcache.tools.calibrate.cli"} <= tools
+    assert {
+        "pykvcache.tools.cli",
+        "pykvcache.tools.demo",
+        "pykvcache.tools.bench.runner",
+        "pykvcache.tools.calibrate.measure",
+        "pykvcache.tools.calibrate.fit",
+        "pykvcache.tools.calibrate.cli",
+    } <= tools
     # The old homes are gone, so nothing can import them by mistake; the command has one
     # module (``pykvcache``, ``python -m pykvcache.tools.cli``), no alias beside the product.
     assert not (PACKAGE / "bench").exists() and not (PACKAGE / "calibrate.py").exists()
@@ -192,8 +197,9 @@ BLOCK_RICH = textwrap.dedent(
 
 def _python(code: str, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    return subprocess.run([sys.executable, "-c", BLOCK_RICH + textwrap.dedent(code), *args],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", BLOCK_RICH + textwrap.dedent(code), *args], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT
+    )
 
 
 def test_rich_is_really_blocked_in_the_child():
@@ -228,7 +234,11 @@ def test_the_command_without_rich_says_how_to_install_it(tmp_path):
         sys.argv = ["pykvcache", *sys.argv[1:]]
         runpy.run_module("pykvcache.tools.cli", run_name="__main__")
         """,
-        "demo", "--no-vllm", "--no-bench", "--out", str(tmp_path / "demo"),
+        "demo",
+        "--no-vllm",
+        "--no-bench",
+        "--out",
+        str(tmp_path / "demo"),
     )
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert "pip install 'pykvcache[tools]'" in proc.stderr

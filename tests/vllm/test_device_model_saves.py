@@ -7,7 +7,6 @@ that learnt its first loads and was stopped must still leave them."""
 from __future__ import annotations
 
 import pytest
-
 from pykvcache.gate import ProfileExpectation, build_gate, device_memory
 from pykvcache.vllm.scheduler.gate_plan import GateWiring
 from pykvcache.vllm.scheduler.gating import GateHooks, Tick
@@ -24,12 +23,10 @@ def _points(path) -> int:
 
 
 def test_the_first_loads_are_saved_each_then_once_per_interval(tmp_path):
-    gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
-                                                   chunk_tokens=CT), steps=True)
+    gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT, chunk_tokens=CT), steps=True)
     path = tmp_path / device_memory.FILE_NAME
     now = [1000.0]
-    wiring = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK, hooks=GateHooks(device_file=path),
-                        clock=lambda: now[0])
+    wiring = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK, hooks=GateHooks(device_file=path), clock=lambda: now[0])
 
     def tick() -> bool:
         """A step's tick; whether it wrote the file (on the writer's thread)."""
@@ -53,8 +50,7 @@ def test_the_first_loads_are_saved_each_then_once_per_interval(tmp_path):
     assert _points(path) == eager + 3
 
     # What a restart after the eager saves starts from: the learnt disk, not the prior.
-    gate2, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
-                                                    chunk_tokens=CT), steps=True)
+    gate2, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT, chunk_tokens=CT), steps=True)
     assert gate2.online.disk_bytes_per_s == pytest.approx(1e9)
     GateWiring(gate2, chunk_tokens=CT, chunk_bytes=CHUNK, hooks=GateHooks(device_file=path))
     assert gate2.online.samples == eager + 3
@@ -83,13 +79,11 @@ def test_a_stalled_save_never_holds_the_scheduler(tmp_path):
     from pykvcache import BlockStore, StagingPool
     from pykvcache.vllm.scheduler.disk_tier import DiskTier
 
-    gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
-                                                   chunk_tokens=CT), steps=True)
+    gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT, chunk_tokens=CT), steps=True)
     with StallFs(tmp_path) as fs:
         pool = StagingPool(CHUNK, 2)
         store = BlockStore([str(fs.mount_point / "kv")], pool, namespace="saves", capacity_bytes=1 << 30)
-        disk = DiskTier(store, pool, gating=lambda hooks: GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK,
-                                                                     hooks=hooks))
+        disk = DiskTier(store, pool, gating=lambda hooks: GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK, hooks=hooks))
         try:
             gate.online.observe(16 * CHUNK, 16 * CHUNK / 25e6)  # a lesson: a 25 MB/s disk
             fs.stall()

@@ -11,10 +11,6 @@ import math
 from pathlib import Path
 
 import pytest
-
-from pykvcache.gate import AdmissionGate, CostModel, LoadCost, PrefillCurve, StoreAdmission
-from pykvcache.vllm.scheduler.staging_cache import LOOKAHEAD, LOOKUP
-
 from manager_harness import (
     CHUNK,
     CT,
@@ -26,6 +22,8 @@ from manager_harness import (
     learning_gate,
     run_queue,
 )
+from pykvcache.gate import AdmissionGate, CostModel, LoadCost, PrefillCurve, StoreAdmission
+from pykvcache.vllm.scheduler.staging_cache import LOOKAHEAD, LOOKUP
 
 
 def test_gate_recomputes_short_prefixes_without_reading_and_loads_long_ones(tmp_path):
@@ -58,8 +56,7 @@ def test_gate_recomputes_short_prefixes_without_reading_and_loads_long_ones(tmp_
 
 
 def test_gate_applies_to_preloads(tmp_path):
-    h = Harness(tmp_path / "kv", num_slots=32, lookahead_slots=16, window=4,
-                gate=break_even_gate(break_even_chunks=3.5))
+    h = Harness(tmp_path / "kv", num_slots=32, lookahead_slots=16, window=4, gate=break_even_gate(break_even_chunks=3.5))
     try:
         keys = [chunk_key(i) for i in range(8)]
         h.on_disk_only(keys)
@@ -137,8 +134,7 @@ def test_preloaded_loads_teach_the_gate_the_device(tmp_path):
 
 def test_store_admission_second_sighting(tmp_path):
     gate = break_even_gate()
-    h = Harness(tmp_path / "kv", num_slots=16, gate=gate,
-                admission=StoreAdmission(chunk_tokens=CT, second_sighting=True))
+    h = Harness(tmp_path / "kv", num_slots=16, gate=gate, admission=StoreAdmission(chunk_tokens=CT, second_sighting=True))
     try:
         keys = [chunk_key(i) for i in range(3)]
         ctx, _ = h.probe("first", keys)  # first sighting (all MISS)
@@ -188,8 +184,7 @@ def test_co_queued_requests_are_preloaded_only_where_their_lookup_then_loads(tmp
     b = 0.5 * step_s / (2 * CT)  # a 2-chunk prefix's prefill: half a step
     # Uncapped weight: this is about who is counted (0070); with the default cap
     # (0070) one and two requests behind weigh the same.
-    gate = AdmissionGate(CostModel(PrefillCurve(0.0, b, 0.0), load, CHUNK / CT), chunk_tokens=CT, online=None,
-                         behind_weight_cap=math.inf)
+    gate = AdmissionGate(CostModel(PrefillCurve(0.0, b, 0.0), load, CHUNK / CT), chunk_tokens=CT, online=None, behind_weight_cap=math.inf)
     h = Harness(tmp_path / "kv", num_slots=32, lookahead_slots=16, window=8, gate=gate)
     try:
         prefixes = {rid: [chunk_key(10 * n + i) for i in range(2)] for n, rid in enumerate("abc")}
@@ -221,8 +216,9 @@ def test_an_exploration_is_read_in_the_background_while_its_request_recomputes(t
     # choices do not depend on how fast this machine's real reads are (a busy CI host).
     prefill = PrefillCurve(0.0, 10.0 / CT, 0.0)
     online = OnlineLoadModel(calibrated)
-    gate = AdmissionGate(CostModel(prefill, calibrated, CHUNK / CT), chunk_tokens=CT, online=online,
-                         exploration=Exploration(min_sample_s=250.0))
+    gate = AdmissionGate(
+        CostModel(prefill, calibrated, CHUNK / CT), chunk_tokens=CT, online=online, exploration=Exploration(min_sample_s=250.0)
+    )
     for _ in range(3):
         online.observe(CHUNK, 100.0)
     h = Harness(tmp_path / "kv", num_slots=32, gate=gate)
@@ -292,8 +288,7 @@ def test_a_restarted_manager_starts_from_the_device_model_the_last_one_learnt(tm
         from pykvcache._core import chunk_file_bytes
         from pykvcache.vllm.scheduler.disk_io import PRELOAD_YIELD_S
 
-        assert h.store_obj.background_budget == max(chunk_file_bytes(CHUNK),
-                                                     int(second.online.disk_bytes_per_s * PRELOAD_YIELD_S))
+        assert h.store_obj.background_budget == max(chunk_file_bytes(CHUNK), int(second.online.disk_bytes_per_s * PRELOAD_YIELD_S))
     finally:
         h.close()
     # A file that cannot be read (here: a directory in its place) is ignored, and so is failing to save.
@@ -324,8 +319,7 @@ def test_the_gate_trace_records_decisions_reads_and_lessons(tmp_path, caplog):
     prior = LoadCost(fixed_s=1e-4, disk_bytes_per_s=1e9, h2d_bytes_per_s=1e15)
     online = OnlineLoadModel(prior)
     online.observe(CHUNK, CHUNK / 1e9)  # past first contact: the device timed once
-    gate = AdmissionGate(CostModel(PrefillCurve(0.0, 10.0 / CT, 0.0), prior, CHUNK / CT), chunk_tokens=CT,
-                         online=online)
+    gate = AdmissionGate(CostModel(PrefillCurve(0.0, 10.0 / CT, 0.0), prior, CHUNK / CT), chunk_tokens=CT, online=online)
     path = tmp_path / "trace.jsonl"
     h = Harness(tmp_path / "kv", num_slots=16, gate=gate, lookahead_slots=8, window=4, trace=DecisionTrace(path))
     try:

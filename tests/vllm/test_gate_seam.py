@@ -23,8 +23,7 @@ HOLDERS = {"gating", "_gating"}
 
 
 def _holds_gate(node: ast.expr) -> bool:
-    return (isinstance(node, ast.Name) and node.id in HOLDERS) or (
-        isinstance(node, ast.Attribute) and node.attr in HOLDERS)
+    return (isinstance(node, ast.Name) and node.id in HOLDERS) or (isinstance(node, ast.Attribute) and node.attr in HOLDERS)
 
 
 def seam_uses() -> dict[str, set[str]]:
@@ -41,8 +40,7 @@ def seam_uses() -> dict[str, set[str]]:
 
 
 def protocol_members() -> set[str]:
-    return {name for name, value in vars(gating.Gating).items()
-            if not name.startswith("_") and callable(value)}
+    return {name for name, value in vars(gating.Gating).items() if not name.startswith("_") and callable(value)}
 
 
 def test_the_protocol_has_at_most_six_members():
@@ -55,8 +53,9 @@ def test_the_vllm_side_uses_only_the_protocol():
     uses = seam_uses()
     outside = {name: sorted(modules) for name, modules in uses.items() if name not in protocol_members()}
     assert not outside, f"reached past the Gating protocol: {outside}"
-    assert {"allows", "plan_preload", "admit_store", "observe", "snapshot", "close"} <= set(uses), \
+    assert {"allows", "plan_preload", "admit_store", "observe", "snapshot", "close"} <= set(uses), (
         "the count looks at the wrong names (a member nobody calls, or the gate held under another name)"
+    )
 
 
 def test_the_null_gate_and_the_break_even_gate_implement_the_whole_protocol():

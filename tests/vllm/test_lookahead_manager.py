@@ -8,16 +8,21 @@ from __future__ import annotations
 
 import time
 
-from pykvcache.vllm.metrics import COUNTERS, GAUGES, metric_definitions
-
 from manager_harness import CHUNK, Harness, ReqContext, ScheduleEndContext, break_even_gate, chunk_key, run_queue
+from pykvcache.vllm.metrics import COUNTERS, GAUGES, metric_definitions
 
 
 def test_declared_metrics_cover_gate_and_lookahead():
     names = set(metric_definitions())
-    for name in ("lookahead_preload_bytes", "lookahead_wasted_bytes", "lookahead_used_bytes",
-                 "gate_decisions_load", "gate_limited_lookups", "store_skipped_first_sighting",
-                 "lookup_hold_cap_retries"):
+    for name in (
+        "lookahead_preload_bytes",
+        "lookahead_wasted_bytes",
+        "lookahead_used_bytes",
+        "gate_decisions_load",
+        "gate_limited_lookups",
+        "store_skipped_first_sighting",
+        "lookup_hold_cap_retries",
+    ):
         assert "vllm:pykvcache_" + name in names and name in COUNTERS
     for name in ("gate_break_even_tokens", "lookahead_slots_held"):
         assert "vllm:pykvcache_" + name in names and name in GAUGES
@@ -169,11 +174,9 @@ def test_fifty_queued_requests_do_not_thrash_staging(tmp_path):
     whole prefix, byte-identical."""
     n_req, chunks = 50, 8
     budget = 20  # lookahead share: 50% of 40 slots = 2.5 requests
-    h = Harness(tmp_path / "kv", num_slots=5 * chunks, lookahead_slots=budget, window=8,
-                hold_slots=20, gate=break_even_gate())
+    h = Harness(tmp_path / "kv", num_slots=5 * chunks, lookahead_slots=budget, window=8, hold_slots=20, gate=break_even_gate())
     try:
-        reqs = [(f"q{r}", [chunk_key(1000 * (r + 1) + j) for j in range(chunks)])
-                for r in range(n_req)]
+        reqs = [(f"q{r}", [chunk_key(1000 * (r + 1) + j) for j in range(chunks)]) for r in range(n_req)]
         h.write_to_disk([k for _, ks in reqs for k in ks])
         peak = []
 
@@ -192,10 +195,12 @@ def test_fifty_queued_requests_do_not_thrash_staging(tmp_path):
         t = h.m.metrics.totals
         assert served == {rid: chunks for rid, _ in reqs}
         preloaded = t["lookahead_preload_bytes"]
-        print(f"\nthrash: preloaded={preloaded / CHUNK:.0f} chunks used={t['lookahead_used_bytes'] / CHUNK:.0f} "
-              f"wasted={t['lookahead_wasted_bytes'] / CHUNK:.0f} waited={t['lookup_waited_requests']:.0f} "
-              f"ready={t['lookup_ready_requests']:.0f} peak_held={max(peak)} evictions={t['staging_evictions']:.0f} "
-              f"elapsed={elapsed:.2f}s")
+        print(
+            f"\nthrash: preloaded={preloaded / CHUNK:.0f} chunks used={t['lookahead_used_bytes'] / CHUNK:.0f} "
+            f"wasted={t['lookahead_wasted_bytes'] / CHUNK:.0f} waited={t['lookup_waited_requests']:.0f} "
+            f"ready={t['lookup_ready_requests']:.0f} peak_held={max(peak)} evictions={t['staging_evictions']:.0f} "
+            f"elapsed={elapsed:.2f}s"
+        )
         assert preloaded >= 0.8 * n_req * chunks * CHUNK  # almost every chunk came by preload
         assert t["lookahead_wasted_bytes"] <= 0.05 * preloaded
         assert t["lookahead_used_bytes"] >= 0.95 * preloaded - CHUNK * chunks

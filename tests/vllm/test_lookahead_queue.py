@@ -51,14 +51,13 @@ def test_the_preloader_asks_its_host_only_for_its_gate_gate_inputs_and_staging()
     the gate's inputs for a prefix (the same answer a lookup's plan gets) and
     ``stage``; its holds are kept in the staging cache it shares. A host of
     two methods and a gate is enough to plan over."""
-    from vllm.v1.kv_offload.base import LookupResult
-
     from pykvcache import StagingPool
     from pykvcache.gate import ChunkState
+    from pykvcache.vllm.metrics import ManagerMetrics
     from pykvcache.vllm.scheduler.gating import GateInputs, NoGating
     from pykvcache.vllm.scheduler.lookahead import Preloader
-    from pykvcache.vllm.metrics import ManagerMetrics
     from pykvcache.vllm.scheduler.staging_cache import EntryState, Origin, StagingCache
+    from vllm.v1.kv_offload.base import LookupResult
 
     pool = StagingPool(4096, 4)
     cache = StagingCache(pool)

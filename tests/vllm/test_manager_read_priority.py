@@ -10,10 +10,8 @@ from __future__ import annotations
 import time
 
 import pytest
-
-from pykvcache.gate import LoadCost
-
 from manager_harness import CHUNK, Harness, ReqContext, break_even_gate, chunk_key, chunk_payload, learning_gate
+from pykvcache.gate import LoadCost
 
 
 def test_queued_bytes_count_what_a_new_read_waits_behind(tmp_path):

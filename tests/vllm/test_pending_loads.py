@@ -39,8 +39,7 @@ class Rig:
 
     def add(self, job_id: int, staged: list[int], in_flight: list[int], wait_s: float = 1.0) -> None:
         slots = staged + in_flight
-        self.loads.add(PendingLoad(job_id, None, slots, [(s, 7) for s in in_flight], wait_s, 0.0,
-                                   ready=set(staged)))
+        self.loads.add(PendingLoad(job_id, None, slots, [(s, 7) for s in in_flight], wait_s, 0.0, ready=set(staged)))
 
     def step(self, at: float) -> None:
         self.now = at

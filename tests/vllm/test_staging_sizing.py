@@ -6,7 +6,6 @@ lookahead budget under one prefix preloads nothing useful."""
 from __future__ import annotations
 
 import pytest
-
 from pykvcache.vllm.staging_sizing import RECOMMENDED_PREFIXES, staging_sizing
 
 SLOT = (2 << 20) + 4096  # a 2 MiB chunk file (64 tokens x 32 KiB) with its header
@@ -14,8 +13,14 @@ SLOT = (2 << 20) + 4096  # a 2 MiB chunk file (64 tokens x 32 KiB) with its head
 
 def sizing(staging_mib: int, *, lookahead_share: float = 0.5, max_model_len: int = 2048, groups: int = 1):
     slots = (staging_mib << 20) // SLOT
-    return staging_sizing(slots=slots, slot_bytes=SLOT, lookahead_slots=int(slots * lookahead_share),
-                          max_model_len=max_model_len, chunk_tokens=64, groups=groups)
+    return staging_sizing(
+        slots=slots,
+        slot_bytes=SLOT,
+        lookahead_slots=int(slots * lookahead_share),
+        max_model_len=max_model_len,
+        chunk_tokens=64,
+        groups=groups,
+    )
 
 
 def test_a_full_length_prompt_loads_all_but_its_last_token():

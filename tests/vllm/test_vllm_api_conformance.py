@@ -17,15 +17,14 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 
 
 def _pairs():
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
-    from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec, OffloadingWorker
-    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
-
     from pykvcache.vllm.connector import PyKvCacheConnector
     from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
     from pykvcache.vllm.spec import NvmeOffloadingSpec
     from pykvcache.vllm.tier import PykvcacheTier
     from pykvcache.vllm.worker.staging_worker import StagingWorker
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+    from vllm.v1.kv_offload.base import OffloadingManager, OffloadingSpec, OffloadingWorker
+    from vllm.v1.kv_offload.tiering.base import SecondaryTierManager
 
     return [
         (NvmeOffloadingSpec, OffloadingSpec),

@@ -35,7 +35,7 @@ def _rank_kv(full, tp: int, rank: int):
     """This rank's KV tensors (head-major, K and V packed per head: the
     layout vLLM's CPU attention uses) cut from the whole model's."""
     per = HEADS // tp
-    return {name: t[:, rank * per:(rank + 1) * per].contiguous() for name, t in full.items()}
+    return {name: t[:, rank * per : (rank + 1) * per].contiguous() for name, t in full.items()}
 
 
 def _canonical_caches(cfg, kv: dict):
@@ -49,15 +49,15 @@ def _canonical_caches(cfg, kv: dict):
     heads = next(iter(kv.values())).shape[1]
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=heads, head_size=HEAD_DIM, dtype=torch.float32)
     page = spec.page_size_bytes
-    kcc = KVCacheConfig(num_blocks=NUM_BLOCKS,
-                        kv_cache_tensors=[KVCacheTensor(size=page * NUM_BLOCKS * 2, layers=[n], layer_stride=0,
-                                                        block_stride=page) for n in LAYERS],
-                        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)])
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[KVCacheTensor(size=page * NUM_BLOCKS * 2, layers=[n], layer_stride=0, block_stride=page) for n in LAYERS],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
+    )
     mappings = derive_canonical_mappings(cfg, kcc, kv)
     tensors, refs = [], []
     for i, name in enumerate(LAYERS):
-        tensors.append(CanonicalKVCacheTensor(tensor=kv[name].view(torch.int8).view(NUM_BLOCKS, page),
-                                              page_size_bytes=page))
+        tensors.append(CanonicalKVCacheTensor(tensor=kv[name].view(torch.int8).view(NUM_BLOCKS, page), page_size_bytes=page))
         refs.append(CanonicalKVCacheRef(tensor_idx=i, page_size_bytes=page, mapping=mappings.get(name)))
     return CanonicalKVCaches(tensors=tensors, group_data_refs=[refs]), page
 
@@ -78,9 +78,8 @@ def _layout(page: int, tp: int):
 
 def test_a_chunk_stored_at_tp1_loads_into_both_tp2_ranks_and_back(tiny_model):
     import torch
-    from vllm.v1.kv_offload.base import GPULoadStoreSpec
-
     from pykvcache import StagingPool
+    from vllm.v1.kv_offload.base import GPULoadStoreSpec
 
     gen = torch.Generator().manual_seed(7)
     full = {n: torch.randn(NUM_BLOCKS, HEADS, BLOCK, 2 * HEAD_DIM, generator=gen) for n in LAYERS}
@@ -90,15 +89,13 @@ def test_a_chunk_stored_at_tp1_loads_into_both_tp2_ranks_and_back(tiny_model):
     pool = StagingPool(layout.payload_bytes, 4)
     try:
         # TP=1 stores blocks 2,3 (one chunk) into slot 1.
-        _copier(tp1, layout, pool, 0).store(GPULoadStoreSpec([2, 3], group_sizes=[1 * 2], block_indices=[0]),
-                                            [1])
+        _copier(tp1, layout, pool, 0).store(GPULoadStoreSpec([2, 3], group_sizes=[1 * 2], block_indices=[0]), [1])
         for rank in range(2):
             kv = {n: torch.zeros_like(t) for n, t in _rank_kv(full, 2, rank).items()}
             caches, page2 = _canonical_caches(_config(tiny_model, 2, rank), kv)
             assert page2 * 2 == page1
             assert _layout(page2, 2) == layout, "TP=2 sizes the chunk as TP=1 does"
-            _copier(caches, layout, pool, rank).load(
-                GPULoadStoreSpec([5, 6], group_sizes=[2], block_indices=[0]), [1])
+            _copier(caches, layout, pool, rank).load(GPULoadStoreSpec([5, 6], group_sizes=[2], block_indices=[0]), [1])
             want = _rank_kv(full, 2, rank)
             for n in LAYERS:
                 assert torch.equal(kv[n][5:7], want[n][2:4]), f"rank {rank} {n}"
@@ -106,12 +103,11 @@ def test_a_chunk_stored_at_tp1_loads_into_both_tp2_ranks_and_back(tiny_model):
         # Both TP=2 ranks store their halves of blocks 0,1 into slot 2: the TP=1 chunk.
         for rank in range(2):
             caches, _ = _canonical_caches(_config(tiny_model, 2, rank), _rank_kv(full, 2, rank))
-            _copier(caches, layout, pool, rank).store(
-                GPULoadStoreSpec([0, 1], group_sizes=[2], block_indices=[0]), [2])
+            _copier(caches, layout, pool, rank).store(GPULoadStoreSpec([0, 1], group_sizes=[2], block_indices=[0]), [2])
         _copier(tp1, layout, pool, 0).store(GPULoadStoreSpec([0, 1], group_sizes=[2], block_indices=[0]), [3])
         region = pool.region()
         a, b = pool.payload_offset(2), pool.payload_offset(3)
-        assert bytes(region[a:a + layout.row_bytes]) == bytes(region[b:b + layout.row_bytes])
+        assert bytes(region[a : a + layout.row_bytes]) == bytes(region[b : b + layout.row_bytes])
         region.release()
     finally:
         import gc
@@ -124,15 +120,14 @@ def test_uncertified_pages_are_refused_not_stored_per_topology(tiny_model):
     """A ref vLLM gave no parallelism-agnostic mapping (here: none) fails at
     worker start-up, naming the key to remove, as vLLM's own tiering spec does."""
     import torch
-    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
-
     from pykvcache.vllm.worker.slot_map import SlotMap
+    from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
 
     page = 2 * BLOCK * HEADS * HEAD_DIM * 4
     caches = CanonicalKVCaches(
-        tensors=[CanonicalKVCacheTensor(tensor=torch.zeros(NUM_BLOCKS, page, dtype=torch.int8),
-                                        page_size_bytes=page)],
-        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]])
+        tensors=[CanonicalKVCacheTensor(tensor=torch.zeros(NUM_BLOCKS, page, dtype=torch.int8), page_size_bytes=page)],
+        group_data_refs=[[CanonicalKVCacheRef(tensor_idx=0, page_size_bytes=page)]],
+    )
     with pytest.raises(RuntimeError, match="could not certify.*remove canonical_layout"):
         SlotMap(caches.group_data_refs, _layout(page, 1))
 
@@ -143,14 +138,14 @@ def test_the_namespace_is_shared_across_tp_only_when_certified(tmp_path, tiny_mo
     import dataclasses
 
     from offloading_configs import tiny_offloading_config
-
     from pykvcache.vllm.host_config import publishing
     from pykvcache.vllm.spec import NvmeOffloadingSpec
 
     def spec(tp: int, canonical: bool, certified: bool = True):
-        base = tiny_offloading_config({"storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "1GiB",
-                                       "staging_bytes": "8MiB", "fingerprint_weights": False},
-                                      bytes_per_block=65536 // tp)
+        base = tiny_offloading_config(
+            {"storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "1GiB", "staging_bytes": "8MiB", "fingerprint_weights": False},
+            bytes_per_block=65536 // tp,
+        )
         par = dataclasses.replace(base.parallel, world_size=tp, tp_size=tp, is_parallelism_agnostic=certified)
         config = dataclasses.replace(base, parallel=par, canonical_layout=canonical)
         with publishing(_config(tiny_model, tp, 0)):

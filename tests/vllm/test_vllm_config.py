@@ -5,13 +5,17 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from pykvcache.vllm.config import GIB, ConfigError, parse_extra_config
 
 
 def _base(tmp_path, **extra):
-    return {"spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm",
-            "storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": 10 * GIB, **extra}
+    return {
+        "spec_name": "NvmeOffloadingSpec",
+        "spec_module_path": "pykvcache.vllm",
+        "storage_dirs": [str(tmp_path / "kv")],
+        "capacity_bytes": 10 * GIB,
+        **extra,
+    }
 
 
 def test_minimal_config_gets_documented_defaults(tmp_path):
@@ -26,16 +30,28 @@ def test_minimal_config_gets_documented_defaults(tmp_path):
 
 
 def test_all_problems_reported_in_one_error(tmp_path):
-    bad = {"spec_name": "NvmeOffloadingSpec", "queue_depth": 0, "backend": "spdk",
-           "direct_io": "yes", "offload_prompt_only": "true", "capcity_bytes": 5,
-           "staging_bytes": -1}
+    bad = {
+        "spec_name": "NvmeOffloadingSpec",
+        "queue_depth": 0,
+        "backend": "spdk",
+        "direct_io": "yes",
+        "offload_prompt_only": "true",
+        "capcity_bytes": 5,
+        "staging_bytes": -1,
+    }
     with pytest.raises(ConfigError) as info:
         parse_extra_config(bad)
     message = str(info.value)
-    for fragment in ("storage_dirs is required", "capacity_bytes is required",
-                     "queue_depth must be a positive integer", "backend must be one of",
-                     "direct_io must be one of", "offload_prompt_only must be true or false",
-                     "unknown key(s) 'capcity_bytes'", "staging_bytes must be"):
+    for fragment in (
+        "storage_dirs is required",
+        "capacity_bytes is required",
+        "queue_depth must be a positive integer",
+        "backend must be one of",
+        "direct_io must be one of",
+        "offload_prompt_only must be true or false",
+        "unknown key(s) 'capcity_bytes'",
+        "staging_bytes must be",
+    ):
         assert fragment in message, fragment
     assert isinstance(info.value, ValueError)
 
@@ -66,9 +82,13 @@ def test_storage_dirs_forms_and_errors(tmp_path):
     assert rel.storage_dirs == (os.path.abspath("rel/dir"),)
     a_file = tmp_path / "file"
     a_file.write_text("x")
-    for bad, fragment in (([], "non-empty list"), ([str(a_file)], "not a directory"),
-                          ([str(tmp_path), str(tmp_path)], "twice"), ([""], "non-empty paths"),
-                          (5, "non-empty list")):
+    for bad, fragment in (
+        ([], "non-empty list"),
+        ([str(a_file)], "not a directory"),
+        ([str(tmp_path), str(tmp_path)], "twice"),
+        ([""], "non-empty paths"),
+        (5, "non-empty list"),
+    ):
         with pytest.raises(ConfigError, match=fragment):
             parse_extra_config(_base(tmp_path, storage_dirs=bad))
 
@@ -78,7 +98,6 @@ def test_identity_keys(tmp_path):
     assert (cfg.model_id, cfg.namespace_salt) == ("llama-3b@rev7", "tenantA")
     with pytest.raises(ConfigError, match="model_id"):
         parse_extra_config(_base(tmp_path, model_id=""))
-
 
 
 def test_kv_transfer_config_helper_builds_a_valid_config(tmp_path):
@@ -107,8 +126,7 @@ def test_preformat_keys(tmp_path):
 def test_sizes_that_are_not_finite_or_too_large_are_config_errors(tmp_path):
     # "infGiB" used to escape as a bare OverflowError, "nanGiB" as ValueError
     # from int(); 2**64 would overflow the engine's 64-bit counter.
-    for name in ("capacity_bytes", "staging_bytes", "lookahead_bytes", "lookup_hold_bytes",
-                 "min_free_bytes"):
+    for name in ("capacity_bytes", "staging_bytes", "lookahead_bytes", "lookup_hold_bytes", "min_free_bytes"):
         for bad in ("infGiB", "nanGiB", "-infGiB", "1e400GiB", 2**64, "99999999999TiB"):
             with pytest.raises(ConfigError, match=name):
                 parse_extra_config(_base(tmp_path, **{name: bad}))
@@ -120,8 +138,7 @@ def test_sizes_that_are_not_finite_or_too_large_are_config_errors(tmp_path):
 def test_free_space_and_insecure_root_keys(tmp_path):
     cfg = parse_extra_config(_base(tmp_path))
     assert (cfg.min_free_bytes, cfg.min_free_fraction, cfg.allow_insecure_root) == (None, None, False)
-    cfg = parse_extra_config(_base(tmp_path, min_free_bytes="2GiB", min_free_fraction=0.1,
-                                   allow_insecure_root=True))
+    cfg = parse_extra_config(_base(tmp_path, min_free_bytes="2GiB", min_free_fraction=0.1, allow_insecure_root=True))
     assert (cfg.min_free_bytes, cfg.min_free_fraction, cfg.allow_insecure_root) == (2 * GIB, 0.1, True)
     assert parse_extra_config(_base(tmp_path, min_free_bytes=0)).min_free_bytes == 0
     for bad in (1.0, -0.1, float("nan"), "5%", True):
@@ -179,9 +196,21 @@ def test_the_helper_rejects_bad_settings_when_called(tmp_path):
 # ---- one table
 
 #: Keys whose ``null`` means "not given" (the default); every other key refuses it.
-NULL_IS_DEFAULT = {"block_size", "blocks_per_chunk", "queue_depth", "max_inflight_writes",
-                   "min_free_bytes", "min_free_fraction", "io_deadline_s", "model_id",
-                   "namespace_salt", "gate_profile", "gate_trace", "lookahead_bytes", "lookup_hold_bytes"}
+NULL_IS_DEFAULT = {
+    "block_size",
+    "blocks_per_chunk",
+    "queue_depth",
+    "max_inflight_writes",
+    "min_free_bytes",
+    "min_free_fraction",
+    "io_deadline_s",
+    "model_id",
+    "namespace_salt",
+    "gate_profile",
+    "gate_trace",
+    "lookahead_bytes",
+    "lookup_hold_bytes",
+}
 
 
 def _blockstore_keywords() -> list[str]:
@@ -209,8 +238,9 @@ def test_every_key_is_one_row_of_the_table():
         required = field.default is dataclasses.MISSING
         assert bool(spec.required) == required, f"{field.name}: a required key says why, no other"
         if not required and field.default is not None:
-            assert spec.check(field.name, field.default) == field.default, \
+            assert spec.check(field.name, field.default) == field.default, (
                 f"{field.name}: the default {field.default!r} is not a value the key accepts"
+            )
     assert {n for n, s in table.items() if s.null_is_default} == NULL_IS_DEFAULT
 
 
@@ -229,14 +259,24 @@ def test_null_means_the_default_only_where_the_table_says_so(tmp_path):
 def test_the_store_keywords_come_from_the_table(tmp_path):
     from pykvcache.vllm.config import store_keywords
 
-    cfg = parse_extra_config(_base(tmp_path, queue_depth=64, verify="header", min_free_bytes=0,
-                                   io_deadline_s=7, refresh_interval_s=0, backend="threads"))
+    cfg = parse_extra_config(
+        _base(tmp_path, queue_depth=64, verify="header", min_free_bytes=0, io_deadline_s=7, refresh_interval_s=0, backend="threads")
+    )
     kw = store_keywords(cfg)
     assert set(kw) <= set(_blockstore_keywords()), "every keyword is one BlockStore takes"
-    assert kw == {"capacity_bytes": 10 * GIB, "queue_depth": 64, "backend": "threads",
-                  "direct_io": "optional", "verify": "header", "register_buffers": True,
-                  "min_free_bytes": 0, "min_free_fraction": None, "io_deadline": 7.0,
-                  "allow_insecure_root": False, "refresh_interval_s": None}
+    assert kw == {
+        "capacity_bytes": 10 * GIB,
+        "queue_depth": 64,
+        "backend": "threads",
+        "direct_io": "optional",
+        "verify": "header",
+        "register_buffers": True,
+        "min_free_bytes": 0,
+        "min_free_fraction": None,
+        "io_deadline": 7.0,
+        "allow_insecure_root": False,
+        "refresh_interval_s": None,
+    }
     assert store_keywords(parse_extra_config(_base(tmp_path, refresh_interval_s=2)))["refresh_interval_s"] == 2.0
 
 
@@ -261,8 +301,7 @@ def test_the_vllm_layer_reads_the_limits_from_the_engine(tmp_path):
     for path in sources:
         source = path.read_text()
         for number in ("4096", "65535", "65536", "1 << 16"):
-            assert not re.search(rf"(?<![\w.]){re.escape(number)}(?![\w.])", source), \
-                f"{path.name} repeats the engine limit {number}"
+            assert not re.search(rf"(?<![\w.]){re.escape(number)}(?![\w.])", source), f"{path.name} repeats the engine limit {number}"
 
 
 # ---- first contact: every problem in one error, the host's included
@@ -285,15 +324,29 @@ def test_a_misspelt_key_does_not_hide_the_other_problems(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
     too_much = 2 * host_memory_bytes()
-    problems = _problems({"storage_dirs": [str(a_file / "kv")], "capacity_bytes": 1, "capacty": "1GiB",
-                          "staging_bytes": too_much, "lookahead_bytes": too_much + 1,
-                          "model_id": "../../etc", "gate_trace": "/proc/pykvcache-trace"})
+    problems = _problems(
+        {
+            "storage_dirs": [str(a_file / "kv")],
+            "capacity_bytes": 1,
+            "capacty": "1GiB",
+            "staging_bytes": too_much,
+            "lookahead_bytes": too_much + 1,
+            "model_id": "../../etc",
+            "gate_trace": "/proc/pykvcache-trace",
+        }
+    )
     text = "\n".join(problems)
-    for fragment in ("unknown key(s) 'capacty'", "capacity_bytes (1 bytes) is smaller than the smallest chunk file",
-                     f"staging_bytes ({too_much} bytes", "more than this host's memory",
-                     "lookahead_bytes", "more than staging_bytes", "model_id must be a label",
-                     "gate_trace /proc/pykvcache-trace is on a proc filesystem",
-                     f"{a_file} is not a writable directory"):
+    for fragment in (
+        "unknown key(s) 'capacty'",
+        "capacity_bytes (1 bytes) is smaller than the smallest chunk file",
+        f"staging_bytes ({too_much} bytes",
+        "more than this host's memory",
+        "lookahead_bytes",
+        "more than staging_bytes",
+        "model_id must be a label",
+        "gate_trace /proc/pykvcache-trace is on a proc filesystem",
+        f"{a_file} is not a writable directory",
+    ):
         assert fragment in text, (fragment, text)
     assert len(problems) == 7, problems
 
@@ -333,10 +386,12 @@ def test_gate_trace_must_be_a_file_this_process_can_append_to(tmp_path):
     read_only.mkdir()
     subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(read_only)], check=False)
     try:
-        cases = {"/proc/sys/vm/drop_caches": "on a proc filesystem",  # exists: a kernel setting
-                 "/sys/kernel/pykvcache-trace": "on a sysfs filesystem",
-                 str(tmp_path): "exists and is not a regular file",
-                 str(tmp_path / "missing" / "trace.jsonl"): "is not an existing directory"}
+        cases = {
+            "/proc/sys/vm/drop_caches": "on a proc filesystem",  # exists: a kernel setting
+            "/sys/kernel/pykvcache-trace": "on a sysfs filesystem",
+            str(tmp_path): "exists and is not a regular file",
+            str(tmp_path / "missing" / "trace.jsonl"): "is not an existing directory",
+        }
         if os.path.ismount(read_only):
             cases[str(read_only / "trace.jsonl")] = "is not writable by this process"
         for path, fragment in cases.items():

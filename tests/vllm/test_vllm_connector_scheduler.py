@@ -46,17 +46,17 @@ def kv_cache_config(cfg, num_blocks: int = 64):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 
     mc = cfg.model_config
-    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=mc.get_total_num_kv_heads(),
-                             head_size=mc.get_head_size(), dtype=torch.float32)
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=mc.get_total_num_kv_heads(), head_size=mc.get_head_size(), dtype=torch.float32)
     page = spec.page_size_bytes
     # One backing allocation, layer-major: each tensor's size is the total
     # (vLLM sizes worker_kv_bytes_per_block from it).
     total = page * num_blocks * len(LAYERS)
     return KVCacheConfig(
         num_blocks=num_blocks,
-        kv_cache_tensors=[KVCacheTensor(size=total, layers=[name], layer_stride=page * num_blocks,
-                                        block_stride=page, offset=i * page * num_blocks)
-                          for i, name in enumerate(LAYERS)],
+        kv_cache_tensors=[
+            KVCacheTensor(size=total, layers=[name], layer_stride=page * num_blocks, block_stride=page, offset=i * page * num_blocks)
+            for i, name in enumerate(LAYERS)
+        ],
         kv_cache_groups=[KVCacheGroupSpec(list(LAYERS), spec)],
     )
 
@@ -69,8 +69,7 @@ def request(req_id: str, tokens: list[int]):
 
     hash_fn = get_hash_fn_by_name("sha256")
     init_none_hash(hash_fn)
-    return Request(req_id, tokens, SamplingParams(max_tokens=1), None,
-                   block_hasher=get_request_block_hasher(BLOCK, hash_fn))
+    return Request(req_id, tokens, SamplingParams(max_tokens=1), None, block_hasher=get_request_block_hasher(BLOCK, hash_fn))
 
 
 def step(connector):
@@ -79,23 +78,33 @@ def step(connector):
     collects I/O and plans preloads in on_schedule_end)."""
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
-    out = SchedulerOutput(scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
-                          num_scheduled_tokens={}, total_num_scheduled_tokens=0,
-                          scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
-                          finished_req_ids=set(), free_encoder_mm_hashes=[])
+    out = SchedulerOutput(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={},
+        total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
     return connector.build_connector_meta(out)
 
 
 @pytest.fixture
 def extra(tmp_path):
-    return {"storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "256MiB",
-            "staging_bytes": "16MiB", "blocks_per_chunk": 2, "gate": False}
+    return {
+        "storage_dirs": [str(tmp_path / "kv")],
+        "capacity_bytes": "256MiB",
+        "staging_bytes": "16MiB",
+        "blocks_per_chunk": 2,
+        "gate": False,
+    }
 
 
 def _connector(model, extra, connector="PyKvCacheConnector"):
-    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
-
     from pykvcache.vllm.connector import PyKvCacheConnector
+    from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole
 
     cfg = vllm_config(model, dict(extra), connector)
     kcc = kv_cache_config(cfg)
@@ -107,13 +116,11 @@ def _connector(model, extra, connector="PyKvCacheConnector"):
 
 
 def test_vllms_offloading_config_of_a_real_vllm_config_builds_the_spec(tiny_model, extra):
-    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
-
     from pykvcache.vllm.host_config import publishing
     from pykvcache.vllm.spec import NvmeOffloadingSpec
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import build_offloading_config
 
-    cfg = vllm_config(tiny_model, {"spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm",
-                                   **extra}, "OffloadingConnector")
+    cfg = vllm_config(tiny_model, {"spec_name": "NvmeOffloadingSpec", "spec_module_path": "pykvcache.vllm", **extra}, "OffloadingConnector")
     kcc = kv_cache_config(cfg)
     oc = build_offloading_config(cfg, kcc)
     assert oc.cache.blocks_per_chunk == 2 and oc.parallel.tp_size == 1

@@ -22,11 +22,9 @@ VLLM_PACKAGE = Path(__file__).resolve().parents[2] / "python" / "pykvcache" / "v
 
 def _spec(tmp_path, root, **extra):
     from offloading_configs import tiny_offloading_config
-
     from pykvcache.vllm.spec import NvmeOffloadingSpec
 
-    extra = {"storage_dirs": [str(root)], "capacity_bytes": "1GiB", "staging_bytes": "8MiB",
-             "fingerprint_weights": False, **extra}
+    extra = {"storage_dirs": [str(root)], "capacity_bytes": "1GiB", "staging_bytes": "8MiB", "fingerprint_weights": False, **extra}
     return NvmeOffloadingSpec(tiny_offloading_config(extra, bytes_per_block=65536))
 
 
@@ -92,13 +90,16 @@ def test_the_tier_does_not_import_the_standalone_spec():
         assert not imported & {"pykvcache.vllm.spec", "pykvcache.vllm.scheduler.manager"}, (module, imported)
 
 
-@pytest.mark.parametrize(("status", "miss_kind", "counter", "hidden_for"), [
-    ("miss", "absent", "vanished_chunks", None),
-    ("miss", "kept", "kept_chunks", "kept"),
-    ("miss", "unavailable", "unavailable_reads", "unavailable"),
-    ("corrupt", "corrupt", "corrupt_chunks", None),
-    ("error", "unavailable", "read_errors", "unavailable"),
-])
+@pytest.mark.parametrize(
+    ("status", "miss_kind", "counter", "hidden_for"),
+    [
+        ("miss", "absent", "vanished_chunks", None),
+        ("miss", "kept", "kept_chunks", "kept"),
+        ("miss", "unavailable", "unavailable_reads", "unavailable"),
+        ("corrupt", "corrupt", "corrupt_chunks", None),
+        ("error", "unavailable", "read_errors", "unavailable"),
+    ],
+)
 def test_one_classification_of_a_failed_read(tmp_path, status, miss_kind, counter, hidden_for):
     """A read that served nothing: counted by the engine's verdict, and the key
     not read again for a while where the file stays; nothing is deleted."""
@@ -114,8 +115,7 @@ def test_one_classification_of_a_failed_read(tmp_path, status, miss_kind, counte
     pool.release(slot)
     try:
         assert disk.on_disk(key)
-        result = SimpleNamespace(status=status, miss_kind=miss_kind, latency_s=0.001, length=0,
-                                 message="test", errno=None)
+        result = SimpleNamespace(status=status, miss_kind=miss_kind, latency_s=0.001, length=0, message="test", errno=None)
         assert disk.read_finished(key, result) is False
         assert disk.metrics.totals[counter] == 1
         assert store.contains(key), "the file is the engine's to remove"

@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import statistics
 
-from vllm.v1.kv_offload.base import ReqContext
-
 from pykvcache.gate import ChunkState, GateProfile, ProfileExpectation, build_gate, hardware_id
 from pykvcache.vllm.scheduler.gate_plan import GateWiring
 from pykvcache.vllm.scheduler.gating import GateHooks, GateInputs, ReadEnded, ReadStarted, RequestDropped
+from vllm.v1.kv_offload.base import ReqContext
 
 CT = 64
 BPT = 32 * 1024  # the serving benchmark's model: 2 MiB chunks
@@ -30,13 +29,20 @@ DEADLINE_S = 2.0  # the engine's default I/O deadline for such chunks
 
 def _gate(tmp_path):
     profile = GateProfile(
-        model="/models/llama3-geometry", dtype="float32", block_size=32, chunk_tokens=CT,
-        kv_bytes_per_token=BPT, world_size=1, hardware=hardware_id(),
+        model="/models/llama3-geometry",
+        dtype="float32",
+        block_size=32,
+        chunk_tokens=CT,
+        kv_bytes_per_token=BPT,
+        world_size=1,
+        hardware=hardware_id(),
         storage={"dir": "/data", "device": "vda", "fstype": "ext4"},
         # ~1 s for a 1.5k-token prefix, as on a 2-core CPU.
         prefill={"a": 0.0, "b": 6.5e-4, "c": 0.0, "points": []},
         load={"fixed_s": 0.0, "disk_bytes_per_s": 1426e6, "h2d_bytes_per_s": 4.7e9, "points": []},
-        break_even_tokens=22.0, created="2026-12-06T00:00:00+00:00", pykvcache_version="0.1.0",
+        break_even_tokens=22.0,
+        created="2026-12-06T00:00:00+00:00",
+        pykvcache_version="0.1.0",
     )
     expect = ProfileExpectation(model=profile.model, dtype=profile.dtype, kv_bytes_per_token=BPT, chunk_tokens=CT)
     gate, source = build_gate(profile.save(tmp_path / "profile.json"), expect, steps=True)

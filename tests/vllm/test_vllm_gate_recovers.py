@@ -13,11 +13,10 @@ while its request recomputes; the last tests script that device too.
 from __future__ import annotations
 
 import pytest
-from vllm.v1.kv_offload.base import ReqContext
-
 from pykvcache.gate import ChunkState, ProfileExpectation, build_gate
 from pykvcache.vllm.scheduler.gate_plan import GateWiring
 from pykvcache.vllm.scheduler.gating import GateHooks, GateInputs, ReadEnded, ReadStarted, RequestDropped, Tick
+from vllm.v1.kv_offload.base import ReqContext
 
 CT = 64
 BPT = 12 * 1024
@@ -35,8 +34,7 @@ class Serving:
     allowance), then ``bytes_per_s``."""
 
     def __init__(self, *, breakers: bool = False, background: tuple[float, int] | None = None) -> None:
-        gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
-                                                       chunk_tokens=CT), steps=True)
+        gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT, chunk_tokens=CT), steps=True)
         # ~0.2 ms per prefilled token (what the step timer learns of the tiny e2e model).
         for n in (256, 512, 768, 1024, 1536, 2048):
             assert gate.observe_prefill([(0, n)], 0.01 + 2e-4 * n)
@@ -47,9 +45,11 @@ class Serving:
         self.totals: dict[str, float] = {}
         self.sampled: list[list[bytes]] = []  # each exploration's background reads
         self.device = background
-        hooks = GateHooks(breakers=(lambda: self.breakers) if breakers else None, io_deadline_s=2.0,
-                          sampler=(lambda keys: (self.sampled.append(list(keys)), list(keys))[1])
-                          if background else None)
+        hooks = GateHooks(
+            breakers=(lambda: self.breakers) if breakers else None,
+            io_deadline_s=2.0,
+            sampler=(lambda keys: (self.sampled.append(list(keys)), list(keys))[1]) if background else None,
+        )
         self.wiring = GateWiring(gate, chunk_tokens=CT, chunk_bytes=CHUNK, hooks=hooks, clock=lambda: self.now)
 
     def _serve_sample(self, keys: list[bytes]) -> None:
@@ -60,8 +60,7 @@ class Serving:
         served = 0
         for key in keys:
             served += CHUNK
-            self.wiring.observe(ReadEnded(key, True, 1e-4 + max(0, served - burst) / rate, CHUNK,
-                                          started_at=self.now))
+            self.wiring.observe(ReadEnded(key, True, 1e-4 + max(0, served - burst) / rate, CHUNK, started_at=self.now))
 
     def learn(self, bytes_per_s: float, lessons: int) -> list:
         """Requests loading at ``bytes_per_s`` until the gate has learnt

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import pytest
-from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-
 from pykvcache.gate import ChunkState, ProfileExpectation, build_gate
 from pykvcache.vllm.scheduler.gate_plan import GateWiring
 from pykvcache.vllm.scheduler.gating import Reset, StepFinished, StepScheduled
 from pykvcache.vllm.scheduler.step_timer import StepTimer, step_work
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
 CT = 64
 BPT = 12 * 1024
 
 
 def _new(req_id: str, computed: int) -> NewRequestData:
-    return NewRequestData(req_id=req_id, prompt_token_ids=None, mm_features=[], sampling_params=None,
-                          pooling_params=None, block_ids=([],), num_computed_tokens=computed,
-                          lora_request=None)
+    return NewRequestData(
+        req_id=req_id,
+        prompt_token_ids=None,
+        mm_features=[],
+        sampling_params=None,
+        pooling_params=None,
+        block_ids=([],),
+        num_computed_tokens=computed,
+        lora_request=None,
+    )
 
 
 def _output(new: list[tuple[str, int, int]], running: list[tuple[str, int, int]]) -> SchedulerOutput:
@@ -54,8 +60,7 @@ def test_only_mostly_prefill_steps_are_timed_and_each_from_its_start():
 
 def test_the_manager_wiring_teaches_a_default_gate_how_slow_this_host_computes():
     def default_gate(steps):
-        return build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT,
-                                                   chunk_tokens=CT), steps=steps)[0]
+        return build_gate(None, ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=BPT, chunk_tokens=CT), steps=steps)[0]
 
     assert default_gate(steps=False).decide([ChunkState.DISK] * 2).recompute  # no step source: the prior gates
     gate = default_gate(steps=True)  # PyKvCacheConnector reports the steps (build_gating's steps_timed)

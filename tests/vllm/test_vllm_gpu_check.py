@@ -21,7 +21,6 @@ def _has_cuda() -> bool:
 
 @pytest.mark.skipif(_has_cuda(), reason="a GPU is present: run scripts/gpu_check.py itself")
 def test_gpu_check_skips_without_gpu():
-    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "skipped: no GPU" in proc.stdout

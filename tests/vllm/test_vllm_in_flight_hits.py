@@ -24,14 +24,13 @@ torch = pytest.importorskip("torch")
 base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
-from stall_fs import StallFs, skip_reason  # noqa: E402
-
 from pykvcache import BlockStore, StagingPool  # noqa: E402
 from pykvcache.vllm.layout import ChunkLayout  # noqa: E402
 from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager  # noqa: E402
 from pykvcache.vllm.scheduler.staging_cache import EntryState  # noqa: E402
 from pykvcache.vllm.transfer_spec import StagingSlotsSpec  # noqa: E402
 from pykvcache.vllm.worker.staging_worker import StagingWorker  # noqa: E402
+from stall_fs import StallFs, skip_reason  # noqa: E402
 
 LookupResult = base.LookupResult
 ReqContext = base.ReqContext
@@ -48,9 +47,12 @@ needs_fuse = pytest.mark.skipif(skip_reason() is not None, reason=str(skip_reaso
 
 def _kv_caches():
     gen = torch.Generator().manual_seed(5)
-    tensors = [base.CanonicalKVCacheTensor(
-        tensor=torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen),
-        page_size_bytes=PAGE) for _ in range(2)]
+    tensors = [
+        base.CanonicalKVCacheTensor(
+            tensor=torch.randint(-128, 127, (NUM_BLOCKS, PAGE), dtype=torch.int8, generator=gen), page_size_bytes=PAGE
+        )
+        for _ in range(2)
+    ]
     refs = [[base.CanonicalKVCacheRef(tensor_idx=t, page_size_bytes=PAGE) for t in (0, 1)]]
     return base.CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
 
@@ -71,8 +73,7 @@ class Rig:
     def __init__(self, directory, io_deadline):
         self.name = f"pykvcache-test-inflight-{os.getpid()}-{next(_RIGS)}"
         self.pool = StagingPool(LAYOUT.payload_bytes, 6, shm_name=self.name, memfd=True)
-        self.store = BlockStore([str(directory)], self.pool, namespace="inflight",
-                                capacity_bytes=1 << 30, io_deadline=io_deadline)
+        self.store = BlockStore([str(directory)], self.pool, namespace="inflight", capacity_bytes=1 << 30, io_deadline=io_deadline)
         self.manager = NvmeOffloadingManager(pool=self.pool, store=self.store, layout=LAYOUT)
         self.kv = _kv_caches()
         self.original = [t.tensor.clone() for t in self.kv.tensors]
@@ -252,8 +253,9 @@ def test_each_chunk_is_copied_as_its_read_ends(stall_fs):
         ctx, spec = _staged_and_in_flight(rig, stall_fs)
         rig.submit_load(spec, dst=(10, 11, 12, 13))
         first = [orig[2:4] for orig in rig.original]
-        assert all(torch.equal(t.tensor[10:12], want) for t, want in zip(rig.kv.tensors, first)), \
+        assert all(torch.equal(t.tensor[10:12], want) for t, want in zip(rig.kv.tensors, first)), (
             "the staged chunk is copied when the load is submitted"
+        )
         assert rig.worker.get_finished() == [], "the load still waits for the second read"
         assert all(not t.tensor[12:14].any() for t in rig.kv.tensors), "nothing of the chunk still being read"
         stall_fs.resume()
@@ -431,12 +433,20 @@ def test_a_worker_in_another_process_waits_on_the_scheduler_s_word(tmp_path):
         assert handle.wait(10).ok
         generation, _ = pool.ready_state(slot)
         child = subprocess.run(
-            [sys.executable, "-c",
-             "import sys; from pykvcache._core import StagingPool as P; p = P.attach_memfd(sys.argv[1]); "
-             "print(p.wait_ready([int(sys.argv[2])], [int(sys.argv[3])], 5.0)[0], "
-             "p.wait_ready([int(sys.argv[2])], [int(sys.argv[3]) + 1], 0.1)[0])",
-             name, str(slot), str(generation)],
-            capture_output=True, text=True, timeout=60, env={**os.environ},
+            [
+                sys.executable,
+                "-c",
+                "import sys; from pykvcache._core import StagingPool as P; p = P.attach_memfd(sys.argv[1]); "
+                "print(p.wait_ready([int(sys.argv[2])], [int(sys.argv[3])], 5.0)[0], "
+                "p.wait_ready([int(sys.argv[2])], [int(sys.argv[3]) + 1], 0.1)[0])",
+                name,
+                str(slot),
+                str(generation),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ},
         )
         assert child.returncode == 0, child.stderr
         assert child.stdout.split() == ["ready", "recycled"]
@@ -471,9 +481,12 @@ def test_a_step_that_hands_out_a_load_in_flight_is_timed_as_compute(stall_fs):
     rig = Rig(stall_fs.mount_point, io_deadline=10.0)
     try:
         rig.store_chunk()
-        gate, _ = build_gate(None, ProfileExpectation(model="m", dtype="float32",
-                                                       kv_bytes_per_token=LAYOUT.payload_bytes // 64,
-                                                       chunk_tokens=64), enabled=False, steps=True)
+        gate, _ = build_gate(
+            None,
+            ProfileExpectation(model="m", dtype="float32", kv_bytes_per_token=LAYOUT.payload_bytes // 64, chunk_tokens=64),
+            enabled=False,
+            steps=True,
+        )
         rig.manager.gating = GateWiring(gate, chunk_tokens=64, chunk_bytes=LAYOUT.payload_bytes)
         seen = []
         rig.manager.gating.steps._observe = lambda work, seconds: seen.append((work, seconds)) or True

@@ -9,7 +9,6 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-
 from pykvcache.vllm.identity.loaded_weights import COARSE_MARGIN_NS, FINE_MARGIN_NS, engine_started_ns, first_change
 from pykvcache.vllm.identity.model_identity import confirm_loaded, weights_identity
 

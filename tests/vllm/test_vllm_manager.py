@@ -12,12 +12,11 @@ import os
 import time
 
 import pytest
-
+from fault_marks import NEEDS_FAULT_INJECTION
 from pykvcache import BlockStore, StagingPool
 from pykvcache.vllm.layout import ChunkLayout
-from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
 from pykvcache.vllm.metrics import metric_definitions
-from fault_marks import NEEDS_FAULT_INJECTION
+from pykvcache.vllm.scheduler.manager import NvmeOffloadingManager
 
 vllm_base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not installed")
 LookupResult = vllm_base.LookupResult
@@ -41,11 +40,9 @@ class Harness:
         self.dirs = [str(directory)]
 
         def open_store():
-            return BlockStore(self.dirs, self.pool, namespace="test-ns", capacity_bytes=capacity_bytes,
-                              **store_keys)
+            return BlockStore(self.dirs, self.pool, namespace="test-ns", capacity_bytes=capacity_bytes, **store_keys)
 
-        self.manager = NvmeOffloadingManager(pool=self.pool, store=open_store(), layout=LAYOUT,
-                                             reopen_store=open_store, enable_events=True)
+        self.manager = NvmeOffloadingManager(pool=self.pool, store=open_store(), layout=LAYOUT, reopen_store=open_store, enable_events=True)
 
     def store(self, indices, req="r"):
         ctx = ReqContext(req_id=req)
@@ -201,8 +198,7 @@ def test_full_staging_defers_when_writes_will_free_slots_else_truncates(tmp_path
         assert h.manager.prepare_store([_key(50), _key(51)], ReqContext(req_id="x")) is None
         assert h.manager.metrics.totals["store_deferred"] == 1
         h.settle()
-        assert len(h.manager.prepare_store([_key(50), _key(51)],
-                                           ReqContext(req_id="x")).keys_to_store) == 2
+        assert len(h.manager.prepare_store([_key(50), _key(51)], ReqContext(req_id="x")).keys_to_store) == 2
         # Four slots now being filled by workers (not freeing soon), two
         # evictable: a batch of four stores its two leading chunks only.
         ctx = ReqContext(req_id="busy")
@@ -227,8 +223,7 @@ def test_request_holds_looked_up_chunks_until_scheduled(harness):
     harness.settle()
     # Chunk 1 is held for the waiting request; chunk 2 was not looked up.
     assert harness.manager.staged_state(_key(1)) is not None
-    harness.manager.on_schedule_end(
-        ScheduleEndContext(new_req_ids=["waiting"], preempted_req_ids=[]))
+    harness.manager.on_schedule_end(ScheduleEndContext(new_req_ids=["waiting"], preempted_req_ids=[]))
     assert harness.manager.cache.get(_key(1)).evictable
 
 
@@ -423,7 +418,7 @@ def test_a_corrupt_chunk_is_removed_once_by_the_engine(harness, tmp_path):
     harness.manager.cache.remove(_key(3))
     assert len(_event_keys(harness.manager.take_events(), removed=False)) == 2
     files = _chunk_files(tmp_path / "kv")
-    victim = next(p for p, data in files.items() if data[4096:4096 + 64] == _payload(3)[:64])
+    victim = next(p for p, data in files.items() if data[4096 : 4096 + 64] == _payload(3)[:64])
     with open(victim, "r+b") as f:
         f.seek(4096 + 100)
         f.write(b"\xff")
@@ -445,7 +440,7 @@ def test_many_corrupt_chunks_log_one_warning_then_a_summary(harness, tmp_path, c
 
     indices = list(range(40, 52))
     for start in range(0, len(indices), 4):
-        harness.store(indices[start:start + 4])
+        harness.store(indices[start : start + 4])
         harness.settle()
     for i in indices:
         harness.manager.cache.remove(_key(i))  # as if evicted from staging

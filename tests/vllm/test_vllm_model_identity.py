@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from pykvcache.vllm.identity.model_identity import (
     config_identity,
     model_identity,
@@ -223,8 +222,7 @@ def test_an_unusable_cache_location_recomputes_and_warns_once(aged_checkpoint, p
     _assert_cacheable(aged_checkpoint, private_cache_home.parent / "usable.json")
 
 
-def test_without_a_home_or_cache_directory_nothing_is_cached_in_the_working_directory(
-        aged_checkpoint, tmp_path, monkeypatch, caplog):
+def test_without_a_home_or_cache_directory_nothing_is_cached_in_the_working_directory(aged_checkpoint, tmp_path, monkeypatch, caplog):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
     monkeypatch.chdir(cwd)
@@ -278,8 +276,7 @@ def test_weights_not_found_locally_fall_back_to_name_and_revision(caplog):
 def test_every_byte_of_the_kv_relevant_files_is_read_once(checkpoint):
     identity = weights_identity(checkpoint)
     assert identity.files == 2  # model.safetensors and config.json; the tokenizer is not KV
-    assert identity.bytes_hashed == sum((checkpoint / n).stat().st_size
-                                        for n in ("model.safetensors", "config.json"))
+    assert identity.bytes_hashed == sum((checkpoint / n).stat().st_size for n in ("model.safetensors", "config.json"))
 
 
 @pytest.fixture(scope="module")
@@ -309,8 +306,7 @@ def test_every_kv_relevant_engine_flag_changes_the_identity(engine_configs):
     assert identity_digest(config_identity(engine_configs(max_num_seqs=3, gpu_memory_utilization=0.5))) == base
     changes = {
         "hf_overrides rope_theta": {"hf_overrides": {"rope_parameters": {"rope_theta": 1e6, "rope_type": "default"}}},
-        "rope scaling": {"hf_overrides": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear",
-                                                              "factor": 2.0}}},
+        "rope scaling": {"hf_overrides": {"rope_parameters": {"rope_theta": 10000.0, "rope_type": "linear", "factor": 2.0}}},
         "revision": {"revision": "v2"},
         "code_revision": {"code_revision": "abc"},
         "kv cache dtype fp8": {"kv_cache_dtype": "fp8"},

@@ -59,8 +59,7 @@ def test_storage_keys_reach_the_engine(tmp_path):
     os.chmod(open_dir, 0o777)
     with pytest.raises(ConfigError, match="world-writable.*allow_insecure_root"):
         _spec(tmp_path, storage_dirs=[str(open_dir)])
-    spec = _spec(tmp_path, storage_dirs=[str(open_dir)], allow_insecure_root=True,
-                 min_free_bytes="64MiB")
+    spec = _spec(tmp_path, storage_dirs=[str(open_dir)], allow_insecure_root=True, min_free_bytes="64MiB")
     pool = StagingPool(spec.layout.payload_bytes, 4)
     store = spec._open_store(pool)
     try:
@@ -102,14 +101,12 @@ def test_a_kind_of_write_failure_is_logged_once_and_counted_always(tmp_path, cap
     one warning, not one per chunk; write_errors counts each."""
     import logging
 
-    from test_vllm_manager import LAYOUT, Harness
-
     from pykvcache import BlockStore
+    from test_vllm_manager import LAYOUT, Harness
 
     h = Harness(tmp_path / "kv")
     h.manager.store.close()
-    h.manager.store = BlockStore(h.dirs, h.pool, namespace="test-ns", capacity_bytes=1 << 30,
-                                 min_free_bytes=(1 << 62))
+    h.manager.store = BlockStore(h.dirs, h.pool, namespace="test-ns", capacity_bytes=1 << 30, min_free_bytes=(1 << 62))
     try:
         with caplog.at_level(logging.DEBUG, logger="vllm.pykvcache"):
             h.store([1, 2, 3])
@@ -161,11 +158,13 @@ def test_the_chunk_size_checks_come_with_every_other_problem(tmp_path):
     from pykvcache.vllm.config import ConfigError
 
     with pytest.raises(ConfigError) as info:
-        _spec(tmp_path, capacity_bytes=8192, staging_bytes=2 * (4096 + 2 * BYTES_PER_BLOCK), capacty="1GiB",
-              model_id="../x")
+        _spec(tmp_path, capacity_bytes=8192, staging_bytes=2 * (4096 + 2 * BYTES_PER_BLOCK), capacty="1GiB", model_id="../x")
     text = "\n".join(info.value.problems)
-    for fragment in ("unknown key(s) 'capacty'", "model_id must be a label",
-                     "capacity_bytes=8192 is smaller than one chunk file",
-                     "staging_bytes=270336 holds 2 chunk(s)"):
+    for fragment in (
+        "unknown key(s) 'capacty'",
+        "model_id must be a label",
+        "capacity_bytes=8192 is smaller than one chunk file",
+        "staging_bytes=270336 holds 2 chunk(s)",
+    ):
         assert fragment in text, (fragment, text)
     assert len(info.value.problems) == 4 and str(info.value).count("invalid pykvcache") == 1, str(info.value)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from pykvcache import StagingPool
 from pykvcache.vllm.scheduler.staging_cache import EntryState, Origin, StagingCache
 

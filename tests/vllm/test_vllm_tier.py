@@ -27,11 +27,14 @@ def _spec(tmp_path, engine_id="tier-test", num_chunks=16, **tier_keys):
     from offloading_configs import tiny_offloading_config
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    tier = {**TIER, "storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "64MiB",
-            "fingerprint_weights": False, **tier_keys}
+    tier = {**TIER, "storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "64MiB", "fingerprint_weights": False, **tier_keys}
     config = tiny_offloading_config({}, engine_id=engine_id, bytes_per_block=BYTES_PER_BLOCK)
-    extra = {"spec_name": "TieringOffloadingSpec", "blocks_per_chunk": 2,
-             "cpu_bytes_to_use": num_chunks * 2 * BYTES_PER_BLOCK, "secondary_tiers": [tier]}
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "blocks_per_chunk": 2,
+        "cpu_bytes_to_use": num_chunks * 2 * BYTES_PER_BLOCK,
+        "secondary_tiers": [tier],
+    }
     import dataclasses
 
     return TieringOffloadingSpec(dataclasses.replace(config, extra_config=extra))
@@ -288,9 +291,16 @@ def test_refused_misspelt_and_invalid_tier_keys_are_reported_in_one_error(tmp_pa
     from pykvcache.vllm.tier import tier_settings
 
     with pytest.raises(ConfigError) as info:
-        tier_settings({"storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "64MiB",
-                       "wipe_on_reset": True, "lookahead_bytes": "1GiB", "capacty_bytes": "1GiB",
-                       "verify": "sometimes"})
+        tier_settings(
+            {
+                "storage_dirs": [str(tmp_path / "kv")],
+                "capacity_bytes": "64MiB",
+                "wipe_on_reset": True,
+                "lookahead_bytes": "1GiB",
+                "capacty_bytes": "1GiB",
+                "verify": "sometimes",
+            }
+        )
     message = str(info.value)
     for part in ("'wipe_on_reset'", "'lookahead_bytes'", "unknown key(s) 'capacty_bytes'", "verify must be one of"):
         assert part in message, (part, message)
@@ -309,8 +319,7 @@ def test_the_tier_declares_its_metrics_to_vllm(tmp_path):
     stats = s.tier.get_stats()
     assert stats is not None
     # reduce() reports a histogram as its _sum and _count
-    names = {n if n in defs else n.removesuffix("_sum").removesuffix("_count")
-             for n in stats.reduce()}
+    names = {n if n in defs else n.removesuffix("_sum").removesuffix("_count") for n in stats.reduce()}
     assert names and names <= set(defs), sorted(names - set(defs))
     s.close()
 
@@ -330,8 +339,13 @@ def _job(s, keys, chunk_ids, *, load: bool, job_id: int):
     from vllm.v1.kv_offload.base import ReqContext
     from vllm.v1.kv_offload.tiering.base import TransferJob
 
-    return TransferJob(job_id=job_id, keys=list(keys), chunk_ids=np.asarray(chunk_ids),
-                       is_promotion=load, req_context=ReqContext(req_id=f"direct-{job_id}"))
+    return TransferJob(
+        job_id=job_id,
+        keys=list(keys),
+        chunk_ids=np.asarray(chunk_ids),
+        is_promotion=load,
+        req_context=ReqContext(req_id=f"direct-{job_id}"),
+    )
 
 
 def _finish(tier, job_ids, timeout=20.0) -> dict:
@@ -387,8 +401,7 @@ def test_a_promotion_into_rows_outside_the_cpu_tier_fails_alone(tmp_path, cpu_ti
     results = _finish(tier, list(loads))
     for job_id, r in results.items():
         assert not r.success and not r.successful_keys, (job_id, r)
-    assert np.array_equal(s.primary[rows - 1], _payload(b"last row", s.primary.shape[1])), \
-        "a refused load wrote into a row"
+    assert np.array_equal(s.primary[rows - 1], _payload(b"last row", s.primary.shape[1])), "a refused load wrote into a row"
     tier.submit_load(_job(s, good, [5, 6], load=True, job_id=9))
     [ok] = _finish(tier, [9]).values()
     assert ok.success
@@ -409,8 +422,7 @@ def test_concurrent_callers_of_one_tier_are_serialized(tmp_path):
     from vllm.v1.kv_offload.base import ReqContext
 
     threads, per_thread = 4, 12
-    s = Scheduler(_spec(tmp_path, engine_id="tier-threads", num_chunks=threads * per_thread,
-                        staging_bytes=4 * 36864, gate=False))
+    s = Scheduler(_spec(tmp_path, engine_id="tier-threads", num_chunks=threads * per_thread, staging_bytes=4 * 36864, gate=False))
     tier, width = s.tier, s.primary.shape[1]
     free = tier.pool.free_slots
     keys = {t: _keys(f"thread{t}-", per_thread) for t in range(threads)}
@@ -445,8 +457,7 @@ def test_concurrent_callers_of_one_tier_are_serialized(tmp_path):
             done.extend(tier.get_finished_jobs())
             time.sleep(0.002)
         ids = sorted(r.job_id for r in done)
-        assert ids == sorted((2 if load else 1) * 10000 + 100 * t + i
-                             for t in range(threads) for i in range(per_thread)), ids
+        assert ids == sorted((2 if load else 1) * 10000 + 100 * t + i for t in range(threads) for i in range(per_thread)), ids
         assert all(r.success for r in done), [r for r in done if not r.success]
         done.clear()
 
@@ -466,9 +477,8 @@ def test_the_tier_refuses_an_engine_with_lora_enabled(tmp_path):
     With LoRA on, the tier refuses to start, naming the spec that keys adapters by content."""
     from types import SimpleNamespace
 
-    from vllm.config import LoRAConfig
-
     from pykvcache.vllm.host_config import publishing
+    from vllm.config import LoRAConfig
 
     # The engine's config as the tier finds it (a whole VllmConfig needs a model and a device).
     with_lora = SimpleNamespace(lora_config=LoRAConfig(max_lora_rank=8))

@@ -24,11 +24,22 @@ def _spec(tmp_path, bytes_per_block, num_chunks=8, **tier_keys):
     from offloading_configs import tiny_offloading_config
     from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec
 
-    tier = {**TIER, "storage_dirs": [str(tmp_path / "kv")], "capacity_bytes": "64MiB",
-            "fingerprint_weights": False, "gate": False, "cpu_tier_io": "direct", **tier_keys}
+    tier = {
+        **TIER,
+        "storage_dirs": [str(tmp_path / "kv")],
+        "capacity_bytes": "64MiB",
+        "fingerprint_weights": False,
+        "gate": False,
+        "cpu_tier_io": "direct",
+        **tier_keys,
+    }
     config = tiny_offloading_config({}, engine_id="tier-region", bytes_per_block=bytes_per_block)
-    extra = {"spec_name": "TieringOffloadingSpec", "blocks_per_chunk": 2,
-             "cpu_bytes_to_use": num_chunks * 2 * bytes_per_block, "secondary_tiers": [tier]}
+    extra = {
+        "spec_name": "TieringOffloadingSpec",
+        "blocks_per_chunk": 2,
+        "cpu_bytes_to_use": num_chunks * 2 * bytes_per_block,
+        "secondary_tiers": [tier],
+    }
     return TieringOffloadingSpec(dataclasses.replace(config, extra_config=extra))
 
 
@@ -41,10 +52,14 @@ def _store_and_load(s: Scheduler, keys):
     assert all(np.array_equal(d, _payload(k, s.primary.shape[1])) for k, d in zip(keys, data))
 
 
-@pytest.mark.parametrize("tier_keys", [
-    {"backend": "threads", "verify": "header"},
-    {"direct_io": "disabled", "register_buffers": False},
-], ids=["threads-header", "buffered-no-fixed"])
+@pytest.mark.parametrize(
+    "tier_keys",
+    [
+        {"backend": "threads", "verify": "header"},
+        {"direct_io": "disabled", "register_buffers": False},
+    ],
+    ids=["threads-header", "buffered-no-fixed"],
+)
 def test_chunks_move_straight_from_and_to_the_cpu_tier_on_every_fallback(tmp_path, tier_keys):
     from pykvcache.vllm.tier import MIN_TIER_SLOTS
 

@@ -16,8 +16,8 @@ base = pytest.importorskip("vllm.v1.kv_offload.base", reason="vLLM is not instal
 
 from pykvcache import StagingPool  # noqa: E402
 from pykvcache.vllm.layout import ChunkLayout  # noqa: E402
-from pykvcache.vllm.worker.slot_map import SlotMap  # noqa: E402
 from pykvcache.vllm.transfer_spec import StagingSlotsSpec  # noqa: E402
+from pykvcache.vllm.worker.slot_map import SlotMap  # noqa: E402
 from pykvcache.vllm.worker.staging_worker import StagingWorker  # noqa: E402
 
 NUM_BLOCKS = 16
@@ -30,8 +30,7 @@ def _kv_caches(num_tensors=2, groups=((0, 1),), pad=0):
     for _ in range(num_tensors):
         storage = torch.zeros(NUM_BLOCKS, PAGE + pad, dtype=torch.int8)
         tensors.append(base.CanonicalKVCacheTensor(tensor=storage, page_size_bytes=PAGE + pad))
-    refs = [[base.CanonicalKVCacheRef(tensor_idx=t, page_size_bytes=PAGE) for t in g]
-            for g in groups]
+    refs = [[base.CanonicalKVCacheRef(tensor_idx=t, page_size_bytes=PAGE) for t in g] for g in groups]
     return base.CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
 
 

@@ -37,11 +37,31 @@ from pykvcache.gate.request_keys import request_keys_from
 from pykvcache.gate.store_admission import STORE_COUNTERS, StoreAdmission
 
 __all__ = [
-    "DEFAULT_BREAK_EVEN_TOKENS", "GATE_COUNTERS", "GATE_GAUGES", "STORE_COUNTERS", "AdmissionGate",
-    "ChunkState", "CostModel", "Exploration", "GateDecision", "GateProfile", "LoadCost", "MIN_LESSON_S",
-    "OnlineLoadModel", "OnlinePrefillModel", "OutageFilter", "PrefillCurve", "ProfileError",
-    "ProfileExpectation", "StoreAdmission", "build_gate", "default_cost_model", "device_memory",
-    "hardware_id", "load_cost_model", "request_keys_from",
+    "DEFAULT_BREAK_EVEN_TOKENS",
+    "GATE_COUNTERS",
+    "GATE_GAUGES",
+    "STORE_COUNTERS",
+    "AdmissionGate",
+    "ChunkState",
+    "CostModel",
+    "Exploration",
+    "GateDecision",
+    "GateProfile",
+    "LoadCost",
+    "MIN_LESSON_S",
+    "OnlineLoadModel",
+    "OnlinePrefillModel",
+    "OutageFilter",
+    "PrefillCurve",
+    "ProfileError",
+    "ProfileExpectation",
+    "StoreAdmission",
+    "build_gate",
+    "default_cost_model",
+    "device_memory",
+    "hardware_id",
+    "load_cost_model",
+    "request_keys_from",
 ]
 
 
@@ -72,8 +92,14 @@ def build_gate(
         prefill.fed = steps
     # Online learning alone never unlearns a slow disk once the gate stops
     # loading: it samples a load now and then (decision 0054).
-    gate = AdmissionGate(model, chunk_tokens=expected.chunk_tokens, online=refine,
-                         margin=margin, enabled=enabled, prefill_online=prefill,
-                         exploration=Exploration() if online else None)
+    gate = AdmissionGate(
+        model,
+        chunk_tokens=expected.chunk_tokens,
+        online=refine,
+        margin=margin,
+        enabled=enabled,
+        prefill_online=prefill,
+        exploration=Exploration() if online else None,
+    )
     gate.first_contact = source == "profile"
     return gate, source

@@ -61,8 +61,9 @@ class DeviceBusyPeriods:
             self._start, self._end, self._bytes = at, at, 0
         self.outstanding += 1
 
-    def read_ended(self, started_at: float, seconds: float, nbytes: int, *,
-                   timed_elsewhere: bool = False, sample: bool = False) -> tuple[int, float, float, bool] | None:
+    def read_ended(
+        self, started_at: float, seconds: float, nbytes: int, *, timed_elsewhere: bool = False, sample: bool = False
+    ) -> tuple[int, float, float, bool] | None:
         """The read submitted at ``started_at`` ended after ``seconds`` having
         served ``nbytes`` (0 for a read that served nothing); ``sample``: the
         gate started it to sample the device. Returns ``(bytes, seconds,

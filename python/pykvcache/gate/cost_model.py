@@ -50,9 +50,7 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
     return [m[i][n] / m[i][i] for i in range(n)]
 
 
-def nonneg_least_squares(
-    rows: Sequence[Sequence[float]], ys: Sequence[float], weights: Sequence[float]
-) -> list[float]:
+def nonneg_least_squares(rows: Sequence[Sequence[float]], ys: Sequence[float], weights: Sequence[float]) -> list[float]:
     """Weighted least squares with every coefficient >= 0 (exact, by trying
     every subset of free coefficients: fine for the 2-3 unknowns used here)."""
     if not rows or len(rows) != len(ys) or len(ys) != len(weights):
@@ -74,10 +72,7 @@ def nonneg_least_squares(
             coef = [0.0] * dim
             for i, ai in enumerate(active):
                 coef[ai] = sol[i]
-            sse = sum(
-                w * (y - sum(c * x for c, x in zip(coef, row))) ** 2
-                for row, y, w in zip(rows, ys, weights)
-            )
+            sse = sum(w * (y - sum(c * x for c, x in zip(coef, row))) ** 2 for row, y, w in zip(rows, ys, weights))
             if best is None or sse < best[0] - 1e-18 * abs(best[0]):
                 best = (sse, coef)
     return best[1] if best else [0.0] * dim
@@ -174,9 +169,7 @@ class LoadCost:
         pts = [(float(b), float(t)) for b, t in points if b > 0 and t > 0 and math.isfinite(t)]
         if len({b for b, _ in pts}) < 2:
             raise ValueError("a load fit needs reads of two or more sizes")
-        fixed, per_byte = nonneg_least_squares(
-            [(1.0, b) for b, _ in pts], [t for _, t in pts], [1.0 / (t * t) for _, t in pts]
-        )
+        fixed, per_byte = nonneg_least_squares([(1.0, b) for b, _ in pts], [t for _, t in pts], [1.0 / (t * t) for _, t in pts])
         if per_byte <= 0:
             raise ValueError("read time does not grow with size in these measurements")
         longest = max(b for b, _ in pts)
@@ -184,8 +177,9 @@ class LoadCost:
         if fixed + per_byte * longest < slowest / 1.5:
             long_reads = [(b, t) for b, t in pts if b >= longest / 4]
             if len({b for b, _ in long_reads}) >= 2:
-                fixed, per_byte = nonneg_least_squares([(1.0, b) for b, _ in long_reads],
-                                                       [t for _, t in long_reads], [1.0] * len(long_reads))
+                fixed, per_byte = nonneg_least_squares(
+                    [(1.0, b) for b, _ in long_reads], [t for _, t in long_reads], [1.0] * len(long_reads)
+                )
             if per_byte <= 0 or len({b for b, _ in long_reads}) < 2:
                 fixed, per_byte = 0.0, slowest / longest
         return fixed, 1.0 / per_byte
@@ -216,11 +210,8 @@ class CostModel:
         """Shortest prefix (from token 0, all on disk) whose load beats its
         recompute; ``inf`` when loading never pays. Once reached, longer
         prefixes pay too: recompute is convex, the load cost linear."""
-        per_token_load = self.bytes_per_token * (
-            1.0 / self.load.disk_bytes_per_s + 1.0 / self.load.h2d_bytes_per_s
-        )
-        fixed = (self.load.step_s + self.load.fixed_s + self.load.disk_step_s
-                 + queued_bytes / self.load.disk_bytes_per_s)
+        per_token_load = self.bytes_per_token * (1.0 / self.load.disk_bytes_per_s + 1.0 / self.load.h2d_bytes_per_s)
+        fixed = self.load.step_s + self.load.fixed_s + self.load.disk_step_s + queued_bytes / self.load.disk_bytes_per_s
         b = self.prefill.b - per_token_load
         c = self.prefill.c
         # Solve c*n^2 + b*n - fixed = 0 for its positive root.

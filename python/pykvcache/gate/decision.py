@@ -133,10 +133,18 @@ class AdmissionGate:
     recompute (seconds on a CPU) where a wrongly allowed one costs at most its
     own load time, for the few requests before the steps are seen."""
 
-    def __init__(self, model: CostModel, *, chunk_tokens: int, online: OnlineLoadModel | None = None,
-                 margin: float = 1.0, enabled: bool = True,
-                 prefill_online: OnlinePrefillModel | None = None,
-                 exploration: Exploration | None = None, behind_weight_cap: float = 2.0) -> None:
+    def __init__(
+        self,
+        model: CostModel,
+        *,
+        chunk_tokens: int,
+        online: OnlineLoadModel | None = None,
+        margin: float = 1.0,
+        enabled: bool = True,
+        prefill_online: OnlinePrefillModel | None = None,
+        exploration: Exploration | None = None,
+        behind_weight_cap: float = 2.0,
+    ) -> None:
         if chunk_tokens <= 0:
             raise ValueError(f"chunk_tokens must be > 0 (got {chunk_tokens})")
         if not margin > 0:
@@ -163,8 +171,7 @@ class AdmissionGate:
 
     def current_model(self) -> CostModel:
         load = self.online.current() if self.online is not None and self.online.samples else self.model.load
-        prefill = (self.prefill_online.current() if self.prefill_online is not None
-                   else self.model.prefill)
+        prefill = self.prefill_online.current() if self.prefill_online is not None else self.model.prefill
         if load is self.model.load and prefill is self.model.prefill:
             return self.model
         refined = self._refined
@@ -182,9 +189,16 @@ class AdmissionGate:
     def break_even_tokens(self, queued_bytes: float = 0.0) -> float:
         return self.current_model().break_even_tokens(queued_bytes=queued_bytes)
 
-    def decide(self, states: Sequence[ChunkState], *, start_tokens: int = 0,
-               queued_bytes: int = 0, waiting_requests: int = 0, now: float | None = None,
-               sample_in_background: bool = False) -> GateDecision:
+    def decide(
+        self,
+        states: Sequence[ChunkState],
+        *,
+        start_tokens: int = 0,
+        queued_bytes: int = 0,
+        waiting_requests: int = 0,
+        now: float | None = None,
+        sample_in_background: bool = False,
+    ) -> GateDecision:
         """``waiting_requests``: requests waiting to be scheduled after this one
         (each would wait for a recompute's compute; see the module docstring).
         ``now``: monotonic seconds, for the exploration's interval.
@@ -237,14 +251,19 @@ class AdmissionGate:
         sample_chunks = 0
         ex = self.exploration
         online = self.online
-        if (sample_in_background and self.enabled and self.first_contact and online is not None and not online.timed
-                and best_k >= first_disk > 0):
+        if (
+            sample_in_background
+            and self.enabled
+            and self.first_contact
+            and online is not None
+            and not online.timed
+            and best_k >= first_disk > 0
+        ):
             # First contact: the prior may be another device's (see the module docstring).
             reason = "untimed"
             sample_chunks = first_disk
             head = first_disk - 1
-            best_k = head if load_always else self._best_prefix(states, head, load, prefill, start_tokens,
-                                                                 queued_bytes, margin)
+            best_k = head if load_always else self._best_prefix(states, head, load, prefill, start_tokens, queued_bytes, margin)
             best_load, best_staged = self._prefix_load(states, best_k, load, queued_bytes)
         elif ex is not None and not load_always and first_disk > best_k and load is not self.model.load:
             # Nothing chosen comes from disk, so no load would teach the model
@@ -252,14 +271,15 @@ class AdmissionGate:
             # would have been loaded. Now and then, sample it (Exploration).
             if now is None:
                 now = ex.now()
-            if ex.due(now) and self._best_prefix(states, available, self.model.load, prefill, start_tokens,
-                                                 queued_bytes, margin) >= first_disk:
+            if (
+                ex.due(now)
+                and self._best_prefix(states, available, self.model.load, prefill, start_tokens, queued_bytes, margin) >= first_disk
+            ):
                 ex.started(now)
                 if sample_in_background:
                     sample_chunks = self._sample_prefix(ex, states, first_disk, available, load)
                 else:
-                    best_k, best_load, best_staged = self._explored_prefix(states, first_disk, available, model,
-                                                                           start_tokens, queued_bytes)
+                    best_k, best_load, best_staged = self._explored_prefix(states, first_disk, available, model, start_tokens, queued_bytes)
                     reason = "explore"
         if best_k:
             reason = reason or ("gate_disabled" if not self.enabled else "uncalibrated" if uncalibrated else "load")
@@ -283,8 +303,16 @@ class AdmissionGate:
         self._count(decision)
         return decision
 
-    def _best_prefix(self, states: Sequence[ChunkState], available: int, load: LoadCost, prefill: PrefillCurve, start_tokens: int,
-                     queued_bytes: int, margin: float) -> int:
+    def _best_prefix(
+        self,
+        states: Sequence[ChunkState],
+        available: int,
+        load: LoadCost,
+        prefill: PrefillCurve,
+        start_tokens: int,
+        queued_bytes: int,
+        margin: float,
+    ) -> int:
         """The prefix (chunks) the decision loop would choose with load cost
         ``load``: for exploring only (rare), so not the inlined hot loop."""
         copy_per_chunk = self.chunk_bytes / load.h2d_bytes_per_s
@@ -315,8 +343,9 @@ class AdmissionGate:
                 staged += 1
         return load_s, staged
 
-    def _explored_prefix(self, states: Sequence[ChunkState], first_disk: int, available: int,
-                         model: CostModel, start_tokens: int, queued_bytes: int) -> tuple[int, float, int]:
+    def _explored_prefix(
+        self, states: Sequence[ChunkState], first_disk: int, available: int, model: CostModel, start_tokens: int, queued_bytes: int
+    ) -> tuple[int, float, int]:
         """``(chunks, est_load_s, staged)`` of the longest prefix (at least
         ``first_disk`` chunks) whose estimated load is within
         ``MAX_LOAD_RATIO`` times its recompute. Only when exploring: a second pass
@@ -341,8 +370,7 @@ class AdmissionGate:
                 chosen = (k, load_s, staged)
         return chosen
 
-    def _sample_prefix(self, ex: Exploration, states: Sequence[ChunkState], first_disk: int, available: int,
-                       load: LoadCost) -> int:
+    def _sample_prefix(self, ex: Exploration, states: Sequence[ChunkState], first_disk: int, available: int, load: LoadCost) -> int:
         """Chunks of the prefix (from the start) that hold a background sample:
         disk chunks from ``first_disk`` on, until their estimated read at the
         learnt speed reaches the exploration's ``min_sample_s`` or they are
@@ -388,8 +416,9 @@ class AdmissionGate:
         pending, self._pending = self._pending, {}
         return pending
 
-    def observe_load(self, disk_bytes: float, seconds: float, *, queued_bytes: float = 0.0,
-                     now: float | None = None, explored: bool = False) -> None:
+    def observe_load(
+        self, disk_bytes: float, seconds: float, *, queued_bytes: float = 0.0, now: float | None = None, explored: bool = False
+    ) -> None:
         """Feed a finished load back (see :class:`OnlineLoadModel`);
         ``explored``: it was loaded to sample the disk (reason ``explore``)."""
         if self.online is None:

@@ -36,8 +36,7 @@ FORMAT = "pykvcache-gate-device/1"
 MAX_AGE_S = 7 * 86400.0
 
 
-def save(path: str | os.PathLike[str], online: OnlineLoadModel | list[tuple[float, float]], *,
-         wall_now: float | None = None) -> bool:
+def save(path: str | os.PathLike[str], online: OnlineLoadModel | list[tuple[float, float]], *, wall_now: float | None = None) -> bool:
     """Write ``online``'s window (or a window taken from it) to ``path``; False when there is nothing to keep."""
     points = online.window() if isinstance(online, OnlineLoadModel) else online
     if not points:
@@ -57,8 +56,7 @@ def save(path: str | os.PathLike[str], online: OnlineLoadModel | list[tuple[floa
     return True
 
 
-def restore(path: str | os.PathLike[str], online: OnlineLoadModel, *,
-            wall_now: float | None = None) -> tuple[int, str | None]:
+def restore(path: str | os.PathLike[str], online: OnlineLoadModel, *, wall_now: float | None = None) -> tuple[int, str | None]:
     """Replay the window saved at ``path`` into ``online`` (before it has
     observed anything). Returns ``(loads restored, why none were)``; the
     reason is None when the file was used."""

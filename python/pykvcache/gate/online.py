@@ -113,15 +113,15 @@ class OnlineLoadModel:
         ``queued_bytes`` takes (the read alone, as :meth:`observe` times it)."""
         return self._fixed + (disk_bytes + queued_bytes) / self._bw
 
-    def observe(self, disk_bytes: float, seconds: float, *, queued_bytes: float = 0.0,
-                now: float | None = None, whole: bool = False) -> None:
+    def observe(
+        self, disk_bytes: float, seconds: float, *, queued_bytes: float = 0.0, now: float | None = None, whole: bool = False
+    ) -> None:
         """One finished load: ``disk_bytes`` read in ``seconds`` (first submit to
         last completion) with ``queued_bytes`` of I/O already ahead of it,
         finished at ``now`` (monotonic seconds; default: the current time).
         ``whole``: a lesson however short (an exploration sized to outlast a
         burst, or a load replayed from a saved window), never pooled."""
-        if not (disk_bytes > 0 and seconds > 0 and math.isfinite(seconds)
-                and queued_bytes >= 0 and math.isfinite(queued_bytes)):
+        if not (disk_bytes > 0 and seconds > 0 and math.isfinite(seconds) and queued_bytes >= 0 and math.isfinite(queued_bytes)):
             self.rejected += 1
             return
         now = time.monotonic() if now is None else now
@@ -195,9 +195,7 @@ class OnlineLoadModel:
         pts = [(x, y) for x, y, _ in self._points]
         xs = [x for x, _ in pts]
         if len(pts) >= 3 and max(xs) >= 1.5 * min(xs):
-            slopes = [(y2 - y1) / (x2 - x1)
-                      for i, (x1, y1) in enumerate(pts) for x2, y2 in pts[i + 1:]
-                      if x2 > 1.2 * x1 or x1 > 1.2 * x2]
+            slopes = [(y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pts) for x2, y2 in pts[i + 1 :] if x2 > 1.2 * x1 or x1 > 1.2 * x2]
             if slopes and (slope := statistics.median(slopes)) > 0:
                 return max(0.0, statistics.median(y - slope * x for x, y in pts)), 1.0 / slope
         # One size (or no usable spread): the fixed cost cannot be separated,
@@ -294,9 +292,9 @@ class OnlinePrefillModel:
         pts = self._points
         xs = [x for x, _ in pts]
         if len(pts) >= 3 and max(xs) >= 1.5 * min(xs):
-            slopes = [(y2 - y1) / (x2 - x1)
-                      for i, (x1, y1) in enumerate(pts) for x2, y2 in list(pts)[i + 1:]
-                      if x2 > 1.2 * x1 or x1 > 1.2 * x2]
+            slopes = [
+                (y2 - y1) / (x2 - x1) for i, (x1, y1) in enumerate(pts) for x2, y2 in list(pts)[i + 1 :] if x2 > 1.2 * x1 or x1 > 1.2 * x2
+            ]
             if slopes:
                 slope = statistics.median(slopes)
                 if slope > 0:
@@ -304,5 +302,4 @@ class OnlinePrefillModel:
         return statistics.median(y / x for x, y in pts)
 
     def state(self) -> dict[str, float]:
-        return {"scale": self.scale, "samples": self.samples, "rejected": self.rejected,
-                "trusted": float(self.trusted)}
+        return {"scale": self.scale, "samples": self.samples, "rejected": self.rejected, "trusted": float(self.trusted)}

@@ -28,7 +28,6 @@ seen) and tells the gate:
 
 from __future__ import annotations
 
-
 #: Loads not learnt from after the breakers close: a reconnecting mount's first reads.
 SETTLE_LOADS = 2
 

@@ -10,8 +10,6 @@ static threshold other KV tiers use, and still refines itself online.
 
 from __future__ import annotations
 
-from pykvcache._sysinfo import cpu_model
-
 import errno
 import json
 import logging
@@ -23,6 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from pykvcache._sysinfo import cpu_model
 from pykvcache.gate.cost_model import INF, CostModel, LoadCost, PrefillCurve
 
 logger = logging.getLogger(__name__)
@@ -146,9 +145,13 @@ class GateProfile:
         h2d = ld.get("h2d_bytes_per_s")
         return CostModel(
             PrefillCurve(float(p["a"]), float(p["b"]), float(p["c"])),
-            LoadCost(float(ld["fixed_s"]), float(ld["disk_bytes_per_s"]),
-                     INF if h2d is None else float(h2d), float(ld.get("step_s", 0.0)),
-                     float(ld.get("disk_step_s", 0.0))),
+            LoadCost(
+                float(ld["fixed_s"]),
+                float(ld["disk_bytes_per_s"]),
+                INF if h2d is None else float(h2d),
+                float(ld.get("step_s", 0.0)),
+                float(ld.get("disk_step_s", 0.0)),
+            ),
             float(self.kv_bytes_per_token),
         )
 
@@ -215,8 +218,9 @@ class GateProfile:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             # A binary file (or the wrong file) must not stop start-up either.
-            raise ProfileError(f"gate profile {path} is not UTF-8 text, so not a JSON profile "
-                               f"(byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from None
+            raise ProfileError(
+                f"gate profile {path} is not UTF-8 text, so not a JSON profile (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"
+            ) from None
         try:
             data = json.loads(text)
         except json.JSONDecodeError as exc:
@@ -249,22 +253,19 @@ def mismatches(profile: GateProfile, expected: ProfileExpectation) -> tuple[list
     if _norm_model(profile.model) != _norm_model(expected.model):
         fatal.append(f"model {profile.model!r} != {expected.model!r}")
     if _norm_dtype(profile.dtype) != _norm_dtype(expected.dtype):
-        fatal.append(f"dtype {profile.dtype} != {_norm_dtype(expected.dtype)} (run `pykvcache calibrate "
-                     f"--dtype {_norm_dtype(expected.dtype)}`, or serve with --dtype {profile.dtype})")
-    if not math.isclose(profile.kv_bytes_per_token, expected.kv_bytes_per_token, rel_tol=0.02):
         fatal.append(
-            f"KV bytes per token {profile.kv_bytes_per_token:g} != {expected.kv_bytes_per_token:g}"
+            f"dtype {profile.dtype} != {_norm_dtype(expected.dtype)} (run `pykvcache calibrate "
+            f"--dtype {_norm_dtype(expected.dtype)}`, or serve with --dtype {profile.dtype})"
         )
+    if not math.isclose(profile.kv_bytes_per_token, expected.kv_bytes_per_token, rel_tol=0.02):
+        fatal.append(f"KV bytes per token {profile.kv_bytes_per_token:g} != {expected.kv_bytes_per_token:g}")
     hw = expected.hardware if expected.hardware is not None else hardware_id()
     if profile.hardware.get("accelerator") != hw.get("accelerator"):
         fatal.append(f"accelerator {profile.hardware.get('accelerator')!r} != {hw.get('accelerator')!r}")
     elif hw.get("accelerator") == "cpu" and (
         profile.hardware.get("cpu") != hw.get("cpu") or profile.hardware.get("cpus") != hw.get("cpus")
     ):
-        fatal.append(
-            f"CPU {profile.hardware.get('cpu')!r} x{profile.hardware.get('cpus')} != "
-            f"{hw.get('cpu')!r} x{hw.get('cpus')}"
-        )
+        fatal.append(f"CPU {profile.hardware.get('cpu')!r} x{profile.hardware.get('cpus')} != {hw.get('cpu')!r} x{hw.get('cpus')}")
     if profile.chunk_tokens != expected.chunk_tokens:
         minor.append(f"chunk of {profile.chunk_tokens} tokens != {expected.chunk_tokens}")
     dev = profile.storage.get("device")
@@ -281,9 +282,7 @@ def default_cost_model(bytes_per_token: float) -> CostModel:
     return CostModel(PrefillCurve(0.0, per_token, 0.0), load, bytes_per_token)
 
 
-def load_cost_model(
-    path: str | os.PathLike[str] | None, expected: ProfileExpectation, *, gating: bool = True
-) -> tuple[CostModel, str]:
+def load_cost_model(path: str | os.PathLike[str] | None, expected: ProfileExpectation, *, gating: bool = True) -> tuple[CostModel, str]:
     """The cost model to gate with and where it came from (``"profile"`` or
     ``"default: <why>"``). Never raises for a bad profile: it warns once and
     falls back to :func:`default_cost_model`. ``gating=False`` (``gate: false``:
@@ -307,6 +306,8 @@ def load_cost_model(
     logger.log(
         logging.WARNING if gating else logging.INFO,
         "pykvcache gate: %s.%s Using a conservative default: load prefixes of %d tokens or more.",
-        why, "" if path is None else " The gate_profile setting is ignored.", DEFAULT_BREAK_EVEN_TOKENS,
+        why,
+        "" if path is None else " The gate_profile setting is ignored.",
+        DEFAULT_BREAK_EVEN_TOKENS,
     )
     return default_cost_model(expected.kv_bytes_per_token), f"default: {why}"

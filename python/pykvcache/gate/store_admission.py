@@ -28,8 +28,7 @@ STORE_COUNTERS = {
 
 
 class StoreAdmission:
-    def __init__(self, *, chunk_tokens: int, min_tokens: float = 0.0, second_sighting: bool = False,
-                 max_tracked: int = 1 << 18) -> None:
+    def __init__(self, *, chunk_tokens: int, min_tokens: float = 0.0, second_sighting: bool = False, max_tracked: int = 1 << 18) -> None:
         if chunk_tokens <= 0 or max_tracked <= 0:
             raise ValueError("chunk_tokens and max_tracked must be > 0")
         self.chunk_tokens = chunk_tokens

@@ -52,29 +52,65 @@ class DecisionTrace:
             logger.warning("pykvcache gate trace: writing %s failed (%s); the trace stops", self.path, exc)
             self.close()
 
-    def decided(self, role: str, req: Hashable, states: Sequence[ChunkState], decision: GateDecision, *,
-                queued_bytes: int, waiting: int, bytes_per_s: float | None) -> None:
+    def decided(
+        self,
+        role: str,
+        req: Hashable,
+        states: Sequence[ChunkState],
+        decision: GateDecision,
+        *,
+        queued_bytes: int,
+        waiting: int,
+        bytes_per_s: float | None,
+    ) -> None:
         staged = sum(1 for s in states if s == ChunkState.STAGED)
         disk = sum(1 for s in states if s == ChunkState.DISK)
         first_disk = next((i for i, s in enumerate(states) if s == ChunkState.DISK), -1)
-        self._write({"ev": "decide", "role": role, "req": str(req), "staged": staged, "disk": disk,
-                     "missing": len(states) - staged - disk, "first_disk": first_disk,
-                     "queued_mb": round(queued_bytes / 1e6, 2), "waiting": waiting, "load": decision.load_chunks,
-                     "disk_load": decision.disk_chunks, "reason": decision.reason,
-                     "sample": decision.sample_chunks, "est_load_s": round(decision.est_load_s, 4),
-                     "est_recompute_s": round(decision.est_recompute_s, 4),
-                     "mbps": None if bytes_per_s is None else round(bytes_per_s / 1e6, 1)})
+        self._write(
+            {
+                "ev": "decide",
+                "role": role,
+                "req": str(req),
+                "staged": staged,
+                "disk": disk,
+                "missing": len(states) - staged - disk,
+                "first_disk": first_disk,
+                "queued_mb": round(queued_bytes / 1e6, 2),
+                "waiting": waiting,
+                "load": decision.load_chunks,
+                "disk_load": decision.disk_chunks,
+                "reason": decision.reason,
+                "sample": decision.sample_chunks,
+                "est_load_s": round(decision.est_load_s, 4),
+                "est_recompute_s": round(decision.est_recompute_s, 4),
+                "mbps": None if bytes_per_s is None else round(bytes_per_s / 1e6, 1),
+            }
+        )
 
     def read(self, started_at: float, latency_s: float, nbytes: int, *, sample: bool) -> None:
-        self._write({"ev": "read", "started": round(started_at - self._t0, 4), "latency_s": round(latency_s, 4),
-                     "mb": round(nbytes / 1e6, 3), "sample": sample})
+        self._write(
+            {
+                "ev": "read",
+                "started": round(started_at - self._t0, 4),
+                "latency_s": round(latency_s, 4),
+                "mb": round(nbytes / 1e6, 3),
+                "sample": sample,
+            }
+        )
 
-    def learnt(self, nbytes: float, seconds: float, *, explored: bool, bytes_per_s: float | None,
-               source: str) -> None:
+    def learnt(self, nbytes: float, seconds: float, *, explored: bool, bytes_per_s: float | None, source: str) -> None:
         """``source``: ``"period"`` (a busy period, 0079) or ``"load"`` (a
         request's load timed to its last read, queue ahead included)."""
-        self._write({"ev": "learn", "from": source, "mb": round(nbytes / 1e6, 2), "s": round(seconds, 4),
-                     "explored": explored, "mbps": None if bytes_per_s is None else round(bytes_per_s / 1e6, 1)})
+        self._write(
+            {
+                "ev": "learn",
+                "from": source,
+                "mb": round(nbytes / 1e6, 2),
+                "s": round(seconds, 4),
+                "explored": explored,
+                "mbps": None if bytes_per_s is None else round(bytes_per_s / 1e6, 1),
+            }
+        )
 
     def close(self) -> None:
         out, self._out = self._out, None

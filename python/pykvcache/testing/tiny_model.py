@@ -68,8 +68,7 @@ LLAMA3_KV_GEOMETRY = TinyModelSpec(
 LLAMA3_KV_GEOMETRY_32K = replace(LLAMA3_KV_GEOMETRY, max_position_embeddings=32768)
 
 #: Named specs (``pykvcache bench --parts serve --serve-model llama3-geometry``).
-SPECS = {"tiny": TinyModelSpec(), "llama3-geometry": LLAMA3_KV_GEOMETRY,
-         "llama3-geometry-32k": LLAMA3_KV_GEOMETRY_32K}
+SPECS = {"tiny": TinyModelSpec(), "llama3-geometry": LLAMA3_KV_GEOMETRY, "llama3-geometry-32k": LLAMA3_KV_GEOMETRY_32K}
 
 
 def synthetic_words(count: int = 400, seed: int = _WORDS_SEED) -> list[str]:
@@ -108,9 +107,7 @@ def _train_tokenizer(spec: TinyModelSpec, dest: Path):
         show_progress=False,
     )
     tok.train_from_iterator(corpus, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>"
-    )
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="</s>")
     fast.save_pretrained(dest)
     return fast
 

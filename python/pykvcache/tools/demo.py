@@ -66,9 +66,12 @@ def scenario(out: Path, models_dir: Path | None = None) -> dict[str, Any]:
         {"op": "generate", "name": "fillers", "prompts": p["fillers"]},
         {"op": "generate", "name": "repeat", "prompts": p["repeat"]},
     ]
-    kv = kv_transfer_config([str((out / "store").resolve())], "1GiB",
-                            staging_bytes=STAGING_SLOTS * (CHUNK_TOKENS * KV_BYTES_PER_TOKEN + 4096),
-                            block_size=CHUNK_TOKENS)
+    kv = kv_transfer_config(
+        [str((out / "store").resolve())],
+        "1GiB",
+        staging_bytes=STAGING_SLOTS * (CHUNK_TOKENS * KV_BYTES_PER_TOKEN + 4096),
+        block_size=CHUNK_TOKENS,
+    )
     return {
         "tiny_model": {"dir": str((models_dir or out / "models").resolve())},
         "engine": {
@@ -217,8 +220,13 @@ def missed_targets(outputs: list[Any], *, measured: bool) -> list[str]:
     claims; a smoke run (``measured`` false) makes no measurement to judge."""
     if not measured:
         return []
-    return [f"{o.title}: {name} ({why})" for o in outputs if not o.skipped
-            for name, (met, why) in o.targets.items() if not met and not name.startswith("(diagnostic)")]
+    return [
+        f"{o.title}: {name} ({why})"
+        for o in outputs
+        if not o.skipped
+        for name, (met, why) in o.targets.items()
+        if not met and not name.startswith("(diagnostic)")
+    ]
 
 
 def print_bench_summary(console: Any, run: Any) -> None:
@@ -267,8 +275,7 @@ def run_demo(out: Path, bench: bool = True, vllm: bool = True, argv: list[str] |
         missed = missed_targets(result.outputs, measured=os.environ.get(DEMO_BENCH_ENV) != "smoke")
         for line in missed:
             console.print(f"[red]target missed[/]: {line}")
-        record["bench"] = {"report": str(result.report), "failed": [o.name for o in result.failed],
-                           "missed_targets": missed}
+        record["bench"] = {"report": str(result.report), "failed": [o.name for o in result.failed], "missed_targets": missed}
         status_ok &= not result.failed and not missed
     console.print(f"done in {time.monotonic() - t0:.0f} s; everything is in {out}/")
     return (0 if status_ok else 1), record

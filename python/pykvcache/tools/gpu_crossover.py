@@ -82,11 +82,18 @@ def build_model(shape: Shape, device: str, dtype: Any) -> Any:
         from transformers import LlamaConfig, LlamaForCausalLM
 
         Config, Model = LlamaConfig, LlamaForCausalLM
-    config = Config(hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
-                    num_hidden_layers=shape.num_hidden_layers, num_attention_heads=shape.num_attention_heads,
-                    num_key_value_heads=shape.num_key_value_heads, head_dim=shape.head_dim,
-                    vocab_size=shape.vocab_size, tie_word_embeddings=shape.tie_word_embeddings,
-                    max_position_embeddings=131072, attn_implementation="sdpa")
+    config = Config(
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        head_dim=shape.head_dim,
+        vocab_size=shape.vocab_size,
+        tie_word_embeddings=shape.tie_word_embeddings,
+        max_position_embeddings=131072,
+        attn_implementation="sdpa",
+    )
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -173,6 +180,7 @@ def measure_load(shape: Shape, lengths: list[int], device: str, store_dir: Path,
             copier.submit(1, spec, slots, to_gpu=True)
             copier.wait([1])
             copier.finished()
+
         path = "CudaCopier"
     else:
         from pykvcache.vllm.worker.cpu_copy import CpuCopier
@@ -181,6 +189,7 @@ def measure_load(shape: Shape, lengths: list[int], device: str, store_dir: Path,
 
         def copy(spec: _Spec, slots: list[int]) -> None:
             cpu.load(spec, slots)
+
         path = "CpuCopier"
     rows: list[dict[str, Any]] = []
     cold = True
@@ -192,9 +201,10 @@ def measure_load(shape: Shape, lengths: list[int], device: str, store_dir: Path,
             off = pool.payload_offset(s)
             for o in range(0, layout.payload_bytes, len(noise)):
                 n = min(len(noise), layout.payload_bytes - o)
-                region[off + o:off + o + n] = noise[:n]
-        with BlockStore([str(store_dir)], pool, namespace="gpu-crossover", capacity_bytes=(chunks + 4) * (
-                layout.payload_bytes + (1 << 20))) as store:
+                region[off + o : off + o + n] = noise[:n]
+        with BlockStore(
+            [str(store_dir)], pool, namespace="gpu-crossover", capacity_bytes=(chunks + 4) * (layout.payload_bytes + (1 << 20))
+        ) as store:
             keys = [f"{shape.name}-{i}".encode() for i in range(chunks)]
             for h in [store.put(k, slots[i], layout.payload_bytes) for i, k in enumerate(keys)]:
                 if not h.wait(120).ok:
@@ -217,9 +227,15 @@ def measure_load(shape: Shape, lengths: list[int], device: str, store_dir: Path,
                     disk.append(t1 - t0)
                     copy_s.append(t2 - t1)
                 nbytes = k * layout.payload_bytes
-                rows.append({"tokens": n, "bytes": nbytes, "disk_s": statistics.median(disk),
-                             "copy_s": statistics.median(copy_s),
-                             "load_s": statistics.median(d + c for d, c in zip(disk, copy_s))})
+                rows.append(
+                    {
+                        "tokens": n,
+                        "bytes": nbytes,
+                        "disk_s": statistics.median(disk),
+                        "copy_s": statistics.median(copy_s),
+                        "load_s": statistics.median(d + c for d, c in zip(disk, copy_s)),
+                    }
+                )
     finally:
         del kv
         for s in locals().get("slots", []):
@@ -242,15 +258,14 @@ def fitted(prefill: list[tuple[int, float]], rows: list[dict[str, Any]], bytes_p
     return fit_prefill_vs_load(prefill, [(r["bytes"], r["disk_s"]) for r in rows], copy_bw, bytes_per_token)
 
 
-def at_bandwidths(prefill: PrefillCurve, load: LoadCost, bytes_per_token: float,
-                  gbps: tuple[float, ...] = STORAGE_GBPS) -> dict[float, float]:
+def at_bandwidths(
+    prefill: PrefillCurve, load: LoadCost, bytes_per_token: float, gbps: tuple[float, ...] = STORAGE_GBPS
+) -> dict[float, float]:
     """The crossover with the disk at each bandwidth (fixed cost and copy as measured)."""
-    return {g: crossover(prefill, LoadCost(load.fixed_s, g * 1e9, load.h2d_bytes_per_s), bytes_per_token)
-            for g in gbps}
+    return {g: crossover(prefill, LoadCost(load.fixed_s, g * 1e9, load.h2d_bytes_per_s), bytes_per_token) for g in gbps}
 
 
-def run(shapes: list[Shape], lengths: list[int], device: str, store_dir: Path, repeats: int = 3,
-        log: Any = print) -> list[dict[str, Any]]:
+def run(shapes: list[Shape], lengths: list[int], device: str, store_dir: Path, repeats: int = 3, log: Any = print) -> list[dict[str, Any]]:
     import torch
 
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
@@ -268,8 +283,10 @@ def run(shapes: list[Shape], lengths: list[int], device: str, store_dir: Path, r
         entry: dict[str, Any] = {"model": shape.name, "kv_bytes_per_token": bpt, "prefill": pre, "load": ld}
         results.append(entry)
         for (n, t), row in zip(pre, ld["rows"]):
-            log(f"      {n:>6} tokens: prefill {t * 1e3:8.1f} ms, load {row['load_s'] * 1e3:8.1f} ms "
-                f"(disk {row['disk_s'] * 1e3:.1f} + copy {row['copy_s'] * 1e3:.1f}; {row['bytes'] / 2**20:.0f} MiB)")
+            log(
+                f"      {n:>6} tokens: prefill {t * 1e3:8.1f} ms, load {row['load_s'] * 1e3:8.1f} ms "
+                f"(disk {row['disk_s'] * 1e3:.1f} + copy {row['copy_s'] * 1e3:.1f}; {row['bytes'] / 2**20:.0f} MiB)"
+            )
         try:
             model_fit = fitted(pre, ld["rows"], bpt)
             curve, cost = model_fit.prefill, model_fit.load
@@ -277,13 +294,23 @@ def run(shapes: list[Shape], lengths: list[int], device: str, store_dir: Path, r
             entry["fit_error"] = str(e)
             log(f"      no crossover: {e}")
             continue
-        entry.update({"fit": {"prefill": [curve.a, curve.b, curve.c], "fixed_s": cost.fixed_s,
-                              "disk_bytes_per_s": cost.disk_bytes_per_s, "copy_bytes_per_s": cost.h2d_bytes_per_s},
-                      "crossover_tokens": crossover(curve, cost, bpt),
-                      "crossover_at_gbps": at_bandwidths(curve, cost, bpt)})
-        log(f"      crossover {fmt_tokens(entry['crossover_tokens'])} tokens at the measured "
-            f"{cost.disk_bytes_per_s / 1e9:.2f} GB/s; " + ", ".join(
-                f"{g:g} GB/s: {fmt_tokens(v)}" for g, v in entry["crossover_at_gbps"].items()))
+        entry.update(
+            {
+                "fit": {
+                    "prefill": [curve.a, curve.b, curve.c],
+                    "fixed_s": cost.fixed_s,
+                    "disk_bytes_per_s": cost.disk_bytes_per_s,
+                    "copy_bytes_per_s": cost.h2d_bytes_per_s,
+                },
+                "crossover_tokens": crossover(curve, cost, bpt),
+                "crossover_at_gbps": at_bandwidths(curve, cost, bpt),
+            }
+        )
+        log(
+            f"      crossover {fmt_tokens(entry['crossover_tokens'])} tokens at the measured "
+            f"{cost.disk_bytes_per_s / 1e9:.2f} GB/s; "
+            + ", ".join(f"{g:g} GB/s: {fmt_tokens(v)}" for g, v in entry["crossover_at_gbps"].items())
+        )
     return results
 
 
@@ -292,26 +319,43 @@ def fmt_tokens(x: float) -> str:
 
 
 def markdown(results: list[dict[str, Any]], device_name: str) -> str:
-    head = ["model", "KV KiB/token", "crossover (measured disk)", "disk GB/s measured", "copy GB/s",
-            *[f"crossover at {g:g} GB/s" for g in STORAGE_GBPS]]
-    lines = [f"## Prefill vs load from disk ({device_name})", "", "| " + " | ".join(head) + " |",
-             "|" + "---|" * len(head)]
+    head = [
+        "model",
+        "KV KiB/token",
+        "crossover (measured disk)",
+        "disk GB/s measured",
+        "copy GB/s",
+        *[f"crossover at {g:g} GB/s" for g in STORAGE_GBPS],
+    ]
+    lines = [f"## Prefill vs load from disk ({device_name})", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in results:
         if "fit" not in r:
-            lines.append(f"| {r['model']} | {r['kv_bytes_per_token'] / 1024:.0f} | no fit: {r['fit_error']} |"
-                         + " - |" * (len(head) - 3))
+            lines.append(f"| {r['model']} | {r['kv_bytes_per_token'] / 1024:.0f} | no fit: {r['fit_error']} |" + " - |" * (len(head) - 3))
             continue
         f = r["fit"]
-        lines.append("| " + " | ".join([
-            r["model"], f"{r['kv_bytes_per_token'] / 1024:.0f}", fmt_tokens(r["crossover_tokens"]),
-            f"{f['disk_bytes_per_s'] / 1e9:.2f}", f"{f['copy_bytes_per_s'] / 1e9:.1f}",
-            *[fmt_tokens(r["crossover_at_gbps"][g]) for g in STORAGE_GBPS]]) + " |")
+        lines.append(
+            "| "
+            + " | ".join(
+                [
+                    r["model"],
+                    f"{r['kv_bytes_per_token'] / 1024:.0f}",
+                    fmt_tokens(r["crossover_tokens"]),
+                    f"{f['disk_bytes_per_s'] / 1e9:.2f}",
+                    f"{f['copy_bytes_per_s'] / 1e9:.1f}",
+                    *[fmt_tokens(r["crossover_at_gbps"][g]) for g in STORAGE_GBPS],
+                ]
+            )
+            + " |"
+        )
     lines.append("")
     for r in results:
-        lines += [f"**{r['model']}** ({r['load']['copy_path']}, reads {'cold' if r['load']['cold'] else 'warm'})", "",
-                  "| tokens | prefill ms | load ms (disk + copy) |", "|---|---|---|"]
+        lines += [
+            f"**{r['model']}** ({r['load']['copy_path']}, reads {'cold' if r['load']['cold'] else 'warm'})",
+            "",
+            "| tokens | prefill ms | load ms (disk + copy) |",
+            "|---|---|---|",
+        ]
         for (n, t), row in zip(r["prefill"], r["load"]["rows"]):
-            lines.append(f"| {n} | {t * 1e3:.1f} | {row['load_s'] * 1e3:.1f} ({row['disk_s'] * 1e3:.1f} + "
-                         f"{row['copy_s'] * 1e3:.1f}) |")
+            lines.append(f"| {n} | {t * 1e3:.1f} | {row['load_s'] * 1e3:.1f} ({row['disk_s'] * 1e3:.1f} + {row['copy_s'] * 1e3:.1f}) |")
         lines.append("")
     return "\n".join(lines) + "\n"

@@ -34,8 +34,7 @@ class RichProgress:
         self._p.__enter__()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._p.__exit__(exc_type, exc, tb)
 
     def part(self, name: str, total: int) -> RichStep:
@@ -59,16 +58,20 @@ class PhaseProgress:
         if enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._p = Progress(TextColumn("[bold]{task.fields[phase]:<8}"), BarColumn(),
-                               MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.description}"))
+            self._p = Progress(
+                TextColumn("[bold]{task.fields[phase]:<8}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("{task.description}"),
+            )
 
     def __enter__(self) -> PhaseProgress:
         if self._p is not None:
             self._p.__enter__()
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         if self._p is not None:
             self._p.__exit__(exc_type, exc, tb)
 

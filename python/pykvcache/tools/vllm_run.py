@@ -149,9 +149,7 @@ class ChildFailed(RuntimeError):
     """The vLLM child exited without a result; the message ends with its log tail."""
 
 
-def start_child(
-    scenario: dict[str, Any], workdir: Path, name: str, in_process_engine: bool = False
-) -> tuple[subprocess.Popen[str], Path]:
+def start_child(scenario: dict[str, Any], workdir: Path, name: str, in_process_engine: bool = False) -> tuple[subprocess.Popen[str], Path]:
     """Start ``python -m pykvcache.tools.vllm_run`` on ``scenario``; vLLM's
     logs go to ``<workdir>/<name>.log``. Returns the process and the log path.
     ``in_process_engine``: vLLM's EngineCore runs in the child itself

@@ -67,10 +67,29 @@ LOOKUP_HOLD_SHARE = 0.5
 #: GlusterFS test fixture, so every 10 s is ~4% of one core.
 SHARED_REFRESH_S = 10.0
 #: Filesystem types (/proc/self/mountinfo) that several hosts can mount.
-SHARED_FS_TYPES = frozenset({
-    "nfs", "nfs4", "cifs", "smb3", "smbfs", "lustre", "gpfs", "ceph", "glusterfs", "9p",
-    "beegfs", "wekafs", "orangefs", "pvfs2", "afs", "ocfs2", "gfs2", "cvfs", "panfs",
-})
+SHARED_FS_TYPES = frozenset(
+    {
+        "nfs",
+        "nfs4",
+        "cifs",
+        "smb3",
+        "smbfs",
+        "lustre",
+        "gpfs",
+        "ceph",
+        "glusterfs",
+        "9p",
+        "beegfs",
+        "wekafs",
+        "orangefs",
+        "pvfs2",
+        "afs",
+        "ocfs2",
+        "gfs2",
+        "cvfs",
+        "panfs",
+    }
+)
 
 
 class ConfigError(ValueError):
@@ -116,8 +135,7 @@ def _size_value(value: Any) -> int | None:
     if not isinstance(value, str):
         return None
     text = value.strip().replace(" ", "")
-    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40,
-             "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
+    units = {"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "B": 1}
     for suffix, mult in units.items():
         if text.upper().endswith(suffix):
             try:
@@ -148,6 +166,7 @@ def size(*, zero: bool = False, zero_is_off: bool = False) -> Check:
     """Bytes: an int or a string with a suffix ("64GiB", "2TB"), at most
     MAX_BYTES; positive unless ``zero``. ``zero_is_off``: a value equal to 0
     turns the feature off (kept as 0)."""
+
     def check(name: str, value: Any) -> int:
         if zero_is_off and value == 0:
             return 0
@@ -156,29 +175,36 @@ def size(*, zero: bool = False, zero_is_off: bool = False) -> Check:
             raise _Invalid(f"{name} must be at most {MAX_BYTES} bytes (got {value!r})")
         if parsed is not None and (parsed > 0 or zero):
             return parsed
-        return _refuse(name, f"a {'' if zero else 'positive '}number of bytes or a string "
-                             "such as '64GiB'", value)
+        return _refuse(name, f"a {'' if zero else 'positive '}number of bytes or a string such as '64GiB'", value)
+
     return check
 
 
 def count(low: int, high: float) -> Check:
     """An int in ``low..=high``."""
-    what = (f"a positive integer, at most {high}" if low == 1
-            else f"an integer in {low}..{high}")
+    what = f"a positive integer, at most {high}" if low == 1 else f"an integer in {low}..{high}"
 
     def check(name: str, value: Any) -> int:
         return value if _is_int(value) and low <= value <= high else _refuse(name, what, value)
+
     return check
 
 
-def number(what: str, *, above: float | None = None, at_least: float | None = None,
-           below: float = math.inf, at_most: float | None = None) -> Check:
+def number(
+    what: str, *, above: float | None = None, at_least: float | None = None, below: float = math.inf, at_most: float | None = None
+) -> Check:
     """A finite int or float (not a bool) within the bounds given, as a float."""
+
     def check(name: str, value: Any) -> float:
-        ok = _is_number(value) and not math.isnan(value) \
-            and (above is None or value > above) and (at_least is None or value >= at_least) \
+        ok = (
+            _is_number(value)
+            and not math.isnan(value)
+            and (above is None or value > above)
+            and (at_least is None or value >= at_least)
             and (value <= at_most if at_most is not None else value < below)
+        )
         return float(value) if ok else _refuse(name, what, value)
+
     return check
 
 
@@ -189,17 +215,20 @@ def flag(name: str, value: Any) -> bool:
 def choice(choices: tuple[str, ...]) -> Check:
     def check(name: str, value: Any) -> str:
         return value if isinstance(value, str) and value in choices else _refuse(name, f"one of {', '.join(choices)}", value)
+
     return check
 
 
 def literal(word: str) -> Check:
     def check(name: str, value: Any) -> str:
         return value if isinstance(value, str) and value == word else _refuse(name, repr(word), value)
+
     return check
 
 
 def either(what: str, *checks: Check) -> Check:
     """The first of ``checks`` that accepts the value; else one problem saying ``what``."""
+
     def check(name: str, value: Any) -> Any:
         for one in checks:
             try:
@@ -207,6 +236,7 @@ def either(what: str, *checks: Check) -> Check:
             except _Invalid:
                 pass
         return _refuse(name, what, value)
+
     return check
 
 
@@ -215,6 +245,7 @@ def text(*, empty: bool) -> Check:
 
     def check(name: str, value: Any) -> str:
         return value if isinstance(value, str) and (empty or value) else _refuse(name, what, value)
+
     return check
 
 
@@ -227,10 +258,13 @@ def label(name: str, value: Any) -> str:
     if not isinstance(value, str) or not value.strip():
         return _refuse(name, "a non-empty label such as 'llama-3-8b' or 'org/model'", value)
     parts = value.split("/")
-    if any(p in ("", ".", "..") for p in parts) or "\\" in value \
-            or any(not c.isprintable() for c in value):
-        return _refuse(name, "a label such as 'llama-3-8b' or 'org/model' (no '.' or '..' parts, no leading, "
-                             "trailing or double '/', no backslash or control characters)", value)
+    if any(p in ("", ".", "..") for p in parts) or "\\" in value or any(not c.isprintable() for c in value):
+        return _refuse(
+            name,
+            "a label such as 'llama-3-8b' or 'org/model' (no '.' or '..' parts, no leading, "
+            "trailing or double '/', no backslash or control characters)",
+            value,
+        )
     return value
 
 
@@ -251,8 +285,7 @@ def directories(name: str, value: Any) -> tuple[str, ...]:
     dirs: list[str] = []
     problems: list[str] = []
     for item in value:
-        if not isinstance(item, (str, os.PathLike)) or not os.fspath(item).strip() \
-                or "\0" in os.fspath(item):
+        if not isinstance(item, (str, os.PathLike)) or not os.fspath(item).strip() or "\0" in os.fspath(item):
             problems.append(f"{name} entries must be non-empty paths (got {item!r})")
             continue
         path = os.path.abspath(os.path.expanduser(os.fspath(item)))
@@ -295,18 +328,14 @@ def key(default: Any = MISSING, **spec: Any) -> Any:
 class PykvcacheConfig:
     """Validated settings of the vLLM integration (each key: docs/vllm.md)."""
 
-    storage_dirs: tuple[str, ...] = key(
-        check=directories, required="a list of directories on fast local disks")
-    capacity_bytes: int = key(
-        check=size(), required="disk bytes pykvcache may use in total", store="capacity_bytes")
+    storage_dirs: tuple[str, ...] = key(check=directories, required="a list of directories on fast local disks")
+    capacity_bytes: int = key(check=size(), required="disk bytes pykvcache may use in total", store="capacity_bytes")
     staging_bytes: int = key(1 * GIB, check=size())
     block_size: int | None = key(None, check=count(1, MAX_COUNT), null_is_default=True)
     blocks_per_chunk: int | None = key(None, check=count(1, MAX_COUNT), null_is_default=True)
-    queue_depth: int = key(ENGINE_DEFAULTS["queue_depth"], check=count(1, MAX_QUEUE_DEPTH),
-                           null_is_default=True, store="queue_depth")
+    queue_depth: int = key(ENGINE_DEFAULTS["queue_depth"], check=count(1, MAX_QUEUE_DEPTH), null_is_default=True, store="queue_depth")
     backend: str = key(ENGINE_DEFAULTS["backend"], check=choice(BACKENDS), store="backend")
-    direct_io: str = key(ENGINE_DEFAULTS["direct_io"], check=choice(DIRECT_IO_POLICIES),
-                         store="direct_io")
+    direct_io: str = key(ENGINE_DEFAULTS["direct_io"], check=choice(DIRECT_IO_POLICIES), store="direct_io")
     # What a read checks: "full" (header + payload CRC-32C) or "header" (for
     # storage that checksums itself; docs/performance.md has the CPU it saves).
     verify: str = key(ENGINE_DEFAULTS["verify"], check=choice(VERIFY_MODES), store="verify")
@@ -320,8 +349,7 @@ class PykvcacheConfig:
     wipe_on_reset: bool = key(True, check=flag)
     # Fill the free capacity with filler chunks (pykvcache.preformat): true = before
     # serving, "background" = while serving, yielding to serving I/O.
-    preformat: bool | str = key(False, check=either('true, false or "background"',
-                                                    flag, literal("background")))
+    preformat: bool | str = key(False, check=either('true, false or "background"', flag, literal("background")))
     # Start-up waits at most this long for it (vLLM gives an engine 600 s to
     # become ready); the next start continues where it stopped.
     preformat_max_s: float = key(300.0, check=number("a number of seconds > 0", above=0))
@@ -334,8 +362,7 @@ class PykvcacheConfig:
     # (pykvcache.gate.trace; for diagnosing a run, not for production).
     gate_trace: str | None = key(None, check=file_path, null_is_default=True)
     # 0 = off, a token count, or "break_even".
-    store_min_tokens: int | str = key(0, check=either('0 (off), a token count or "break_even"',
-                                                      count(0, math.inf), literal("break_even")))
+    store_min_tokens: int | str = key(0, check=either('0 (off), a token count or "break_even"', count(0, math.inf), literal("break_even")))
     store_second_sighting: bool = key(False, check=flag)
     # Lookahead preloading (docs/lookahead.md); None = a share of staging_bytes.
     lookahead_bytes: int | None = key(None, check=size(zero_is_off=True), null_is_default=True)
@@ -343,18 +370,19 @@ class PykvcacheConfig:
     lookup_hold_bytes: int | None = key(None, check=size(zero_is_off=True), null_is_default=True)
     # Free space kept on each storage filesystem for other writers; None = the
     # engine's default (5% of the filesystem, at most 16 GiB), 0 = none.
-    min_free_bytes: int | None = key(None, check=size(zero=True), null_is_default=True,
-                                     store="min_free_bytes")
+    min_free_bytes: int | None = key(None, check=size(zero=True), null_is_default=True, store="min_free_bytes")
     min_free_fraction: float | None = key(
-        None, check=number("a number in [0, 1)", at_least=0, below=1), null_is_default=True,
-        store="min_free_fraction")
+        None, check=number("a number in [0, 1)", at_least=0, below=1), null_is_default=True, store="min_free_fraction"
+    )
     # Seconds a disk read or write may take on a stalled directory before it
     # is a miss / a skipped put (decision 0031); None = the engine's default,
     # max(2 s, 4 * chunk bytes / 100 MB/s).
     io_deadline_s: float | None = key(
-        None, check=number(f"a number of seconds in (0, {MAX_IO_DEADLINE_S:g}]", above=0,
-                           at_most=MAX_IO_DEADLINE_S),
-        null_is_default=True, store="io_deadline")
+        None,
+        check=number(f"a number of seconds in (0, {MAX_IO_DEADLINE_S:g}]", above=0, at_most=MAX_IO_DEADLINE_S),
+        null_is_default=True,
+        store="io_deadline",
+    )
     # Accept a storage root owned by another user or world-writable.
     allow_insecure_root: bool = key(False, check=flag, store="allow_insecure_root")
     # Walk the storage directories this often so that chunks other nodes
@@ -363,9 +391,11 @@ class PykvcacheConfig:
     # elsewhere the engine's "auto" (walks while another writer's lease is
     # live in the directory).
     refresh_interval_s: float | str = key(
-        "auto", check=either('"auto", 0 (off) or a number of seconds',
-                             literal("auto"), number("", at_least=0)),
-        store="refresh_interval_s", to_store=lambda config: refresh_interval(config))
+        "auto",
+        check=either('"auto", 0 (off) or a number of seconds', literal("auto"), number("", at_least=0)),
+        store="refresh_interval_s",
+        to_store=lambda config: refresh_interval(config),
+    )
 
     @classmethod
     def keys(cls) -> frozenset[str]:
@@ -378,8 +408,7 @@ class PykvcacheConfig:
 
 
 def _problems_error(problems: Sequence[str]) -> ConfigError:
-    return ConfigError("invalid pykvcache settings in kv_connector_extra_config:\n  - "
-                       + "\n  - ".join(problems), problems)
+    return ConfigError("invalid pykvcache settings in kv_connector_extra_config:\n  - " + "\n  - ".join(problems), problems)
 
 
 def parse_extra_config(extra: Mapping[str, Any] | None) -> PykvcacheConfig:
@@ -399,10 +428,7 @@ def _parse(extra: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     known = PykvcacheConfig.keys() | VLLM_KEYS
     unknown = sorted(set(extra) - known)
     if unknown:
-        problems.append(
-            f"unknown key(s) {', '.join(map(repr, unknown))}; "
-            f"known keys: {', '.join(sorted(known))}"
-        )
+        problems.append(f"unknown key(s) {', '.join(map(repr, unknown))}; known keys: {', '.join(sorted(known))}")
     values: dict[str, Any] = {}
     for name, spec in PykvcacheConfig.table().items():
         if name not in extra or (spec.null_is_default and extra[name] is None):
@@ -424,25 +450,33 @@ def _between_keys(values: dict[str, Any], extra: Mapping[str, Any]) -> list[str]
     a capacity that holds no chunk whatever its size. A key refused on its
     own is not compared (its problem is reported already)."""
     problems: list[str] = []
-    staging = values.get("staging_bytes", PykvcacheConfig.staging_bytes) if "staging_bytes" in values \
-        or "staging_bytes" not in extra else None
+    staging = (
+        values.get("staging_bytes", PykvcacheConfig.staging_bytes) if "staging_bytes" in values or "staging_bytes" not in extra else None
+    )
     for name, what in (("lookahead_bytes", "preloads"), ("lookup_hold_bytes", "lookups of waiting requests")):
         share = values.get(name)
         if staging is not None and share and share > staging:
-            problems.append(f"{name} ({share} bytes) is more than staging_bytes ({staging} bytes): the staging "
-                            f"that {what} may hold is a part of staging_bytes; lower it or raise staging_bytes")
+            problems.append(
+                f"{name} ({share} bytes) is more than staging_bytes ({staging} bytes): the staging "
+                f"that {what} may hold is a part of staging_bytes; lower it or raise staging_bytes"
+            )
     smallest = _core.chunk_file_bytes(1)
     if "capacity_bytes" in values and values["capacity_bytes"] < smallest:
-        problems.append(f"capacity_bytes ({values['capacity_bytes']} bytes) is smaller than the smallest chunk "
-                        f"file ({smallest} bytes: a header and one page of KV); nothing could be stored")
+        problems.append(
+            f"capacity_bytes ({values['capacity_bytes']} bytes) is smaller than the smallest chunk "
+            f"file ({smallest} bytes: a header and one page of KV); nothing could be stored"
+        )
     return problems
 
 
 def store_keywords(config: PykvcacheConfig) -> dict[str, Any]:
     """The ``BlockStore`` keywords the configuration sets (each key's
     ``store``), besides the directories, the pool and the namespace."""
-    return {spec.store: spec.to_store(config) if spec.to_store else getattr(config, name)
-            for name, spec in PykvcacheConfig.table().items() if spec.store}
+    return {
+        spec.store: spec.to_store(config) if spec.to_store else getattr(config, name)
+        for name, spec in PykvcacheConfig.table().items()
+        if spec.store
+    }
 
 
 def storage_problems(config: PykvcacheConfig) -> list[str]:
@@ -481,20 +515,20 @@ def storage_problems(config: PykvcacheConfig) -> list[str]:
             while not os.path.exists(existing):
                 existing = os.path.dirname(existing)
             if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-                problems.append(f"storage directory {shown} does not exist and cannot be created: "
-                                f"{existing} is not a writable directory")
+                problems.append(f"storage directory {shown} does not exist and cannot be created: {existing} is not a writable directory")
                 continue
         if config.min_free_bytes:
             st = os.statvfs(existing)
             size = st.f_blocks * st.f_frsize
             if config.min_free_bytes >= size:
-                problems.append(f"min_free_bytes ({config.min_free_bytes}) is not smaller than the "
-                                f"filesystem of {shown} ({size} bytes): nothing could be stored")
+                problems.append(
+                    f"min_free_bytes ({config.min_free_bytes}) is not smaller than the "
+                    f"filesystem of {shown} ({size} bytes): nothing could be stored"
+                )
     return problems
 
 
-def validate_extra_config(extra: Mapping[str, Any] | None, *,
-                          more: Callable[[dict[str, Any]], list[str]] | None = None) -> PykvcacheConfig:
+def validate_extra_config(extra: Mapping[str, Any] | None, *, more: Callable[[dict[str, Any]], list[str]] | None = None) -> PykvcacheConfig:
     """:func:`parse_extra_config` plus what the values mean on this host (the
     storage directories: :func:`storage_problems`; ``gate_trace``'s file;
     ``staging_bytes`` against the host's memory) and ``more(values)`` (a
@@ -512,8 +546,9 @@ def validate_extra_config(extra: Mapping[str, Any] | None, *,
     if more is not None:
         # The values in effect: defaults for the keys not given, none for a key refused.
         given = set(extra or {})
-        problems += more({**{f.name: f.default for f in fields(PykvcacheConfig)
-                             if f.default is not MISSING and f.name not in given}, **values})
+        problems += more(
+            {**{f.name: f.default for f in fields(PykvcacheConfig) if f.default is not MISSING and f.name not in given}, **values}
+        )
     if problems:
         raise _problems_error(problems)
     return PykvcacheConfig(**values)
@@ -549,8 +584,7 @@ def lookup_hold_budget_bytes(config: PykvcacheConfig) -> int:
     return int(config.staging_bytes * LOOKUP_HOLD_SHARE)
 
 
-def kv_transfer_config(storage_dirs: list[str], capacity_bytes: int | str, *, lookahead: bool = False,
-                       **extra: Any) -> dict[str, Any]:
+def kv_transfer_config(storage_dirs: list[str], capacity_bytes: int | str, *, lookahead: bool = False, **extra: Any) -> dict[str, Any]:
     """The ``kv_transfer_config`` dict that selects pykvcache's spec on vLLM's
     stock ``OffloadingConnector`` or, with ``lookahead``, on
     :class:`pykvcache.vllm.connector.PyKvCacheConnector` (pass it to
@@ -560,8 +594,11 @@ def kv_transfer_config(storage_dirs: list[str], capacity_bytes: int | str, *, lo
     Validated here (:func:`validate_extra_config`, raises :class:`ConfigError`):
     vLLM hands the connector's settings to pykvcache only after the model has
     loaded, so this is the earliest place a mistake can be reported."""
-    connector = ({"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm"}
-                 if lookahead else {"kv_connector": "OffloadingConnector"})
+    connector = (
+        {"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm"}
+        if lookahead
+        else {"kv_connector": "OffloadingConnector"}
+    )
     extra_config = {
         "spec_name": "NvmeOffloadingSpec",
         "spec_module_path": "pykvcache.vllm",

@@ -17,10 +17,28 @@ import stat
 #: Filesystems whose files are kernel interfaces, not storage: a trace
 #: appended to one of them (``/proc/sys/...``, ``/sys/...``) would be written
 #: into a kernel setting, or fail on the first line.
-PSEUDO_FS_TYPES = frozenset({
-    "proc", "sysfs", "devtmpfs", "devpts", "cgroup", "cgroup2", "debugfs", "tracefs", "securityfs",
-    "configfs", "bpf", "pstore", "efivarfs", "fusectl", "mqueue", "hugetlbfs", "binfmt_misc", "autofs",
-})
+PSEUDO_FS_TYPES = frozenset(
+    {
+        "proc",
+        "sysfs",
+        "devtmpfs",
+        "devpts",
+        "cgroup",
+        "cgroup2",
+        "debugfs",
+        "tracefs",
+        "securityfs",
+        "configfs",
+        "bpf",
+        "pstore",
+        "efivarfs",
+        "fusectl",
+        "mqueue",
+        "hugetlbfs",
+        "binfmt_misc",
+        "autofs",
+    }
+)
 
 
 def host_memory_bytes() -> int | None:
@@ -53,9 +71,11 @@ def staging_memory_problems(staging_bytes: int) -> list[str]:
     (or the container) has can never be."""
     memory = host_memory_bytes()
     if memory is not None and staging_bytes > memory:
-        return [f"staging_bytes ({staging_bytes} bytes, {staging_bytes / (1 << 30):.1f} GiB) is more than this "
-                f"host's memory ({memory} bytes, {memory / (1 << 30):.1f} GiB, container limit included): "
-                "it is reserved in full at start-up"]
+        return [
+            f"staging_bytes ({staging_bytes} bytes, {staging_bytes / (1 << 30):.1f} GiB) is more than this "
+            f"host's memory ({memory} bytes, {memory / (1 << 30):.1f} GiB, container limit included): "
+            "it is reserved in full at start-up"
+        ]
     return []
 
 

@@ -37,11 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (
 from vllm.v1.kv_offload.base import make_offload_key
 
 from pykvcache.vllm.config import ConfigError, validate_extra_config
-from pykvcache.vllm.scheduler.step_timer import step_work
 from pykvcache.vllm.host_config import publishing
 from pykvcache.vllm.load_trace import open_trace
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.scheduler.lookahead import WaitingRequest
+from pykvcache.vllm.scheduler.step_timer import step_work
 
 if TYPE_CHECKING:
     import torch
@@ -93,8 +93,7 @@ def chunk_size_problems(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig 
     except (KeyError, TypeError, ValueError):
         return []
     groups = getattr(kv_cache_config, "kv_cache_groups", None) or ()
-    sizes = {getattr(g.kv_cache_spec, "block_size", None) for g in groups} \
-        or {vllm_config.cache_config.block_size}
+    sizes = {getattr(g.kv_cache_spec, "block_size", None) for g in groups} or {vllm_config.cache_config.block_size}
     if len(sizes) != 1 or None in sizes or vllm_config.parallel_config.decode_context_parallel_size != 1:
         return []
     (size,) = sizes
@@ -102,9 +101,10 @@ def chunk_size_problems(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig 
     if tokens <= 0 or tokens % size == 0:
         return []
     lower, upper = tokens // size * size, (tokens // size + 1) * size
-    return [f"block_size={tokens} (tokens per chunk) is not a multiple of vLLM's KV cache block size "
-            f"({size} tokens, --block-size): give {upper}" + (f" or {lower}" if lower else "")
-            + " (or blocks_per_chunk, in blocks)"]
+    return [
+        f"block_size={tokens} (tokens per chunk) is not a multiple of vLLM's KV cache block size "
+        f"({size} tokens, --block-size): give {upper}" + (f" or {lower}" if lower else "") + " (or blocks_per_chunk, in blocks)"
+    ]
 
 
 #: Longest a step that computes nothing sleeps on the reads its worker's
@@ -117,8 +117,7 @@ class PyKvCacheConnector(OffloadingConnector):
         _default_spec(vllm_config)
         chunk_problems = chunk_size_problems(vllm_config, kv_cache_config)
         if chunk_problems:  # with every other problem of the settings, in one error
-            validate_extra_config(_kv_transfer_config(vllm_config).kv_connector_extra_config,
-                                  more=lambda _values: chunk_problems)
+            validate_extra_config(_kv_transfer_config(vllm_config).kv_connector_extra_config, more=lambda _values: chunk_problems)
         # The spec fingerprints the model from the config, and its gate learns
         # the prefill side from the steps this connector reports.
         with publishing(vllm_config, reports_steps=True):
@@ -161,8 +160,10 @@ class PyKvCacheConnector(OffloadingConnector):
         0.33), so setting it here takes effect."""
         kv = _kv_transfer_config(vllm_config)
         if kv.kv_load_failure_policy != "recompute":
-            logger.info("pykvcache: kv_load_failure_policy %r -> 'recompute' (a chunk whose read "
-                        "fails during a load is recomputed)", kv.kv_load_failure_policy)
+            logger.info(
+                "pykvcache: kv_load_failure_policy %r -> 'recompute' (a chunk whose read fails during a load is recomputed)",
+                kv.kv_load_failure_policy,
+            )
             kv.kv_load_failure_policy = "recompute"
         manager.enable_in_flight_hits()
 
@@ -217,11 +218,15 @@ class PyKvCacheConnector(OffloadingConnector):
         return super().requires_piecewise_for_cudagraph(extra_config)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> KVConnectorPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
         _default_spec(vllm_config)
-        prom = super().build_prom_metrics(vllm_config, metric_types, labelnames,
-                                          per_engine_labelvalues)
+        prom = super().build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         # vLLM creates a labelled series on its first observation; observing
         # every pykvcache counter at 0 now makes each series exist from
         # start-up (a dashboard sees 0, not "no data", before any request).
@@ -250,24 +255,23 @@ class PyKvCacheConnector(OffloadingConnector):
             # vLLM recomputes at least the last prompt token, so a chunk that
             # ends on it is never loaded: preloading it would be waste.
             loadable = (request.num_tokens - 1) // tokens_per_chunk
-            keys = [
-                make_offload_key(h, group_idx)
-                for h in islice(hashes, hashes_per_chunk - 1, None, hashes_per_chunk)
-            ][:loadable]
+            keys = [make_offload_key(h, group_idx) for h in islice(hashes, hashes_per_chunk - 1, None, hashes_per_chunk)][:loadable]
             key_lists.append(keys)
             raw = params.get("max_load_tokens")
             if type(raw) is int and raw >= 0:
                 max_chunks = raw // tokens_per_chunk
         if not any(key_lists):
             return
-        self._manager.lookahead_add(WaitingRequest(
-            req_id=request.request_id,
-            key_lists=key_lists,
-            priority=getattr(request, "priority", 0),
-            arrival=getattr(request, "arrival_time", 0.0),
-            max_chunks=max_chunks,
-            device_cached_tokens=lambda: self._device_cached_tokens(request),
-        ))
+        self._manager.lookahead_add(
+            WaitingRequest(
+                req_id=request.request_id,
+                key_lists=key_lists,
+                priority=getattr(request, "priority", 0),
+                arrival=getattr(request, "arrival_time", 0.0),
+                max_chunks=max_chunks,
+                device_cached_tokens=lambda: self._device_cached_tokens(request),
+            )
+        )
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         result = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -287,8 +291,7 @@ class PyKvCacheConnector(OffloadingConnector):
             return
         scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         prefill = [r for r in self._loads_out if scheduled.get(r)]
-        trace("step", tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0),
-                    prefill=prefill)
+        trace("step", tokens=int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0), prefill=prefill)
         self._loads_out.difference_update(prefill)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -330,8 +333,7 @@ class PyKvCacheConnector(OffloadingConnector):
             self._manager.step_finished()
         return result
 
-    def request_finished_all_groups(self, request: Request,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         result = super().request_finished_all_groups(request, block_ids)
         if self._manager is not None:
             self._manager.step_finished()
@@ -344,9 +346,7 @@ class PyKvCacheConnector(OffloadingConnector):
         if kv_manager is None:
             return 0
         try:
-            found = kv_manager.coordinator.find_longest_cache_hit(
-                request.block_hashes, request.num_tokens - 1
-            )
+            found = kv_manager.coordinator.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)
             return int(found[1])
         except Exception:  # noqa: BLE001 - an estimate; never fail a request over it
             logger.debug("device cache probe failed", exc_info=True)

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING, Any, Iterator, TypeGuard
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
 
-_published: contextvars.ContextVar[VllmConfig | None] = contextvars.ContextVar("pykvcache_vllm_config",
-                                                                 default=None)
+_published: contextvars.ContextVar[VllmConfig | None] = contextvars.ContextVar("pykvcache_vllm_config", default=None)
 _reports_steps: contextvars.ContextVar[bool] = contextvars.ContextVar("pykvcache_reports_steps", default=False)
 
 #: How far up the stack a constructing connector can be (spec factory, tiering

@@ -57,8 +57,7 @@ class LoadTrace:
         if out is None:
             return
         try:
-            out.write(json.dumps({"mono": round(time.monotonic(), 6), "ev": ev, "role": self.role,
-                                  "pid": self._pid, **fields}) + "\n")
+            out.write(json.dumps({"mono": round(time.monotonic(), 6), "ev": ev, "role": self.role, "pid": self._pid, **fields}) + "\n")
         except (OSError, ValueError) as exc:
             logger.warning("pykvcache load trace: writing %s failed (%s); the trace stops", self.path, exc)
             self.close()

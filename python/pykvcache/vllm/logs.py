@@ -55,8 +55,7 @@ class ChunkTroubleLog:
     :meth:`flush` (at shutdown).
     """
 
-    def __init__(self, log: logging.Logger, what: str, interval_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, log: logging.Logger, what: str, interval_s: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._log = log
         self._what = what  # e.g. "chunk unusable, treated as a miss"
         self._interval_s = interval_s
@@ -69,8 +68,14 @@ class ChunkTroubleLog:
         now = self._clock()
         if self._last_line is None:
             self._last_line = now
-            self._log.warning("pykvcache: %s: chunk %s (%s: %s); further ones are summarised at most "
-                              "every %.0f s", self._what, key.hex(), status, message, self._interval_s)
+            self._log.warning(
+                "pykvcache: %s: chunk %s (%s: %s); further ones are summarised at most every %.0f s",
+                self._what,
+                key.hex(),
+                status,
+                message,
+                self._interval_s,
+            )
             return
         self._counts[status] += 1
         self._latest = f"chunk {key.hex()} ({status}: {message})"
@@ -84,7 +89,13 @@ class ChunkTroubleLog:
         now = self._clock()
         since = now - (self._last_line if self._last_line is not None else now)
         by_status = ", ".join(f"{s} {n}" for s, n in sorted(self._counts.items()))
-        self._log.warning("pykvcache: %s: %d more in the last %.0f s (%s); the latest: %s",
-                          self._what, sum(self._counts.values()), since, by_status, self._latest)
+        self._log.warning(
+            "pykvcache: %s: %d more in the last %.0f s (%s); the latest: %s",
+            self._what,
+            sum(self._counts.values()),
+            since,
+            by_status,
+            self._latest,
+        )
         self._counts.clear()
         self._last_line = now

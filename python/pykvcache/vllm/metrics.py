@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from pykvcache.gate.decision import GATE_COUNTERS, GATE_GAUGES
-from pykvcache.gate.store_admission import STORE_COUNTERS
 from vllm.v1.kv_offload.base import (
     OffloadingCounterMetadata,
     OffloadingGaugeMetadata,
     OffloadingHistogramMetadata,
     OffloadingMetricMetadata,
 )
+
+from pykvcache.gate.decision import GATE_COUNTERS, GATE_GAUGES
+from pykvcache.gate.store_admission import STORE_COUNTERS
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -114,9 +115,7 @@ def metric_definitions() -> dict[str, OffloadingMetricMetadata]:
     for name, doc in GAUGES.items():
         defs[PREFIX + name] = OffloadingGaugeMetadata(documentation=doc)
     for name, doc in HISTOGRAMS.items():
-        defs[PREFIX + name] = OffloadingHistogramMetadata(
-            documentation=doc, buckets=_LATENCY_BUCKETS
-        )
+        defs[PREFIX + name] = OffloadingHistogramMetadata(documentation=doc, buckets=_LATENCY_BUCKETS)
     return defs
 
 
@@ -137,8 +136,9 @@ def failed_read_counter(status: str, miss_kind: str | None) -> str:
     on its file (``IoResult.status`` and ``miss_kind``)."""
     if status == "error":
         return "read_errors"
-    return {"absent": "vanished_chunks", "corrupt": "corrupt_chunks", "kept": "kept_chunks",
-            "unavailable": "unavailable_reads"}.get(miss_kind or "", "read_errors")
+    return {"absent": "vanished_chunks", "corrupt": "corrupt_chunks", "kept": "kept_chunks", "unavailable": "unavailable_reads"}.get(
+        miss_kind or "", "read_errors"
+    )
 
 
 class ManagerMetrics:

@@ -21,12 +21,12 @@ from pykvcache.vllm.config import (
     lookup_hold_budget_bytes,
     validate_extra_config,
 )
-from pykvcache.vllm.scheduler import disk_tier
-from pykvcache.vllm.scheduler.gating import GateHooks, Gating, GatingFactory
 from pykvcache.vllm.host_config import find_vllm_config, steps_reported
 from pykvcache.vllm.layout import ChunkLayout, staging_shm_name
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.metrics import metric_definitions
+from pykvcache.vllm.scheduler import disk_tier
+from pykvcache.vllm.scheduler.gating import GateHooks, Gating, GatingFactory
 from pykvcache.vllm.staging_sizing import staging_sizing
 
 if TYPE_CHECKING:
@@ -65,8 +65,9 @@ def parallelism_agnostic(config: OffloadingConfig, vllm_config: VllmConfig | Non
     elif vllm_config is None:
         why = "the engine's VllmConfig (KV head count) was not found"
     if why is not None:
-        logger.info("pykvcache: canonical_layout requested but %s: chunks keep the per-rank layout "
-                    "and a namespace per parallel configuration", why)
+        logger.info(
+            "pykvcache: canonical_layout requested but %s: chunks keep the per-rank layout and a namespace per parallel configuration", why
+        )
         return False
     return True
 
@@ -99,8 +100,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
             # the same at any TP size, so the namespace leaves the sizes out.
             self.layout = ChunkLayout(
                 blocks_per_chunk=self.blocks_per_chunk,
-                bytes_per_block=config.worker_kv_bytes_per_block
-                * canonical_head_shards(config, self._vllm_config),
+                bytes_per_block=config.worker_kv_bytes_per_block * canonical_head_shards(config, self._vllm_config),
                 world_size=1,
                 ranks_share_row=True,
             )
@@ -113,9 +113,11 @@ class NvmeOffloadingSpec(OffloadingSpec):
         # Every problem at once: the keys, the host, and what the chunk size
         # makes of staging_bytes and capacity_bytes (the first moment it is known).
         self.settings: PykvcacheConfig = validate_extra_config(
-            self.extra_config, more=lambda values: disk_tier.staging_size_problems(
-                values.get("staging_bytes"), values.get("capacity_bytes"), self.layout.payload_bytes,
-                min_slots=MIN_STAGING_SLOTS))
+            self.extra_config,
+            more=lambda values: disk_tier.staging_size_problems(
+                values.get("staging_bytes"), values.get("capacity_bytes"), self.layout.payload_bytes, min_slots=MIN_STAGING_SLOTS
+            ),
+        )
         self.offload_prompt_only = self.settings.offload_prompt_only
         self._namespace: str | None = None
         # The staging region belongs to this engine only: its name needs the
@@ -124,16 +126,18 @@ class NvmeOffloadingSpec(OffloadingSpec):
         slots = disk_tier.size_staging(self.settings, self.layout.payload_bytes, min_slots=MIN_STAGING_SLOTS)
         self.num_slots = slots.num_slots
         self.slot_footprint = slots.slot_footprint
-        self.chunk_tokens = self.blocks_per_chunk * (self.tokens_per_block[0]
-                                                     if self.tokens_per_block else 1)
+        self.chunk_tokens = self.blocks_per_chunk * (self.tokens_per_block[0] if self.tokens_per_block else 1)
         self._manager: NvmeOffloadingManager | None = None
         self._worker: StagingWorker | None = None
 
     def _namespace_for(self, model_identity: str) -> str:
         bytes_per_block = self.layout.bytes_per_block
-        return disk_tier.chunk_namespace(self.config, self.settings, model_identity,
-                               (lambda inputs: inputs.parallelism_agnostic(bytes_per_block))
-                               if self.parallelism_agnostic else None)
+        return disk_tier.chunk_namespace(
+            self.config,
+            self.settings,
+            model_identity,
+            (lambda inputs: inputs.parallelism_agnostic(bytes_per_block)) if self.parallelism_agnostic else None,
+        )
 
     @property
     def namespace(self) -> str:
@@ -143,8 +147,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
         known (a node's first start reads every byte of the weights, seconds
         for a 16 GB model; later starts a stat per file; decision 0052)."""
         if self._namespace is None:
-            self._namespace = self._namespace_for(
-                disk_tier.model_identity_digest(self._vllm_config, self.config.model.name, self.settings))
+            self._namespace = self._namespace_for(disk_tier.model_identity_digest(self._vllm_config, self.config.model.name, self.settings))
         return self._namespace
 
     def _gating(self, steps_timed: bool) -> GatingFactory:
@@ -153,9 +156,15 @@ class NvmeOffloadingSpec(OffloadingSpec):
         from pykvcache.vllm.scheduler.gate_plan import build_gating
 
         def gating(hooks: GateHooks) -> Gating:
-            return build_gating(self.settings, hooks, model=self.config.model.name,
-                                dtype=str(self.config.model.dtype), chunk_bytes=self.layout.payload_bytes,
-                                chunk_tokens=self.chunk_tokens, steps_timed=steps_timed)
+            return build_gating(
+                self.settings,
+                hooks,
+                model=self.config.model.name,
+                dtype=str(self.config.model.dtype),
+                chunk_bytes=self.layout.payload_bytes,
+                chunk_tokens=self.chunk_tokens,
+                steps_timed=steps_timed,
+            )
 
         return gating
 
@@ -178,8 +187,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 pool=pool,
                 store=store,
                 layout=self.layout,
-                reopen_store=(lambda: self._open_store(pool)) if self.settings.wipe_on_reset
-                else None,
+                reopen_store=(lambda: self._open_store(pool)) if self.settings.wipe_on_reset else None,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
                 max_inflight_writes=self.settings.max_inflight_writes,
                 # PyKvCacheConnector builds this manager (inside its base class) and reports the steps.
@@ -193,29 +201,39 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 "pykvcache: namespace %s on %s: capacity_bytes %d (%.2f GiB; keeps %s free on "
                 "the filesystem), %d chunk(s) found using %d bytes; staging_bytes %d (%.1f MiB): "
                 "%d slots of %d bytes of KV; backend %s, direct I/O %s, fixed buffers %s",
-                self.namespace, ", ".join(self.settings.storage_dirs),
-                store.capacity_bytes, store.capacity_bytes / (1 << 30),
+                self.namespace,
+                ", ".join(self.settings.storage_dirs),
+                store.capacity_bytes,
+                store.capacity_bytes / (1 << 30),
                 " + ".join(f"{b / (1 << 30):.2f} GiB" for b in store.stats()["min_free_bytes"]),
-                len(store), store.used_bytes, self.settings.staging_bytes,
-                self.settings.staging_bytes / (1 << 20), self.num_slots,
-                self.layout.payload_bytes, store.backend, store.direct_io, store.fixed_buffers,
+                len(store),
+                store.used_bytes,
+                self.settings.staging_bytes,
+                self.settings.staging_bytes / (1 << 20),
+                self.num_slots,
+                self.layout.payload_bytes,
+                store.backend,
+                store.direct_io,
+                store.fixed_buffers,
             )
             self._advise_staging_size()
             if self.settings.preformat == "background":
                 free = store.capacity_bytes - store.committed_bytes
                 if free >= self.slot_footprint:
-                    logger.info("pykvcache: preformatting %.1f MiB in the background (preformat: background)",
-                                free / (1 << 20))
+                    logger.info("pykvcache: preformatting %.1f MiB in the background (preformat: background)", free / (1 << 20))
                     self._manager.start_background_preformat()
         return self._manager
 
     def _advise_staging_size(self) -> None:
         model_config = getattr(self._vllm_config, "model_config", None)
         sizing = staging_sizing(
-            slots=self.num_slots, slot_bytes=self.slot_footprint,
+            slots=self.num_slots,
+            slot_bytes=self.slot_footprint,
             lookahead_slots=lookahead_budget_bytes(self.settings) // self.slot_footprint,
             max_model_len=getattr(model_config, "max_model_len", None),
-            chunk_tokens=self.chunk_tokens, groups=max(1, len(self.tokens_per_block)))
+            chunk_tokens=self.chunk_tokens,
+            groups=max(1, len(self.tokens_per_block)),
+        )
         for line in sizing.advice():
             logger.warning("pykvcache: %s", line)
 
@@ -226,8 +244,7 @@ class NvmeOffloadingSpec(OffloadingSpec):
         from pykvcache._core import StoreError
 
         try:
-            return staging_pool_cls(self.layout.payload_bytes, self.num_slots,
-                                    shm_name=self.shm_name, memfd=True)
+            return staging_pool_cls(self.layout.payload_bytes, self.num_slots, shm_name=self.shm_name, memfd=True)
         except StoreError as exc:
             if exc.errno not in (errno.ENOMEM, errno.ENOSPC):
                 raise
@@ -247,8 +264,9 @@ class NvmeOffloadingSpec(OffloadingSpec):
         free = store.capacity_bytes - store.committed_bytes
         if free < self.slot_footprint:
             return
-        logger.info("pykvcache: preformatting %.1f MiB of %s (preformat: true; one-time)",
-                    free / (1 << 20), ", ".join(self.settings.storage_dirs))
+        logger.info(
+            "pykvcache: preformatting %.1f MiB of %s (preformat: true; one-time)", free / (1 << 20), ", ".join(self.settings.storage_dirs)
+        )
         next_report = [0.1]
 
         def progress(done: int, total: int) -> None:
@@ -257,23 +275,26 @@ class NvmeOffloadingSpec(OffloadingSpec):
                 next_report[0] += 0.1
 
         try:
-            report = preformat(store, pool, queue_depth=min(8, self.num_slots),
-                               max_seconds=self.settings.preformat_max_s, progress=progress)
+            report = preformat(
+                store, pool, queue_depth=min(8, self.num_slots), max_seconds=self.settings.preformat_max_s, progress=progress
+            )
         except OSError as exc:
             # Only an optimisation: serve without it (what was written stays fillers).
             logger.warning("pykvcache: preformat stopped: %s; serving continues", exc)
             return
         left = store.capacity_bytes - store.committed_bytes
-        logger.info("pykvcache: preformat wrote %d filler chunk(s), %.2f GB in %.1f s (%.2f GB/s)%s",
-                    report.chunks, report.bytes / 1e9, report.seconds, report.gb_per_s,
-                    f"; stopped at preformat_max_s, {left / 1e9:.2f} GB left for the next start"
-                    if left >= self.slot_footprint else "")
+        logger.info(
+            "pykvcache: preformat wrote %d filler chunk(s), %.2f GB in %.1f s (%.2f GB/s)%s",
+            report.chunks,
+            report.bytes / 1e9,
+            report.seconds,
+            report.gb_per_s,
+            f"; stopped at preformat_max_s, {left / 1e9:.2f} GB left for the next start" if left >= self.slot_footprint else "",
+        )
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> StagingWorker:
         if self._worker is None:
             from pykvcache.vllm.worker.staging_worker import StagingWorker
 
-            self._worker = StagingWorker(
-                kv_caches, self.layout, self.shm_name, rank=self.config.parallel.rank
-            )
+            self._worker = StagingWorker(kv_caches, self.layout, self.shm_name, rank=self.config.parallel.rank)
         return self._worker

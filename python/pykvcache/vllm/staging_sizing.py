@@ -50,23 +50,26 @@ class StagingSizing:
             out.append(
                 f"staging holds {self.slots} chunks, fewer than the {self.prefix_chunks} of one "
                 f"full-length prompt: such a prompt loads at most {self.slots / self.prefix_chunks:.0%} "
-                f"of its prefix from disk and recomputes the rest; give {rec}")
+                f"of its prefix from disk and recomputes the rest; give {rec}"
+            )
         elif self.slots < 2 * self.prefix_chunks:
             out.append(
                 f"staging holds {self.prefixes:.1f} full-length prefixes: loads of long prompts "
-                f"serialize (each waits for the previous one's copy into the device cache); give {rec}")
+                f"serialize (each waits for the previous one's copy into the device cache); give {rec}"
+            )
         if 0 < self.lookahead_slots < self.prefix_chunks:
             out.append(
                 f"lookahead's budget ({self.lookahead_slots} chunks) covers less than one full-length "
                 f"prefix ({self.prefix_chunks} chunks): preloads of long prompts are partial and save "
-                f"no scheduler step; give {rec} or set lookahead_bytes")
+                f"no scheduler step; give {rec} or set lookahead_bytes"
+            )
         return out
 
 
-def staging_sizing(*, slots: int, slot_bytes: int, lookahead_slots: int, max_model_len: int | None,
-                   chunk_tokens: int, groups: int) -> StagingSizing:
+def staging_sizing(
+    *, slots: int, slot_bytes: int, lookahead_slots: int, max_model_len: int | None, chunk_tokens: int, groups: int
+) -> StagingSizing:
     # vLLM recomputes at least the last prompt token: a full-length prompt
     # loads (max_model_len - 1) // chunk_tokens chunks per group.
     per_group = max(0, (max_model_len or 0) - 1) // max(1, chunk_tokens)
-    return StagingSizing(slots=slots, prefix_chunks=per_group * max(1, groups),
-                         lookahead_slots=lookahead_slots, slot_bytes=slot_bytes)
+    return StagingSizing(slots=slots, prefix_chunks=per_group * max(1, groups), lookahead_slots=lookahead_slots, slot_bytes=slot_bytes)

@@ -59,6 +59,9 @@ from vllm.v1.kv_offload.tiering.base import JobResult, SecondaryTierManager, Tra
 from pykvcache import _core
 from pykvcache.gate import ChunkState
 from pykvcache.vllm.config import GIB, ConfigError, validate_extra_config
+from pykvcache.vllm.host_config import find_vllm_config
+from pykvcache.vllm.logs import route_engine_logs
+from pykvcache.vllm.metrics import metric_definitions
 from pykvcache.vllm.scheduler.disk_tier import (
     DiskTier,
     UsesDiskTier,
@@ -70,9 +73,6 @@ from pykvcache.vllm.scheduler.disk_tier import (
 )
 from pykvcache.vllm.scheduler.gate_plan import build_gating
 from pykvcache.vllm.scheduler.gating import GateHooks, GateInputs, Gating, RequestDropped
-from pykvcache.vllm.host_config import find_vllm_config
-from pykvcache.vllm.logs import route_engine_logs
-from pykvcache.vllm.metrics import metric_definitions
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import OffloadingConnectorStats
@@ -145,10 +145,12 @@ def _serialized(method: Callable[Concatenate[_Tier, _P], _R]) -> Callable[Concat
     the operation table are one state. Re-entrant: shutdown drains through
     the same methods. Uncontended, a lock costs well under a microsecond per
     call, against milliseconds of disk I/O per chunk."""
+
     @functools.wraps(method)
     def locked(self: _Tier, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
         with self._lock:
             return method(self, *args, **kwargs)
+
     return locked
 
 
@@ -156,23 +158,27 @@ def tier_settings(options: dict[str, Any], chunk_bytes: int | None = None) -> Py
     """The tier's keys validated as the spec's are, with the keys that only the
     standalone spec has refused and, given the CPU tier's ``chunk_bytes``,
     what that chunk size makes of the sizes: all problems in one :class:`ConfigError`."""
-    problems = [f"{k!r}: {STANDALONE_ONLY[k]} (standalone NvmeOffloadingSpec only)"
-                for k in sorted(options) if k in STANDALONE_ONLY]
+    problems = [f"{k!r}: {STANDALONE_ONLY[k]} (standalone NvmeOffloadingSpec only)" for k in sorted(options) if k in STANDALONE_ONLY]
     if options.get("cpu_tier_io", CPU_TIER_IO[0]) not in CPU_TIER_IO:
-        problems.append(f"'cpu_tier_io': must be one of {', '.join(map(repr, CPU_TIER_IO))} "
-                        f"(got {options['cpu_tier_io']!r})")
+        problems.append(f"'cpu_tier_io': must be one of {', '.join(map(repr, CPU_TIER_IO))} (got {options['cpu_tier_io']!r})")
     values = {k: v for k, v in options.items() if k not in STANDALONE_ONLY and k != "cpu_tier_io"}
     values.setdefault("staging_bytes", TIER_STAGING_BYTES)
-    sizes = None if chunk_bytes is None else (lambda v: staging_size_problems(
-        v.get("staging_bytes"), v.get("capacity_bytes"), chunk_bytes, min_slots=MIN_TIER_SLOTS, clamp=True))
+    sizes = (
+        None
+        if chunk_bytes is None
+        else (
+            lambda v: staging_size_problems(
+                v.get("staging_bytes"), v.get("capacity_bytes"), chunk_bytes, min_slots=MIN_TIER_SLOTS, clamp=True
+            )
+        )
+    )
     try:
         config = validate_extra_config(values, more=sizes)
     except ConfigError as exc:
         # The rest is checked even when keys were refused: every problem in one error.
         problems += exc.problems
     if problems:
-        raise ConfigError("invalid pykvcache tier settings (secondary_tiers entry):\n  - "
-                          + "\n  - ".join(problems), problems)
+        raise ConfigError("invalid pykvcache tier settings (secondary_tiers entry):\n  - " + "\n  - ".join(problems), problems)
     return config
 
 
@@ -194,24 +200,35 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
 
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
-        options = {k: v for k, v in extra_config.items()
-                   if k not in ("type", "module_path", "backpressure", "locality")}
+        options = {k: v for k, v in extra_config.items() if k not in ("type", "module_path", "backpressure", "locality")}
         tier_settings(options)  # a bad entry fails where vLLM builds its loggers, once
         return metric_definitions()
 
-    def __init__(self, offloading_spec: OffloadingSpec, primary_kv_view: memoryview, tier_type: str,
-                 backpressure_detector: BackpressureDetector | None = None, locality: object = None,
-                 **options: Any) -> None:
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        backpressure_detector: BackpressureDetector | None = None,
+        locality: object = None,
+        **options: Any,
+    ) -> None:
         vllm_config = find_vllm_config()
         if getattr(vllm_config, "lora_config", None) is not None:
             # vLLM keys a LoRA request's blocks by the adapter's name and path, and a tier sees
             # keys, never requests: an adapter retrained under the same name would be served
             # the old adapter's KV. The standalone spec keys such chunks by the adapter's content.
-            raise ValueError("pykvcache: PykvcacheTier cannot tell LoRA adapters apart by their content; with "
-                             "LoRA enabled use pykvcache's own spec (PyKvCacheConnector or spec_name "
-                             "NvmeOffloadingSpec), which keys an adapter's chunks by its files' digest")
-        super().__init__(offloading_spec=offloading_spec, primary_kv_view=primary_kv_view,
-                         tier_type=tier_type, backpressure_detector=backpressure_detector)
+            raise ValueError(
+                "pykvcache: PykvcacheTier cannot tell LoRA adapters apart by their content; with "
+                "LoRA enabled use pykvcache's own spec (PyKvCacheConnector or spec_name "
+                "NvmeOffloadingSpec), which keys an adapter's chunks by its files' digest"
+            )
+        super().__init__(
+            offloading_spec=offloading_spec,
+            primary_kv_view=primary_kv_view,
+            tier_type=tier_type,
+            backpressure_detector=backpressure_detector,
+        )
         self._lock = threading.RLock()
         self._refusal_logged = False
         from pykvcache._core import StagingPool
@@ -236,8 +253,12 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         identity = model_identity_digest(vllm_config, config.model.name, self.settings)
         # The chunk is the CPU tier's (one chunk of every rank): its size, not
         # one worker's block, is what the bytes of a file depend on.
-        self.namespace = chunk_namespace(config, self.settings, identity, lambda inputs: dataclasses.replace(
-            inputs, bytes_per_block=self.chunk_bytes, row_layout_version=TIER_ROW_LAYOUT))
+        self.namespace = chunk_namespace(
+            config,
+            self.settings,
+            identity,
+            lambda inputs: dataclasses.replace(inputs, bytes_per_block=self.chunk_bytes, row_layout_version=TIER_ROW_LAYOUT),
+        )
         pool = StagingPool(self.chunk_bytes, num_slots)
         # The engine creates missing roots (0o700; see disk_tier.open_store).
         store = open_store(self.settings, pool, self.namespace, close_pool_on_failure=True)
@@ -252,19 +273,30 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         if self._region is None:
             self._limit = min(self._limit, num_slots)
         if why_not is not None:
-            logger.warning("pykvcache tier: cpu_tier_io is \"direct\", but chunks are copied through staging "
-                           "slots (one memcpy each on the scheduler's thread): %s", why_not)
+            logger.warning(
+                'pykvcache tier: cpu_tier_io is "direct", but chunks are copied through staging '
+                "slots (one memcpy each on the scheduler's thread): %s",
+                why_not,
+            )
         tokens_per_block = offloading_spec.tokens_per_block[0] if offloading_spec.tokens_per_block else 1
         self.chunk_tokens = offloading_spec.blocks_per_chunk * tokens_per_block
+
         # The store, its pool, the gate (it learns from the reads; decision
         # 0054: not from an outage's), metrics and presence: shared with the
         # standalone spec's manager.
         def gating(hooks: GateHooks) -> Gating:
-            return build_gating(self.settings, hooks, model=config.model.name, dtype=str(config.model.dtype),
-                                chunk_bytes=self.chunk_bytes, chunk_tokens=self.chunk_tokens)
+            return build_gating(
+                self.settings,
+                hooks,
+                model=config.model.name,
+                dtype=str(config.model.dtype),
+                chunk_bytes=self.chunk_bytes,
+                chunk_tokens=self.chunk_tokens,
+            )
 
-        self.disk = DiskTier(store, pool, gating=gating, label="pykvcache tier",
-                             trouble="unusable chunks in the tier (each a miss)", log=logger)
+        self.disk = DiskTier(
+            store, pool, gating=gating, label="pykvcache tier", trouble="unusable chunks in the tier (each a miss)", log=logger
+        )
         self._jobs: deque[_Job] = deque()  # jobs with chunks not started, in order
         # token -> (handle, job, key, chunk, staging slot or None)
         self._ops: dict[int, tuple[IoHandle, _Job, OffloadKey, int, int | None]] = {}
@@ -274,12 +306,19 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         self._next_token = 0
         self._unsettled_logged = False
         self._finished: list[JobResult] = []
-        logger.info("pykvcache tier: namespace %s on %s: capacity_bytes %d, %d chunk(s) found; "
-                    "chunks of %d bytes %s, at most %d in flight; backend %s, direct I/O %s",
-                    self.namespace, ", ".join(self.settings.storage_dirs), store.capacity_bytes,
-                    len(store), self.chunk_bytes,
-                    "via staging slots" if self._region is None else "straight from and to vLLM's CPU tier",
-                    self._limit, store.backend, store.direct_io)
+        logger.info(
+            "pykvcache tier: namespace %s on %s: capacity_bytes %d, %d chunk(s) found; "
+            "chunks of %d bytes %s, at most %d in flight; backend %s, direct I/O %s",
+            self.namespace,
+            ", ".join(self.settings.storage_dirs),
+            store.capacity_bytes,
+            len(store),
+            self.chunk_bytes,
+            "via staging slots" if self._region is None else "straight from and to vLLM's CPU tier",
+            self._limit,
+            store.backend,
+            store.direct_io,
+        )
 
     def _region_refusal(self) -> str | None:
         """Why the CPU tier's rows cannot be the engine's transfer memory, or None."""
@@ -367,8 +406,12 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         """A job this tier cannot run fails alone: its result is a failure (for
         a promotion, no key read), nothing is queued, started or held."""
         (logger.warning if not self._refusal_logged else logger.debug)(
-            "pykvcache tier: %s job %s refused, none of its chunks moved: %s%s", "promotion" if load else "store",
-            job_metadata.job_id, why, "" if self._refusal_logged else " (further refusals are logged at debug level)")
+            "pykvcache tier: %s job %s refused, none of its chunks moved: %s%s",
+            "promotion" if load else "store",
+            job_metadata.job_id,
+            why,
+            "" if self._refusal_logged else " (further refusals are logged at debug level)",
+        )
         self._refusal_logged = True
         job = _Job(job_metadata, load=load, todo=deque(), queued=False)
         job.failed = max(1, len(job_metadata.keys))
@@ -456,9 +499,11 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
                 self._unsettled.add(token)
                 if not self._unsettled_logged:
                     self._unsettled_logged = True
-                    logger.warning("pykvcache tier: a read into vLLM's CPU tier was abandoned at the I/O deadline "
-                                   "while its directory stalls; its promotion job (a miss for that chunk) ends "
-                                   "when the read does, so the row is not reused under it")
+                    logger.warning(
+                        "pykvcache tier: a read into vLLM's CPU tier was abandoned at the I/O deadline "
+                        "while its directory stalls; its promotion job (a miss for that chunk) ends "
+                        "when the read does, so the row is not reused under it"
+                    )
                 continue
             self._retire(token, job)
 
@@ -472,12 +517,16 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
         if job.todo or job.running:
             return
         success = job.failed == 0
-        self._finished.append(JobResult(
-            job_id=job.job.job_id, success=success,
-            # A promotion that lost some chunks keeps the ones it read.
-            successful_keys=None if success or not job.load else list(job.ok),
-            transfer_time=time.monotonic() - job.started,
-            transfer_bytes=job.transfer_bytes))
+        self._finished.append(
+            JobResult(
+                job_id=job.job.job_id,
+                success=success,
+                # A promotion that lost some chunks keeps the ones it read.
+                successful_keys=None if success or not job.load else list(job.ok),
+                transfer_time=time.monotonic() - job.started,
+                transfer_bytes=job.transfer_bytes,
+            )
+        )
 
     @_serialized
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -521,6 +570,9 @@ class PykvcacheTier(UsesDiskTier, SecondaryTierManager):
                 try:
                     self.store.unregister_region(region, timeout=UNREGISTER_WAIT_S)
                 except Exception as exc:  # noqa: BLE001 - shutdown goes on; the export stays held
-                    logger.warning("pykvcache tier: vLLM's CPU tier region is still in use by the disk (%s); "
-                                   "its buffer stays held until the process exits", exc)
+                    logger.warning(
+                        "pykvcache tier: vLLM's CPU tier region is still in use by the disk (%s); "
+                        "its buffer stays held until the process exits",
+                        exc,
+                    )
             self._primary = None  # lets the framework unmap its CPU tier

@@ -21,8 +21,7 @@ class StagingSlotsSpec(BlockIDsLoadStoreSpec):
     every slot was verified when the load was prepared.
     """
 
-    def __init__(self, block_ids: list[int], ready_generations: list[int] | None = None,
-                 wait_s: float | None = None) -> None:
+    def __init__(self, block_ids: list[int], ready_generations: list[int] | None = None, wait_s: float | None = None) -> None:
         super().__init__(block_ids)
         self.ready_generations = ready_generations
         self.wait_s = wait_s

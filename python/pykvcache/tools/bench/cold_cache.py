@@ -85,9 +85,7 @@ class DiskCounter:
         if self.path is None:
             return None
         f = [int(x) for x in self.path.read_text().split()]
-        return DiskSample(
-            read_bytes=f[2] * SECTOR, write_bytes=f[6] * SECTOR, read_ios=f[0], write_ios=f[4]
-        )
+        return DiskSample(read_bytes=f[2] * SECTOR, write_bytes=f[6] * SECTOR, read_ios=f[0], write_ios=f[4])
 
     @staticmethod
     def delta(before: DiskSample | None, after: DiskSample | None) -> DiskDelta | None:

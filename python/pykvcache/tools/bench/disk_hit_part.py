@@ -42,9 +42,18 @@ WORST_TARGET = 1.6
 
 def quick_options() -> DiskHitOptions:
     """CI size: every step runs, nothing is measured."""
-    return DiskHitOptions(model="tiny", doc_tokens=[1024], samples=2, warm_tokens=256, device_repeats=1,
-                          fio_depths=[1], fio_runtime_s=0.25, fio_file_bytes=32 << 20, fio_block_bytes=1 << 20,
-                          first_contact=False)
+    return DiskHitOptions(
+        model="tiny",
+        doc_tokens=[1024],
+        samples=2,
+        warm_tokens=256,
+        device_repeats=1,
+        fio_depths=[1],
+        fio_runtime_s=0.25,
+        fio_file_bytes=32 << 20,
+        fio_block_bytes=1 << 20,
+        first_contact=False,
+    )
 
 
 def options_from(config: BenchConfig) -> DiskHitOptions:
@@ -87,39 +96,76 @@ def analyse(results: list[dict[str, Any]], opts: DiskHitOptions, quick: bool) ->
         if not samples:
             continue
         ratios = [s["ratio"] for s in samples]
-        rows.append([str(doc), str(len(samples)), _spread([s["disk_s"] * 1000 for s in samples]),
-                     _spread([s["device_s"] * 1000 for s in samples]),
-                     f"{statistics.median(s['read_bytes'] for s in samples) / 1e6:.0f}",
-                     _spread([s["fio_read_bps"] / 1e9 for s in samples]),
-                     _spread([s["limit_s"] * 1000 for s in samples]), _spread(ratios), f"{max(ratios):.2f}"])
+        rows.append(
+            [
+                str(doc),
+                str(len(samples)),
+                _spread([s["disk_s"] * 1000 for s in samples]),
+                _spread([s["device_s"] * 1000 for s in samples]),
+                f"{statistics.median(s['read_bytes'] for s in samples) / 1e6:.0f}",
+                _spread([s["fio_read_bps"] / 1e9 for s in samples]),
+                _spread([s["limit_s"] * 1000 for s in samples]),
+                _spread(ratios),
+                f"{max(ratios):.2f}",
+            ]
+        )
         for s in [res.get("first_contact"), *samples]:
             t = (s or {}).get("trace")
             if t:
-                where.append([str(doc), "first contact" if s is res.get("first_contact") else "restart",
-                              f"{s['disk_s'] * 1000:.0f}", str(t["chunks_read"]), str(t["last_read_ended_ms"]),
-                              str(t["load_done_ms"]), str(t["prefill_step_ms"]), f"{t['copy_ms']:.0f}",
-                              str(t["copy_waves"])])
+                where.append(
+                    [
+                        str(doc),
+                        "first contact" if s is res.get("first_contact") else "restart",
+                        f"{s['disk_s'] * 1000:.0f}",
+                        str(t["chunks_read"]),
+                        str(t["last_read_ended_ms"]),
+                        str(t["load_done_ms"]),
+                        str(t["prefill_step_ms"]),
+                        f"{t['copy_ms']:.0f}",
+                        str(t["copy_waves"]),
+                    ]
+                )
         if not quick:
             med, worst = statistics.median(ratios), max(ratios)
             out.targets[f"disk_hit_median_{doc}"] = (
-                med <= MEDIAN_TARGET, f"{doc}-token document: median disk-hit TTFT {med:.2f}x the limit "
-                f"(target <= {MEDIAN_TARGET}x, {len(samples)} fresh servers)")
+                med <= MEDIAN_TARGET,
+                f"{doc}-token document: median disk-hit TTFT {med:.2f}x the limit "
+                f"(target <= {MEDIAN_TARGET}x, {len(samples)} fresh servers)",
+            )
             out.targets[f"disk_hit_worst_{doc}"] = (
-                worst <= WORST_TARGET, f"{doc}-token document: worst disk-hit TTFT {worst:.2f}x the limit "
-                f"(target <= {WORST_TARGET}x)")
-    out.tables.append(Table(
-        "Disk hit vs its limit (median (min-max) over fresh servers)",
-        ["doc tokens", "servers", "disk-hit TTFT ms", "device-cache TTFT ms", "MB read", "fio GB/s",
-         "limit ms", "disk / limit", "worst"], rows,
-        note="limit = device-cache TTFT (same server, median of its repeats) + bytes read / fio's best O_DIRECT "
-             "read bandwidth on the store's directory (one job, depths " + ",".join(map(str, opts.fio_depths))
-             + ", measured before each server)."))
-    out.tables.append(Table(
-        "Where each disk hit's time went (gate_trace, ms after vLLM added the request)",
-        ["doc tokens", "server", "TTFT ms", "chunks read", "last read ended", "load copied", "prefill step",
-         "copy ms", "copy waves"], where,
-        note="first contact: the first server to load the document from this storage (the gate times the "
-             "device first, decision 0054); restart: a fresh server that restored the device model (0073)."))
+                worst <= WORST_TARGET,
+                f"{doc}-token document: worst disk-hit TTFT {worst:.2f}x the limit (target <= {WORST_TARGET}x)",
+            )
+    out.tables.append(
+        Table(
+            "Disk hit vs its limit (median (min-max) over fresh servers)",
+            [
+                "doc tokens",
+                "servers",
+                "disk-hit TTFT ms",
+                "device-cache TTFT ms",
+                "MB read",
+                "fio GB/s",
+                "limit ms",
+                "disk / limit",
+                "worst",
+            ],
+            rows,
+            note="limit = device-cache TTFT (same server, median of its repeats) + bytes read / fio's best O_DIRECT "
+            "read bandwidth on the store's directory (one job, depths "
+            + ",".join(map(str, opts.fio_depths))
+            + ", measured before each server).",
+        )
+    )
+    out.tables.append(
+        Table(
+            "Where each disk hit's time went (gate_trace, ms after vLLM added the request)",
+            ["doc tokens", "server", "TTFT ms", "chunks read", "last read ended", "load copied", "prefill step", "copy ms", "copy waves"],
+            where,
+            note="first contact: the first server to load the document from this storage (the gate times the "
+            "device first, decision 0054); restart: a fresh server that restored the device model (0073).",
+        )
+    )
     if quick:
         out.notes.append("CI size (--quick): every step ran; the figures are not measurements.")
     return out
@@ -140,8 +186,7 @@ def run_with(ctx: BenchContext, opts: DiskHitOptions, model_cache: Path | None =
     step = ctx.progress.part(NAME, len(opts.doc_tokens) * (1 + opts.first_contact + opts.samples))
     results = []
     for doc in opts.doc_tokens:
-        results.append(run_length(model, int(cfg["vocab_size"]), opts, doc, bpt, work,
-                                  ctx.config.directory / NAME, step))
+        results.append(run_length(model, int(cfg["vocab_size"]), opts, doc, bpt, work, ctx.config.directory / NAME, step))
         (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
     return analyse(results, opts, ctx.config.quick)
 
@@ -154,5 +199,6 @@ def run(ctx: BenchContext) -> PartOutput:
     return run_with(ctx, opts)
 
 
-register_part(Part(NAME, "disk-hit TTFT after a restart vs device-cache TTFT + bytes / fio (fresh vLLM servers)",
-                   run, steps, default=False))
+register_part(
+    Part(NAME, "disk-hit TTFT after a restart vs device-cache TTFT + bytes / fio (fresh vLLM servers)", run, steps, default=False)
+)

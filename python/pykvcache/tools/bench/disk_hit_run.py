@@ -64,14 +64,12 @@ class DiskHitOptions:
 def _metric(url: str, name: str) -> float:
     with urllib.request.urlopen(url + "/metrics", timeout=30) as r:
         text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") or line.startswith(name + " "))
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{") or line.startswith(name + " "))
 
 
 def ttft(url: str, model: str, prompt: list[int]) -> float:
     """Seconds from sending ``prompt`` (token ids, streamed, greedy) to its first token."""
-    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0,
-                       "ignore_eos": True, "stream": True}).encode()
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0.0, "ignore_eos": True, "stream": True}).encode()
     req = urllib.request.Request(url + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
     began = time.perf_counter()
     first = None
@@ -102,30 +100,57 @@ def settle_writes(url: str, quiet_s: float = 0.3, timeout_s: float = 60.0) -> No
         time.sleep(0.05)
 
 
-def server_config(tag: str, model: str, opts: DiskHitOptions, doc: int, bytes_per_token: int,
-                  storage: Path, trace: Path) -> ServerConfig:
+def server_config(tag: str, model: str, opts: DiskHitOptions, doc: int, bytes_per_token: int, storage: Path, trace: Path) -> ServerConfig:
     longest = max(doc, opts.warm_tokens) + 64
     tokens = doc + opts.warm_tokens + KV_MARGIN_TOKENS
-    args = ["--dtype", "float32", "--block-size", "32", "--enforce-eager", "--max-model-len", str(longest),
-            "--kv-cache-memory-bytes", str(tokens * bytes_per_token), "--max-num-seqs", "4",
-            "--enable-prefix-caching", "--seed", "0"]
+    args = [
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(longest),
+        "--kv-cache-memory-bytes",
+        str(tokens * bytes_per_token),
+        "--max-num-seqs",
+        "4",
+        "--enable-prefix-caching",
+        "--seed",
+        "0",
+    ]
     # Staging for 2.5 documents (what pykvcache's start-up check asks for).
-    extra = {"storage_dirs": [str(storage)], "capacity_bytes": "16GiB", "block_size": opts.chunk_tokens,
-             "staging_bytes": int(2.5 * doc * bytes_per_token) + (64 << 20), "gate_trace": str(trace)}
-    return ServerConfig(name=tag, model=model, args=args,
-                        kv_transfer_config={"kv_connector": "PyKvCacheConnector",
-                                            "kv_connector_module_path": "pykvcache.vllm",
-                                            "kv_role": "kv_both", "kv_connector_extra_config": extra})
+    extra = {
+        "storage_dirs": [str(storage)],
+        "capacity_bytes": "16GiB",
+        "block_size": opts.chunk_tokens,
+        "staging_bytes": int(2.5 * doc * bytes_per_token) + (64 << 20),
+        "gate_trace": str(trace),
+    }
+    return ServerConfig(
+        name=tag,
+        model=model,
+        args=args,
+        kv_transfer_config={
+            "kv_connector": "PyKvCacheConnector",
+            "kv_connector_module_path": "pykvcache.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        },
+    )
 
 
 def fio_read_bps(directory: Path, opts: DiskHitOptions) -> float:
     runner = FioRunner(directory=directory, file_bytes=opts.fio_file_bytes, max_numjobs=1)
-    return max(runner.run(FioJob(rw="read", block_bytes=opts.fio_block_bytes, iodepth=d, numjobs=1,
-                                 runtime_s=opts.fio_runtime_s)).bw_bytes_s for d in opts.fio_depths)
+    return max(
+        runner.run(FioJob(rw="read", block_bytes=opts.fio_block_bytes, iodepth=d, numjobs=1, runtime_s=opts.fio_runtime_s)).bw_bytes_s
+        for d in opts.fio_depths
+    )
 
 
-def one_server(cfg: ServerConfig, log: Path, model: str, doc_ids: list[int], warm_ids: list[int] | None,
-               opts: DiskHitOptions, *, device: bool = True) -> dict[str, Any]:
+def one_server(
+    cfg: ServerConfig, log: Path, model: str, doc_ids: list[int], warm_ids: list[int] | None, opts: DiskHitOptions, *, device: bool = True
+) -> dict[str, Any]:
     """A fresh server: warm-up, its writes, the document (disk), the document again (device)."""
     server = Server(cfg, log, opts.start_timeout_s)
     server.start()
@@ -147,8 +172,9 @@ def one_server(cfg: ServerConfig, log: Path, model: str, doc_ids: list[int], war
         server.stop()
 
 
-def run_length(model: str, vocab: int, opts: DiskHitOptions, doc: int, bytes_per_token: int, work: Path,
-               directory: Path, step) -> dict[str, Any]:
+def run_length(
+    model: str, vocab: int, opts: DiskHitOptions, doc: int, bytes_per_token: int, work: Path, directory: Path, step
+) -> dict[str, Any]:
     """Every server of one document length; samples carry their limit and ratio."""
     storage = directory / f"ctx{doc}" / "kv"
     storage.mkdir(parents=True, exist_ok=True)
@@ -157,8 +183,7 @@ def run_length(model: str, vocab: int, opts: DiskHitOptions, doc: int, bytes_per
     result: dict[str, Any] = {"doc_tokens": doc, "samples": []}
 
     def cfg(tag: str) -> tuple[ServerConfig, Path]:
-        return server_config(tag, model, opts, doc, bytes_per_token, storage, work / f"trace-{tag}.jsonl"), \
-            logs / f"{tag}.log"
+        return server_config(tag, model, opts, doc, bytes_per_token, storage, work / f"trace-{tag}.jsonl"), logs / f"{tag}.log"
 
     step.advance(f"ctx {doc}: computing and storing the document")
     c, log = cfg(f"ctx{doc}-store")
@@ -175,9 +200,16 @@ def run_length(model: str, vocab: int, opts: DiskHitOptions, doc: int, bytes_per
         bps = fio_read_bps(directory / f"ctx{doc}" / "fio", opts)
         tag = f"ctx{doc}-{i}"
         c, log = cfg(tag)
-        s = one_server(c, log, model, doc_ids, token_ids(opts.warm_tokens, opts.seed + 1000 * (i + 1) + doc, vocab),
-                       opts)
+        s = one_server(c, log, model, doc_ids, token_ids(opts.warm_tokens, opts.seed + 1000 * (i + 1) + doc, vocab), opts)
         limit = s["device_s"] + s["read_bytes"] / bps
-        result["samples"].append({**s, "fio_read_bps": bps, "limit_s": limit, "ratio": s["disk_s"] / limit,
-                                  "trace": breakdown(work / f"trace-{tag}.jsonl", doc), "log": str(log)})
+        result["samples"].append(
+            {
+                **s,
+                "fio_read_bps": bps,
+                "limit_s": limit,
+                "ratio": s["disk_s"] / limit,
+                "trace": breakdown(work / f"trace-{tag}.jsonl", doc),
+                "log": str(log),
+            }
+        )
     return result

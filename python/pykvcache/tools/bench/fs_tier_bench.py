@@ -161,8 +161,9 @@ class FsTierSystem(TierSystem):
         if unknown:
             raise TypeError(f"the fs tier takes read_threads and write_threads, not {sorted(unknown)}")
 
-        return FileSystemTierManager(spec, self.view, tier_type="fs", root_dir=str(self.root),
-                                     n_read_threads=read_threads, n_write_threads=write_threads)
+        return FileSystemTierManager(
+            spec, self.view, tier_type="fs", root_dir=str(self.root), n_read_threads=read_threads, n_write_threads=write_threads
+        )
 
     def info(self) -> dict[str, Any]:
         return vllm_adapter.fs_tier_info(self.tier)
@@ -188,21 +189,27 @@ class PykvcacheTierSystem(TierSystem):
         level = identity_log.level
         identity_log.setLevel(logging.ERROR)
         # `--verify` reaches the tier too (the CPU-per-GB comparison with verify="header").
-        keys = {k: store_kwargs[k] for k in ("backend", "direct_io", "queue_depth", "register_buffers", "verify")
-                if k in store_kwargs}
+        keys = {k: store_kwargs[k] for k in ("backend", "direct_io", "queue_depth", "register_buffers", "verify") if k in store_kwargs}
         try:
-            return PykvcacheTier(spec, self.view, "PykvcacheTier", storage_dirs=[str(self.root)],
-                                 capacity_bytes=2 * self.n * (self.chunk + (1 << 20)),
-                                 # a chunk file is the chunk plus a header of at most 1 MiB
-                                 staging_bytes=max(2, min(self.n, (1 << 30) // self.chunk)) * (self.chunk + (1 << 20)),
-                                 fingerprint_weights=False, gate=False, min_free_bytes=0,
-                                 cpu_tier_io=self.cpu_tier_io, **keys)
+            return PykvcacheTier(
+                spec,
+                self.view,
+                "PykvcacheTier",
+                storage_dirs=[str(self.root)],
+                capacity_bytes=2 * self.n * (self.chunk + (1 << 20)),
+                # a chunk file is the chunk plus a header of at most 1 MiB
+                staging_bytes=max(2, min(self.n, (1 << 30) // self.chunk)) * (self.chunk + (1 << 20)),
+                fingerprint_weights=False,
+                gate=False,
+                min_free_bytes=0,
+                cpu_tier_io=self.cpu_tier_io,
+                **keys,
+            )
         finally:
             identity_log.setLevel(level)
 
     def info(self) -> dict[str, Any]:
-        return {**store_info(self.tier.store), "cpu_tier_io": self.cpu_tier_io,
-                "region": self.tier.store.region_count > 0}
+        return {**store_info(self.tier.store), "cpu_tier_io": self.cpu_tier_io, "region": self.tier.store.region_count > 0}
 
 
 class PykvcacheTierDirectSystem(PykvcacheTierSystem):
@@ -211,6 +218,7 @@ class PykvcacheTierDirectSystem(PykvcacheTierSystem):
 
     name = "pykvcache_tier_direct"
     cpu_tier_io = "direct"
+
 
 class PykvcacheSystem:
     """The pykvcache store with one staging slot per chunk (the fs tier's primary
@@ -321,8 +329,7 @@ def run_system_case(
         delta = DiskCounter.delta(d0, d1)
         ok_chunks = case.chunks if not errors else 0
         out.append(
-            PhaseResult.measured(system.name, direction, case.chunk_bytes, ok_chunks, cpu, params,
-                                 delta, dropped, errors, system.info())
+            PhaseResult.measured(system.name, direction, case.chunk_bytes, ok_chunks, cpu, params, delta, dropped, errors, system.info())
         )
         if errors:
             raise BenchDataError(f"{system.name} {direction} ({case.shape}) failed: {errors[0]}")
@@ -338,8 +345,7 @@ def make_system(name: str, root: Path, case: FsCase, store_kwargs: dict[str, Any
     if name == "pykvcache_tier":
         return PykvcacheTierSystem(root / "pykvcache-tier", case.chunk_bytes, case.chunks, **(store_kwargs or {}))
     if name == "pykvcache_tier_direct":
-        return PykvcacheTierDirectSystem(root / "pykvcache-tier-direct", case.chunk_bytes, case.chunks,
-                                         **(store_kwargs or {}))
+        return PykvcacheTierDirectSystem(root / "pykvcache-tier-direct", case.chunk_bytes, case.chunks, **(store_kwargs or {}))
     return PykvcacheSystem(root / "pykvcache", case.chunk_bytes, case.chunks, **(store_kwargs or {}))
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .config import MiB, BenchConfig
+from .config import BenchConfig, MiB
 from .contention import CpuContention
 from .fs_tier_bench import FsCase, run_fs_case, vllm_fs_tier_available
 from .parts import BenchContext, Figure, Part, PartOutput, Table, register_part
@@ -38,7 +38,13 @@ def measure(ctx: BenchContext) -> list[PhaseResult]:
                         order = list(SYSTEMS) if (rep + i) % 2 == 0 else list(reversed(SYSTEMS))
                         case = FsCase(chunk, cfg.fs_bytes, shape, contended)
                         phases += run_fs_case(
-                            case, root, order, disk=ctx.disk, cold=cfg.cold_reads, repeat=rep, store_kwargs=cfg.store_kwargs,
+                            case,
+                            root,
+                            order,
+                            disk=ctx.disk,
+                            cold=cfg.cold_reads,
+                            repeat=rep,
+                            store_kwargs=cfg.store_kwargs,
                             cold_metadata=cfg.cold_metadata,
                         )
                         cond = "contended" if contended else "idle"
@@ -100,17 +106,49 @@ def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
                             continue
                         r = ratio(pt["gbps"], fs["gbps"])
                         cr = ratio(pt["cpu_s_per_gb"], fs["cpu_s_per_gb"])
-                        tier_pairs.append({"contended": contended, "direction": direction, "chunk_bytes": chunk,
-                                           "shape": shape, "cpu_tier_io": mode, "fs_gbps": fs["gbps"],
-                                           "tier_gbps": pt["gbps"], "ratio": r, "cpu_ratio": cr})
-                        tier_rows.append([_cond(contended), op, f"{chunk // MiB}", shape, mode, f"{fs['gbps']:.2f}",
-                                          f"{pt['gbps']:.2f}", _f(r), _f(pt["cpu_s_per_gb"], 4), _f(cr)])
+                        tier_pairs.append(
+                            {
+                                "contended": contended,
+                                "direction": direction,
+                                "chunk_bytes": chunk,
+                                "shape": shape,
+                                "cpu_tier_io": mode,
+                                "fs_gbps": fs["gbps"],
+                                "tier_gbps": pt["gbps"],
+                                "ratio": r,
+                                "cpu_ratio": cr,
+                            }
+                        )
+                        tier_rows.append(
+                            [
+                                _cond(contended),
+                                op,
+                                f"{chunk // MiB}",
+                                shape,
+                                mode,
+                                f"{fs['gbps']:.2f}",
+                                f"{pt['gbps']:.2f}",
+                                _f(r),
+                                _f(pt["cpu_s_per_gb"], 4),
+                                _f(cr),
+                            ]
+                        )
     if tier_rows:
         out.tables.append(
             Table(
                 title="Inside vLLM's tiering framework: pykvcache's tier vs the fs tier (medians over repeats)",
-                header=["machine", "op", "chunk MiB", "job shape", "cpu_tier_io", "fs tier GB/s",
-                        "pykvcache tier GB/s", "x fs tier", "pykvcache tier CPU-s/GB", "CPU x fs tier"],
+                header=[
+                    "machine",
+                    "op",
+                    "chunk MiB",
+                    "job shape",
+                    "cpu_tier_io",
+                    "fs tier GB/s",
+                    "pykvcache tier GB/s",
+                    "x fs tier",
+                    "pykvcache tier CPU-s/GB",
+                    "CPU x fs tier",
+                ],
                 rows=tier_rows,
                 note="Both tiers get the same primary (CPU tier) region, TransferJobs and drain_jobs(); "
                 "pykvcache's tier copies each chunk through its staging (cpu_tier_io copy, the default) or has the "
@@ -122,8 +160,9 @@ def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
     if idle_tier:
         w = min(idle_tier, key=lambda p: p["ratio"])
         out.targets["pykvcache tier (default cpu_tier_io) >= 1.0x fs tier in the same framework (idle)"] = (
-            w["ratio"] >= 1.0, f"worst {w['ratio']:.2f}x ({dict(OPS)[w['direction']]}, "
-            f"{w['chunk_bytes'] // MiB} MiB, {w['shape']})")
+            w["ratio"] >= 1.0,
+            f"worst {w['ratio']:.2f}x ({dict(OPS)[w['direction']]}, {w['chunk_bytes'] // MiB} MiB, {w['shape']})",
+        )
     out.figures += _figures(med, cfg)
     out.raw = {"pairs": pairs, "tier_pairs": tier_pairs}
     return out

@@ -34,8 +34,8 @@ import os
 import sys
 import threading
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 from .cold_cache import DiskCounter, drop_caches, settle
@@ -98,8 +98,14 @@ class LMCacheSystem:
             extra_config={"disk_io_threads": concurrency},
         )
         self.metadata = LMCacheMetadata(
-            model_name="pykvcache-bench", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
-            kv_dtype=torch.float32, kv_shape=(LAYERS, 2, self.tokens, KV_HEADS, HEAD_SIZE), chunk_size=self.tokens,
+            model_name="pykvcache-bench",
+            world_size=1,
+            local_world_size=1,
+            worker_id=0,
+            local_worker_id=0,
+            kv_dtype=torch.float32,
+            kv_shape=(LAYERS, 2, self.tokens, KV_HEADS, HEAD_SIZE),
+            chunk_size=self.tokens,
         )
         self.manager = StorageManager(self.config, self.metadata, event_manager=EventManager())
         self.disk = self.manager.storage_backends[LMCACHE_DISK]
@@ -186,10 +192,14 @@ class LMCacheSystem:
     def info(self) -> dict[str, Any]:
         from importlib.metadata import version
 
-        return {"lmcache": version("lmcache"), "disk_io_threads": self.config.get_extra_config_value("disk_io_threads", 4),
-                "o_direct": bool(self.disk.use_odirect), "allocator": type(self.disk.local_cpu_backend.memory_allocator).__name__,
-                # The install's directory name only: reports carry no machine-specific paths.
-                "lmcache_install": Path(sys.modules["lmcache"].__file__ or "").parent.parent.name}
+        return {
+            "lmcache": version("lmcache"),
+            "disk_io_threads": self.config.get_extra_config_value("disk_io_threads", 4),
+            "o_direct": bool(self.disk.use_odirect),
+            "allocator": type(self.disk.local_cpu_backend.memory_allocator).__name__,
+            # The install's directory name only: reports carry no machine-specific paths.
+            "lmcache_install": Path(sys.modules["lmcache"].__file__ or "").parent.parent.name,
+        }
 
     def close(self) -> None:
         for obj in [*self.sources.values(), *self.loaded.values()]:
@@ -203,8 +213,15 @@ class PykvcacheSystem:
 
     name = "pykvcache"
 
-    def __init__(self, root: Path, chunk_bytes: int, num_chunks: int, concurrency: int, stored_chunks: int,
-                 store_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        root: Path,
+        chunk_bytes: int,
+        num_chunks: int,
+        concurrency: int,
+        stored_chunks: int,
+        store_kwargs: dict[str, Any] | None = None,
+    ):
         from pykvcache import BlockStore, StagingPool
 
         self.root, self.chunk, self.n = root, chunk_bytes, num_chunks
@@ -214,9 +231,14 @@ class PykvcacheSystem:
         self.free = [self.pool.acquire() for _ in range(num_chunks)]
         self.spare = self.pool.acquire()
         self.slot_of: dict[int, int] = {}
-        self.store_ = BlockStore([str(root)], self.pool, namespace="pykvcache-bench",
-                                 capacity_bytes=2 * (stored_chunks + 8) * (chunk_bytes + (1 << 20)),
-                                 queue_depth=concurrency, **(store_kwargs or {}))
+        self.store_ = BlockStore(
+            [str(root)],
+            self.pool,
+            namespace="pykvcache-bench",
+            capacity_bytes=2 * (stored_chunks + 8) * (chunk_bytes + (1 << 20)),
+            queue_depth=concurrency,
+            **(store_kwargs or {}),
+        )
 
     def key(self, tag: str, i: int) -> bytes:
         return f"{tag}-{i}".encode()
@@ -308,8 +330,11 @@ def run_system(spec: dict[str, Any]) -> dict[str, Any]:
         with CpuMeter() as meter:
             errors = fn()
         delta = DiskCounter.delta(d0, disk.sample())
-        out["phases"].append(PhaseResult.measured(system.name, direction, chunk, n if not errors else 0, meter.result,
-                                                  params, delta, cold, errors, system.info()).to_dict())
+        out["phases"].append(
+            PhaseResult.measured(
+                system.name, direction, chunk, n if not errors else 0, meter.result, params, delta, cold, errors, system.info()
+            ).to_dict()
+        )
         if errors:
             raise RuntimeError(f"{system.name} {direction} failed: {errors[0]} ({len(errors)} errors)")
 

@@ -7,8 +7,6 @@ versions of everything that was measured.
 
 from __future__ import annotations
 
-from pykvcache._sysinfo import cpu_model
-
 import importlib.metadata
 import os
 import platform
@@ -18,6 +16,8 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from pykvcache._sysinfo import cpu_model
 
 
 @dataclass

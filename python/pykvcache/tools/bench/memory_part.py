@@ -24,7 +24,7 @@ from pykvcache.testing.tiny_model import TinyModelSpec
 from pykvcache.vllm.config import kv_transfer_config
 
 from ..vllm_run import start_child, wait_child
-from .config import MiB, BenchConfig
+from .config import BenchConfig, MiB
 from .parts import BenchContext, Part, PartOutput, Table, register_part
 from .proc_memory import MemSample, ProcInfo, TreeSampler
 
@@ -77,8 +77,7 @@ def scenario(cfg: BenchConfig, work: Path) -> dict[str, Any]:
         {"op": "reset_prefix_cache"},
         {"op": "generate", "name": "reuse", "prompts": prompts, "max_tokens": 2},
     ]
-    kv = kv_transfer_config([str(work / "store")], 4 << 30,
-                            staging_bytes=cfg.memory_staging_bytes, block_size=CHUNK_TOKENS)
+    kv = kv_transfer_config([str(work / "store")], 4 << 30, staging_bytes=cfg.memory_staging_bytes, block_size=CHUNK_TOKENS)
     return {
         "tiny_model": {"dir": str(work / "models"), "spec": asdict(MEMORY_MODEL)},
         "engine": {
@@ -232,9 +231,7 @@ def analyse(result: dict[str, Any], mem: dict[str, dict[str, Any]], cfg: BenchCo
         f"{read / MiB:.0f} MiB read back",
     )
     tokens_same = all(
-        p.get("tokens") == q.get("tokens")
-        for p, q in zip(result["runs"][0]["phases"], run_with["phases"])
-        if p["op"] == "generate"
+        p.get("tokens") == q.get("tokens") for p, q in zip(result["runs"][0]["phases"], run_with["phases"]) if p["op"] == "generate"
     )
     out.targets["tokens identical with and without pykvcache"] = (tokens_same, "yes" if tokens_same else "outputs differ")
     out.notes.append(

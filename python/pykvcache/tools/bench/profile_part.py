@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .config import MiB, BenchConfig
+from .config import BenchConfig, MiB
 from .engine_bench import EngineCase, run_engine_case
 from .parts import BenchContext, Part, PartOutput, Table, register_part
 from .results import PhaseResult, median_by, ratio
@@ -63,8 +63,9 @@ def run(ctx: BenchContext) -> PartOutput:
             names = list(VARIANTS) if rep % 2 == 0 else list(reversed(VARIANTS))
             for name in names:
                 case = EngineCase(chunk, qd, cfg.engine_bytes, {**cfg.store_kwargs, **VARIANTS[name]}, overwrite=True)
-                for p in run_engine_case(case, Path(cfg.directory) / "profile", disk=ctx.disk, cold=cfg.cold_reads, repeat=rep,
-                                         cold_metadata=cfg.cold_metadata):
+                for p in run_engine_case(
+                    case, Path(cfg.directory) / "profile", disk=ctx.disk, cold=cfg.cold_reads, repeat=rep, cold_metadata=cfg.cold_metadata
+                ):
                     p.params["variant"] = name
                     phases.append(p)
                 step.advance(f"{name} {chunk // MiB}MiB (repeat {rep + 1})")

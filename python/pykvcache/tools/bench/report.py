@@ -67,7 +67,9 @@ def _targets_md(outputs: list[PartOutput]) -> list[str]:
     return [*lines, ""]
 
 
-def render_markdown(machine: MachineInfo, config: BenchConfig, outputs: list[PartOutput], figures: dict[str, list[Path]], elapsed_s: float) -> str:
+def render_markdown(
+    machine: MachineInfo, config: BenchConfig, outputs: list[PartOutput], figures: dict[str, list[Path]], elapsed_s: float
+) -> str:
     m = machine
     dev = m.device
     lines = [

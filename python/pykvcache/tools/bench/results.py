@@ -35,15 +35,36 @@ class PhaseResult(CpuPerGb):
     info: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def measured(cls, system: str, direction: str, chunk_bytes: int, chunks: int, cpu: Any,
-                 params: dict[str, Any], delta: Any, cold: bool | None, errors: list[str],
-                 info: dict[str, Any]) -> PhaseResult:
+    def measured(
+        cls,
+        system: str,
+        direction: str,
+        chunk_bytes: int,
+        chunks: int,
+        cpu: Any,
+        params: dict[str, Any],
+        delta: Any,
+        cold: bool | None,
+        errors: list[str],
+        info: dict[str, Any],
+    ) -> PhaseResult:
         """A phase timed by a CpuMeter (``cpu``) with a device-stat ``delta``."""
-        return cls(system=system, direction=direction, chunk_bytes=chunk_bytes, chunks=chunks,
-                   bytes=chunks * chunk_bytes, seconds=cpu.wall_s, cpu_user_s=cpu.user_s,
-                   cpu_sys_s=cpu.sys_s, params=params, threads_s=cpu.threads_s,
-                   disk=delta.to_dict() if delta else None, cold=cold, errors=len(errors),
-                   info={**info, "first_errors": errors[:3]})
+        return cls(
+            system=system,
+            direction=direction,
+            chunk_bytes=chunk_bytes,
+            chunks=chunks,
+            bytes=chunks * chunk_bytes,
+            seconds=cpu.wall_s,
+            cpu_user_s=cpu.user_s,
+            cpu_sys_s=cpu.sys_s,
+            params=params,
+            threads_s=cpu.threads_s,
+            disk=delta.to_dict() if delta else None,
+            cold=cold,
+            errors=len(errors),
+            info={**info, "first_errors": errors[:3]},
+        )
 
     @property
     def gbps(self) -> float:
@@ -74,9 +95,7 @@ class Medians(TypedDict):
     errors: int
 
 
-def median_by(
-    phases: Iterable[PhaseResult], key: Callable[[PhaseResult], tuple[Any, ...]]
-) -> dict[tuple[Any, ...], Medians]:
+def median_by(phases: Iterable[PhaseResult], key: Callable[[PhaseResult], tuple[Any, ...]]) -> dict[tuple[Any, ...], Medians]:
     """Group repeats by ``key`` and take medians of bandwidth and CPU per GB."""
     groups: dict[tuple[Any, ...], list[PhaseResult]] = defaultdict(list)
     for p in phases:

@@ -36,11 +36,28 @@ CALIBRATE_TIMEOUT_S = 1200.0
 def calibrate_command(model: str, opts: ServeOptions, storage: Path, out: Path) -> list[str]:
     """The calibration the servers' settings call for: their dtype, block and
     chunk sizes, prompts up to the workload's longest."""
-    longest = min(opts.max_model_len - 32,
-                  opts.doc_tokens + opts.turns * (opts.question_tokens + opts.answer_tokens) + opts.output_tokens)
-    return [sys.executable, "-m", "pykvcache.tools.calibrate", "--model", model, "--storage-dir", str(storage),
-            "--dtype", "float32", "--block-size", "32", "--chunk-tokens", str(opts.chunk_tokens), "--quick",
-            "--max-tokens", str(max(2 * opts.chunk_tokens, longest)), "--no-progress", "--out", str(out)]
+    longest = min(opts.max_model_len - 32, opts.doc_tokens + opts.turns * (opts.question_tokens + opts.answer_tokens) + opts.output_tokens)
+    return [
+        sys.executable,
+        "-m",
+        "pykvcache.tools.calibrate",
+        "--model",
+        model,
+        "--storage-dir",
+        str(storage),
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--chunk-tokens",
+        str(opts.chunk_tokens),
+        "--quick",
+        "--max-tokens",
+        str(max(2 * opts.chunk_tokens, longest)),
+        "--no-progress",
+        "--out",
+        str(out),
+    ]
 
 
 def calibrate(model: str, opts: ServeOptions, work: Path, log: Path) -> dict[str, Any]:
@@ -58,7 +75,7 @@ def calibrate(model: str, opts: ServeOptions, work: Path, log: Path) -> dict[str
         try:
             # Throttled from its first instant: every process it starts (the
             # engine core) is born in the group; its reads begin seconds later.
-            throttle = (ReadThrottle(proc.pid, storage, int(opts.read_mbps * 1e6)) if opts.read_mbps else None)
+            throttle = ReadThrottle(proc.pid, storage, int(opts.read_mbps * 1e6)) if opts.read_mbps else None
             if throttle:
                 throttle.__enter__()
             try:
@@ -69,8 +86,7 @@ def calibrate(model: str, opts: ServeOptions, work: Path, log: Path) -> dict[str
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-            raise RuntimeError(f"pykvcache calibrate took over {CALIBRATE_TIMEOUT_S:.0f} s (command: "
-                               f"{' '.join(cmd)}); see {log}") from None
+            raise RuntimeError(f"pykvcache calibrate took over {CALIBRATE_TIMEOUT_S:.0f} s (command: {' '.join(cmd)}); see {log}") from None
         except BaseException:
             proc.kill()
             proc.wait()
@@ -88,5 +104,7 @@ def summary(profile_path: str) -> str:
 
     p = GateProfile.read(profile_path)
     be = p.break_even_tokens
-    return (f"disk {p.load['disk_bytes_per_s'] / 1e6:.0f} MB/s + {p.load['fixed_s'] * 1e3:.2f} ms, "
-            f"break-even {'never' if be is None else f'{be:.0f} tokens'}")
+    return (
+        f"disk {p.load['disk_bytes_per_s'] / 1e6:.0f} MB/s + {p.load['fixed_s'] * 1e3:.2f} ms, "
+        f"break-even {'never' if be is None else f'{be:.0f} tokens'}"
+    )

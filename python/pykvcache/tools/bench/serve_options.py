@@ -160,8 +160,10 @@ def check_configs(opts: ServeOptions) -> list[str]:
     if VARIANT in opts.configs and (why := variant_problem(opts.variant_path)):
         problems.append(f"configuration {VARIANT}: {why}")
     if CALIBRATED in opts.configs and opts.calibrated_profile and not Path(opts.calibrated_profile).is_file():
-        problems.append(f"configuration {CALIBRATED}: calibrated_profile={opts.calibrated_profile} is not a file "
-                        "(leave it unset to calibrate before the first round)")
+        problems.append(
+            f"configuration {CALIBRATED}: calibrated_profile={opts.calibrated_profile} is not a file "
+            "(leave it unset to calibrate before the first round)"
+        )
     return problems
 
 
@@ -173,8 +175,10 @@ def variant_problem(path: str | None) -> str | None:
     if not (package / "__init__.py").is_file():
         return f"variant_path={path} holds no pykvcache package ({package}/__init__.py)"
     if not any(package.glob("_core*.so")):
-        return (f"variant_path={path}: pykvcache there has no built _core extension (run `make develop` in that "
-                f"tree, or copy this build's _core*.so into {package} when only Python differs)")
+        return (
+            f"variant_path={path}: pykvcache there has no built _core extension (run `make develop` in that "
+            f"tree, or copy this build's _core*.so into {package} when only Python differs)"
+        )
     return None
 
 
@@ -183,10 +187,27 @@ def quick_options() -> ServeOptions:
     # 3 documents of 512 tokens + 6 sessions' histories ~ 2.5x the 1024-token
     # device cache; 1 MiB of staging (8 chunks of 128 KiB) holds one document:
     # the shared prefixes come back from disk.
-    return ServeOptions(model="tiny", configs=["recompute", "pykvcache"], repeats=1, concurrency=[3],
-                        max_num_seqs=2, max_model_len=1024, kv_cache_tokens=1024, staging_bytes=1 << 20,
-                        chunk_tokens=64, sessions=6, turns=2, documents=3, doc_tokens=512, question_tokens=24,
-                        answer_tokens=24, output_tokens=8, think_s=0.05, pr_prompts=0, preset="quick")
+    return ServeOptions(
+        model="tiny",
+        configs=["recompute", "pykvcache"],
+        repeats=1,
+        concurrency=[3],
+        max_num_seqs=2,
+        max_model_len=1024,
+        kv_cache_tokens=1024,
+        staging_bytes=1 << 20,
+        chunk_tokens=64,
+        sessions=6,
+        turns=2,
+        documents=3,
+        doc_tokens=512,
+        question_tokens=24,
+        answer_tokens=24,
+        output_tokens=8,
+        think_s=0.05,
+        pr_prompts=0,
+        preset="quick",
+    )
 
 
 def long_context_options() -> ServeOptions:
@@ -199,11 +220,30 @@ def long_context_options() -> ServeOptions:
     is 4 documents and the conversations: > 4x that) and staging is what the
     start-up check advises (3 full-length prefixes: the 4 documents do not fit,
     prefixes come back from disk)."""
-    return ServeOptions(model="llama3-geometry-32k", configs=["recompute", "pykvcache", "lookahead_off"], repeats=2,
-                        concurrency=[4], max_num_seqs=4, max_model_len=0, kv_cache_tokens=0, staging_bytes=0,
-                        chunk_tokens=64, sessions=6, turns=2, documents=4, doc_tokens=0, question_tokens=32,
-                        answer_tokens=32, output_tokens=8, think_s=0.2, pr_prompts=0, preset="long-context",
-                        contexts=[1024, 4096, 8192, 16384], read_caps=[0.0, 25.0], phases=["cold", "steady"])
+    return ServeOptions(
+        model="llama3-geometry-32k",
+        configs=["recompute", "pykvcache", "lookahead_off"],
+        repeats=2,
+        concurrency=[4],
+        max_num_seqs=4,
+        max_model_len=0,
+        kv_cache_tokens=0,
+        staging_bytes=0,
+        chunk_tokens=64,
+        sessions=6,
+        turns=2,
+        documents=4,
+        doc_tokens=0,
+        question_tokens=32,
+        answer_tokens=32,
+        output_tokens=8,
+        think_s=0.2,
+        pr_prompts=0,
+        preset="long-context",
+        contexts=[1024, 4096, 8192, 16384],
+        read_caps=[0.0, 25.0],
+        phases=["cold", "steady"],
+    )
 
 
 #: ``--serve-preset NAME`` (docs/performance.md, "Serving"): ``sessions`` (the
@@ -284,8 +324,7 @@ def steps(cfg: BenchConfig) -> int:
 # The long-context sweep's points and sizes.
 def longest_prompt(opts: ServeOptions, context: int) -> int:
     """Tokens of the workload's longest request (last turn, with its output)."""
-    return (context + opts.turns * (opts.question_tokens + opts.answer_tokens + 8) + opts.output_tokens
-            + _PROMPT_SLACK)
+    return context + opts.turns * (opts.question_tokens + opts.answer_tokens + 8) + opts.output_tokens + _PROMPT_SLACK
 
 
 def advised_staging_bytes(max_model_len: int, chunk_tokens: int, bytes_per_token: int) -> int:
@@ -296,18 +335,21 @@ def advised_staging_bytes(max_model_len: int, chunk_tokens: int, bytes_per_token
 
     payload = chunk_tokens * bytes_per_token
     slot = HEADER_BYTES + -(-payload // 4096) * 4096
-    sizing = staging_sizing(slots=0, slot_bytes=slot, lookahead_slots=0, max_model_len=max_model_len,
-                            chunk_tokens=chunk_tokens, groups=1)
+    sizing = staging_sizing(slots=0, slot_bytes=slot, lookahead_slots=0, max_model_len=max_model_len, chunk_tokens=chunk_tokens, groups=1)
     return sizing.recommended_bytes
 
 
 def sized_for(opts: ServeOptions, context: int, read_mbps: float, bytes_per_token: int) -> ServeOptions:
     """The options of one sweep point: derived sizes where the preset left 0."""
     max_len = opts.max_model_len or -(-longest_prompt(opts, context) // 32) * 32
-    return replace(opts, doc_tokens=context, read_mbps=read_mbps, max_model_len=max_len,
-                   kv_cache_tokens=opts.kv_cache_tokens or max_len,
-                   staging_bytes=opts.staging_bytes or advised_staging_bytes(max_len, opts.chunk_tokens,
-                                                                            bytes_per_token))
+    return replace(
+        opts,
+        doc_tokens=context,
+        read_mbps=read_mbps,
+        max_model_len=max_len,
+        kv_cache_tokens=opts.kv_cache_tokens or max_len,
+        staging_bytes=opts.staging_bytes or advised_staging_bytes(max_len, opts.chunk_tokens, bytes_per_token),
+    )
 
 
 def sweep_points(opts: ServeOptions) -> list[tuple[int, float]]:
@@ -343,8 +385,10 @@ def check_sweep(opts: ServeOptions) -> list[str]:
     for name in (CALIBRATED, RESTARTED):
         if name not in opts.configs:
             continue
-        problems.append(f"configuration {name}: the session workload only (the sweep would need a profile per "
-                        "read cap and context range, or a predecessor per point)")
+        problems.append(
+            f"configuration {name}: the session workload only (the sweep would need a profile per "
+            "read cap and context range, or a predecessor per point)"
+        )
     if "recompute" not in opts.configs:
         problems.append("the long-context sweep needs the recompute configuration (every ratio is against it)")
     if not opts.phases or any(p not in PHASES for p in opts.phases):
@@ -354,8 +398,10 @@ def check_sweep(opts: ServeOptions) -> list[str]:
     if min(opts.read_caps or [opts.read_mbps]) < 0:
         problems.append("read caps must be >= 0 MB/s")  # one the host cannot apply is dropped at run time
     if opts.max_model_len and opts.max_model_len < longest_prompt(opts, max(opts.contexts)):
-        problems.append(f"max_model_len {opts.max_model_len} is below the longest prompt "
-                        f"(~{longest_prompt(opts, max(opts.contexts))} tokens); 0 sizes it per context")
+        problems.append(
+            f"max_model_len {opts.max_model_len} is below the longest prompt "
+            f"(~{longest_prompt(opts, max(opts.contexts))} tokens); 0 sizes it per context"
+        )
     if opts.kv_cache_tokens and opts.kv_cache_tokens < (opts.max_model_len or longest_prompt(opts, max(opts.contexts))):
         problems.append("kv_cache_tokens must be >= max_model_len (vLLM refuses to start otherwise); 0 = max_model_len")
     if opts.chunk_tokens % 32:

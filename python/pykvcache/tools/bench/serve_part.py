@@ -60,8 +60,13 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
     if problems:
         raise ValueError("serve options: " + "; ".join(problems))
     model, mcfg, generated = resolve_model(opts.model, model_cache or default_model_cache())
-    model_info: dict[str, Any] = {"name": opts.model, "path": model, "config": mcfg, "generated": generated,
-                  "bytes_per_token": kv_bytes_per_token(mcfg)}
+    model_info: dict[str, Any] = {
+        "name": opts.model,
+        "path": model,
+        "config": mcfg,
+        "generated": generated,
+        "bytes_per_token": kv_bytes_per_token(mcfg),
+    }
     dropped = None
     if opts.contexts:
         opts, dropped = without_unavailable_caps(opts)
@@ -85,7 +90,7 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
         opts = replace(opts, calibrated_profile=str(kept))
     runs = []
     for rep in range(opts.repeats):
-        order = opts.configs[rep % len(opts.configs):] + opts.configs[:rep % len(opts.configs)]
+        order = opts.configs[rep % len(opts.configs) :] + opts.configs[: rep % len(opts.configs)]
         for name in order:
             entry = run_server(name, rep, model, opts, model_info["bytes_per_token"], work, step)
             runs.append(entry)
@@ -93,16 +98,26 @@ def run_with(ctx: BenchContext, opts: ServeOptions, model_cache: Path | None = N
     out = analyse(runs, opts, model_info)
     if calibration:
         out.raw["calibration"] = calibration
-        out.notes.append(f"Calibration for configuration {CALIBRATED}: {calibration['seconds']:.0f} s "
-                         f"(`{calibration['command']}`), profile serve-gate-profile-calibrated.json.")
+        out.notes.append(
+            f"Calibration for configuration {CALIBRATED}: {calibration['seconds']:.0f} s "
+            f"(`{calibration['command']}`), profile serve-gate-profile-calibrated.json."
+        )
     if preds := [r["predecessor"] for r in runs if r["config"] == RESTARTED and "predecessor" in r]:
         out.notes.append(
             f"Configuration {RESTARTED}: before each of its servers a predecessor with the same settings served "
             f"{preds[0]['requests']} requests on other documents on the same storage and was stopped cleanly; "
             "the gate's device model it saved (decision 0073): "
-            + "; ".join(f"learnt {p['learnt_mbps'] or 0:.0f} MB/s from {p['saved_loads']} loads saved, "
-                        + (f"restored: {p['restored'][0]} loads at {p['restored'][1]:.0f} MB/s" if p.get("restored")
-                           else "NOT restored by the measured server") for p in preds) + ".")
+            + "; ".join(
+                f"learnt {p['learnt_mbps'] or 0:.0f} MB/s from {p['saved_loads']} loads saved, "
+                + (
+                    f"restored: {p['restored'][0]} loads at {p['restored'][1]:.0f} MB/s"
+                    if p.get("restored")
+                    else "NOT restored by the measured server"
+                )
+                for p in preds
+            )
+            + "."
+        )
     _keep_logs(runs, Path(ctx.config.out))
     return out
 
@@ -125,6 +140,14 @@ def run(ctx: BenchContext) -> PartOutput:
     return run_with(ctx, options_from(ctx.config))
 
 
-register_part(Part(NAME, "serving: real vLLM OpenAI servers; --serve-preset sessions (default: multi-turn users over "
-                   "shared 1.5k contexts, every tier, ~30 min), long-context (TTFT gain vs context length, hours), "
-                   "quick (not default; make bench-serve)", run, steps, default=False))
+register_part(
+    Part(
+        NAME,
+        "serving: real vLLM OpenAI servers; --serve-preset sessions (default: multi-turn users over "
+        "shared 1.5k contexts, every tier, ~30 min), long-context (TTFT gain vs context length, hours), "
+        "quick (not default; make bench-serve)",
+        run,
+        steps,
+        default=False,
+    )
+)

@@ -44,14 +44,24 @@ def predecessor_workload(opts: ServeOptions, bytes_per_token: int) -> Workload:
     its prior). About half a minute at 25 MB/s."""
     held = opts.staging_bytes / max(1, opts.doc_tokens * bytes_per_token)
     documents = max(2, math.ceil(1.5 * held) + 1)
-    return Workload(sessions=2 * documents, turns=2, documents=documents, doc_tokens=opts.doc_tokens,
-                    question_tokens=opts.question_tokens, answer_tokens=opts.answer_tokens,
-                    output_tokens=opts.output_tokens, concurrency=3, think_s=opts.think_s,
-                    seed=opts.seed + PREDECESSOR_SEED, block_tokens=32)
+    return Workload(
+        sessions=2 * documents,
+        turns=2,
+        documents=documents,
+        doc_tokens=opts.doc_tokens,
+        question_tokens=opts.question_tokens,
+        answer_tokens=opts.answer_tokens,
+        output_tokens=opts.output_tokens,
+        concurrency=3,
+        think_s=opts.think_s,
+        seed=opts.seed + PREDECESSOR_SEED,
+        block_tokens=32,
+    )
 
 
-def run_predecessor(cfg: ServerConfig, model: str, opts: ServeOptions, bytes_per_token: int, storage: Path,
-                    log: Path, tokenizer_json: str) -> dict[str, Any]:
+def run_predecessor(
+    cfg: ServerConfig, model: str, opts: ServeOptions, bytes_per_token: int, storage: Path, log: Path, tokenizer_json: str
+) -> dict[str, Any]:
     """Serves :func:`predecessor_workload` on ``storage`` and stops cleanly.
     Raises ServerFailed when the predecessor cannot start or dies, or when it
     left no device model behind (the measurement would then be of a fresh
@@ -66,8 +76,7 @@ def run_predecessor(cfg: ServerConfig, model: str, opts: ServeOptions, bytes_per
             throttle.__enter__()
         w = predecessor_workload(opts, bytes_per_token)
         records, wall = run_sessions(server.url, model, w, tokenizer_json)
-        learnt = next((v for k, v in server.metrics().items()
-                       if k.startswith("vllm:pykvcache_gate_disk_bandwidth_mbps")), None)
+        learnt = next((v for k, v in server.metrics().items() if k.startswith("vllm:pykvcache_gate_disk_bandwidth_mbps")), None)
         if not server.alive():
             raise ServerFailed(f"the predecessor died during its workload:\n{log_tail(log)}")
     finally:
@@ -81,9 +90,16 @@ def run_predecessor(cfg: ServerConfig, model: str, opts: ServeOptions, bytes_per
         points = len(json.loads(saved[0].read_text())["points"])
     except (OSError, ValueError, KeyError, TypeError):
         points = 0
-    return {"requests": len(records), "errors": sum(r.error is not None for r in records),
-            "workload_s": round(wall, 1), "seconds": round(time.monotonic() - started, 1),
-            "learnt_mbps": learnt, "saved_loads": points, "device_file": str(saved[0]), "log": str(log)}
+    return {
+        "requests": len(records),
+        "errors": sum(r.error is not None for r in records),
+        "workload_s": round(wall, 1),
+        "seconds": round(time.monotonic() - started, 1),
+        "learnt_mbps": learnt,
+        "saved_loads": points,
+        "device_file": str(saved[0]),
+        "log": str(log),
+    }
 
 
 _RESTORED = re.compile(re.escape(RESTORED_MARK) + r" \S+ \((\d+) loads: (\d+) MB/s\)")

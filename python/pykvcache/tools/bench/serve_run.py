@@ -53,8 +53,10 @@ def lmcache_location(opts: ServeOptions) -> tuple[list[str], str | None]:
         return [path], None
     if importlib.util.find_spec("lmcache") is not None:
         return [], None
-    return [], (f"lmcache is not installed (install it into a private directory, e.g. `pip install "
-                f"--target DIR lmcache`, and set {LMCACHE_PATH_ENV}=DIR; never into vLLM's venv)")
+    return [], (
+        f"lmcache is not installed (install it into a private directory, e.g. `pip install "
+        f"--target DIR lmcache`, and set {LMCACHE_PATH_ENV}=DIR; never into vLLM's venv)"
+    )
 
 
 def lmcache_degraded(log: Path) -> str | None:
@@ -66,21 +68,48 @@ def lmcache_degraded(log: Path) -> str | None:
         return None
     if "degraded mode" not in text:
         return None
-    raised = [ln.strip() for ln in text.splitlines() if ln.startswith(("RuntimeError", "ImportError", "ValueError",
-                                                                         "NotImplementedError", "ModuleNotFoundError"))]
+    raised = [
+        ln.strip()
+        for ln in text.splitlines()
+        if ln.startswith(("RuntimeError", "ImportError", "ValueError", "NotImplementedError", "ModuleNotFoundError"))
+    ]
     said = [ln.strip() for ln in text.splitlines() if "degraded mode" in ln]
-    return ("LMCache started but has no KV transfer path on this platform: "
-            + "; ".join(dict.fromkeys(raised[:2])) + " — LMCache: '" + said[0].lstrip(". ").split(" (manager")[0][:120] + "'")
+    return (
+        "LMCache started but has no KV transfer path on this platform: "
+        + "; ".join(dict.fromkeys(raised[:2]))
+        + " — LMCache: '"
+        + said[0].lstrip(". ").split(" (manager")[0][:120]
+        + "'"
+    )
 
 
 def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: int, storage: Path) -> ServerConfig:
-    args = ["--dtype", "float32", "--block-size", "32", "--enforce-eager", "--max-model-len", str(opts.max_model_len),
-            "--kv-cache-memory-bytes", str((opts.kv_cache_tokens + KV_MARGIN_TOKENS) * bytes_per_token), "--max-num-seqs",
-            str(opts.max_num_seqs), "--enable-prefix-caching", "--enable-prompt-tokens-details", "--seed", "0"]
+    args = [
+        "--dtype",
+        "float32",
+        "--block-size",
+        "32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(opts.max_model_len),
+        "--kv-cache-memory-bytes",
+        str((opts.kv_cache_tokens + KV_MARGIN_TOKENS) * bytes_per_token),
+        "--max-num-seqs",
+        str(opts.max_num_seqs),
+        "--enable-prefix-caching",
+        "--enable-prompt-tokens-details",
+        "--seed",
+        "0",
+    ]
     cfg = ServerConfig(name=name, model=model, args=args)
     if name in PYKVCACHE_CONFIGS:
-        extra = {"storage_dirs": [str(storage)], "capacity_bytes": "8GiB", "staging_bytes": opts.staging_bytes,
-                 "block_size": opts.chunk_tokens, **PYKVCACHE_CONFIGS[name]}
+        extra = {
+            "storage_dirs": [str(storage)],
+            "capacity_bytes": "8GiB",
+            "staging_bytes": opts.staging_bytes,
+            "block_size": opts.chunk_tokens,
+            **PYKVCACHE_CONFIGS[name],
+        }
         if name == VARIANT:
             # Ahead of this install (an editable install is a .pth entry, after PYTHONPATH).
             assert opts.variant_path, "check_configs requires variant_path for the variant"
@@ -92,16 +121,24 @@ def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: in
             extra["gate_profile"] = opts.calibrated_profile
         if opts.gate_trace:
             extra["gate_trace"] = str(storage.parent / "gate-trace.jsonl")
-        cfg.kv_transfer_config = {"kv_connector": "PyKvCacheConnector", "kv_connector_module_path": "pykvcache.vllm",
-                                  "kv_role": "kv_both", "kv_connector_extra_config": extra}
+        cfg.kv_transfer_config = {
+            "kv_connector": "PyKvCacheConnector",
+            "kv_connector_module_path": "pykvcache.vllm",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": extra,
+        }
     elif name == "lmcache":
         cfg.python_path, _ = lmcache_location(opts)
         cfg.kv_transfer_config = {"kv_connector": "LMCacheConnectorV1", "kv_role": "kv_both"}
         # LMCache's disk tier behind a CPU buffer the size of pykvcache's staging.
-        cfg.env = {"LMCACHE_CHUNK_SIZE": str(opts.chunk_tokens), "LMCACHE_LOCAL_CPU": "True",
-                   "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{opts.staging_bytes / 2**30:.3f}",
-                   "LMCACHE_LOCAL_DISK": f"file://{storage}/", "LMCACHE_MAX_LOCAL_DISK_SIZE": "8",
-                   "LMCACHE_USE_EXPERIMENTAL": "True"}
+        cfg.env = {
+            "LMCACHE_CHUNK_SIZE": str(opts.chunk_tokens),
+            "LMCACHE_LOCAL_CPU": "True",
+            "LMCACHE_MAX_LOCAL_CPU_SIZE": f"{opts.staging_bytes / 2**30:.3f}",
+            "LMCACHE_LOCAL_DISK": f"file://{storage}/",
+            "LMCACHE_MAX_LOCAL_DISK_SIZE": "8",
+            "LMCACHE_USE_EXPERIMENTAL": "True",
+        }
     elif name == "native":
         # vLLM's own CPU offloading (OffloadingConnector with its CPU spec), host
         # memory the size of pykvcache's staging.
@@ -112,24 +149,35 @@ def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: in
 def run_vllm_bench(url: str, model: str, opts: ServeOptions, concurrency: int, seed: int, work: Path) -> dict[str, Any]:
     from .serve_vllm_bench import RESULT_PREFIX, prefix_repetition_args
 
-    args = prefix_repetition_args(url, model, prompts=opts.pr_prompts, prefix_len=opts.pr_prefix_len,
-                                  suffix_len=opts.pr_suffix_len, num_prefixes=opts.pr_num_prefixes,
-                                  output_len=opts.output_tokens, concurrency=concurrency, seed=seed)
+    args = prefix_repetition_args(
+        url,
+        model,
+        prompts=opts.pr_prompts,
+        prefix_len=opts.pr_prefix_len,
+        suffix_len=opts.pr_suffix_len,
+        num_prefixes=opts.pr_num_prefixes,
+        output_len=opts.output_tokens,
+        concurrency=concurrency,
+        seed=seed,
+    )
     args.append("--save-detailed")
     path = work / f"vllm-bench-{time.monotonic_ns()}.json"
     path.write_text(json.dumps(args))
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([sys.executable, "-m", "pykvcache.tools.bench.serve_vllm_bench", str(path)],
-                          capture_output=True, text=True, env=env, timeout=1800)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pykvcache.tools.bench.serve_vllm_bench", str(path)], capture_output=True, text=True, env=env, timeout=1800
+    )
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
-    raise RuntimeError(f"vllm bench serve exited with {proc.returncode} and no result:\n"
-                       + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
+            return json.loads(line[len(RESULT_PREFIX) :])
+    raise RuntimeError(
+        f"vllm bench serve exited with {proc.returncode} and no result:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:])
+    )
 
 
-def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_token: int, work: Path,
-               step: Step, point: str = "") -> dict[str, Any]:
+def run_server(
+    name: str, rep: int, model: str, opts: ServeOptions, bytes_per_token: int, work: Path, step: Step, point: str = ""
+) -> dict[str, Any]:
     """One configuration, one repeat: every workload against one fresh server.
     ``point``: the sweep point (``ctx8192-read25``) in file names."""
     tag = f"{name}-{point + '-' if point else ''}{rep}"
@@ -152,9 +200,9 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
     if name == RESTARTED:
         step.advance(f"{name} #{rep + 1}: its predecessor")
         try:
-            entry["predecessor"] = run_predecessor(cfg, model, opts, bytes_per_token, storage,
-                                                   work / "logs" / f"{tag}-predecessor.log",
-                                                   str(Path(model) / "tokenizer.json"))
+            entry["predecessor"] = run_predecessor(
+                cfg, model, opts, bytes_per_token, storage, work / "logs" / f"{tag}-predecessor.log", str(Path(model) / "tokenizer.json")
+            )
         except ServerFailed as e:
             return {**entry, "error": f"predecessor: {e}"}
     step.advance(f"{name} #{rep + 1}: starting")
@@ -174,8 +222,18 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
         tokenizer_json = str(Path(model) / "tokenizer.json")
         # Warm-up (not measured): the first requests of a fresh server pay
         # one-time costs (allocations, the tokenizer's first calls).
-        warm = Workload(sessions=2, turns=1, documents=2, doc_tokens=64, question_tokens=8, answer_tokens=8,
-                        output_tokens=2, concurrency=2, think_s=0.0, seed=opts.seed + 99_999)
+        warm = Workload(
+            sessions=2,
+            turns=1,
+            documents=2,
+            doc_tokens=64,
+            question_tokens=8,
+            answer_tokens=8,
+            output_tokens=2,
+            concurrency=2,
+            think_s=0.0,
+            seed=opts.seed + 99_999,
+        )
         run_sessions(server.url, model, warm, tokenizer_json)
         if opts.read_mbps and server.proc is not None:
             throttle = ReadThrottle(server.proc.pid, storage, int(opts.read_mbps * 1e6))
@@ -187,15 +245,31 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
             run_phases(server, model, opts, tokenizer_json, entry, step, log)
         for li, conc in enumerate([] if opts.contexts else opts.concurrency):
             step.advance(f"{name} #{rep + 1}: sessions x{conc}")
-            w = Workload(sessions=opts.sessions, turns=opts.turns, documents=opts.documents,
-                         doc_tokens=opts.doc_tokens, question_tokens=opts.question_tokens,
-                         answer_tokens=opts.answer_tokens, output_tokens=opts.output_tokens, concurrency=conc,
-                         think_s=opts.think_s, seed=opts.seed + 1000 * li, block_tokens=32)
+            w = Workload(
+                sessions=opts.sessions,
+                turns=opts.turns,
+                documents=opts.documents,
+                doc_tokens=opts.doc_tokens,
+                question_tokens=opts.question_tokens,
+                answer_tokens=opts.answer_tokens,
+                output_tokens=opts.output_tokens,
+                concurrency=conc,
+                think_s=opts.think_s,
+                seed=opts.seed + 1000 * li,
+                block_tokens=32,
+            )
             before, c0 = server.metrics(), server.cpu_seconds()
             records, wall = run_sessions(server.url, model, w, tokenizer_json)
             after, c1 = server.metrics(), server.cpu_seconds()
-            entry["levels"].append({"concurrency": conc, "wall_s": wall, "cpu_s": c1 - c0,
-                                    "metrics": metric_delta(after, before), "records": [r.to_dict() for r in records]})
+            entry["levels"].append(
+                {
+                    "concurrency": conc,
+                    "wall_s": wall,
+                    "cpu_s": c1 - c0,
+                    "metrics": metric_delta(after, before),
+                    "records": [r.to_dict() for r in records],
+                }
+            )
             if not server.alive():
                 raise ServerFailed(f"the server died during the workload:\n{log_tail(log)}")
         if opts.pr_prompts:
@@ -221,22 +295,29 @@ def run_server(name: str, rep: int, model: str, opts: ServeOptions, bytes_per_to
 
 
 def _workload(opts: ServeOptions, **over: Any) -> Workload:
-    base = dict(sessions=opts.sessions, turns=opts.turns, documents=opts.documents, doc_tokens=opts.doc_tokens,
-                question_tokens=opts.question_tokens, answer_tokens=opts.answer_tokens,
-                output_tokens=opts.output_tokens, concurrency=max(opts.concurrency), think_s=opts.think_s,
-                seed=opts.seed, block_tokens=32)
+    base = dict(
+        sessions=opts.sessions,
+        turns=opts.turns,
+        documents=opts.documents,
+        doc_tokens=opts.doc_tokens,
+        question_tokens=opts.question_tokens,
+        answer_tokens=opts.answer_tokens,
+        output_tokens=opts.output_tokens,
+        concurrency=max(opts.concurrency),
+        think_s=opts.think_s,
+        seed=opts.seed,
+        block_tokens=32,
+    )
     return Workload(**{**base, **over})
 
 
-def run_phases(server: Server, model: str, opts: ServeOptions, tokenizer_json: str, entry: dict[str, Any],
-               step: Step, log: Path) -> None:
+def run_phases(server: Server, model: str, opts: ServeOptions, tokenizer_json: str, entry: dict[str, Any], step: Step, log: Path) -> None:
     """The sweep's phases against one server, each a level of ``entry`` with its ``phase``."""
     index = ReuseIndex(32)
     if "cold" not in opts.phases:
         # Each document computed once, not measured: the steady state's premise.
         step.advance(f"{entry['config']}: computing each document once")
-        prime = _workload(opts, sessions=opts.documents, turns=1, output_tokens=1, think_s=0.0,
-                          question_seed=opts.seed + 50)
+        prime = _workload(opts, sessions=opts.documents, turns=1, output_tokens=1, think_s=0.0, question_seed=opts.seed + 50)
         records, wall = run_sessions(server.url, model, prime, tokenizer_json, index=index)
         entry["prime"] = {"wall_s": wall, "errors": sum(r.error is not None for r in records)}
     for i, phase in enumerate(opts.phases):
@@ -245,7 +326,15 @@ def run_phases(server: Server, model: str, opts: ServeOptions, tokenizer_json: s
         before, c0 = server.metrics(), server.cpu_seconds()
         records, wall = run_sessions(server.url, model, w, tokenizer_json, index=index)
         after, c1 = server.metrics(), server.cpu_seconds()
-        entry["levels"].append({"phase": phase, "concurrency": w.concurrency, "wall_s": wall, "cpu_s": c1 - c0,
-                                "metrics": metric_delta(after, before), "records": [r.to_dict() for r in records]})
+        entry["levels"].append(
+            {
+                "phase": phase,
+                "concurrency": w.concurrency,
+                "wall_s": wall,
+                "cpu_s": c1 - c0,
+                "metrics": metric_delta(after, before),
+                "records": [r.to_dict() for r in records],
+            }
+        )
         if not server.alive():
             raise ServerFailed(f"the server died during the {phase} phase:\n{log_tail(log)}")

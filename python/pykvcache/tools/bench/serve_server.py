@@ -54,7 +54,7 @@ def log_tail(path: Path, lines: int = 40) -> str:
     starts = [i for i, ln in enumerate(text) if "Traceback" in ln]
     if starts:
         # The first traceback of the last burst explains it; later ones are consequences.
-        return "\n".join(head + text[starts[0]:starts[0] + lines] + ["..."] + text[-8:])
+        return "\n".join(head + text[starts[0] : starts[0] + lines] + ["..."] + text[-8:])
     return "\n".join(head + text[-lines:])
 
 
@@ -132,16 +132,30 @@ class Server:
         self._peak_cpu = 0.0
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", self.cfg.model,
-               "--host", "127.0.0.1", "--port", str(self.port), *self.cfg.args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            self.cfg.model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.cfg.args,
+        ]
         if self.cfg.kv_transfer_config is not None:
             cmd += ["--kv-transfer-config", json.dumps(self.cfg.kv_transfer_config)]
         return cmd
 
     def environment(self) -> dict[str, str]:
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-                   VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
-                   **self.cfg.env)
+        env = dict(
+            os.environ,
+            HF_HUB_OFFLINE="1",
+            TOKENIZERS_PARALLELISM="false",
+            VLLM_CPU_OMP_THREADS_BIND=os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "nobind"),
+            **self.cfg.env,
+        )
         if self.cfg.python_path:
             env["PYTHONPATH"] = os.pathsep.join([*self.cfg.python_path, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
         return env
@@ -159,8 +173,9 @@ class Server:
         with open(self.log_path, "wb") as log:
             log.write(("$ " + " ".join(self.command()) + "\n").encode())
             log.flush()
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT,
-                                         env=self.environment(), start_new_session=True)
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, env=self.environment(), start_new_session=True
+            )
         self.sampler = TreeSampler(self.proc.pid, interval=0.5, with_pss=False).start()
         try:
             self._wait_healthy(t0)
@@ -173,8 +188,10 @@ class Server:
         assert self.proc is not None
         while True:
             if self.proc.poll() is not None:
-                raise ServerFailed(f"{self.cfg.name}: the server exited with status {self.proc.returncode} "
-                                   f"before it was healthy; log {self.log_path}:\n{log_tail(self.log_path)}")
+                raise ServerFailed(
+                    f"{self.cfg.name}: the server exited with status {self.proc.returncode} "
+                    f"before it was healthy; log {self.log_path}:\n{log_tail(self.log_path)}"
+                )
             try:
                 with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
                     if r.status == 200:
@@ -182,8 +199,9 @@ class Server:
             except (urllib.error.URLError, OSError):
                 pass
             if time.monotonic() - t0 > self.start_timeout_s:
-                raise ServerFailed(f"{self.cfg.name}: not healthy after {self.start_timeout_s:.0f} s; "
-                                   f"log {self.log_path}:\n{log_tail(self.log_path)}")
+                raise ServerFailed(
+                    f"{self.cfg.name}: not healthy after {self.start_timeout_s:.0f} s; log {self.log_path}:\n{log_tail(self.log_path)}"
+                )
             time.sleep(0.5)
 
     def metrics(self) -> dict[str, float]:
@@ -210,8 +228,11 @@ class Server:
         out = {"tree_rss_peak": max(per_sweep.values(), default=0)}
         for pid, peak in by_pid.items():
             info = self.sampler.procs.get(pid)
-            role = "api_server" if pid == (self.proc.pid if self.proc else -1) else (
-                "engine_core" if info and "EngineCore" in info.cmdline else "worker")
+            role = (
+                "api_server"
+                if pid == (self.proc.pid if self.proc else -1)
+                else ("engine_core" if info and "EngineCore" in info.cmdline else "worker")
+            )
             out[f"{role}_hwm"] = max(out.get(f"{role}_hwm", 0), peak)
         return out
 

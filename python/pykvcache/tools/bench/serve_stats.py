@@ -13,11 +13,25 @@ BUCKETS = (0, 1, 256, 1024, 2048)
 
 
 def metric_delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
-    keys = [k for k in after if k.startswith(("vllm:pykvcache_", "vllm:prefix_cache", "vllm:prompt_tokens",
-                                              "vllm:external_prefix_cache", "vllm:generation_tokens",
-                                              "vllm:kv_offload", "vllm:request_queue_time_seconds",
-                                              "vllm:request_prefill_time_seconds",
-                                              "vllm:time_to_first_token_seconds", "vllm:num_preemptions"))]
+    keys = [
+        k
+        for k in after
+        if k.startswith(
+            (
+                "vllm:pykvcache_",
+                "vllm:prefix_cache",
+                "vllm:prompt_tokens",
+                "vllm:external_prefix_cache",
+                "vllm:generation_tokens",
+                "vllm:kv_offload",
+                "vllm:request_queue_time_seconds",
+                "vllm:request_prefill_time_seconds",
+                "vllm:time_to_first_token_seconds",
+                "vllm:num_preemptions",
+            )
+        )
+    ]
+
     def counter(k: str) -> bool:  # prometheus_client: counters end in _total, histograms in _sum/_count/_bucket
         return k.split("{")[0].endswith(("_total", "_sum", "_count", "_bucket"))
 
@@ -79,12 +93,17 @@ def run_stats(entry: dict[str, Any], level: int | None = None) -> dict[str, Any]
     long_shared = [r["ttft_s"] for r in recs if r["turn"] == 1 and r["reused_tokens"] >= 1024]
     errors = sum(1 for lv in levels for r in lv["records"] if r["error"] is not None)
     return {
-        "requests": len(recs), "errors": errors,
-        "p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99),
-        "p50_turn2plus": pct(later, 50), "p50_long_shared": pct(long_shared, 50),
+        "requests": len(recs),
+        "errors": errors,
+        "p50": pct(ttft, 50),
+        "p90": pct(ttft, 90),
+        "p99": pct(ttft, 99),
+        "p50_turn2plus": pct(later, 50),
+        "p50_long_shared": pct(long_shared, 50),
         "itl_p50": pct([x for r in recs for x in r["itl_s"]], 50),
         "itl_p99": pct([x for r in recs for x in r["itl_s"]], 99),
-        "req_per_s": len(recs) / wall if wall else None, "out_tok_per_s": out_tokens / wall if wall else None,
+        "req_per_s": len(recs) / wall if wall else None,
+        "out_tok_per_s": out_tokens / wall if wall else None,
     }
 
 
@@ -93,21 +112,28 @@ def tier_shares(metrics: dict[str, float], bytes_per_token: int) -> dict[str, fl
     connector (pykvcache: staging or disk; disk tokens = verified disk bytes
     read / KV bytes per token, so preloads count as disk), or computed."""
     prompt = metrics.get("vllm:prompt_tokens_total", 0.0)
-    device = metrics.get("vllm:prompt_tokens_cached_by_source_total{source=device}",
-                         metrics.get("vllm:prefix_cache_hits_total", 0.0))
+    device = metrics.get("vllm:prompt_tokens_cached_by_source_total{source=device}", metrics.get("vllm:prefix_cache_hits_total", 0.0))
     external = metrics.get("vllm:prompt_tokens_by_source_total{source=external_kv_transfer}", 0.0)
     disk = min(external, metrics.get("vllm:pykvcache_disk_read_bytes_total", 0.0) / bytes_per_token)
     if not prompt:
         return {}
-    return {"device": device / prompt, "staging": max(0.0, external - disk) / prompt, "disk": disk / prompt,
-            "computed": max(0.0, prompt - device - external) / prompt}
+    return {
+        "device": device / prompt,
+        "staging": max(0.0, external - disk) / prompt,
+        "disk": disk / prompt,
+        "computed": max(0.0, prompt - device - external) / prompt,
+    }
 
 
 def output_mismatches(entry: dict[str, Any], base: dict[str, Any]) -> tuple[int, int]:
     """(requests whose greedy text differs from the same request in the
     recompute run of the same repeat, requests compared)."""
-    ref = {(lv.get("phase"), lv["concurrency"], r["session"], r["turn"]): r["text"] for lv in base.get("levels", [])
-           for r in lv["records"] if r["error"] is None}
+    ref = {
+        (lv.get("phase"), lv["concurrency"], r["session"], r["turn"]): r["text"]
+        for lv in base.get("levels", [])
+        for r in lv["records"]
+        if r["error"] is None
+    }
     diff = total = 0
     for lv in entry.get("levels", []):
         for r in lv["records"]:
@@ -122,7 +148,7 @@ def why_line(why: str) -> str:
     """The line of an error text that says what went wrong (the raised exception)."""
     lines = why.splitlines() if why else ["-"]
     raised = [ln for ln in lines if ln.startswith("raised: ")]
-    return (raised[0][len("raised: "):] if raised else lines[0])[:300].replace("|", "/")
+    return (raised[0][len("raised: ") :] if raised else lines[0])[:300].replace("|", "/")
 
 
 def ran_ok(entry: dict[str, Any]) -> bool:

@@ -20,26 +20,90 @@ import sys
 RESULT_PREFIX = "RESULT "
 
 #: Keys of vLLM's result kept in the report (the per-request lists are large).
-KEEP = ("completed", "failed", "duration", "total_input_tokens", "total_output", "request_throughput",
-        "output_throughput", "total_token_throughput", "mean_ttft_ms", "median_ttft_ms", "p90_ttft_ms",
-        "p99_ttft_ms", "mean_itl_ms", "median_itl_ms", "p99_itl_ms", "mean_tpot_ms", "median_tpot_ms",
-        "ttfts", "input_lens", "generated_texts", "errors", "max_concurrency")
+KEEP = (
+    "completed",
+    "failed",
+    "duration",
+    "total_input_tokens",
+    "total_output",
+    "request_throughput",
+    "output_throughput",
+    "total_token_throughput",
+    "mean_ttft_ms",
+    "median_ttft_ms",
+    "p90_ttft_ms",
+    "p99_ttft_ms",
+    "mean_itl_ms",
+    "median_itl_ms",
+    "p99_itl_ms",
+    "mean_tpot_ms",
+    "median_tpot_ms",
+    "ttfts",
+    "input_lens",
+    "generated_texts",
+    "errors",
+    "max_concurrency",
+)
 
 
-def prefix_repetition_args(base_url: str, model: str, *, prompts: int, prefix_len: int, suffix_len: int,
-                           num_prefixes: int, output_len: int, concurrency: int, seed: int) -> list[str]:
+def prefix_repetition_args(
+    base_url: str,
+    model: str,
+    *,
+    prompts: int,
+    prefix_len: int,
+    suffix_len: int,
+    num_prefixes: int,
+    output_len: int,
+    concurrency: int,
+    seed: int,
+) -> list[str]:
     """``vllm bench serve`` arguments of the shared-prefix load: ``num_prefixes``
     prefixes of ``prefix_len`` tokens, each reused by ``prompts / num_prefixes``
     requests with a fresh ``suffix_len`` suffix, greedy, all sent at once,
     ``concurrency`` in flight."""
-    return ["--backend", "vllm", "--base-url", base_url, "--endpoint", "/v1/completions", "--model", model,
-            "--tokenizer", model, "--dataset-name", "prefix_repetition", "--num-prompts", str(prompts),
-            "--prefix-repetition-prefix-len", str(prefix_len), "--prefix-repetition-suffix-len", str(suffix_len),
-            "--prefix-repetition-num-prefixes", str(num_prefixes), "--prefix-repetition-output-len",
-            str(output_len), "--max-concurrency", str(concurrency), "--request-rate", "inf",
-            "--temperature", "0", "--ignore-eos", "--seed", str(seed), "--percentile-metrics", "ttft,itl,tpot",
-            "--metric-percentiles", "50,90,99", "--disable-tqdm", "--num-warmups", "0",
-            "--ready-check-timeout-sec", "0"]
+    return [
+        "--backend",
+        "vllm",
+        "--base-url",
+        base_url,
+        "--endpoint",
+        "/v1/completions",
+        "--model",
+        model,
+        "--tokenizer",
+        model,
+        "--dataset-name",
+        "prefix_repetition",
+        "--num-prompts",
+        str(prompts),
+        "--prefix-repetition-prefix-len",
+        str(prefix_len),
+        "--prefix-repetition-suffix-len",
+        str(suffix_len),
+        "--prefix-repetition-num-prefixes",
+        str(num_prefixes),
+        "--prefix-repetition-output-len",
+        str(output_len),
+        "--max-concurrency",
+        str(concurrency),
+        "--request-rate",
+        "inf",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "--seed",
+        str(seed),
+        "--percentile-metrics",
+        "ttft,itl,tpot",
+        "--metric-percentiles",
+        "50,90,99",
+        "--disable-tqdm",
+        "--num-warmups",
+        "0",
+        "--ready-check-timeout-sec",
+        "0",
+    ]
 
 
 def _clean(value):

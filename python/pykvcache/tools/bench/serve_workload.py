@@ -109,8 +109,10 @@ def build_sessions(w: Workload, tokenizer_json: str) -> tuple[list[str], list[li
     docs = [f"Document {d}." + tt.piece(w.doc_tokens) for d in range(w.documents)]
     if w.question_seed is not None:
         tt.rng = random.Random(w.question_seed)
-    sessions = [[(" Question:" + tt.piece(w.question_tokens) + " Answer:", tt.piece(w.answer_tokens))
-                 for _ in range(w.turns)] for _ in range(w.sessions)]
+    sessions = [
+        [(" Question:" + tt.piece(w.question_tokens) + " Answer:", tt.piece(w.answer_tokens)) for _ in range(w.turns)]
+        for _ in range(w.sessions)
+    ]
     return docs, sessions
 
 
@@ -126,7 +128,7 @@ class ReuseIndex:
         h = hashlib.sha256()
         out = []
         for i in range(0, len(ids) - len(ids) % self.block, self.block):
-            h.update(json.dumps(ids[i:i + self.block]).encode())
+            h.update(json.dumps(ids[i : i + self.block]).encode())
             out.append(h.copy().digest())
         return out
 
@@ -142,8 +144,15 @@ class ReuseIndex:
 
 
 async def _one_request(session: Any, url: str, model: str, prompt: str, w: Workload, rec: Record) -> None:
-    body = {"model": model, "prompt": prompt, "max_tokens": w.output_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": w.output_tokens,
+        "temperature": 0.0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     t0 = time.perf_counter()
     rec.t_start = time.time()
     last = None
@@ -186,8 +195,7 @@ async def _one_request(session: Any, url: str, model: str, prompt: str, w: Workl
         rec.error = f"{type(e).__name__}: {e}"
 
 
-async def _run(url: str, model: str, w: Workload, tokenizer_json: str, on_request: Any,
-               index: ReuseIndex | None) -> list[Record]:
+async def _run(url: str, model: str, w: Workload, tokenizer_json: str, on_request: Any, index: ReuseIndex | None) -> list[Record]:
     import aiohttp
     from tokenizers import Tokenizer
 
@@ -195,8 +203,7 @@ async def _run(url: str, model: str, w: Workload, tokenizer_json: str, on_reques
     docs, sessions = build_sessions(w, tokenizer_json)
     index = index if index is not None else ReuseIndex(w.block_tokens)
     rng = random.Random(w.seed + 1)
-    think = [[rng.expovariate(1 / w.think_s) if w.think_s > 0 else 0.0 for _ in range(w.turns)]
-             for _ in range(w.sessions)]
+    think = [[rng.expovariate(1 / w.think_s) if w.think_s > 0 else 0.0 for _ in range(w.turns)] for _ in range(w.sessions)]
     records: list[Record] = []
     queue: asyncio.Queue[int] = asyncio.Queue()
     for s in range(w.sessions):
@@ -214,8 +221,7 @@ async def _run(url: str, model: str, w: Workload, tokenizer_json: str, on_reques
             for k, (question, answer) in enumerate(sessions[s]):
                 prompt = history + question
                 ids = tok.encode(prompt, add_special_tokens=False).ids
-                rec = Record(session=s, turn=k + 1, document=doc, prompt_tokens=len(ids) + 1,
-                             reused_tokens=index.add(ids))
+                rec = Record(session=s, turn=k + 1, document=doc, prompt_tokens=len(ids) + 1, reused_tokens=index.add(ids))
                 await _one_request(http, url, model, prompt, w, rec)
                 records.append(rec)
                 on_request(rec)
@@ -235,8 +241,9 @@ async def _run(url: str, model: str, w: Workload, tokenizer_json: str, on_reques
     return records
 
 
-def run_sessions(url: str, model: str, w: Workload, tokenizer_json: str,
-                 on_request: Any = lambda rec: None, index: ReuseIndex | None = None) -> tuple[list[Record], float]:
+def run_sessions(
+    url: str, model: str, w: Workload, tokenizer_json: str, on_request: Any = lambda rec: None, index: ReuseIndex | None = None
+) -> tuple[list[Record], float]:
     """Run the workload against a server; returns the records and the wall time.
     ``index``: the reuse bookkeeping of earlier runs against the same server
     (a later phase's ``reused_tokens`` then counts what they sent)."""

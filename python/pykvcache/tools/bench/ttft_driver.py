@@ -188,8 +188,15 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gate
     points, timing = cal.measure_prefill(llm, cal_lengths, repeats, vocab, scenario["seed"] + 7, tick)
     chunk_bytes = manager.layout.payload_bytes
     chunk_counts = sorted({max(1, math.ceil(n / ct)) for n in cal_lengths})
-    storage = cal.measure_storage([Path(scenario["storage_dir"])], chunk_bytes, chunk_counts, repeats,
-                                  cal.StorageOptions(budget_mib=256), tick, lambda text: print(text, file=sys.stderr))
+    storage = cal.measure_storage(
+        [Path(scenario["storage_dir"])],
+        chunk_bytes,
+        chunk_counts,
+        repeats,
+        cal.StorageOptions(budget_mib=256),
+        tick,
+        lambda text: print(text, file=sys.stderr),
+    )
     copy = cal.measure_copy(chunk_bytes, repeats)
     # The load path through this engine: loads from staging with the gate off.
     gates.use("load")
@@ -202,17 +209,27 @@ def calibrate(llm: Any, manager: Any, scenario: dict[str, Any], vocab: int, gate
         manager.flush()
         return bool(llm.reset_prefix_cache(reset_connector=True))  # files stay (wipe_on_reset off)
 
-    path = cal.measure_load_path(llm, cal_lengths, repeats, vocab, scenario["seed"] + 11, tick,
-                                 suffix_tokens=scenario["suffix_tokens"], reset=reset,
-                                 reset_staging=reset_staging)
+    path = cal.measure_load_path(
+        llm,
+        cal_lengths,
+        repeats,
+        vocab,
+        scenario["seed"] + 11,
+        tick,
+        suffix_tokens=scenario["suffix_tokens"],
+        reset=reset,
+        reset_staging=reset_staging,
+    )
     try:
         model, prefill_source = fit_cost_model(points, path, storage["points"], copy["bytes_per_s"], chunk_bytes / ct)
     except ValueError as exc:
         raise RuntimeError(
             f"the calibration cannot be fitted ({exc}); medians: prefill "
             + ", ".join(f"{p.x} tokens {p.median * 1e3:.1f} ms" for p in points)
-            + "; reads " + ", ".join(f"{p.x} B {p.median * 1e3:.2f} ms" for p in storage["points"])
-            + ". Is the machine busy? More repeats help.") from exc
+            + "; reads "
+            + ", ".join(f"{p.x} B {p.median * 1e3:.2f} ms" for p in storage["points"])
+            + ". Is the machine busy? More repeats help."
+        ) from exc
     return {
         "model": model,
         "source": "calibrated in this run (pykvcache calibrate's measurements)",
@@ -266,8 +283,9 @@ def slow_model(model: Any, break_even_tokens: float) -> tuple[Any, float]:
     extra = model.recompute_time(n) - model.load_time(n)
     if extra <= 0:
         raise ValueError(f"loading {n:.0f} tokens already costs more than computing them; no slow variant")
-    load = LoadCost(model.load.fixed_s + extra, model.load.disk_bytes_per_s, model.load.h2d_bytes_per_s,
-                    model.load.step_s, model.load.disk_step_s)
+    load = LoadCost(
+        model.load.fixed_s + extra, model.load.disk_bytes_per_s, model.load.h2d_bytes_per_s, model.load.step_s, model.load.disk_step_s
+    )
     return model.with_load(load), extra
 
 
@@ -275,9 +293,13 @@ def describe_model(model: Any) -> dict[str, Any]:
     be = model.break_even_tokens()
     return {
         "prefill": {"a": model.prefill.a, "b": model.prefill.b, "c": model.prefill.c},
-        "load": {"fixed_s": model.load.fixed_s, "disk_bytes_per_s": model.load.disk_bytes_per_s,
-                 "h2d_bytes_per_s": model.load.h2d_bytes_per_s, "step_s": model.load.step_s,
-                 "disk_step_s": model.load.disk_step_s},
+        "load": {
+            "fixed_s": model.load.fixed_s,
+            "disk_bytes_per_s": model.load.disk_bytes_per_s,
+            "h2d_bytes_per_s": model.load.h2d_bytes_per_s,
+            "step_s": model.load.step_s,
+            "disk_step_s": model.load.disk_step_s,
+        },
         "bytes_per_token": model.bytes_per_token,
         "break_even_tokens": None if math.isinf(be) else be,
     }
@@ -441,8 +463,7 @@ def prepare(scenario: dict[str, Any]) -> dict[str, Any]:
     # Staging is a cache: older prefixes are evicted, the current one must fit many times.
     s["staging_bytes"] = max(64 << 20, 6 * (longest // ct + 1) * chunk_bytes)
     # Nothing stored in the run may be evicted: a disk mode must find its prefix.
-    stored_tokens = (s["repeats"] * sum(s["lengths"]) + 2 * max(s["lengths"])
-                     + (s["calibrate_repeats"] + 1) * sum(s["calibrate_lengths"]))
+    stored_tokens = s["repeats"] * sum(s["lengths"]) + 2 * max(s["lengths"]) + (s["calibrate_repeats"] + 1) * sum(s["calibrate_lengths"])
     s["capacity_bytes"] = max(1 << 30, 2 * (stored_tokens // ct + 1) * chunk_bytes)
     s["llm"] = llm
     s["tiny"] = tiny
@@ -464,8 +485,9 @@ def _start_engine(scenario: dict[str, Any]) -> Any:
     if scenario.get("profile"):
         extra["gate_profile"] = scenario["profile"]
     kv = kv_transfer_config([scenario["storage_dir"]], scenario["capacity_bytes"], lookahead=True, **extra)
-    return LLM(model=scenario["model"], kv_transfer_config=kv, enable_prefix_caching=True,
-               disable_log_stats=False, seed=0, **scenario["llm"])
+    return LLM(
+        model=scenario["model"], kv_transfer_config=kv, enable_prefix_caching=True, disable_log_stats=False, seed=0, **scenario["llm"]
+    )
 
 
 def run(scenario: dict[str, Any]) -> dict[str, Any]:
@@ -536,8 +558,7 @@ def run(scenario: dict[str, Any]) -> dict[str, Any]:
 
 def _online_state(gates: Gates, name: str) -> dict[str, float] | None:
     online = gates.online(name)
-    return None if online is None else {"fixed_s": online.fixed_s, "disk_bytes_per_s": online.disk_bytes_per_s,
-                                        "samples": online.samples}
+    return None if online is None else {"fixed_s": online.fixed_s, "disk_bytes_per_s": online.disk_bytes_per_s, "samples": online.samples}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -548,8 +569,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(argv[0]) as f:
         scenario = json.load(f)
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") != "0":
-        print("ttft_driver: set VLLM_ENABLE_V1_MULTIPROCESSING=0 (the manager must live in this process)",
-              file=sys.stderr)
+        print("ttft_driver: set VLLM_ENABLE_V1_MULTIPROCESSING=0 (the manager must live in this process)", file=sys.stderr)
         return 2
     print(RESULT_PREFIX + json.dumps(run(scenario)), flush=True)
     return 0

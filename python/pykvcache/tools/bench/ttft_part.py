@@ -82,8 +82,7 @@ class TtftOptions:
 
 
 def quick_options() -> TtftOptions:
-    return TtftOptions(lengths=[32, 64, 128, 256, 1024], repeats=3, calibrate_repeats=2, calibrate_points=4,
-                       timeout_s=300.0)
+    return TtftOptions(lengths=[32, 64, 128, 256, 1024], repeats=3, calibrate_repeats=2, calibrate_points=4, timeout_s=300.0)
 
 
 def options_from(cfg: BenchConfig) -> TtftOptions:
@@ -185,16 +184,19 @@ def run_driver(scenario: dict[str, Any], step: Step, timeout_s: float) -> dict[s
     try:
         proc = subprocess.Popen(
             [sys.executable, "-m", "pykvcache.tools.bench.ttft_driver", path],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=driver_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=driver_env(),
         )
         deadline = time.monotonic() + timeout_s
         assert proc.stdout is not None
         try:
             for line in proc.stdout:
                 if line.startswith(RESULT_PREFIX):
-                    result = json.loads(line[len(RESULT_PREFIX):])
+                    result = json.loads(line[len(RESULT_PREFIX) :])
                 elif line.startswith(PROGRESS_PREFIX):
-                    step.advance(line[len(PROGRESS_PREFIX):].strip())
+                    step.advance(line[len(PROGRESS_PREFIX) :].strip())
                 else:
                     tail.append(line.rstrip())
                 if time.monotonic() > deadline:
@@ -210,8 +212,7 @@ def run_driver(scenario: dict[str, Any], step: Step, timeout_s: float) -> dict[s
         lines = list(tail)
         # vLLM logs past the failure; the traceback is what explains it.
         start = next((i for i, ln in enumerate(lines) if "Traceback" in ln), max(0, len(lines) - 30))
-        raise RuntimeError(f"the vLLM driver exited with {proc.returncode} and no result:\n"
-                           + "\n".join(lines[start:start + 60]))
+        raise RuntimeError(f"the vLLM driver exited with {proc.returncode} and no result:\n" + "\n".join(lines[start : start + 60]))
     return result
 
 
@@ -262,11 +263,11 @@ def check_sources(records: list[dict[str, Any]], chunk_tokens: int) -> list[str]
         if mode in ("gated", "slow_gated") and loaded:
             want_reads = int(r["gate_tokens_loaded"]) // chunk_tokens
             want_cached = int(r["gate_tokens_loaded"])
-        if r["disk_reads"] != want_reads or r["cached_tokens"] < want_cached or (
-            want_cached == 0 and r["cached_tokens"] != 0
-        ):
-            bad.append(f"{mode} {n} tokens (repeat {r['repeat'] + 1}): {r['disk_reads']:.0f} disk reads "
-                       f"(expected {want_reads}), {r['cached_tokens']} cached tokens (expected {want_cached})")
+        if r["disk_reads"] != want_reads or r["cached_tokens"] < want_cached or (want_cached == 0 and r["cached_tokens"] != 0):
+            bad.append(
+                f"{mode} {n} tokens (repeat {r['repeat'] + 1}): {r['disk_reads']:.0f} disk reads "
+                f"(expected {want_reads}), {r['cached_tokens']} cached tokens (expected {want_cached})"
+            )
     return bad
 
 
@@ -301,30 +302,38 @@ def disturbed(records: list[dict[str, Any]], n: int) -> set[int]:
     return out if len(staged) - len(out) >= MIN_UNDISTURBED else set()
 
 
-def paired(records: list[dict[str, Any]], load_mode: str, gated_mode: str, n: int,
-           skip: AbstractSet[int] = frozenset()) -> list[tuple[float, float, float]]:
+def paired(
+    records: list[dict[str, Any]], load_mode: str, gated_mode: str, n: int, skip: AbstractSet[int] = frozenset()
+) -> list[tuple[float, float, float]]:
     """``(recompute, load, gated)`` TTFTs of each repeat at length ``n`` (but
     the ``skip`` ones): measured back to back on the same prefix, so slow
     drift on the machine hits all three alike."""
     by_repeat: dict[int, dict[str, float]] = {}
     for r in records:
-        if r["prefix_tokens"] == n and r["mode"] in ("recompute", load_mode, gated_mode) \
-                and r["repeat"] not in skip:
+        if r["prefix_tokens"] == n and r["mode"] in ("recompute", load_mode, gated_mode) and r["repeat"] not in skip:
             by_repeat.setdefault(r["repeat"], {})[r["mode"]] = r["ttft_s"]
-    return [(m["recompute"], m[load_mode], m[gated_mode]) for _, m in sorted(by_repeat.items())
-            if len(m) == 3]
+    return [(m["recompute"], m[load_mode], m[gated_mode]) for _, m in sorted(by_repeat.items()) if len(m) == 3]
 
 
 STATS = {
     "paired": "paired per repeat: medians of the per-repeat differences and ratios, over the repeats not "
-              "disturbed by other work (load from staging within 3x its fastest at that length)",
+    "disturbed by other work (load from staging within 3x its fastest at that length)",
     "medians": "medians of each cell, independently (diagnostic)",
     "best": "best of the repeats: the least disturbed run of each cell (diagnostic)",
 }
 
 
-def _variant(out: PartOutput, records: list, lengths: list[int], load_mode: str, gated_mode: str,
-             break_even: float | None, label: str, extra_cols: bool, stat: str = "paired") -> dict[str, Any]:
+def _variant(
+    out: PartOutput,
+    records: list,
+    lengths: list[int],
+    load_mode: str,
+    gated_mode: str,
+    break_even: float | None,
+    label: str,
+    extra_cols: bool,
+    stat: str = "paired",
+) -> dict[str, Any]:
     """One table, its target and its crossover. ``paired`` (the target): per
     length, the median over repeats of ``recompute - load`` (where it changes
     sign is the crossover) and of ``gated / better path`` (the better path by
@@ -359,8 +368,10 @@ def _variant(out: PartOutput, records: list, lengths: list[int], load_mode: str,
     note = STATS[stat]
     if stat == "paired":
         total = sum(1 for r in records if r["mode"] == "staging")
-        note += f"; {excluded} of {total} (length, repeat) cells excluded as disturbed; the ms columns are " \
-                "medians of each cell over all repeats"
+        note += (
+            f"; {excluded} of {total} (length, repeat) cells excluded as disturbed; the ms columns are "
+            "medians of each cell over all repeats"
+        )
     out.tables.append(Table(title=f"TTFT, {label} ({stat})", header=header, rows=rows, note=note))
     assert worst is not None
     prefix = "" if stat == "paired" else f"(diagnostic, {stat}) "
@@ -375,13 +386,17 @@ def _break_even_verdict(v: dict[str, Any], lengths: list[int]) -> tuple[bool, st
     kind, measured, be = v["kind"], v["measured"], v["break_even"]
     if kind == "below":
         ok = be is not None and be < lengths[0]
-        return ok, (f"loading wins from the smallest prefix ({lengths[0]} tokens): the crossover is below it, "
-                    f"so the 20% criterion cannot be evaluated; calibrated break-even {_tokens(be)} tokens is "
-                    + ("also below it (consistent)" if ok else "not below it (inconsistent)"))
+        return ok, (
+            f"loading wins from the smallest prefix ({lengths[0]} tokens): the crossover is below it, "
+            f"so the 20% criterion cannot be evaluated; calibrated break-even {_tokens(be)} tokens is "
+            + ("also below it (consistent)" if ok else "not below it (inconsistent)")
+        )
     if kind == "above":
         ok = be is None or be > lengths[-1]
-        return ok, (f"recompute wins up to the longest prefix ({lengths[-1]} tokens); calibrated break-even "
-                    f"{_tokens(be)} tokens " + ("agrees" if ok else "disagrees"))
+        return ok, (
+            f"recompute wins up to the longest prefix ({lengths[-1]} tokens); calibrated break-even "
+            f"{_tokens(be)} tokens " + ("agrees" if ok else "disagrees")
+        )
     if be is None:
         return False, f"measured crossover {measured:.0f} tokens, calibrated: never"
     err = abs(be - measured) / measured
@@ -414,24 +429,33 @@ def analyse(result: dict[str, Any], opts: TtftOptions) -> PartOutput:
     # The same analysis on each cell's median and best run, independently: on
     # a shared machine they are moved by bursts of other work; reported only.
     for stat in ("medians", "best"):
-        v = _variant(out, records, lengths, "disk", "gated", be, "calibrated gate, this machine's disk", True,
-                     stat=stat)
+        v = _variant(out, records, lengths, "disk", "gated", be, "calibrated gate, this machine's disk", True, stat=stat)
         crossovers[0].append(_crossover_text(v))
         if slow_v is not None:
-            v = _variant(out, records, lengths, "slow_disk", "slow_gated", slow_v["break_even"], label, False,
-                         stat=stat)
+            v = _variant(out, records, lengths, "slow_disk", "slow_gated", slow_v["break_even"], label, False, stat=stat)
             crossovers[1].append(_crossover_text(v))
-    out.tables.append(Table(title="Measured crossover vs calibrated break-even",
-                            header=["storage", "measured crossover (tokens, paired)", "calibrated break-even (tokens)",
-                                    "measured crossover (cell medians)", "measured crossover (best of the repeats)"],
-                            rows=crossovers,
-                            note="crossover: the prefix length from which loading is faster than recomputing "
-                                 "(paired: the median over repeats of recompute - load, measured back to back, turns "
-                                 "positive; interpolated between measured lengths). The target uses the paired value."))
+    out.tables.append(
+        Table(
+            title="Measured crossover vs calibrated break-even",
+            header=[
+                "storage",
+                "measured crossover (tokens, paired)",
+                "calibrated break-even (tokens)",
+                "measured crossover (cell medians)",
+                "measured crossover (best of the repeats)",
+            ],
+            rows=crossovers,
+            note="crossover: the prefix length from which loading is faster than recomputing "
+            "(paired: the median over repeats of recompute - load, measured back to back, turns "
+            "positive; interpolated between measured lengths). The target uses the paired value.",
+        )
+    )
     out.tables.append(_cost_table(result))
     bad = check_sources(records, ct)
     out.targets["every load came from where its mode says (disk_reads, cached tokens)"] = (
-        not bad, "all checked" if not bad else f"{len(bad)} of {len(records)} off: " + "; ".join(bad[:3]))
+        not bad,
+        "all checked" if not bad else f"{len(bad)} of {len(records)} off: " + "; ".join(bad[:3]),
+    )
     out.notes += _notes(result, base, opts)
     out.figures.append(_figure(lengths, base, slow_v, slow.get("delay_s")))
     out.raw = {k: v for k, v in result.items() if k != "records"}
@@ -457,23 +481,31 @@ def _cost_table(result: dict[str, Any]) -> Table:
         ["source", result["cost"]["source"]],
         ["prefill a + b·n + c·n²", f"a={p['a'] * 1e3:.2f} ms, b={p['b'] * 1e6:.1f} µs/token, c={p['c'] * 1e9:.3f} ns/token²"],
         ["disk", f"fixed {ld['fixed_s'] * 1e3:.3f} ms + {ld['disk_bytes_per_s'] / 1e6:.0f} MB/s"],
-        ["load path in vLLM (measured end to end)",
-         f"{(ld.get('step_s') or 0.0) * 1e3:.2f} ms per load + {ld['h2d_bytes_per_s'] / 1e9:.2f} GB/s"
-         + (f" (raw copy {result['cost']['copy_bytes_per_s'] / 1e9:.1f} GB/s)"
-            if result["cost"].get("copy_bytes_per_s") else "")],
+        [
+            "load path in vLLM (measured end to end)",
+            f"{(ld.get('step_s') or 0.0) * 1e3:.2f} ms per load + {ld['h2d_bytes_per_s'] / 1e9:.2f} GB/s"
+            + (f" (raw copy {result['cost']['copy_bytes_per_s'] / 1e9:.1f} GB/s)" if result["cost"].get("copy_bytes_per_s") else ""),
+        ],
         ["KV bytes per token (stored)", f"{m['bytes_per_token']:.0f}"],
         ["chunk", f"{result['chunk_tokens']} tokens = {result['chunk_bytes'] / 1024:.0f} KiB"],
         ["break-even", f"{_tokens(m['break_even_tokens'])} tokens"],
     ]
     slow = result.get("slow") or {}
     if "delay_s" in slow:
-        rows.append(["slow variant", f"+{slow['delay_s'] * 1e3:.1f} ms per load (emulated), break-even "
-                                     f"{_tokens(slow['model']['break_even_tokens'])} tokens"])
+        rows.append(
+            [
+                "slow variant",
+                f"+{slow['delay_s'] * 1e3:.1f} ms per load (emulated), break-even {_tokens(slow['model']['break_even_tokens'])} tokens",
+            ]
+        )
     for name, state in (result.get("gate_online") or {}).items():
         if state:
-            rows.append([f"online refinement ({name}) after the run",
-                         f"fixed {state['fixed_s'] * 1e3:.3f} ms, {state['disk_bytes_per_s'] / 1e6:.0f} MB/s, "
-                         f"{state['samples']} loads observed"])
+            rows.append(
+                [
+                    f"online refinement ({name}) after the run",
+                    f"fixed {state['fixed_s'] * 1e3:.3f} ms, {state['disk_bytes_per_s'] / 1e6:.0f} MB/s, {state['samples']} loads observed",
+                ]
+            )
     return Table(title="Gate cost model", header=["", "value"], rows=rows)
 
 
@@ -497,7 +529,8 @@ def _notes(result: dict[str, Any], base: dict[str, Any], opts: TtftOptions) -> l
             f"Loading wins from the first chunk here: computing one {ct}-token chunk costs "
             f"~{prefill_chunk * 1e3:.2f} ms on this CPU, reading and copying it ~{load_chunk * 1e3:.3f} ms "
             "(calibrated). There is no crossover inside the measured range; the slow-storage variant "
-            "shows the gate switching.")
+            "shows the gate switching."
+        )
     step = m["load"].get("step_s") or 0.0
     notes.append(
         f"Load cost as calibrated: {step * 1e3:.2f} ms per load in vLLM (its load is asynchronous: the "
@@ -509,29 +542,37 @@ def _notes(result: dict[str, Any], base: dict[str, Any], opts: TtftOptions) -> l
         "load from staging of the same prefix, minus the read) + "
         f"{m['load']['h2d_bytes_per_s'] / 1e9:.2f} GB/s for everything that scales with the prefix in the "
         f"load path. One {ct}-token chunk: ~{prefill_chunk * 1e3:.2f} ms to compute, ~{load_chunk * 1e3:.3f} ms "
-        "to read and copy, plus the per-load step.")
+        "to read and copy, plus the per-load step."
+    )
     slow = result.get("slow") or {}
     if "delay_s" in slow:
         notes.append(
             f"Slow storage is emulated: each disk read completes {slow['delay_s'] * 1e3:.1f} ms after its "
             "submission at the earliest (the bytes still come from the disk; the reads of one request are "
             "submitted together, so a load pays it once), and the gate's fixed cost is raised by the same "
-            "amount. Chosen so that the calibrated break-even lies between two measured lengths.")
+            "amount. Chosen so that the calibrated break-even lies between two measured lengths."
+        )
     return notes
 
 
-def _figure(lengths: list[int], base: dict[str, Any], slow: dict[str, Any] | None,
-            delay_s: float | None) -> Figure:
+def _figure(lengths: list[int], base: dict[str, Any], slow: dict[str, Any] | None, delay_s: float | None) -> Figure:
     def draw(fig: Any) -> None:
         panels: list[tuple[dict[str, Any], tuple[str, ...], str]] = [
-            (base, ("recompute", "disk", "staging", "gated"), "this machine's disk")]
+            (base, ("recompute", "disk", "staging", "gated"), "this machine's disk")
+        ]
         if slow is not None:
-            panels.append((slow, ("recompute", "slow_disk", "slow_gated"),
-                           f"emulated slow storage (+{(delay_s or 0) * 1e3:.0f} ms per load)"))
+            panels.append(
+                (slow, ("recompute", "slow_disk", "slow_gated"), f"emulated slow storage (+{(delay_s or 0) * 1e3:.0f} ms per load)")
+            )
         axes = fig.subplots(1, len(panels), squeeze=False)[0]
-        styles = {"recompute": ("recompute", "o-"), "disk": ("load from disk", "s-"),
-                  "staging": ("load from staging", "^-"), "gated": ("gated", "x--"),
-                  "slow_disk": ("load from slow disk", "s-"), "slow_gated": ("gated", "x--")}
+        styles = {
+            "recompute": ("recompute", "o-"),
+            "disk": ("load from disk", "s-"),
+            "staging": ("load from staging", "^-"),
+            "gated": ("gated", "x--"),
+            "slow_disk": ("load from slow disk", "s-"),
+            "slow_gated": ("gated", "x--"),
+        }
         for ax, (v, modes, title) in zip(axes, panels):
             med = v["medians"]
             for mode in modes:
@@ -576,5 +617,4 @@ def run(ctx: BenchContext) -> PartOutput:
     return run_with(ctx, options_from(ctx.config))
 
 
-register_part(Part(NAME, "TTFT vs prefix length with vLLM: recompute, load from disk/staging, the gate's choice",
-                   run, steps))
+register_part(Part(NAME, "TTFT vs prefix length with vLLM: recompute, load from disk/staging, the gate's choice", run, steps))

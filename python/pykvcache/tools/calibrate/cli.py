@@ -62,47 +62,68 @@ def _vllm_arg(text: str) -> tuple[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default=None,
-                        help="model for vLLM (path or name); default: the tiny test model, built offline")
-    parser.add_argument("--model-cache", type=Path, default=None,
-                        help="where the tiny model is built (default: ~/.cache/pykvcache/models)")
-    parser.add_argument("--storage-dir", type=Path, nargs="+", default=None,
-                        help="the storage directories pykvcache will use, created when missing (a "
-                             "temporary subdirectory is created in each and removed); default: current directory")
-    parser.add_argument("--out", type=Path, default=Path("pykvcache-gate-profile.json"),
-                        help="profile to write (default: ./pykvcache-gate-profile.json)")
-    parser.add_argument("--quick", action="store_true",
-                        help="few lengths and repeats (a smoke run; a minute or two with the tiny model)")
-    parser.add_argument("--lengths", type=_lengths, default=None,
-                        help="prompt lengths in tokens, e.g. 256,1024,4096 (default: a geometric sweep)")
-    parser.add_argument("--max-tokens", type=int, default=None,
-                        help="longest prompt of the default sweep (default: 8192, quick 2048, capped by the model)")
+    parser.add_argument("--model", default=None, help="model for vLLM (path or name); default: the tiny test model, built offline")
+    parser.add_argument("--model-cache", type=Path, default=None, help="where the tiny model is built (default: ~/.cache/pykvcache/models)")
+    parser.add_argument(
+        "--storage-dir",
+        type=Path,
+        nargs="+",
+        default=None,
+        help="the storage directories pykvcache will use, created when missing (a "
+        "temporary subdirectory is created in each and removed); default: current directory",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path("pykvcache-gate-profile.json"), help="profile to write (default: ./pykvcache-gate-profile.json)"
+    )
+    parser.add_argument("--quick", action="store_true", help="few lengths and repeats (a smoke run; a minute or two with the tiny model)")
+    parser.add_argument(
+        "--lengths", type=_lengths, default=None, help="prompt lengths in tokens, e.g. 256,1024,4096 (default: a geometric sweep)"
+    )
+    parser.add_argument(
+        "--max-tokens", type=int, default=None, help="longest prompt of the default sweep (default: 8192, quick 2048, capped by the model)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="measurements per point (median kept)")
-    parser.add_argument("--dtype", default="auto",
-                        help="vLLM dtype; serve with the same, or the gate ignores the profile "
-                             "(default: float32 on CPU, as vLLM's CPU server runs in this README; "
-                             "the model's own on GPUs)")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        help="vLLM dtype; serve with the same, or the gate ignores the profile "
+        "(default: float32 on CPU, as vLLM's CPU server runs in this README; "
+        "the model's own on GPUs)",
+    )
     parser.add_argument("--block-size", type=int, default=None, help="vLLM KV block size in tokens")
-    parser.add_argument("--chunk-tokens", type=int, default=None,
-                        help="tokens per stored chunk, a multiple of the block size "
-                             "(the offloading block_size; default: one block)")
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=None,
+        help="tokens per stored chunk, a multiple of the block size (the offloading block_size; default: one block)",
+    )
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--kv-cache-memory", type=int, default=None,
-                        help="vLLM kv_cache_memory_bytes (default on CPU: just enough for the longest prompt)")
-    parser.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=None,
-                        help="vLLM eager mode (default: on for CPU, vLLM's default on GPUs)")
-    parser.add_argument("--vllm-arg", type=_vllm_arg, action="append", default=[], metavar="KEY=VALUE",
-                        help="extra vllm.LLM keyword argument (VALUE parsed as JSON when it is); repeatable")
-    parser.add_argument("--kv-bytes-per-token", type=float, default=None,
-                        help="override the stored KV bytes per token (for models the formula gets wrong)")
+    parser.add_argument(
+        "--kv-cache-memory", type=int, default=None, help="vLLM kv_cache_memory_bytes (default on CPU: just enough for the longest prompt)"
+    )
+    parser.add_argument(
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="vLLM eager mode (default: on for CPU, vLLM's default on GPUs)",
+    )
+    parser.add_argument(
+        "--vllm-arg",
+        type=_vllm_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="extra vllm.LLM keyword argument (VALUE parsed as JSON when it is); repeatable",
+    )
+    parser.add_argument(
+        "--kv-bytes-per-token", type=float, default=None, help="override the stored KV bytes per token (for models the formula gets wrong)"
+    )
     parser.add_argument("--direct-io", choices=("required", "optional", "disabled"), default="optional")
     parser.add_argument("--backend", choices=("auto", "io_uring", "threads"), default="auto")
     parser.add_argument("--queue-depth", type=int, default=32)
-    parser.add_argument("--storage-budget", type=int, default=2048,
-                        help="MiB of chunk files written at most (default 2048)")
+    parser.add_argument("--storage-budget", type=int, default=2048, help="MiB of chunk files written at most (default 2048)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
-
 
 
 def _prepare_model(args: argparse.Namespace) -> tuple[str, bool]:
@@ -155,8 +176,9 @@ def chunk_tokens_problem(chunk_tokens: int | None, block_size: int | None, whose
     if not chunk_tokens or not block_size or chunk_tokens <= 0 or block_size <= 0 or chunk_tokens % block_size == 0:
         return None
     lower, upper = chunk_tokens // block_size * block_size, (chunk_tokens // block_size + 1) * block_size
-    return (f"--chunk-tokens {chunk_tokens} is not a multiple of {whose} KV block size, {block_size} tokens: "
-            f"give {upper}" + (f" or {lower}" if lower else ""))
+    return f"--chunk-tokens {chunk_tokens} is not a multiple of {whose} KV block size, {block_size} tokens: give {upper}" + (
+        f" or {lower}" if lower else ""
+    )
 
 
 def _check_args(args: argparse.Namespace) -> list[str]:
@@ -249,25 +271,28 @@ def run(args: argparse.Namespace) -> int:
     engine_dir = Path(tempfile.mkdtemp(prefix=".pykvcache-calibrate-engine-", dir=args.storage_dir[0]))
     staging_chunks = 4 * (longest // chunk_guess + 2)
     llm_kwargs["kv_transfer_config"] = kv_transfer_config(
-        [str(engine_dir)], max(1 << 30, 8 * staging_chunks * per_rank * tp * chunk_guess), lookahead=True,
+        [str(engine_dir)],
+        max(1 << 30, 8 * staging_chunks * per_rank * tp * chunk_guess),
+        lookahead=True,
         staging_bytes=max(64 * MiB, staging_chunks * (per_rank * tp * chunk_guess + 4096)),
         gate=False,
         wipe_on_reset=False,  # the disk-path measurement empties staging, not the files
-        direct_io=args.direct_io, backend=args.backend,
-        **({"block_size": args.chunk_tokens} if args.chunk_tokens else {}))
+        direct_io=args.direct_io,
+        backend=args.backend,
+        **({"block_size": args.chunk_tokens} if args.chunk_tokens else {}),
+    )
     llm_kwargs.update(dict(args.vllm_arg))
     try:
-        return _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats, max_tokens,
-                           dtype, tp, per_rank, started)
+        return _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats, max_tokens, dtype, tp, per_rank, started)
     finally:
         shutil.rmtree(engine_dir, ignore_errors=True)
 
 
-def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats, max_tokens, dtype, tp,
-                per_rank, started) -> int:
+def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats, max_tokens, dtype, tp, per_rank, started) -> int:
+    from vllm import LLM
+
     from pykvcache.gate.profile import GateProfile, hardware_id, storage_info
     from pykvcache.vllm.layout import ChunkLayout
-    from vllm import LLM
 
     notes: list[str] = []
     with PhaseProgress(not args.no_progress) as progress:
@@ -280,8 +305,7 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
             per_rank = kv_bytes_per_token_per_rank(hf_config, resolved_dtype, tp)
         chunk_tokens = args.chunk_tokens or block_size
         if chunk_tokens % block_size:
-            print(f"pykvcache calibrate: --chunk-tokens {chunk_tokens} is not a multiple of the "
-                  f"block size {block_size}", file=sys.stderr)
+            print(f"pykvcache calibrate: --chunk-tokens {chunk_tokens} is not a multiple of the block size {block_size}", file=sys.stderr)
             return 2
         num_blocks = getattr(vcfg.cache_config, "num_gpu_blocks", None)
         kv_mem = llm_kwargs.get("kv_cache_memory_bytes")
@@ -290,22 +314,22 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
             # (hybrid and sliding-window models differ from it).
             engine_per_rank = kv_mem // num_blocks / block_size
             if not math.isclose(engine_per_rank, per_rank, rel_tol=0.05):
-                notes.append(f"KV bytes per token per rank: formula {per_rank}, engine ~{engine_per_rank:.0f}; "
-                             "the engine's figure is used")
+                notes.append(f"KV bytes per token per rank: formula {per_rank}, engine ~{engine_per_rank:.0f}; the engine's figure is used")
                 per_rank = int(round(engine_per_rank))
         pp = int(getattr(vcfg.parallel_config, "pipeline_parallel_size", 1) or 1)
         world = tp * pp
         if pp > 1 and not notes:
             per_rank = math.ceil(per_rank / pp)  # each pipeline stage holds its share of the layers
-        layout = ChunkLayout(blocks_per_chunk=chunk_tokens // block_size,
-                             bytes_per_block=int(per_rank * block_size), world_size=world)
+        layout = ChunkLayout(blocks_per_chunk=chunk_tokens // block_size, bytes_per_block=int(per_rank * block_size), world_size=world)
         chunk_bytes = layout.payload_bytes
         bytes_per_token = args.kv_bytes_per_token or chunk_bytes / chunk_tokens
         if args.kv_bytes_per_token:
             chunk_bytes = int(math.ceil(args.kv_bytes_per_token * chunk_tokens / 4096)) * 4096
         lengths = args.lengths or default_lengths(chunk_tokens, max_tokens, args.quick)
-        progress.log(f"model {model} ({resolved_dtype}, block {block_size}, chunk {chunk_tokens} tokens = "
-                     f"{chunk_bytes / MiB:.2f} MiB); prompt lengths {lengths}")
+        progress.log(
+            f"model {model} ({resolved_dtype}, block {block_size}, chunk {chunk_tokens} tokens = "
+            f"{chunk_bytes / MiB:.2f} MiB); prompt lengths {lengths}"
+        )
 
         tick = progress.phase("prefill", repeats * len(lengths))
         prefill_points, timing = measure_prefill(llm, lengths, repeats, vocab, args.seed, tick)
@@ -313,9 +337,16 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
         path_lengths = [n for n in lengths if n + suffix < int(vcfg.model_config.max_model_len)]
         tick = progress.phase("load path", repeats * len(path_lengths))
         try:
-            path = measure_load_path(llm, path_lengths, repeats, vocab, args.seed + 1, tick,
-                                     suffix_tokens=suffix,
-                                     reset_staging=lambda: bool(llm.reset_prefix_cache(reset_connector=True)))
+            path = measure_load_path(
+                llm,
+                path_lengths,
+                repeats,
+                vocab,
+                args.seed + 1,
+                tick,
+                suffix_tokens=suffix,
+                reset_staging=lambda: bool(llm.reset_prefix_cache(reset_connector=True)),
+            )
         except RuntimeError as exc:
             print(f"pykvcache calibrate: load path measurement failed: {exc}", file=sys.stderr)
             return 1
@@ -328,22 +359,26 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
         from pykvcache import PykvcacheError
 
         try:
-            storage = measure_storage(args.storage_dir, chunk_bytes, chunk_counts, repeats,
-                                      StorageOptions(queue_depth=args.queue_depth, backend=args.backend,
-                                                     direct_io=args.direct_io, budget_mib=args.storage_budget),
-                                      tick, progress.log)
+            storage = measure_storage(
+                args.storage_dir,
+                chunk_bytes,
+                chunk_counts,
+                repeats,
+                StorageOptions(
+                    queue_depth=args.queue_depth, backend=args.backend, direct_io=args.direct_io, budget_mib=args.storage_budget
+                ),
+                tick,
+                progress.log,
+            )
         except (OSError, PykvcacheError) as exc:
-            print(f"pykvcache calibrate: storage measurement in {', '.join(map(str, args.storage_dir))} "
-                  f"failed: {exc}", file=sys.stderr)
+            print(f"pykvcache calibrate: storage measurement in {', '.join(map(str, args.storage_dir))} failed: {exc}", file=sys.stderr)
             return 1
         copy = measure_copy(chunk_bytes, repeats)
 
     try:
-        model_cost, prefill_source = fit_cost_model(prefill_points, path, storage["points"], copy["bytes_per_s"],
-                                                    bytes_per_token)
+        model_cost, prefill_source = fit_cost_model(prefill_points, path, storage["points"], copy["bytes_per_s"], bytes_per_token)
     except ValueError as exc:
-        print(f"pykvcache calibrate: the measurements cannot be fitted: {exc}. "
-              "Try more --repeats or longer --lengths.", file=sys.stderr)
+        print(f"pykvcache calibrate: the measurements cannot be fitted: {exc}. Try more --repeats or longer --lengths.", file=sys.stderr)
         return 1
     break_even = model_cost.break_even_tokens()
     prefill, load = model_cost.prefill, model_cost.load
@@ -363,22 +398,33 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
             **{k: v for k, v in storage.items() if k != "points"},
         },
         prefill={
-            "a": prefill.a, "b": prefill.b, "c": prefill.c, "timing": timing, "repeats": repeats,
+            "a": prefill.a,
+            "b": prefill.b,
+            "c": prefill.c,
+            "timing": timing,
+            "repeats": repeats,
             "fitted_to": "paired: TTFT(prefix + suffix) - TTFT(suffix), with the load path"
-            if prefill_source == "paired" else "sweep: scheduled -> first token, lower quartiles",
+            if prefill_source == "paired"
+            else "sweep: scheduled -> first token, lower quartiles",
             "points": [p.as_dict("tokens") for p in prefill_points],
             "paired_points": [p.as_dict("tokens") for p in path["recompute_points"]],
         },
         load={
-            "fixed_s": load.fixed_s, "disk_bytes_per_s": load.disk_bytes_per_s,
-            "h2d_bytes_per_s": load.h2d_bytes_per_s, "step_s": load.step_s, "disk_step_s": load.disk_step_s,
-            "chunk_bytes": chunk_bytes, "copy": copy,
+            "fixed_s": load.fixed_s,
+            "disk_bytes_per_s": load.disk_bytes_per_s,
+            "h2d_bytes_per_s": load.h2d_bytes_per_s,
+            "step_s": load.step_s,
+            "disk_step_s": load.disk_step_s,
+            "chunk_bytes": chunk_bytes,
+            "copy": copy,
             "points": [p.as_dict("bytes") for p in storage["points"]],
-            "path": {"what": "TTFT of a prefix loaded from staging minus TTFT of its suffix alone "
-                             "(arrival -> first token, through vLLM)",
-                     "suffix_tokens": path["suffix_tokens"], "incomplete_loads": path["short_loads"],
-                     "points": [p.as_dict("tokens") for p in path["points"]],
-                     "disk_minus_staging_points": [p.as_dict("tokens") for p in path["disk_extra_points"]]},
+            "path": {
+                "what": "TTFT of a prefix loaded from staging minus TTFT of its suffix alone (arrival -> first token, through vLLM)",
+                "suffix_tokens": path["suffix_tokens"],
+                "incomplete_loads": path["short_loads"],
+                "points": [p.as_dict("tokens") for p in path["points"]],
+                "disk_minus_staging_points": [p.as_dict("tokens") for p in path["disk_extra_points"]],
+            },
         },
         break_even_tokens=None if math.isinf(break_even) else break_even,
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -390,8 +436,7 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
     return 0
 
 
-def _summary(profile, prefill_points: list[Point], load_points: list[Point], path: Path,
-             elapsed: float) -> None:
+def _summary(profile, prefill_points: list[Point], load_points: list[Point], path: Path, elapsed: float) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -407,24 +452,28 @@ def _summary(profile, prefill_points: list[Point], load_points: list[Point], pat
     for p in prefill_points:
         recompute = model.recompute_time(p.x)
         load = model.load_time(p.x)
-        table.add_row(str(p.x), f"{p.median * 1e3:.2f}", f"{recompute * 1e3:.3f}", f"{load * 1e3:.3f}",
-                      "load" if load < recompute else "recompute")
+        table.add_row(
+            str(p.x), f"{p.median * 1e3:.2f}", f"{recompute * 1e3:.3f}", f"{load * 1e3:.3f}", "load" if load < recompute else "recompute"
+        )
     console.print(table)
     bw = profile.load["disk_bytes_per_s"]
-    console.print(f"disk: fixed {profile.load['fixed_s'] * 1e3:.3f} ms + {bw / 1e6:.0f} MB/s "
-                  f"({profile.storage['cold']}, {profile.storage['backend']}); "
-                  f"copy {profile.load['copy']['bytes_per_s'] / 1e9:.1f} GB/s; load path in vLLM: "
-                  f"{profile.load.get('step_s', 0.0) * 1e3:.2f} ms per load + "
-                  f"{profile.load['h2d_bytes_per_s'] / 1e9:.2f} GB/s")
+    console.print(
+        f"disk: fixed {profile.load['fixed_s'] * 1e3:.3f} ms + {bw / 1e6:.0f} MB/s "
+        f"({profile.storage['cold']}, {profile.storage['backend']}); "
+        f"copy {profile.load['copy']['bytes_per_s'] / 1e9:.1f} GB/s; load path in vLLM: "
+        f"{profile.load.get('step_s', 0.0) * 1e3:.2f} ms per load + "
+        f"{profile.load['h2d_bytes_per_s'] / 1e9:.2f} GB/s"
+    )
     be = profile.break_even_tokens
     console.print(f"break-even: {'never (loading does not pay)' if be is None else f'{be:.0f} tokens'}")
-    console.print(f"profile: {path} ({elapsed:.0f} s), valid for {profile.model} in {profile.dtype}: "
-                  f"serve with --dtype {profile.dtype} (the gate ignores it for another dtype)")
+    console.print(
+        f"profile: {path} ({elapsed:.0f} s), valid for {profile.model} in {profile.dtype}: "
+        f"serve with --dtype {profile.dtype} (the gate ignores it for another dtype)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pykvcache calibrate",
-                                     description="measure prefill and KV load times; write the gate profile")
+    parser = argparse.ArgumentParser(prog="pykvcache calibrate", description="measure prefill and KV load times; write the gate profile")
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

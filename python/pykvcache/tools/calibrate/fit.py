@@ -16,8 +16,9 @@ if TYPE_CHECKING:
     from .measure import Point
 
 
-def fit_cost_model(prefill_points: Sequence[Point], path: dict[str, Any], storage_points: Sequence[Point],
-                   copy_bytes_per_s: float, bytes_per_token: float) -> tuple[CostModel, str]:
+def fit_cost_model(
+    prefill_points: Sequence[Point], path: dict[str, Any], storage_points: Sequence[Point], copy_bytes_per_s: float, bytes_per_token: float
+) -> tuple[CostModel, str]:
     """The gate's cost model and where its prefill curve came from (``"paired"``
     or ``"sweep"``, see :func:`fit_recompute`), from the prefill sweep, the load
     path (:func:`.measure.measure_load_path`), the cold storage reads and the
@@ -30,8 +31,12 @@ def fit_cost_model(prefill_points: Sequence[Point], path: dict[str, Any], storag
     return CostModel(prefill, load, bytes_per_token), prefill_source
 
 
-def fit_prefill_vs_load(prefill_points: Sequence[tuple[float, float]], disk_points: Sequence[tuple[float, float]],
-                        copy_bytes_per_s: float, bytes_per_token: float) -> CostModel:
+def fit_prefill_vs_load(
+    prefill_points: Sequence[tuple[float, float]],
+    disk_points: Sequence[tuple[float, float]],
+    copy_bytes_per_s: float,
+    bytes_per_token: float,
+) -> CostModel:
     """The cost model of ``scripts/gpu_bench.py``'s crossover part (no vLLM, so
     no per-load engine step): the prefill curve fitted to ``(tokens, seconds)``
     of plain forward passes, the disk to ``(bytes, seconds)`` engine reads, the
@@ -40,8 +45,7 @@ def fit_prefill_vs_load(prefill_points: Sequence[tuple[float, float]], disk_poin
     return CostModel(PrefillCurve.fit(prefill_points), LoadCost(fixed, disk_bw, copy_bytes_per_s), bytes_per_token)
 
 
-def fit_disk_step(path: dict[str, Any], fixed_s: float, disk_bytes_per_s: float,
-                  bytes_per_token: float) -> float:
+def fit_disk_step(path: dict[str, Any], fixed_s: float, disk_bytes_per_s: float, bytes_per_token: float) -> float:
     """What a load from the disk costs in the engine beyond the read the
     storage sweep measured (``fixed + bytes / BW``): the median over lengths of
     the paired ``TTFT(disk) - TTFT(staging)`` medians minus that read, never
@@ -49,8 +53,7 @@ def fit_disk_step(path: dict[str, Any], fixed_s: float, disk_bytes_per_s: float,
     the worker waiting for reads still in flight when the request is scheduled
     (PyKvCacheConnector; the stock connector defers the request a step
     instead) and the completions' handling."""
-    residuals = sorted(p.median - (fixed_s + p.x * bytes_per_token / disk_bytes_per_s)
-                       for p in path.get("disk_extra_points", ()))
+    residuals = sorted(p.median - (fixed_s + p.x * bytes_per_token / disk_bytes_per_s) for p in path.get("disk_extra_points", ()))
     if not residuals:
         return 0.0
     mid = len(residuals) // 2
@@ -74,8 +77,7 @@ def fit_recompute(path: dict[str, Any], sweep: list[Point]) -> tuple[PrefillCurv
     # (relative error; medians <= 0 are noise and carry no information).
     pts = [(float(p.x), p.median) for p in path.get("recompute_points", ()) if p.median > 0]
     if len({n for n, _ in pts}) >= 2:
-        b, c = nonneg_least_squares([(n, n * n) for n, _ in pts], [t for _, t in pts],
-                                    [1.0 / (t * t) for _, t in pts])
+        b, c = nonneg_least_squares([(n, n * n) for n, _ in pts], [t for _, t in pts], [1.0 / (t * t) for _, t in pts])
         if b > 0 or c > 0:
             return PrefillCurve(0.0, b, c), "paired"
     return PrefillCurve.fit([(p.x, p.low) for p in sweep]), "sweep"
@@ -93,6 +95,5 @@ def fit_load_path(points: list[Point], bytes_per_token: float, copy_bytes_per_s:
         return 0.0, copy_bytes_per_s
     # Relative error: short prefixes (where the step dominates) count as much
     # as long ones (where the per-byte cost does).
-    step, per_byte = nonneg_least_squares([(1.0, b) for b, _ in pts], [t for _, t in pts],
-                                          [1.0 / max(t, 1e-4) ** 2 for _, t in pts])
+    step, per_byte = nonneg_least_squares([(1.0, b) for b, _ in pts], [t for _, t in pts], [1.0 / max(t, 1e-4) ** 2 for _, t in pts])
     return step, 1.0 / max(per_byte, 1.0 / copy_bytes_per_s)

@@ -62,8 +62,7 @@ class Point:
         return ordered[(len(ordered) - 1) // 4]
 
     def as_dict(self, unit: str) -> dict[str, Any]:
-        out: dict[str, Any] = {unit: self.x, "median_s": self.median, "low_s": self.low,
-                               "samples_s": self.samples}
+        out: dict[str, Any] = {unit: self.x, "median_s": self.median, "low_s": self.low, "samples_s": self.samples}
         if self.wall:
             out["wall_median_s"] = statistics.median(self.wall)
         return out
@@ -74,13 +73,11 @@ def default_lengths(chunk_tokens: int, max_tokens: int, quick: bool) -> list[int
     count = 5 if quick else 9
     lo = chunk_tokens
     hi = max(max_tokens // chunk_tokens, 2) * chunk_tokens
-    values = {min(hi, max(lo, round(lo * (hi / lo) ** (i / (count - 1)) / chunk_tokens) * chunk_tokens))
-              for i in range(count)}
+    values = {min(hi, max(lo, round(lo * (hi / lo) ** (i / (count - 1)) / chunk_tokens) * chunk_tokens)) for i in range(count)}
     return sorted(values)
 
 
-def measure_prefill(llm, lengths: list[int], repeats: int, vocab: int, seed: int,
-                    tick) -> tuple[list[Point], str]:
+def measure_prefill(llm, lengths: list[int], repeats: int, vocab: int, seed: int, tick) -> tuple[list[Point], str]:
     """TTFT of single requests with ``max_tokens=1``, one distinct prompt each."""
     from vllm import SamplingParams
 
@@ -149,8 +146,9 @@ def _queued_ttft(out) -> float | None:
     return first - queued if first and queued and first > queued else None
 
 
-def measure_load_path(llm, lengths: list[int], repeats: int, vocab: int, seed: int, tick, *,
-                      suffix_tokens: int, reset=None, reset_staging=None) -> dict[str, Any]:
+def measure_load_path(
+    llm, lengths: list[int], repeats: int, vocab: int, seed: int, tick, *, suffix_tokens: int, reset=None, reset_staging=None
+) -> dict[str, Any]:
     """What any load costs end to end in vLLM, storage aside.
 
     The engine must run pykvcache's connector with the gate off (every
@@ -214,7 +212,7 @@ def measure_load_path(llm, lengths: list[int], repeats: int, vocab: int, seed: i
     disk_extra = {n: Point(n) for n in lengths}
     short_loads = 0
     for r in range(repeats):
-        for n in (lengths if r % 2 == 0 else lengths[::-1]):
+        for n in lengths if r % 2 == 0 else lengths[::-1]:
             got = once(n)
             if got is None:
                 raise RuntimeError("vLLM reports no per-request timestamps (disable_log_stats=False?)")
@@ -227,14 +225,17 @@ def measure_load_path(llm, lengths: list[int], repeats: int, vocab: int, seed: i
                 tick(f"{n} tokens: only {cached} loaded")
                 continue
             points[n].samples.append(staged - base)
-            tick(f"{n} tokens: load path {(staged - base) * 1e3:.2f} ms, "
-                 f"prefix compute {(computed - base) * 1e3:.2f} ms")
+            tick(f"{n} tokens: load path {(staged - base) * 1e3:.2f} ms, prefix compute {(computed - base) * 1e3:.2f} ms")
     measured = [p for p in points.values() if p.samples]
     if len(measured) < 2:
         raise RuntimeError(f"too few loads came from staging ({short_loads} did not); is the gate off?")
-    return {"points": measured, "recompute_points": [recompute[n] for n in lengths],
-            "disk_extra_points": [p for p in disk_extra.values() if p.samples],
-            "short_loads": short_loads, "suffix_tokens": suffix_tokens}
+    return {
+        "points": measured,
+        "recompute_points": [recompute[n] for n in lengths],
+        "disk_extra_points": [p for p in disk_extra.values() if p.samples],
+        "short_loads": short_loads,
+        "suffix_tokens": suffix_tokens,
+    }
 
 
 def _drop_page_cache() -> bool:
@@ -257,8 +258,9 @@ class StorageOptions:
     budget_mib: int = 2048  # chunk files written at most
 
 
-def measure_storage(dirs: list[Path], chunk_bytes: int, chunk_counts: list[int], repeats: int,
-                    options: StorageOptions, tick, log) -> dict[str, Any]:
+def measure_storage(
+    dirs: list[Path], chunk_bytes: int, chunk_counts: list[int], repeats: int, options: StorageOptions, tick, log
+) -> dict[str, Any]:
     """Write chunks of ``chunk_bytes``, then time cold batched reads of them."""
     from pykvcache import BlockStore, StagingPool
 
@@ -270,10 +272,15 @@ def measure_storage(dirs: list[Path], chunk_bytes: int, chunk_counts: list[int],
     pool = StagingPool(chunk_bytes, pool_chunks)
     store = None
     try:
-        store = BlockStore([str(d) for d in tmpdirs], pool, namespace="calibrate",
-                           capacity_bytes=(file_chunks + 2) * (chunk_bytes + (1 << 20)),
-                           queue_depth=options.queue_depth, backend=options.backend,
-                           direct_io=options.direct_io)
+        store = BlockStore(
+            [str(d) for d in tmpdirs],
+            pool,
+            namespace="calibrate",
+            capacity_bytes=(file_chunks + 2) * (chunk_bytes + (1 << 20)),
+            queue_depth=options.queue_depth,
+            backend=options.backend,
+            direct_io=options.direct_io,
+        )
         slots = [pool.acquire() for _ in range(pool_chunks)]  # held for the whole measurement
         noise = os.urandom(chunk_bytes)
         for slot in slots:
@@ -283,8 +290,7 @@ def measure_storage(dirs: list[Path], chunk_bytes: int, chunk_counts: list[int],
             view.release()
         keys = [f"calibrate-{i:08d}".encode() for i in range(file_chunks)]
         for start in range(0, file_chunks, pool_chunks):
-            handles = [store.put(keys[i], slots[i - start], chunk_bytes)
-                       for i in range(start, min(file_chunks, start + pool_chunks))]
+            handles = [store.put(keys[i], slots[i - start], chunk_bytes) for i in range(start, min(file_chunks, start + pool_chunks))]
             for h in handles:
                 h.wait().raise_for_status()
         if store.direct_io:
@@ -298,7 +304,7 @@ def measure_storage(dirs: list[Path], chunk_bytes: int, chunk_counts: list[int],
         points = {b: Point(b * chunk_bytes) for b in batches}
         cursor = 0
         for r in range(repeats):
-            for b in (batches if r % 2 == 0 else batches[::-1]):
+            for b in batches if r % 2 == 0 else batches[::-1]:
                 if cursor + b > file_chunks:
                     cursor = 0
                     if not store.direct_io:
@@ -367,8 +373,18 @@ def measure_copy(chunk_bytes: int, repeats: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------
 def _dtype_bytes(dtype: Any) -> int:
     name = str(dtype).removeprefix("torch.")
-    table = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2,
-             "float8_e4m3fn": 1, "float8_e5m2": 1, "fp8": 1, "int8": 1, "uint8": 1}
+    table = {
+        "float32": 4,
+        "float": 4,
+        "float16": 2,
+        "half": 2,
+        "bfloat16": 2,
+        "float8_e4m3fn": 1,
+        "float8_e5m2": 1,
+        "fp8": 1,
+        "int8": 1,
+        "uint8": 1,
+    }
     if name not in table:
         raise ValueError(f"unknown KV dtype {name!r}; pass --kv-bytes-per-token")
     return table[name]
@@ -386,4 +402,3 @@ def kv_bytes_per_token_per_rank(hf_config: Any, dtype: Any, tp: int) -> int:
     head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
     heads_per_rank = max(1, heads // tp)  # replicated when TP exceeds the KV heads
     return layers * 2 * heads_per_rank * head_dim * elem
-

@@ -52,13 +52,13 @@ def _warn_once(kind: str, path: Path, detail: str) -> None:
     if str(path) in _warned:
         return
     _warned.add(str(path))
-    logger.warning("pykvcache: weights digest cache %s %s (%s): weights are digested in full "
-                   "at every start until it is usable", path, kind, detail)
+    logger.warning(
+        "pykvcache: weights digest cache %s %s (%s): weights are digested in full at every start until it is usable", path, kind, detail
+    )
 
 
 def _file_key(st: os.stat_result) -> dict[str, int]:
-    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns,
-            "ino": st.st_ino, "dev": st.st_dev}
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ctime_ns": st.st_ctime_ns, "ino": st.st_ino, "dev": st.st_dev}
 
 
 def same_file_state(a: os.stat_result, b: os.stat_result) -> bool:
@@ -81,8 +81,7 @@ class DigestCache:
         xdg = os.environ.get("XDG_CACHE_HOME", "")
         base = xdg if os.path.isabs(xdg) else os.path.join(os.path.expanduser("~"), ".cache")
         if not os.path.isabs(base):
-            _warn_once("has no location", Path(base), "neither XDG_CACHE_HOME nor the home "
-                       "directory is an absolute path")
+            _warn_once("has no location", Path(base), "neither XDG_CACHE_HOME nor the home directory is an absolute path")
             return None
         return cls(Path(base) / "pykvcache" / "weights-digests.json")
 
@@ -98,8 +97,7 @@ class DigestCache:
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-                _warn_once("is not trusted", self.path, "not a regular file of this user, "
-                           "or writable by others")
+                _warn_once("is not trusted", self.path, "not a regular file of this user, or writable by others")
                 return {}
             with os.fdopen(fd, "rb", closefd=False) as f:
                 data = json.loads(f.read())
@@ -108,8 +106,7 @@ class DigestCache:
             return {}
         finally:
             os.close(fd)
-        if not isinstance(data, dict) or data.get("scheme") != SCHEME \
-                or not isinstance(data.get("entries"), dict):
+        if not isinstance(data, dict) or data.get("scheme") != SCHEME or not isinstance(data.get("entries"), dict):
             return {}
         entries: dict[str, dict[str, Any]] = data["entries"]
         return entries

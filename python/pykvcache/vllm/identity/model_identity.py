@@ -59,19 +59,50 @@ IDENTITY_VERSION = 3
 #: Every other one (``dummy``: random weights; ``tensorizer``, ``ipc_cache``,
 #: ``modelexpress``: weights from elsewhere; a loader registered by a plugin)
 #: gets a namespace of the engine's own.
-FILE_LOAD_FORMATS = frozenset({
-    "auto", "hf", "safetensors", "pt", "npcache", "fastsafetensors", "instanttensor", "mistral",
-    "sharded_state", "runai_streamer", "runai_streamer_sharded", "bitsandbytes", "gguf"})
+FILE_LOAD_FORMATS = frozenset(
+    {
+        "auto",
+        "hf",
+        "safetensors",
+        "pt",
+        "npcache",
+        "fastsafetensors",
+        "instanttensor",
+        "mistral",
+        "sharded_state",
+        "runai_streamer",
+        "runai_streamer_sharded",
+        "bitsandbytes",
+        "gguf",
+    }
+)
 
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5", ".npz")
 # Files that never change KV for given token ids (the tokenizer maps text to
 # ids before any key exists; generation settings act after the logits).
-_NOT_KV = ("tokenizer", "vocab", "merges", "special_tokens_map", "added_tokens",
-           "generation_config", "chat_template", "preprocessor_config", "README")
+_NOT_KV = (
+    "tokenizer",
+    "vocab",
+    "merges",
+    "special_tokens_map",
+    "added_tokens",
+    "generation_config",
+    "chat_template",
+    "preprocessor_config",
+    "README",
+)
 # HF config keys that name where or with what the config was loaded, not what it is.
-_VOLATILE_CONFIG_KEYS = frozenset({"_name_or_path", "name_or_path", "transformers_version",
-                                   "_commit_hash", "_attn_implementation",
-                                   "_attn_implementation_autoset", "_attn_implementation_internal"})
+_VOLATILE_CONFIG_KEYS = frozenset(
+    {
+        "_name_or_path",
+        "name_or_path",
+        "transformers_version",
+        "_commit_hash",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+        "_attn_implementation_internal",
+    }
+)
 
 
 _DEFAULT_CACHE = object()
@@ -79,8 +110,8 @@ _DEFAULT_CACHE = object()
 
 @dataclass(frozen=True)
 class WeightsIdentity:
-    digest: str        # sha256 hex over every file's name, size and content digest; "" = not found
-    source: str        # the directory or file read, or why nothing was
+    digest: str  # sha256 hex over every file's name, size and content digest; "" = not found
+    source: str  # the directory or file read, or why nothing was
     files: int
     files_cached: int  # files whose digest came from the node's digest cache (not read)
     bytes_hashed: int  # bytes read and digested this time
@@ -142,12 +173,12 @@ def config_identity(vllm_config: Any) -> dict[str, Any]:
         "prefix_caching_hash_algo": str(getattr(cache, "prefix_caching_hash_algo", None)),
         # LoRA adapters are keyed by name in vLLM's block hashes; these settings
         # change how adapted KV is computed.
-        "lora": _fields(getattr(vllm_config, "lora_config", None),
-                        ("max_lora_rank", "lora_dtype", "fully_sharded_loras", "lora_extra_vocab_size")),
+        "lora": _fields(
+            getattr(vllm_config, "lora_config", None), ("max_lora_rank", "lora_dtype", "fully_sharded_loras", "lora_extra_vocab_size")
+        ),
         # Images are keyed by content hash in the block hashes; processor
         # settings change the embeddings (and so the KV) of the same image.
-        "multimodal": _fields(getattr(mc, "multimodal_config", None),
-                              ("mm_processor_kwargs", "language_model_only")),
+        "multimodal": _fields(getattr(mc, "multimodal_config", None), ("mm_processor_kwargs", "language_model_only")),
         # A draft model (EAGLE, MTP, a small model) has KV layers of its own in
         # the chunks; its weights are digested as the target's are.
         "speculative": _speculative_identity(getattr(vllm_config, "speculative_config", None)),
@@ -158,8 +189,9 @@ def config_identity(vllm_config: Any) -> dict[str, Any]:
 def _speculative_identity(spec: Any) -> dict[str, Any] | None:
     if spec is None:
         return None
-    out: dict[str, Any] = {"fields": _fields(spec, ("method", "model", "revision", "quantization",
-                                                     "kv_cache_dtype", "num_speculative_tokens"))}
+    out: dict[str, Any] = {
+        "fields": _fields(spec, ("method", "model", "revision", "quantization", "kv_cache_dtype", "num_speculative_tokens"))
+    }
     draft = getattr(spec, "draft_model_config", None)
     if draft is not None:
         out["draft_hf_config"] = _config_dict(getattr(draft, "hf_config", None))
@@ -183,8 +215,7 @@ def resolve_weights(model: str, revision: str | None, download_dir: str | None =
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(model, revision=revision, local_files_only=True,
-                                      cache_dir=download_dir))
+        return Path(snapshot_download(model, revision=revision, local_files_only=True, cache_dir=download_dir))
     except Exception:  # not a hub id, or not downloaded: nothing local to read
         return None
 
@@ -199,8 +230,7 @@ def _is_kv_relevant_file(name: str) -> bool:
     return False
 
 
-def _digest_file(path: Path, cache: DigestCache | None,
-                 pool: _LazyPool) -> tuple[os.stat_result, str, bool]:
+def _digest_file(path: Path, cache: DigestCache | None, pool: _LazyPool) -> tuple[os.stat_result, str, bool]:
     """(the file's state, content digest, whether it came from the cache) of one file."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -270,8 +300,7 @@ def weights_identity(source: Path | None, cache: Any = _DEFAULT_CACHE) -> Weight
         pool.close()
     if cache is not None:
         cache.save()
-    return WeightsIdentity(combined.hexdigest(), str(source), len(files), cached, hashed,
-                           time.perf_counter() - started, tuple(digested))
+    return WeightsIdentity(combined.hexdigest(), str(source), len(files), cached, hashed, time.perf_counter() - started, tuple(digested))
 
 
 def own_namespace(reason: str) -> dict[str, str]:
@@ -302,17 +331,22 @@ def model_identity(vllm_config: Any | None, model: str, *, fingerprint_weights: 
         revision = vllm_config.model_config.revision
     else:
         ident["config"] = None
-        logger.warning("pykvcache: the engine's VllmConfig was not found; the namespace covers the "
-                       "model's files but not --hf-overrides, --revision or --quantization "
-                       "(set namespace_salt when you change those)")
+        logger.warning(
+            "pykvcache: the engine's VllmConfig was not found; the namespace covers the "
+            "model's files but not --hf-overrides, --revision or --quantization "
+            "(set namespace_salt when you change those)"
+        )
     fmt = load_format(vllm_config)
     if fmt not in FILE_LOAD_FORMATS:
         # Checked before fingerprint_weights: with such a loader the files
         # (or the model's name) say nothing about the weights in memory.
         ident["weights"] = own_namespace(f"load_format={fmt}")
-        logger.warning("pykvcache: load_format=%s does not load the weights from the model's files "
-                       "(dummy: random weights); this engine's chunks get a namespace of its own: it "
-                       "loads nothing other engines stored, and they load nothing it stores", fmt)
+        logger.warning(
+            "pykvcache: load_format=%s does not load the weights from the model's files "
+            "(dummy: random weights); this engine's chunks get a namespace of its own: it "
+            "loads nothing other engines stored, and they load nothing it stores",
+            fmt,
+        )
         return ident
     if not fingerprint_weights:
         ident["weights"] = "not fingerprinted (fingerprint_weights: false)"
@@ -322,8 +356,7 @@ def model_identity(vllm_config: Any | None, model: str, *, fingerprint_weights: 
     spec = getattr(vllm_config, "speculative_config", None)
     draft = getattr(spec, "model", None)
     if isinstance(draft, str) and draft and draft != model:
-        ident["draft_weights"] = _weights_entry(vllm_config, draft, getattr(spec, "revision", None),
-                                                download_dir)
+        ident["draft_weights"] = _weights_entry(vllm_config, draft, getattr(spec, "revision", None), download_dir)
     return ident
 
 
@@ -336,19 +369,31 @@ def _weights_entry(vllm_config: Any, model: str, revision: str | None, download_
         # Nothing local to read (weights streamed from object storage, say):
         # the name and revision are all there is; a change under the same
         # name needs namespace_salt.
-        logger.warning("pykvcache: the weights of %s were not found locally; the namespace covers "
-                       "the model name and revision only (set namespace_salt when the weights "
-                       "behind that name change)", model)
+        logger.warning(
+            "pykvcache: the weights of %s were not found locally; the namespace covers "
+            "the model name and revision only (set namespace_salt when the weights "
+            "behind that name change)",
+            model,
+        )
         return {"model": model, "revision": str(revision)}
-    logger.info("pykvcache: weights identity of %s: %d file(s), %d from the digest cache, "
-                "%d bytes hashed in %.2f s (%.0f MB/s)", weights.source, weights.files,
-                weights.files_cached, weights.bytes_hashed, weights.seconds,
-                weights.bytes_hashed / max(weights.seconds, 1e-9) / 1e6)
+    logger.info(
+        "pykvcache: weights identity of %s: %d file(s), %d from the digest cache, %d bytes hashed in %.2f s (%.0f MB/s)",
+        weights.source,
+        weights.files,
+        weights.files_cached,
+        weights.bytes_hashed,
+        weights.seconds,
+        weights.bytes_hashed / max(weights.seconds, 1e-9) / 1e6,
+    )
     why = confirm_loaded(weights, vllm_config)
     if why is None:
         return weights.digest
-    logger.warning("pykvcache: the weights of %s changed while this engine started (%s): the weights "
-                   "it loaded may not be the files there now, so its chunks get a namespace of its "
-                   "own (it loads nothing other engines stored, and they load nothing it stores); "
-                   "restart it to share the store again", weights.source, why)
+    logger.warning(
+        "pykvcache: the weights of %s changed while this engine started (%s): the weights "
+        "it loaded may not be the files there now, so its chunks get a namespace of its "
+        "own (it loads nothing other engines stored, and they load nothing it stores); "
+        "restart it to share the store again",
+        weights.source,
+        why,
+    )
     return own_namespace(why)

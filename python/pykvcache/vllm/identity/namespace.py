@@ -63,7 +63,12 @@ class NamespaceInputs:
 
     @classmethod
     def from_offloading_config(
-        cls, config: Any, *, format_version: int, model_id: str | None = None, salt: str = "",
+        cls,
+        config: Any,
+        *,
+        format_version: int,
+        model_id: str | None = None,
+        salt: str = "",
         model_identity: str = "",
     ) -> NamespaceInputs:
         par = config.parallel
@@ -76,9 +81,7 @@ class NamespaceInputs:
             kv_cache_layout=getattr(config, "kv_cache_layout", None),
             canonical_layout=bool(getattr(config, "canonical_layout", False)),
             replicated_layout=bool(getattr(config, "replicated_layout", False)),
-            groups=tuple(
-                (g.group_id, g.tokens_per_block, tuple(g.layer_names)) for g in config.groups
-            ),
+            groups=tuple((g.group_id, g.tokens_per_block, tuple(g.layer_names)) for g in config.groups),
             tokens_per_hash=config.cache.tokens_per_hash,
             blocks_per_chunk=config.cache.blocks_per_chunk,
             bytes_per_block=config.worker_kv_bytes_per_block,
@@ -94,9 +97,16 @@ class NamespaceInputs:
 
 
 def _parallelism_agnostic(inputs: NamespaceInputs, canonical_bytes_per_block: int) -> NamespaceInputs:
-    return dataclasses.replace(inputs, world_size=0, tp_size=0, pp_size=0, pcp_size=0, dcp_size=0,
-                               bytes_per_block=canonical_bytes_per_block,
-                               row_layout_version=CANONICAL_ROW_LAYOUT)
+    return dataclasses.replace(
+        inputs,
+        world_size=0,
+        tp_size=0,
+        pp_size=0,
+        pcp_size=0,
+        dcp_size=0,
+        bytes_per_block=canonical_bytes_per_block,
+        row_layout_version=CANONICAL_ROW_LAYOUT,
+    )
 
 
 def model_label(model: str) -> str:

@@ -123,8 +123,13 @@ class AdapterDigests:
 
     @staticmethod
     def _refused(key: tuple[int, str, str], known: _Adapter) -> None:
-        logger.warning("pykvcache: LoRA adapter %s (id %d, %s): %s; requests with it load and store no "
-                       "chunks until the engine restarts", key[1], key[0], key[2], known.why)
+        logger.warning(
+            "pykvcache: LoRA adapter %s (id %d, %s): %s; requests with it load and store no chunks until the engine restarts",
+            key[1],
+            key[0],
+            key[2],
+            known.why,
+        )
 
 
 def derived_key(key: bytes, tag: bytes) -> OffloadKey:
@@ -168,7 +173,7 @@ class _RequestAdapter:
         derived keys; vLLM only ever appends to them."""
         if len(raw) != self._seen:
             items = list(raw.items())
-            self._positions.update((derived_key(k, tag), p) for k, p in items[self._seen:])
+            self._positions.update((derived_key(k, tag), p) for k, p in items[self._seen :])
             self._seen = len(items)
         return self._positions
 
@@ -186,8 +191,7 @@ class _DerivedContext:
 
     @property
     def _offload_key_positions(self) -> dict[bytes, int]:
-        return self._adapter.positions(getattr(self._context, "_offload_key_positions", None) or {},
-                                       self._tag)
+        return self._adapter.positions(getattr(self._context, "_offload_key_positions", None) or {}, self._tag)
 
 
 class AdapterKeyedManager(NvmeOffloadingManager):
@@ -208,8 +212,7 @@ class AdapterKeyedManager(NvmeOffloadingManager):
         lora = getattr(request, "lora_request", None) if request is not None else _NO_ADAPTER
         if lora is _NO_ADAPTER:
             # Not found: its adapter, if any, is unknown; refused (never raw keys).
-            logger.warning("pykvcache: request %s not found on registration; it neither loads nor "
-                           "stores chunks", req_id)
+            logger.warning("pykvcache: request %s not found on registration; it neither loads nor stores chunks", req_id)
             req_context.set_state(_RequestAdapter(None, None))
         elif lora is not None:
             # Known adapters are checked again: changed files refuse them.
@@ -264,8 +267,7 @@ class AdapterKeyedManager(NvmeOffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         keys = list(keys)
         adapter = self._adapter(req_context)
-        if adapter is not None and adapter.tag is not None and not adapter.stores_refused \
-                and not self.adapters.confirm(adapter.lora):
+        if adapter is not None and adapter.tag is not None and not adapter.stores_refused and not self.adapters.confirm(adapter.lora):
             adapter.stores_refused = True  # changed since its digest: its KV may be the new one's
         if self._refused(req_context) or (adapter is not None and adapter.stores_refused):
             return super().prepare_store([], req_context)
@@ -276,8 +278,9 @@ class AdapterKeyedManager(NvmeOffloadingManager):
         raw = dict(zip(derived, keys))
         if self._raw_of is not None:
             self._raw_of.update((d, raw[d]) for d in out.keys_to_store)
-        return dataclasses.replace(out, keys_to_store=[raw[k] for k in out.keys_to_store],
-                                   evicted_keys=[raw.get(k, k) for k in out.evicted_keys])
+        return dataclasses.replace(
+            out, keys_to_store=[raw[k] for k in out.keys_to_store], evicted_keys=[raw.get(k, k) for k in out.evicted_keys]
+        )
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         return super().complete_store(self._keys(keys, req_context), self._context(req_context), success)
@@ -298,5 +301,4 @@ class AdapterKeyedManager(NvmeOffloadingManager):
 
 def manager_class(vllm_config: Any) -> type[NvmeOffloadingManager]:
     """The manager for an engine: adapter-keyed where LoRA is enabled."""
-    return AdapterKeyedManager if getattr(vllm_config, "lora_config", None) is not None \
-        else NvmeOffloadingManager
+    return AdapterKeyedManager if getattr(vllm_config, "lora_config", None) is not None else NvmeOffloadingManager

@@ -40,8 +40,9 @@ class DiskIo:
     """The reads and writes between the staging slots of ``cache`` and the
     disk tier's store (read from ``disk`` at each use: a wipe reopens it)."""
 
-    def __init__(self, disk: DiskTier, cache: StagingCache, *, payload_bytes: int, max_inflight_writes: int,
-                 events: KvEvents | None) -> None:
+    def __init__(
+        self, disk: DiskTier, cache: StagingCache, *, payload_bytes: int, max_inflight_writes: int, events: KvEvents | None
+    ) -> None:
         self._disk = disk
         self._cache = cache
         self._payload_bytes = payload_bytes
@@ -73,8 +74,7 @@ class DiskIo:
         a demand read before queued background work). Counting those made
         loads look faster than predicted, and the gate learnt a disk capped
         at 200 MB/s as 0.4-7 GB/s."""
-        waiting = sum(1 for key, handle in self.reads.items()
-                      if key not in self.prefetching and not handle.done())
+        waiting = sum(1 for key, handle in self.reads.items() if key not in self.prefetching and not handle.done())
         waiting += sum(1 for handle in self.writes.values() if not handle.done())
         return waiting * self._payload_bytes
 

@@ -31,6 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from pykvcache.gate import device_memory
 from pykvcache.vllm.config import MAX_STAGING_SLOTS, ConfigError, PykvcacheConfig, store_keywords
+from pykvcache.vllm.identity.model_identity import model_identity
+from pykvcache.vllm.identity.namespace import NamespaceInputs, identity_digest, namespace_for
+from pykvcache.vllm.logs import ChunkTroubleLog
+from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter
 from pykvcache.vllm.scheduler.disk_presence import DiskPresence
 from pykvcache.vllm.scheduler.gating import (
     GateHooks,
@@ -41,10 +45,6 @@ from pykvcache.vllm.scheduler.gating import (
     Tick,
     no_gating,
 )
-from pykvcache.vllm.logs import ChunkTroubleLog
-from pykvcache.vllm.metrics import ManagerMetrics, failed_read_counter
-from pykvcache.vllm.identity.model_identity import model_identity
-from pykvcache.vllm.identity.namespace import NamespaceInputs, identity_digest, namespace_for
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,18 +60,23 @@ logger = logging.getLogger("vllm.pykvcache." + __name__.rsplit(".", 1)[-1])
 
 #: Engine counters reported as gauges under another name (``disk_<name>`` mostly).
 _ENGINE_GAUGES = (
-    ("disk_filler_chunks", "filler_chunks"), ("disk_recycled_files", "recycled_files"),
-    ("disk_recycle_skipped", "recycle_skipped"), ("disk_other_namespace_bytes", "other_namespace_bytes"),
-    ("disk_other_writers", "other_writers"), ("disk_io_timeouts", "io_timeouts"),
-    ("disk_breaker_opens", "breaker_opens"), ("disk_breaker_skipped_gets", "breaker_skipped_gets"),
-    ("disk_breaker_skipped_puts", "breaker_skipped_puts"), ("disk_breaker_open_dirs", "breaker_open_dirs"),
-    ("disk_stuck_ops", "stuck_ops"), ("disk_quarantined_slots", "quarantined_slots"),
+    ("disk_filler_chunks", "filler_chunks"),
+    ("disk_recycled_files", "recycled_files"),
+    ("disk_recycle_skipped", "recycle_skipped"),
+    ("disk_other_namespace_bytes", "other_namespace_bytes"),
+    ("disk_other_writers", "other_writers"),
+    ("disk_io_timeouts", "io_timeouts"),
+    ("disk_breaker_opens", "breaker_opens"),
+    ("disk_breaker_skipped_gets", "breaker_skipped_gets"),
+    ("disk_breaker_skipped_puts", "breaker_skipped_puts"),
+    ("disk_breaker_open_dirs", "breaker_open_dirs"),
+    ("disk_stuck_ops", "stuck_ops"),
+    ("disk_quarantined_slots", "quarantined_slots"),
 )
 
 
 # -- opening -------------------------------------------------------------------
-def open_store(settings: PykvcacheConfig, pool: StagingPool, namespace: str, *,
-               close_pool_on_failure: bool = False) -> BlockStore:
+def open_store(settings: PykvcacheConfig, pool: StagingPool, namespace: str, *, close_pool_on_failure: bool = False) -> BlockStore:
     """The engine's store on the configured directories, with ``pool`` as its
     staging. The engine creates a missing root (Python creates none first: it
     would give it the umask's mode, not 0o700); when it cannot, the error names
@@ -95,20 +100,23 @@ def open_store(settings: PykvcacheConfig, pool: StagingPool, namespace: str, *,
 def model_identity_digest(vllm_config: VllmConfig | None, model_name: str, settings: PykvcacheConfig) -> str:
     """The model's identity (resolved config and, unless turned off, the
     weights' digest) as the namespace carries it."""
-    return identity_digest(model_identity(vllm_config, model_name,
-                                          fingerprint_weights=settings.fingerprint_weights))
+    return identity_digest(model_identity(vllm_config, model_name, fingerprint_weights=settings.fingerprint_weights))
 
 
-def chunk_namespace(offloading_config: OffloadingConfig, settings: PykvcacheConfig, identity: str,
-                    adapt: Callable[[NamespaceInputs], NamespaceInputs] | None = None) -> str:
+def chunk_namespace(
+    offloading_config: OffloadingConfig,
+    settings: PykvcacheConfig,
+    identity: str,
+    adapt: Callable[[NamespaceInputs], NamespaceInputs] | None = None,
+) -> str:
     """The namespace of this engine's chunks: vLLM's offloading config, the
     chunk format, ``model_id``, ``namespace_salt`` and the model's ``identity``;
     ``adapt`` changes the inputs where a mode lays the chunk bytes out otherwise."""
     from pykvcache._core import FORMAT_VERSION
 
     inputs = NamespaceInputs.from_offloading_config(
-        offloading_config, format_version=FORMAT_VERSION, model_id=settings.model_id,
-        salt=settings.namespace_salt, model_identity=identity)
+        offloading_config, format_version=FORMAT_VERSION, model_id=settings.model_id, salt=settings.namespace_salt, model_identity=identity
+    )
     return namespace_for(inputs if adapt is None else adapt(inputs))
 
 
@@ -119,22 +127,21 @@ class StagingSlots:
     slot_footprint: int
 
 
-def size_staging(settings: PykvcacheConfig, payload_bytes: int, *, min_slots: int,
-                 clamp: bool = False) -> StagingSlots:
+def size_staging(settings: PykvcacheConfig, payload_bytes: int, *, min_slots: int, clamp: bool = False) -> StagingSlots:
     """The staging slots ``staging_bytes`` holds for chunks of ``payload_bytes``
     (:func:`staging_size_problems` says what is refused, all at once)."""
     from pykvcache._core import chunk_file_bytes
 
-    problems = staging_size_problems(settings.staging_bytes, settings.capacity_bytes, payload_bytes,
-                                     min_slots=min_slots, clamp=clamp)
+    problems = staging_size_problems(settings.staging_bytes, settings.capacity_bytes, payload_bytes, min_slots=min_slots, clamp=clamp)
     if problems:
         raise ConfigError("\n".join(problems), problems)
     footprint = chunk_file_bytes(payload_bytes)
     return StagingSlots(num_slots=min(settings.staging_bytes // footprint, MAX_STAGING_SLOTS), slot_footprint=footprint)
 
 
-def staging_size_problems(staging: int | None, capacity: int | None, payload_bytes: int, *, min_slots: int,
-                          clamp: bool = False) -> list[str]:
+def staging_size_problems(
+    staging: int | None, capacity: int | None, payload_bytes: int, *, min_slots: int, clamp: bool = False
+) -> list[str]:
     """What the chunk size makes of ``staging_bytes`` and ``capacity_bytes``
     (None: not checked, e.g. refused on its own): at least ``min_slots``
     slots, at most :data:`MAX_STAGING_SLOTS` (more is refused, or with
@@ -148,18 +155,21 @@ def staging_size_problems(staging: int | None, capacity: int | None, payload_byt
     if num_slots < min_slots:
         problems.append(
             f"staging_bytes={staging} holds {num_slots} chunk(s) of {payload_bytes} bytes; give at least "
-            f"{min_slots * footprint} bytes or use a smaller block_size")
+            f"{min_slots * footprint} bytes or use a smaller block_size"
+        )
     if num_slots > MAX_STAGING_SLOTS and not clamp:
         most = MAX_STAGING_SLOTS * footprint
         problems.append(
             f"staging_bytes={staging} would hold {num_slots} staging slots of {footprint} bytes, more "
             f"than the {MAX_STAGING_SLOTS} the engine supports; give staging_bytes at most {most} "
-            f"({most / (1 << 30):.1f} GiB) or a larger block_size")
+            f"({most / (1 << 30):.1f} GiB) or a larger block_size"
+        )
     if capacity is not None and capacity < footprint:
         problems.append(
             f"capacity_bytes={capacity} is smaller than one chunk file ({footprint} bytes: "
             f"{payload_bytes} bytes of KV per chunk plus its header); give at least {footprint} bytes "
-            "(many chunks' worth to be useful) or use a smaller block_size")
+            "(many chunks' worth to be useful) or use a smaller block_size"
+        )
     return problems
 
 
@@ -176,10 +186,18 @@ class DiskTier:
     ``"pykvcache tier"``); ``trouble`` names its log of unusable chunks;
     ``on_learnt`` is called after the gate learnt the device from a load."""
 
-    def __init__(self, store: BlockStore, pool: StagingPool, *, gating: GatingFactory = no_gating,
-                 sampler: Callable[[Sequence[bytes]], Sequence[bytes]] | None = None, label: str = "pykvcache",
-                 trouble: str = "unusable chunks (each treated as a miss)",
-                 log: logging.Logger = logger, on_learnt: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        store: BlockStore,
+        pool: StagingPool,
+        *,
+        gating: GatingFactory = no_gating,
+        sampler: Callable[[Sequence[bytes]], Sequence[bytes]] | None = None,
+        label: str = "pykvcache",
+        trouble: str = "unusable chunks (each treated as a miss)",
+        log: logging.Logger = logger,
+        on_learnt: Callable[[], None] | None = None,
+    ) -> None:
         self.store = store
         self.pool = pool
         self.metrics = ManagerMetrics()
@@ -198,10 +216,16 @@ class DiskTier:
         # follows the breakers (a lambda: the manager's reset_cache replaces
         # the store). A restart starts from what the last server on this
         # namespace learnt of the device, not from the prior (decision 0073).
-        self.gating: Gating = gating(GateHooks(
-            breakers=lambda: self.store.breaker_health(), io_deadline_s=store.stats()["io_deadline_s"],
-            device_file=Path(store.namespace_dir[0]) / device_memory.FILE_NAME, sampler=sampler,
-            log=log, label=label))
+        self.gating: Gating = gating(
+            GateHooks(
+                breakers=lambda: self.store.breaker_health(),
+                io_deadline_s=store.stats()["io_deadline_s"],
+                device_file=Path(store.namespace_dir[0]) / device_memory.FILE_NAME,
+                sampler=sampler,
+                log=log,
+                label=label,
+            )
+        )
 
     def on_disk(self, key: bytes) -> bool:
         """In the index, or published since by another engine sharing the
@@ -222,14 +246,26 @@ class DiskTier:
         it again at once (it would end the same way every step)."""
         ok = result.status == "ok"
         if self.load_trace is not None and started_at is not None:
-            self.load_trace("read", key=bytes(key)[:6].hex(), submitted=round(started_at, 6),
-                            ended=round(started_at + (result.latency_s or 0.0), 6), ok=ok,
-                            mb=round(int(result.length or 0) / 1e6, 3))
+            self.load_trace(
+                "read",
+                key=bytes(key)[:6].hex(),
+                submitted=round(started_at, 6),
+                ended=round(started_at + (result.latency_s or 0.0), 6),
+                ok=ok,
+                mb=round(int(result.length or 0) / 1e6, 3),
+            )
         # Submitted at ``started_at`` (monotonic s): the device's busy periods,
         # preloads included (decision 0079); the plans timing this read.
-        observed = self.gating.observe(ReadEnded(
-            key, ok, result.latency_s or 0.0, int(result.length or 0) if ok else 0, started_at=started_at,
-            timed_out=not ok and result.errno == errno.ETIMEDOUT))
+        observed = self.gating.observe(
+            ReadEnded(
+                key,
+                ok,
+                result.latency_s or 0.0,
+                int(result.length or 0) if ok else 0,
+                started_at=started_at,
+                timed_out=not ok and result.errno == errno.ETIMEDOUT,
+            )
+        )
         self.metrics.inc("gate_load_observations", observed)
         if observed and self._on_learnt is not None:
             self._on_learnt()
@@ -252,10 +288,15 @@ class DiskTier:
         kind = (result.status, result.errno)
         first = kind not in self._write_failures_logged
         self._write_failures_logged.add(kind)
-        self._log.log(logging.WARNING if first else logging.DEBUG,
-                      "%s: write of chunk %s failed (%s: %s)%s", self._label, key.hex(), result.status,
-                      result.message, "; further failures like it are counted in write_errors"
-                      if first else "")
+        self._log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "%s: write of chunk %s failed (%s: %s)%s",
+            self._label,
+            key.hex(),
+            result.status,
+            result.message,
+            "; further failures like it are counted in write_errors" if first else "",
+        )
         return False
 
     def _count_io(self, op: str, result: IoResult) -> None:
@@ -318,8 +359,7 @@ class UsesDiskTier:
     """The names a scheduler on a :class:`DiskTier` (``self.disk``) answers to."""
 
     disk: DiskTier
-    store = _of_disk("store", "The engine's store (settable: the manager's wipe reopens it, tools wrap it).",
-                     settable=True)
+    store = _of_disk("store", "The engine's store (settable: the manager's wipe reopens it, tools wrap it).", settable=True)
     gating = _of_disk("gating", "The gate (gating.Gating; settable).", settable=True)
     pool = _of_disk("pool", "The staging pool the engine reads into and writes from.")
     metrics = _of_disk("metrics", "The counters, gauges and histograms reported to vLLM.")

@@ -99,18 +99,31 @@ class GateWiring:
     prefill side from the engine's steps, store admission, the saved device
     model and the decision trace."""
 
-    def __init__(self, gate: AdmissionGate, *, chunk_tokens: int, chunk_bytes: int,
-                 admission: StoreAdmission | None = None, store_min_tokens: int | str = 0,
-                 hooks: GateHooks | None = None, trace: DecisionTrace | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        gate: AdmissionGate,
+        *,
+        chunk_tokens: int,
+        chunk_bytes: int,
+        admission: StoreAdmission | None = None,
+        store_min_tokens: int | str = 0,
+        hooks: GateHooks | None = None,
+        trace: DecisionTrace | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         hooks = GateHooks() if hooks is None else hooks
         self.gate = gate
         # Same cost model and online refinement, separate counters: a
         # preload's decision is not a request's decision.
-        self.preload_gate = AdmissionGate(gate.model, chunk_tokens=gate.chunk_tokens, online=gate.online,
-                                          margin=gate.margin, enabled=gate.enabled,
-                                          prefill_online=gate.prefill_online,
-                                          behind_weight_cap=gate.behind_weight_cap)
+        self.preload_gate = AdmissionGate(
+            gate.model,
+            chunk_tokens=gate.chunk_tokens,
+            online=gate.online,
+            margin=gate.margin,
+            enabled=gate.enabled,
+            prefill_online=gate.prefill_online,
+            behind_weight_cap=gate.behind_weight_cap,
+        )
         self.chunk_tokens = chunk_tokens
         self.chunk_bytes = chunk_bytes
         self.admission = admission
@@ -165,16 +178,20 @@ class GateWiring:
         plan = self.plan_for(key, req_context, inputs_of)
         return None if plan.retry_until is not None else key in plan.allowed
 
-    def plan_preload(self, keys: Sequence[bytes], req_id: Hashable, inputs_of: GateInputsOf,
-                     start_tokens: int = 0) -> int:
+    def plan_preload(self, keys: Sequence[bytes], req_id: Hashable, inputs_of: GateInputsOf, start_tokens: int = 0) -> int:
         """How many leading ``keys`` of a waiting request the preloader reads.
         Background reading: before the device is timed, a preload reads none
         of it (the request's own plan samples it; a chunk read for a preload
         looks staged to that plan, which would wait for it)."""
         inputs = inputs_of(keys, req_id)
         gate = self.preload_gate
-        decision = gate.decide(inputs.states, start_tokens=start_tokens, queued_bytes=inputs.queued_bytes,
-                               waiting_requests=inputs.waiting_requests, sample_in_background=True)
+        decision = gate.decide(
+            inputs.states,
+            start_tokens=start_tokens,
+            queued_bytes=inputs.queued_bytes,
+            waiting_requests=inputs.waiting_requests,
+            sample_in_background=True,
+        )
         gate.take_counters()  # a gate of its own: lookups count decisions, preloads not
         self._trace_decision("preload", req_id, inputs, decision)
         self._skipped_preloads += decision.available_chunks - decision.load_chunks
@@ -202,8 +219,7 @@ class GateWiring:
                 learnt = 0
                 if event.started_at is not None:
                     # Before the plans' timing, which a failed read ends.
-                    learnt += self._read_ended(event.key, event.started_at, event.latency_s, event.nbytes,
-                                               timed_out=event.timed_out)
+                    learnt += self._read_ended(event.key, event.started_at, event.latency_s, event.nbytes, timed_out=event.timed_out)
                 learnt += self._read_finished(event.key, event.ok, event.latency_s)
                 if learnt:
                     self._save_device(every_s=DEVICE_SAVE_EVERY_S)
@@ -231,9 +247,12 @@ class GateWiring:
         if self._skipped_preloads:
             counters["lookahead_gate_skipped_chunks"] = self._skipped_preloads
             self._skipped_preloads = 0
-        return GateSnapshot(counters=counters, gauges=self.gate.gauges(),
-                            device_bytes_per_s=self.device_bytes_per_s(),
-                            learns_device=self.gate.online is not None)
+        return GateSnapshot(
+            counters=counters,
+            gauges=self.gate.gauges(),
+            device_bytes_per_s=self.device_bytes_per_s(),
+            learns_device=self.gate.online is not None,
+        )
 
     def close(self) -> None:
         # A save stalled longer than this is given up: the model is a hint.
@@ -257,8 +276,15 @@ class GateWiring:
 
     def _trace_decision(self, role: str, req_id: Hashable, inputs: GateInputs, decision: GateDecision) -> None:
         if self.trace is not None:
-            self.trace.decided(role, req_id, inputs.states, decision, queued_bytes=inputs.queued_bytes,
-                               waiting=inputs.waiting_requests, bytes_per_s=self.device_bytes_per_s())
+            self.trace.decided(
+                role,
+                req_id,
+                inputs.states,
+                decision,
+                queued_bytes=inputs.queued_bytes,
+                waiting=inputs.waiting_requests,
+                bytes_per_s=self.device_bytes_per_s(),
+            )
 
     def _poll_breakers(self, now: float | None = None) -> None:
         """Look at the breakers (once per plan, per observed load and per
@@ -269,7 +295,6 @@ class GateWiring:
         began, ended = self.outages.update(*self._breakers(), now)
         if began or ended:
             self.gate.storage_outage(began, ended, now, self.outages.lookback_s)
-
 
     def plan_for(self, key: bytes, req_context: Any, inputs_of: GateInputsOf) -> Plan:
         """The plan of the lookup's request, made at its first lookup (see the module docstring)."""
@@ -296,19 +321,22 @@ class GateWiring:
         if self._sample_keys:
             # A chunk whose sample read is in flight has a staging slot but is
             # not there yet: loading it would wait for that read.
-            states = [ChunkState.DISK if s is ChunkState.STAGED and k in self._sample_keys else s
-                      for k, s in zip(keys, states)]
+            states = [ChunkState.DISK if s is ChunkState.STAGED and k in self._sample_keys else s for k, s in zip(keys, states)]
         now = self.clock()
         # A breaker that closed since the last look restarts the exploration
         # before this decision.
         self._poll_breakers(now)
-        decision = self.gate.decide(states, start_tokens=start, queued_bytes=queued,
-                                    waiting_requests=inputs.waiting_requests, now=now,
-                                    sample_in_background=self._sampler is not None)
+        decision = self.gate.decide(
+            states,
+            start_tokens=start,
+            queued_bytes=queued,
+            waiting_requests=inputs.waiting_requests,
+            now=now,
+            sample_in_background=self._sampler is not None,
+        )
         self._trace_decision("lookup", req_id, inputs, decision)
         allowed = keys[: decision.load_chunks]
-        plan = Plan(considered=frozenset(keys), allowed=frozenset(allowed), decision=decision,
-                    started=now, queued_bytes=queued)
+        plan = Plan(considered=frozenset(keys), allowed=frozenset(allowed), decision=decision, started=now, queued_bytes=queued)
         if decision.reason == "untimed" and decision.sample_chunks and not again:
             # First contact: the request waits while its first chunk on disk
             # is read in the background, then is decided again at the speed
@@ -328,10 +356,10 @@ class GateWiring:
         self._plans.setdefault(req_id, {})[group] = plan
         # One first-contact read at a time: reads that overlap keep the
         # device's busy period, the lesson they make, from ending.
-        if decision.sample_chunks and self._sampler is not None and not (
-                decision.reason == "untimed" and self._sample_keys):
-            sample = [k for k, state in zip(keys[: decision.sample_chunks], states)
-                      if state is ChunkState.DISK and k not in self._sample_keys]
+        if decision.sample_chunks and self._sampler is not None and not (decision.reason == "untimed" and self._sample_keys):
+            sample = [
+                k for k, state in zip(keys[: decision.sample_chunks], states) if state is ChunkState.DISK and k not in self._sample_keys
+            ]
             self._sample_keys.update(self._sampler(sample))
         if self.admission is not None:
             self.admission.sighted(req_id, keys)
@@ -372,14 +400,22 @@ class GateWiring:
                     now = self.clock()
                     self._poll_breakers(now)
                     if self.outages.learnable(plan.started):
-                        self.gate.observe_load(plan.disk_bytes, plan.longest_read_s,
-                                               queued_bytes=plan.queued_bytes, now=now,
-                                               explored=plan.decision.reason == "explore")
+                        self.gate.observe_load(
+                            plan.disk_bytes,
+                            plan.longest_read_s,
+                            queued_bytes=plan.queued_bytes,
+                            now=now,
+                            explored=plan.decision.reason == "explore",
+                        )
                         observed += 1
                         if self.trace is not None:
-                            self.trace.learnt(plan.disk_bytes + plan.queued_bytes, plan.longest_read_s,
-                                              explored=plan.decision.reason == "explore",
-                                              bytes_per_s=self.device_bytes_per_s(), source="load")
+                            self.trace.learnt(
+                                plan.disk_bytes + plan.queued_bytes,
+                                plan.longest_read_s,
+                                explored=plan.decision.reason == "explore",
+                                bytes_per_s=self.device_bytes_per_s(),
+                                source="load",
+                            )
                     else:
                         self.gate.ignore_load()
                     plan.disk_bytes = 0
@@ -391,8 +427,7 @@ class GateWiring:
         self.observations += observed
         return observed
 
-    def _read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int, *,
-                    timed_out: bool) -> int:
+    def _read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int, *, timed_out: bool) -> int:
         """The read of ``key`` submitted at ``started_at`` ended after
         ``latency_s``, serving ``nbytes`` (before :meth:`_read_finished`);
         returns 1 when that ended (or cut) a busy period the gate learnt from
@@ -413,8 +448,9 @@ class GateWiring:
             latency_s, nbytes = max(latency_s, self.clock() - started_at), self.chunk_bytes
         if self.trace is not None:
             self.trace.read(started_at, latency_s, nbytes, sample=sample)
-        period = self.busy.read_ended(started_at, latency_s, nbytes,
-                                      timed_elsewhere=key in self._awaited_by and not timed_out, sample=sample)
+        period = self.busy.read_ended(
+            started_at, latency_s, nbytes, timed_elsewhere=key in self._awaited_by and not timed_out, sample=sample
+        )
         if period is None:
             return 0
         now = self.clock()
@@ -433,8 +469,7 @@ class GateWiring:
         self.gate.observe_load(nbytes, seconds, now=now, explored=sampled)
         self.observations += 1
         if self.trace is not None:
-            self.trace.learnt(nbytes, seconds, explored=sampled, bytes_per_s=self.device_bytes_per_s(),
-                              source="period")
+            self.trace.learnt(nbytes, seconds, explored=sampled, bytes_per_s=self.device_bytes_per_s(), source="period")
         return 1
 
     def _stop_timing(self, req_id: Hashable, plan: Plan) -> None:
@@ -466,8 +501,13 @@ class GateWiring:
             restored, reason = device_memory.restore(path, online)
             why_not = reason or ""
         if online is not None and restored:
-            self._log.info("%s: the gate starts from the device model saved in %s (%d loads: %.0f MB/s)",
-                           self._label, path, restored, online.disk_bytes_per_s / 1e6)
+            self._log.info(
+                "%s: the gate starts from the device model saved in %s (%d loads: %.0f MB/s)",
+                self._label,
+                path,
+                restored,
+                online.disk_bytes_per_s / 1e6,
+            )
         else:
             self._log.debug("%s: no saved device model used (%s)", self._label, why_not)
 
@@ -498,8 +538,9 @@ class GateWiring:
         self._device_saved_at, self._device_saved_samples = now, online.samples
 
 
-def build_gating(settings: PykvcacheConfig, hooks: GateHooks, *, model: str, dtype: str, chunk_bytes: int,
-                 chunk_tokens: int, steps_timed: bool = False) -> GateWiring:
+def build_gating(
+    settings: PykvcacheConfig, hooks: GateHooks, *, model: str, dtype: str, chunk_bytes: int, chunk_tokens: int, steps_timed: bool = False
+) -> GateWiring:
     """The break-even gate and store admission for chunks of ``chunk_bytes``
     covering ``chunk_tokens`` tokens (``gate: false`` still builds it, loading
     everything but counting), with the ``hooks`` of the scheduler that owns
@@ -510,23 +551,28 @@ def build_gating(settings: PykvcacheConfig, hooks: GateHooks, *, model: str, dty
     from pykvcache.gate.profile import storage_info
 
     s = settings
-    expected = ProfileExpectation(model=model, dtype=dtype, kv_bytes_per_token=chunk_bytes / chunk_tokens,
-                                  chunk_tokens=chunk_tokens, storage_device=storage_info(s.storage_dirs[0])["device"])
-    gate, source = build_gate(s.gate_profile, expected, online=s.gate_online,
-                              margin=s.gate_margin, enabled=s.gate, steps=steps_timed)
+    expected = ProfileExpectation(
+        model=model,
+        dtype=dtype,
+        kv_bytes_per_token=chunk_bytes / chunk_tokens,
+        chunk_tokens=chunk_tokens,
+        storage_device=storage_info(s.storage_dirs[0])["device"],
+    )
+    gate, source = build_gate(s.gate_profile, expected, online=s.gate_online, margin=s.gate_margin, enabled=s.gate, steps=steps_timed)
     admission = None
     if s.store_min_tokens or s.store_second_sighting:
         # A token count unless "break_even" (the config's check).
         min_tokens = 0 if s.store_min_tokens == "break_even" else cast(int, s.store_min_tokens)
-        admission = StoreAdmission(chunk_tokens=chunk_tokens, min_tokens=min_tokens,
-                                   second_sighting=s.store_second_sighting)
+        admission = StoreAdmission(chunk_tokens=chunk_tokens, min_tokens=min_tokens, second_sighting=s.store_second_sighting)
     be = gate.break_even_tokens()
     # The reason for a default cost model was logged as a warning already.
-    logger.info("pykvcache gate: %s, cost model from %s, break-even %s tokens%s",
-                "on" if s.gate else "off (loads everything, counts)", source.split(":", 1)[0],
-                "never" if be == float("inf") else f"{be:.0f}",
-                f", store admission min_tokens={s.store_min_tokens} "
-                f"second_sighting={s.store_second_sighting}" if admission else "")
+    logger.info(
+        "pykvcache gate: %s, cost model from %s, break-even %s tokens%s",
+        "on" if s.gate else "off (loads everything, counts)",
+        source.split(":", 1)[0],
+        "never" if be == float("inf") else f"{be:.0f}",
+        f", store admission min_tokens={s.store_min_tokens} second_sighting={s.store_second_sighting}" if admission else "",
+    )
     trace = None
     if s.gate_trace:
         try:
@@ -534,5 +580,12 @@ def build_gating(settings: PykvcacheConfig, hooks: GateHooks, *, model: str, dty
             logger.info("pykvcache gate: tracing decisions, reads and learnt periods to %s", s.gate_trace)
         except OSError as exc:  # a diagnostic: serving goes on without it
             logger.warning("pykvcache gate: cannot open gate_trace %s (%s); not tracing", s.gate_trace, exc)
-    return GateWiring(gate, chunk_tokens=chunk_tokens, chunk_bytes=chunk_bytes, admission=admission,
-                      store_min_tokens=s.store_min_tokens, hooks=hooks, trace=trace)
+    return GateWiring(
+        gate,
+        chunk_tokens=chunk_tokens,
+        chunk_bytes=chunk_bytes,
+        admission=admission,
+        store_min_tokens=s.store_min_tokens,
+        hooks=hooks,
+        trace=trace,
+    )

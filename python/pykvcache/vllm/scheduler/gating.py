@@ -132,8 +132,7 @@ class Gating(Protocol):
         """Whether the lookup of ``key`` loads it (False: MISS; None: ask again later, first contact)."""
         ...
 
-    def plan_preload(self, keys: Sequence[bytes], req_id: Hashable, inputs_of: GateInputsOf,
-                     start_tokens: int = 0) -> int:
+    def plan_preload(self, keys: Sequence[bytes], req_id: Hashable, inputs_of: GateInputsOf, start_tokens: int = 0) -> int:
         """How many leading ``keys`` of a waiting request (from token ``start_tokens``) a preload reads."""
         ...
 
@@ -164,8 +163,7 @@ class NoGating:
     def allows(self, key: bytes, req_context: Any, inputs_of: GateInputsOf) -> bool | None:
         return True
 
-    def plan_preload(self, keys: Sequence[bytes], req_id: Hashable, inputs_of: GateInputsOf,
-                     start_tokens: int = 0) -> int:
+    def plan_preload(self, keys: Sequence[bytes], req_id: Hashable, inputs_of: GateInputsOf, start_tokens: int = 0) -> int:
         states = inputs_of(keys, req_id).states
         return next((i for i, s in enumerate(states) if s is ChunkState.MISSING), len(states))
 

@@ -21,8 +21,9 @@ from vllm.v1.kv_offload.base import Locality, Medium, OffloadingEvent
 from pykvcache._core import key_hash
 
 if TYPE_CHECKING:
-    from pykvcache._core import BlockStore
     from vllm.v1.kv_offload.base import OffloadKey
+
+    from pykvcache._core import BlockStore
 
 # Under "vllm." so the messages show up in vLLM's spawned processes, whose
 # logging is configured for that namespace only.
@@ -70,5 +71,6 @@ class KvEvents:
     def _append(self, keys: list[bytes], *, removed: bool) -> None:
         if keys:
             # The manager's chunk keys are vLLM's offload keys (OffloadKey is bytes under a NewType).
-            self._events.append(OffloadingEvent(keys=cast("list[OffloadKey]", list(keys)), medium=Medium.STORAGE, removed=removed,
-                                                locality=Locality.LOCAL))
+            self._events.append(
+                OffloadingEvent(keys=cast("list[OffloadKey]", list(keys)), medium=Medium.STORAGE, removed=removed, locality=Locality.LOCAL)
+            )

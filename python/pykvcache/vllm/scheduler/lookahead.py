@@ -119,8 +119,18 @@ class Preloader:
     for the gate's inputs and to stage chunks, and keeps its holds in the
     staging ``cache`` it shares with the host (the one book of who holds what)."""
 
-    def __init__(self, host: PreloadHost, cache: StagingCache, metrics: Counters, *, chunk_bytes: int,
-                 budget_slots: int, window: int, chunk_tokens: int, by_priority: bool = False) -> None:
+    def __init__(
+        self,
+        host: PreloadHost,
+        cache: StagingCache,
+        metrics: Counters,
+        *,
+        chunk_bytes: int,
+        budget_slots: int,
+        window: int,
+        chunk_tokens: int,
+        by_priority: bool = False,
+    ) -> None:
         self.host = host
         self.cache = cache
         self.metrics = metrics
@@ -197,8 +207,7 @@ class Preloader:
         for key in gone:
             del self.unused[key]
         if gone:
-            self.metrics.inc("lookahead_wasted_bytes",
-                                     len(gone) * self.chunk_bytes)
+            self.metrics.inc("lookahead_wasted_bytes", len(gone) * self.chunk_bytes)
 
     def reclaim(self, for_req: Hashable) -> bool:
         """Staging is full and a lookup of ``for_req`` needs a slot: give up
@@ -218,8 +227,7 @@ class Preloader:
             for keys in reversed(req.key_lists):
                 for key in reversed(keys):
                     entry = cache.get(key) if key in held else None
-                    if (entry is None or entry.state is not EntryState.READY or entry.pins
-                            or entry.owners != {holder}):
+                    if entry is None or entry.state is not EntryState.READY or entry.pins or entry.owners != {holder}:
                         continue  # in flight, pinned, or shared: freeing it frees nothing
                     cache.release(holder, key)
                     self.metrics.inc("lookahead_reclaimed_chunks")

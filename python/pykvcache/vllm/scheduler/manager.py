@@ -124,9 +124,14 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         # the metrics: the disk side the tier of vLLM's tiering shares. The
         # gate's explorations are read here in the background; the explored
         # request recomputes (decision 0054).
-        self.disk = DiskTier(store, pool, gating=gating if gating is not None else no_gating,
-                             sampler=lambda keys: self.io.sample(keys), log=logger,
-                             on_learnt=lambda: self.io.update_background_budget())
+        self.disk = DiskTier(
+            store,
+            pool,
+            gating=gating if gating is not None else no_gating,
+            sampler=lambda keys: self.io.sample(keys),
+            log=logger,
+            on_learnt=lambda: self.io.update_background_budget(),
+        )
         self.layout = layout
         # Creates a fresh store on the same directories (after a wipe).
         self._reopen_store = reopen_store
@@ -135,11 +140,19 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self._lock = threading.RLock()
         # Chunks reaching and leaving the disk, for vLLM's KV events (decision 0037).
         self.events = KvEvents() if enable_events else None
-        self.io = DiskIo(self.disk, self.cache, payload_bytes=layout.payload_bytes,
-                         max_inflight_writes=max_inflight_writes, events=self.events)
-        self.preloader = Preloader(self, self.cache, self.metrics, chunk_bytes=layout.payload_bytes,
-                                   budget_slots=lookahead_slots, window=lookahead_requests,
-                                   chunk_tokens=chunk_tokens, by_priority=by_priority)
+        self.io = DiskIo(
+            self.disk, self.cache, payload_bytes=layout.payload_bytes, max_inflight_writes=max_inflight_writes, events=self.events
+        )
+        self.preloader = Preloader(
+            self,
+            self.cache,
+            self.metrics,
+            chunk_bytes=layout.payload_bytes,
+            budget_slots=lookahead_slots,
+            window=lookahead_requests,
+            chunk_tokens=chunk_tokens,
+            by_priority=by_priority,
+        )
         # Staging that lookups of requests not scheduled yet may hold (the
         # cache knows who holds what: owners ("lookup", req_id)).
         self._lookup_hold_slots = lookup_hold_slots
@@ -239,8 +252,9 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
     def gate_inputs(self, keys: Sequence[bytes], req_id: Hashable) -> GateInputs:
         """What the gate weighs ``req_id``'s prefix ``keys`` by: asked by the
         gate plan at a request's first lookup and by the preloader."""
-        return GateInputs([self.chunk_state(k) for k in keys], self.queued_bytes(),
-                          self.waiting_behind(cast(str, req_id)))  # vLLM's request ids
+        return GateInputs(
+            [self.chunk_state(k) for k in keys], self.queued_bytes(), self.waiting_behind(cast(str, req_id))
+        )  # vLLM's request ids
 
     def lookahead_add(self, request: WaitingRequest) -> None:
         """A request arrived (lookahead connector): queue it and plan at once,
@@ -314,8 +328,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             return result
         staged = self.cache.get(key)
         assert staged is not None  # HIT or HIT_PENDING: the chunk has a staging slot
-        in_flight = result is LookupResult.HIT_PENDING and self.in_flight_hits \
-            and staged.state is EntryState.READING
+        in_flight = result is LookupResult.HIT_PENDING and self.in_flight_hits and staged.state is EntryState.READING
         if in_flight:
             # The read started (now or earlier) at once; the worker's copy
             # waits for it (prepare_load hands over the ready word's generation).
@@ -397,8 +410,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self._release_request(req_context.req_id, finished=False)
         if not any(generations):
             return StagingSlotsSpec(slots)
-        return StagingSlotsSpec(slots, ready_generations=generations,
-                                wait_s=self.store.stats()["io_verdict_bound_s"])
+        return StagingSlotsSpec(slots, ready_generations=generations, wait_s=self.store.stats()["io_verdict_bound_s"])
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for key in keys:
@@ -409,21 +421,15 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         for key in keys:
             self.cache.release(loader, key)
 
-    def prepare_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext
-    ) -> PrepareStoreOutput | None:
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         self.poll_io()
         keys = list(dict.fromkeys(keys))
         # Admission keeps a prefix: a chunk stored after a skipped one could
         # never be loaded.
         keys = keys[: self.gating.admit_store(keys, req_context)]
-        new_keys = [
-            key for key in keys
-            if key not in self.cache and not self.store.contains(key)
-        ]
+        new_keys = [key for key in keys if key not in self.cache and not self.store.contains(key)]
         if not new_keys:
-            return PrepareStoreOutput(keys_to_store=[], store_spec=StagingSlotsSpec([]),
-                                      evicted_keys=[])
+            return PrepareStoreOutput(keys_to_store=[], store_spec=StagingSlotsSpec([]), evicted_keys=[])
         available = self.cache.allocatable()
         if available < len(new_keys):
             # Slots held only by disk writes become evictable within a step or
@@ -445,13 +451,9 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self.metrics.inc("staging_evictions", self.cache.evictions - evictions_before)
         # Chunks leaving staging are still on disk, so no tier lost them:
         # evicted_keys stays empty.
-        return PrepareStoreOutput(
-            keys_to_store=new_keys, store_spec=StagingSlotsSpec(slots), evicted_keys=[]
-        )
+        return PrepareStoreOutput(keys_to_store=new_keys, store_spec=StagingSlotsSpec(slots), evicted_keys=[])
 
-    def complete_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
-    ) -> None:
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         stored = []
         for key in keys:
             entry = self.cache.get(key)
@@ -553,11 +555,11 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
 
         def done(p: BackgroundPreformat) -> None:
             if p.error is not None:
-                logger.warning("pykvcache: background preformat stopped after %d filler chunk(s): %s",
-                               p.chunks, p.error)
+                logger.warning("pykvcache: background preformat stopped after %d filler chunk(s): %s", p.chunks, p.error)
             else:
-                logger.info("pykvcache: background preformat wrote %d filler chunk(s), %.2f GB in %.0f s",
-                            p.chunks, p.bytes / 1e9, p.seconds)
+                logger.info(
+                    "pykvcache: background preformat wrote %d filler chunk(s), %.2f GB in %.0f s", p.chunks, p.bytes / 1e9, p.seconds
+                )
 
         self._stop_preformat()
         self._preformat_wanted = True

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
 
+
 def step_work(scheduler_output: SchedulerOutput) -> list[tuple[int, int]]:
     """``(computed_tokens, scheduled_tokens)`` of every request a vLLM
     ``SchedulerOutput`` schedules (new, resumed and running ones)."""
@@ -46,8 +47,13 @@ class StepTimer:
     compute and bounded in error by that share).
     """
 
-    def __init__(self, observe: Callable[[Sequence[tuple[int, int]], float], bool], *,
-                 min_prefill_tokens: int, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        observe: Callable[[Sequence[tuple[int, int]], float], bool],
+        *,
+        min_prefill_tokens: int,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._observe = observe
         self.min_prefill_tokens = max(1, min_prefill_tokens)
         self.clock = clock

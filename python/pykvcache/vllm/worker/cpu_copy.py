@@ -46,8 +46,7 @@ Prepared = dict[int, dict[int, tuple[list[int], list[int]]]]
 PAGE_LOOP_MIN_BYTES = 4096
 
 
-def _copy_pages(views: _Views, blocks: Sequence[int], slot_idx: Sequence[int], sub_idx: Sequence[int], *,
-                to_kv: bool) -> int:
+def _copy_pages(views: _Views, blocks: Sequence[int], slot_idx: Sequence[int], sub_idx: Sequence[int], *, to_kv: bool) -> int:
     """Copies pages ``kv[blocks[i]]`` <-> ``stage[slot_idx[i], sub_idx[i]]``
     of one run's ``views`` (torch and numpy views of the same bytes; indices
     as lists); returns the bytes moved."""
@@ -78,9 +77,7 @@ class CpuCopier:
         staging = torch.frombuffer(self._region, dtype=torch.int8)
         stride = pool.slot_stride
         base = pool.payload_offset(0)
-        if pool.num_slots > 1 and pool.payload_offset(pool.num_slots - 1) != base + (
-            pool.num_slots - 1
-        ) * stride:
+        if pool.num_slots > 1 and pool.payload_offset(pool.num_slots - 1) != base + (pool.num_slots - 1) * stride:
             raise ValueError("staging slots are not evenly spaced; cannot build views")
         row = base + layout.row_offset(rank)
         bpc = layout.blocks_per_chunk
@@ -109,14 +106,9 @@ class CpuCopier:
             # Bytes of the row this group leaves unused: zeroed on store so a
             # chunk file never carries stale bytes of another chunk.
             tail = layout.row_stride - slot_map.group_row_bytes[g]
-            self._tails.append(
-                staging.as_strided((pool.num_slots, tail), (stride, 1),
-                                   row + slot_map.group_row_bytes[g])
-                if tail else None
-            )
+            self._tails.append(staging.as_strided((pool.num_slots, tail), (stride, 1), row + slot_map.group_row_bytes[g]) if tail else None)
 
-    def _indexed(self, gpu_spec: PageSpec,
-                 slots: Slots) -> Iterator[tuple[GroupTransfer, list[int], list[int], list[int]]]:
+    def _indexed(self, gpu_spec: PageSpec, slots: Slots) -> Iterator[tuple[GroupTransfer, list[int], list[int], list[int]]]:
         """Each transfer part with its block, slot and sub-block indices (lists)."""
         for part in self._map.transfers(gpu_spec, slots):
             yield part, part.block_ids.tolist(), part.slots.tolist(), part.sub_blocks.tolist()

@@ -76,7 +76,8 @@ class CudaCopier:
             raise RuntimeError(
                 "canonical_layout: this KV cache layout's canonical pages interleave the ranks "
                 "token by token; pykvcache's CUDA copies support head-major layouts (HND) only. "
-                "Remove canonical_layout from kv_connector_extra_config")
+                "Remove canonical_layout from kv_connector_extra_config"
+            )
         self._map = slot_map
         self._kv = kv_tensors
         self._device = kv_tensors[0].device
@@ -105,22 +106,17 @@ class CudaCopier:
         kv_ptrs: list[np.ndarray] = []
         sizes: list[np.ndarray] = []
         for part in self._map.transfers(gpu_spec, slots):
-            slot_base = (
-                self._base + self._payload0 + part.slots * self._slot_stride + self._row
-            ).astype(np.int64)
+            slot_base = (self._base + self._payload0 + part.slots * self._slot_stride + self._row).astype(np.int64)
             for ref in self._map.groups[part.group]:
                 kv = self._kv[ref.tensor_idx]
                 run = ref.runs[0]  # one contiguous piece per page (checked at start)
-                stage_ptrs.append(slot_base + ref.row_offset + run.row_offset
-                                  + part.sub_blocks * ref.sub_stride)
+                stage_ptrs.append(slot_base + ref.row_offset + run.row_offset + part.sub_blocks * ref.sub_stride)
                 kv_ptrs.append(kv.data_ptr() + run.local_offset + part.block_ids * kv.stride(0))
                 sizes.append(np.full(len(part.block_ids), run.fragment_size, dtype=np.int64))
         if not sizes:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, empty
-        return (np.concatenate(stage_ptrs).astype(np.int64),
-                np.concatenate(kv_ptrs).astype(np.int64),
-                np.concatenate(sizes))
+        return (np.concatenate(stage_ptrs).astype(np.int64), np.concatenate(kv_ptrs).astype(np.int64), np.concatenate(sizes))
 
     # -- submission ------------------------------------------------------------
     def submit(self, job_id: int, gpu_spec: PageSpec, slots: Slots, *, to_gpu: bool) -> None:
@@ -153,8 +149,14 @@ class CudaCopier:
                 kv = self._kv[ref.tensor_idx]
                 run = ref.runs[0]
                 for block, slot, sub in zip(part.block_ids, part.slots, part.sub_blocks):
-                    off = (self._payload0 + int(slot) * self._slot_stride + self._row
-                           + ref.row_offset + run.row_offset + int(sub) * ref.sub_stride)
+                    off = (
+                        self._payload0
+                        + int(slot) * self._slot_stride
+                        + self._row
+                        + ref.row_offset
+                        + run.row_offset
+                        + int(sub) * ref.sub_stride
+                    )
                     stage = self._staging[off : off + run.fragment_size]
                     page = kv[int(block), run.local_offset : run.local_offset + run.fragment_size]
                     if to_gpu:

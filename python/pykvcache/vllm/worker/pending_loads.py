@@ -69,10 +69,15 @@ class PendingLoads:
     no progress within ``wait_s``.
     """
 
-    def __init__(self, pool: StagingPool, *, finish: Callable[[PendingLoad], None],
-                 fail: Callable[[PendingLoad, str], None],
-                 copy_wave: Callable[[PendingLoad, set[int]], None] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        pool: StagingPool,
+        *,
+        finish: Callable[[PendingLoad], None],
+        fail: Callable[[PendingLoad, str], None],
+        copy_wave: Callable[[PendingLoad, set[int]], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._pool = pool
         self._finish = finish
         self._fail = fail

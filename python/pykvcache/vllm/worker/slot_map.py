@@ -111,8 +111,7 @@ class SlotMap:
     @property
     def single_run_pages(self) -> bool:
         """Each worker page lands in one contiguous piece (what the CUDA path copies)."""
-        return all(len(p.runs) == 1 and p.runs[0].num_fragments == 1
-                   for placements in self.groups for p in placements)
+        return all(len(p.runs) == 1 and p.runs[0].num_fragments == 1 for placements in self.groups for p in placements)
 
     def transfers(self, gpu_spec: PageSpec, slot_ids: Slots) -> Iterator[GroupTransfer]:
         """Split one transfer into per-group page lists (null blocks dropped)."""
@@ -121,9 +120,7 @@ class SlotMap:
         slots = np.asarray(slot_ids, dtype=np.int64)
         group_sizes = list(gpu_spec.group_sizes)
         if len(group_sizes) != len(self.groups):
-            raise ValueError(
-                f"transfer has {len(group_sizes)} KV cache groups, worker has {len(self.groups)}"
-            )
+            raise ValueError(f"transfer has {len(group_sizes)} KV cache groups, worker has {len(self.groups)}")
         block_pos = slot_pos = 0
         for g, (count, first_index) in enumerate(zip(group_sizes, gpu_spec.block_indices)):
             if count == 0:
@@ -132,10 +129,7 @@ class SlotMap:
             num_slots = -(-(count + skip) // bpc)
             flat = np.arange(skip, skip + count, dtype=np.int64)
             if block_pos + count > len(block_ids) or slot_pos + num_slots > len(slots):
-                raise ValueError(
-                    f"transfer spec shorter than its group sizes: group {g} needs "
-                    f"{count} blocks and {num_slots} slots"
-                )
+                raise ValueError(f"transfer spec shorter than its group sizes: group {g} needs {count} blocks and {num_slots} slots")
             group_blocks = block_ids[block_pos : block_pos + count]
             group_slots = slots[slot_pos : slot_pos + num_slots][flat // bpc]
             keep = group_blocks != 0  # block 0 is vLLM's null block
@@ -144,8 +138,7 @@ class SlotMap:
             slot_pos += num_slots
         if block_pos != len(block_ids) or slot_pos != len(slots):
             raise ValueError(
-                f"transfer spec mismatch: {len(block_ids)} blocks / {len(slots)} slots, "
-                f"group sizes cover {block_pos} / {slot_pos}"
+                f"transfer spec mismatch: {len(block_ids)} blocks / {len(slots)} slots, group sizes cover {block_pos} / {slot_pos}"
             )
 
 
@@ -164,8 +157,9 @@ def _canonical_placement(group: int, ref: PageRef, offset: int) -> RefPlacement:
     if mapping.local_page_size_bytes != ref.page_size_bytes:
         raise RuntimeError(
             f"canonical_layout: mapping of {mapping.local_page_size_bytes} bytes for a "
-            f"{ref.page_size_bytes}-byte page (KV cache group {group})")
-    runs = tuple(Run(r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments,
-                     r.local_stride, r.canonical_stride) for r in mapping.runs)
-    return RefPlacement(ref.tensor_idx, ref.page_size_bytes, offset,
-                        sub_stride=mapping.canonical_page_size_bytes, runs=runs)
+            f"{ref.page_size_bytes}-byte page (KV cache group {group})"
+        )
+    runs = tuple(
+        Run(r.local_offset, r.canonical_offset, r.fragment_size, r.num_fragments, r.local_stride, r.canonical_stride) for r in mapping.runs
+    )
+    return RefPlacement(ref.tensor_idx, ref.page_size_bytes, offset, sub_stride=mapping.canonical_page_size_bytes, runs=runs)

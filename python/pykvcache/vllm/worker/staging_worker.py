@@ -105,8 +105,9 @@ class StagingWorker(OffloadingWorker):
         slots = cast("StagingSlotsSpec", dst_spec).block_ids
         return self._submit(job_id, gpu_spec=src_spec, slots=slots, to_gpu=False)
 
-    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False,
-                    **_future_kwargs: Any) -> bool:
+    def submit_load(
+        self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec, expedited: bool = False, **_future_kwargs: Any
+    ) -> bool:
         # ``expedited`` (vLLM >= 0.33) asks to jump queued stores; copies here
         # are issued in order on one stream and are short, so it needs nothing.
         start = time.perf_counter()
@@ -125,8 +126,7 @@ class StagingWorker(OffloadingWorker):
         # (decision 0065); polled at each get_finished.
         wait_s = float(src_spec.wait_s or 10.0)
         waiting = [(s, gen) for s, gen in zip(slots, generations) if gen > 0]
-        load = PendingLoad(job_id, dst_spec, slots, waiting, wait_s, start,
-                           ready={s for s, gen in zip(slots, generations) if gen == 0})
+        load = PendingLoad(job_id, dst_spec, slots, waiting, wait_s, start, ready={s for s, gen in zip(slots, generations) if gen == 0})
         self._pending_loads().add(load)
         return True
 
@@ -147,8 +147,7 @@ class StagingWorker(OffloadingWorker):
                 # All reads first, then one batched copy (see decision 0057).
                 self._pending = PendingLoads(pool, finish=self._finish_whole, fail=self._fail_pending)
             else:
-                self._pending = PendingLoads(pool, finish=self._finish_copied, fail=self._fail_pending,
-                                             copy_wave=self._copy_wave)
+                self._pending = PendingLoads(pool, finish=self._finish_copied, fail=self._fail_pending, copy_wave=self._copy_wave)
         return self._pending
 
     def _copy_wave(self, load: PendingLoad, wave: set[int]) -> None:
@@ -166,8 +165,9 @@ class StagingWorker(OffloadingWorker):
     def _finish_copied(self, load: PendingLoad) -> None:
         if self.trace is not None:
             self.trace("load_done", job=load.job_id)
-        self._finished.append(TransferResult(job_id=load.job_id, success=True, transfer_size=load.copied,
-                                             transfer_time=time.perf_counter() - load.start))
+        self._finished.append(
+            TransferResult(job_id=load.job_id, success=True, transfer_size=load.copied, transfer_time=time.perf_counter() - load.start)
+        )
 
     def _finish_whole(self, load: PendingLoad) -> None:
         self._submit(load.job_id, gpu_spec=load.dst_spec, slots=load.slots, to_gpu=True, start=load.start)
@@ -183,12 +183,12 @@ class StagingWorker(OffloadingWorker):
         request recomputed by vLLM (the connector reports the job failed)."""
         if not self.report_load_failures:
             # Copying would serve wrong KV and nobody would tell vLLM: stop.
-            raise RuntimeError(f"load job {job_id}: chunks not ready ({why}) and the connector "
-                               "does not report failed loads (use PyKvCacheConnector)")
+            raise RuntimeError(
+                f"load job {job_id}: chunks not ready ({why}) and the connector does not report failed loads (use PyKvCacheConnector)"
+            )
         logger.warning("pykvcache: load job %d not (fully) copied, vLLM recomputes it: %s", job_id, why)
         self._failed_loads.add(job_id)
-        self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=0,
-                                             transfer_time=time.perf_counter() - start))
+        self._finished.append(TransferResult(job_id=job_id, success=True, transfer_size=0, transfer_time=time.perf_counter() - start))
         return True
 
     def take_failed_loads(self) -> set[int]:
@@ -200,8 +200,7 @@ class StagingWorker(OffloadingWorker):
         _ = self.copier  # the property attaches the region on first use
         return self._pool
 
-    def _submit(self, job_id: int, *, gpu_spec: GPULoadStoreSpec, slots: Slots, to_gpu: bool,
-                start: float | None = None) -> bool:
+    def _submit(self, job_id: int, *, gpu_spec: GPULoadStoreSpec, slots: Slots, to_gpu: bool, start: float | None = None) -> bool:
         if self._on_cuda:
             self._cuda_copier().submit(job_id, gpu_spec, slots, to_gpu=to_gpu)
             return True
@@ -209,8 +208,7 @@ class StagingWorker(OffloadingWorker):
         start = time.perf_counter() if start is None else start
         num_bytes = copier.load(gpu_spec, slots) if to_gpu else copier.store(gpu_spec, slots)
         self._finished.append(
-            TransferResult(job_id=job_id, success=True, transfer_size=num_bytes,
-                           transfer_time=time.perf_counter() - start)
+            TransferResult(job_id=job_id, success=True, transfer_size=num_bytes, transfer_time=time.perf_counter() - start)
         )
         return True
 
