@@ -11,9 +11,8 @@ import shutil
 import struct
 import time
 
-import pytest
-
 import pykvcache as kv
+import pytest
 from fault_marks import NEEDS_FAULT_INJECTION
 from robust_chunkfmt import HEADER_BYTES, chunk_files, crc32c
 
@@ -172,13 +171,16 @@ def _tamper(path, at, recrc):
         f.write(data)
 
 
-@pytest.mark.parametrize(("at", "recrc"), [
-    (OFF_NONCE + 1, True),       # a header field bound as associated data
-    (OFF_KEY_ID - 100, True),    # the key area (bound too)
-    (OFF_NONCE + 1, False),      # torn header: its CRC
-    (HEADER_BYTES + 12345, False),  # the payload
-    (OFF_TAGS + 3, True),        # a tag
-])
+@pytest.mark.parametrize(
+    ("at", "recrc"),
+    [
+        (OFF_NONCE + 1, True),  # a header field bound as associated data
+        (OFF_KEY_ID - 100, True),  # the key area (bound too)
+        (OFF_NONCE + 1, False),  # torn header: its CRC
+        (HEADER_BYTES + 12345, False),  # the payload
+        (OFF_TAGS + 3, True),  # a tag
+    ],
+)
 def test_a_flipped_bit_is_corrupt(store_dir, tmp_path, backend, at, recrc):
     pool = kv.StagingPool(2 * MiB, 1)
     s = pool.acquire()
@@ -223,7 +225,7 @@ def _nonces(store_dir):
     out = set()
     for path in chunk_files(store_dir):
         h = header(path)
-        out.add((h[OFF_KEY_ID:OFF_KEY_ID + 8], h[OFF_NONCE:OFF_NONCE + 12]))
+        out.add((h[OFF_KEY_ID : OFF_KEY_ID + 8], h[OFF_NONCE : OFF_NONCE + 12]))
     return out
 
 
@@ -239,10 +241,9 @@ def test_recycled_and_preformatted_files_get_fresh_nonces(store_dir, tmp_path, p
         s = pool.acquire()
         for i in range(60):
             assert put(store, pool, s, b"k%d" % i, os.urandom(chunk)).ok
-            path = next(p for p in chunk_files(store_dir) if os.path.basename(p).startswith(
-                "%032x" % kv._core.key_hash(b"k%d" % i)))
+            path = next(p for p in chunk_files(store_dir) if os.path.basename(p).startswith("%032x" % kv._core.key_hash(b"k%d" % i)))
             h = header(path)
-            pair = (h[OFF_KEY_ID:OFF_KEY_ID + 8], h[OFF_NONCE:OFF_NONCE + 12])
+            pair = (h[OFF_KEY_ID : OFF_KEY_ID + 8], h[OFF_NONCE : OFF_NONCE + 12])
             assert pair not in seen, f"put {i} repeated a (key id, nonce) pair"
             seen.add(pair)
         assert store.stats()["recycled_files"] >= 50
@@ -278,7 +279,7 @@ def test_the_previous_key_reads_and_new_puts_use_the_current_one(store_dir, tmp_
         assert r.ok and got == old, r
         assert put(store, pool, s, b"new", os.urandom(5000)).ok
         new_path = next(p for p in chunk_files(store_dir) if os.path.basename(p).startswith("%032x" % kv._core.key_hash(b"new")))
-        assert header(new_path)[OFF_KEY_ID:OFF_KEY_ID + 8].hex() == st["encryption_key_id"]
+        assert header(new_path)[OFF_KEY_ID : OFF_KEY_ID + 8].hex() == st["encryption_key_id"]
 
 
 @NEEDS_FAULT_INJECTION

@@ -8,7 +8,6 @@ import shutil
 from types import SimpleNamespace
 
 import pytest
-
 from pykvcache.tools.bench.engine_bench import EngineCase, run_engine_case
 from pykvcache.tools.bench.sealed import PLAIN, SEALED, engine_cases, sealed_output
 from pykvcache.tools.cli import main
@@ -17,14 +16,20 @@ MiB = 1 << 20
 
 
 def _phase(system, direction, gbps, cpu, repeat):
-    return SimpleNamespace(system=system, direction=direction, chunk_bytes=8 * MiB, gbps=gbps,
-                           cpu_s_per_gb=cpu, params={"queue_depth": 1, "repeat": repeat})
+    return SimpleNamespace(
+        system=system, direction=direction, chunk_bytes=8 * MiB, gbps=gbps, cpu_s_per_gb=cpu, params={"queue_depth": 1, "repeat": repeat}
+    )
 
 
 def test_the_ratio_is_the_median_of_paired_repeats_and_the_target_covers_loads_and_stores():
-    phases = [_phase(PLAIN, "read", 1.0, 0.1, 0), _phase(SEALED, "read", 0.9, 0.2, 0),
-              _phase(PLAIN, "read", 2.0, 0.1, 1), _phase(SEALED, "read", 1.9, 0.3, 1),
-              _phase(PLAIN, "write", 1.0, 0.1, 0), _phase(SEALED, "write", 0.8, 0.2, 0)]
+    phases = [
+        _phase(PLAIN, "read", 1.0, 0.1, 0),
+        _phase(SEALED, "read", 0.9, 0.2, 0),
+        _phase(PLAIN, "read", 2.0, 0.1, 1),
+        _phase(SEALED, "read", 1.9, 0.3, 1),
+        _phase(PLAIN, "write", 1.0, 0.1, 0),
+        _phase(SEALED, "write", 0.8, 0.2, 0),
+    ]
     table, targets, raw = sealed_output(phases)  # type: ignore[arg-type]
     read = next(r for r in raw if r["direction"] == "read")
     assert read["ratio"] == pytest.approx((0.9 + 0.95) / 2) and read["repeats"] == 2
@@ -67,8 +72,7 @@ def test_bench_encrypt_through_the_cli(tmp_path, monkeypatch):
     monkeypatch.setattr("pykvcache.tools.bench.quick", tiny)
     monkeypatch.setattr("pykvcache.tools.bench.cold_cache.PAUSE_S", 0.0)
     out = tmp_path / "out"
-    argv = ["bench", "--out", str(out), "--dir", str(tmp_path), "--quick", "--parts", "storage", "--no-progress",
-            "--warm", "--encrypt"]
+    argv = ["bench", "--out", str(out), "--dir", str(tmp_path), "--quick", "--parts", "storage", "--no-progress", "--warm", "--encrypt"]
     main(argv)  # the tiny sizes may miss targets: the exit code is not the subject
     assert "Sealed (encryption key, AES-256-GCM) vs plaintext" in (out / "report.md").read_text()
     rows = json.loads((out / "results.json").read_text())["parts"]["storage"]["raw"]["sealed"]

@@ -57,8 +57,9 @@ def _int_list(text: str) -> list[int]:
 def _bench(parser: argparse.ArgumentParser) -> Handler:
     from .bench.config import MiB
 
-    parser.add_argument("--out", type=Path, default=None,
-                        help="directory for report.md, PNG plots and results.json (required unless --list-parts)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="directory for report.md, PNG plots and results.json (required unless --list-parts)"
+    )
     parser.add_argument(
         "--dir",
         type=Path,
@@ -78,42 +79,75 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--chunk-mib", type=_size_list, default=None, help="engine/fio chunk sizes in MiB, e.g. 2,8,28")
     parser.add_argument("--queue-depths", type=_int_list, default=None, help="chunk operations in flight, e.g. 1,8,32")
     parser.add_argument("--segment-mib", type=float, default=None, help="override the engine's read segment size (MiB)")
-    parser.add_argument("--write-segment-mib", type=float, default=None,
-                        help="engine write segment size (MiB; default: each chunk in one write)")
-    parser.add_argument("--verify", choices=("full", "header"), default=None,
-                        help="engine read verification (default full: header + payload CRC)")
-    parser.add_argument("--encrypt", action="store_true",
-                        help="storage part: also run every engine case with an encryption key (sealed chunks), "
-                             "both verify=full, side by side: the throughput ratio and CPU per GB")
-    parser.add_argument("--serve-preset", default=None, choices=("sessions", "long-context", "quick"),
-                        help="serve part: what it runs (docs/performance.md, Serving): sessions (default: multi-turn "
-                             "users over 1.5k-token documents, every tier), long-context (TTFT vs context length "
-                             "1k-16k, quiet and read-capped: the crossover plot), quick (CI size)")
-    parser.add_argument("--serve-configs", default=None,
-                        help="serve part: comma-separated configurations (recompute,pykvcache,gate_off,"
-                             "lookahead_off,verify_header,lmcache,native; default all)")
-    parser.add_argument("--serve-model", default=None,
-                        help="serve part: a generated model (llama3-geometry, llama3-geometry-32k, tiny) or a model directory")
-    parser.add_argument("--serve-concurrency", type=_int_list, default=None,
-                        help="serve part: concurrent users per level, e.g. 2,6")
+    parser.add_argument(
+        "--write-segment-mib", type=float, default=None, help="engine write segment size (MiB; default: each chunk in one write)"
+    )
+    parser.add_argument(
+        "--verify", choices=("full", "header"), default=None, help="engine read verification (default full: header + payload CRC)"
+    )
+    parser.add_argument(
+        "--encrypt",
+        action="store_true",
+        help="storage part: also run every engine case with an encryption key (sealed chunks), "
+        "both verify=full, side by side: the throughput ratio and CPU per GB",
+    )
+    parser.add_argument(
+        "--serve-preset",
+        default=None,
+        choices=("sessions", "long-context", "quick"),
+        help="serve part: what it runs (docs/performance.md, Serving): sessions (default: multi-turn "
+        "users over 1.5k-token documents, every tier), long-context (TTFT vs context length "
+        "1k-16k, quiet and read-capped: the crossover plot), quick (CI size)",
+    )
+    parser.add_argument(
+        "--serve-configs",
+        default=None,
+        help="serve part: comma-separated configurations (recompute,pykvcache,gate_off,"
+        "lookahead_off,verify_header,lmcache,native; default all)",
+    )
+    parser.add_argument(
+        "--serve-model",
+        default=None,
+        help="serve part: a generated model (llama3-geometry, llama3-geometry-32k, tiny) or a model directory",
+    )
+    parser.add_argument("--serve-concurrency", type=_int_list, default=None, help="serve part: concurrent users per level, e.g. 2,6")
     parser.add_argument("--serve-repeats", type=int, default=None, help="serve part: repeats per configuration")
-    parser.add_argument("--serve-set", action="append", default=None, metavar="KEY=VALUE",
-                        help="serve part: set any of its options (ServeOptions in serve_options.py), e.g. "
-                             "staging_bytes=48MiB or doc_tokens=1024; repeatable")
-    parser.add_argument("--disk-hit-set", action="append", default=None, metavar="KEY=VALUE",
-                        help="disk_hit part: set any of its options (DiskHitOptions in disk_hit_run.py), e.g. "
-                             "doc_tokens=8192,16384 or samples=9; repeatable")
-    parser.add_argument("--serve-busy-cores", type=int, default=None,
-                        help="serve part: busy-loop processes running while every configuration is measured "
-                             "(other work sharing the cores), default 0")
-    parser.add_argument("--lmcache-mib", type=int, default=None,
-                        help="lmcache_disk part: MiB stored and loaded per system and case (default 512)")
-    parser.add_argument("--lmcache-concurrency", type=_int_list, default=None,
-                        help="lmcache_disk part: operations in flight, e.g. 4,16 (LMCache disk threads = pykvcache queue depth)")
+    parser.add_argument(
+        "--serve-set",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="serve part: set any of its options (ServeOptions in serve_options.py), e.g. "
+        "staging_bytes=48MiB or doc_tokens=1024; repeatable",
+    )
+    parser.add_argument(
+        "--disk-hit-set",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="disk_hit part: set any of its options (DiskHitOptions in disk_hit_run.py), e.g. "
+        "doc_tokens=8192,16384 or samples=9; repeatable",
+    )
+    parser.add_argument(
+        "--serve-busy-cores",
+        type=int,
+        default=None,
+        help="serve part: busy-loop processes running while every configuration is measured (other work sharing the cores), default 0",
+    )
+    parser.add_argument(
+        "--lmcache-mib", type=int, default=None, help="lmcache_disk part: MiB stored and loaded per system and case (default 512)"
+    )
+    parser.add_argument(
+        "--lmcache-concurrency",
+        type=_int_list,
+        default=None,
+        help="lmcache_disk part: operations in flight, e.g. 4,16 (LMCache disk threads = pykvcache queue depth)",
+    )
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
     parser.add_argument("--warm", action="store_true", help="do not drop caches before read phases")
-    parser.add_argument("--cold-metadata", action="store_true",
-                        help="also drop dentry/inode caches before read phases (default: page cache only)")
+    parser.add_argument(
+        "--cold-metadata", action="store_true", help="also drop dentry/inode caches before read phases (default: page cache only)"
+    )
 
     def run(args: argparse.Namespace) -> int:
         from .bench import BenchConfig, quick, run_bench
@@ -274,14 +308,17 @@ def _keygen(parser: argparse.ArgumentParser) -> Handler:
             # O_EXCL: an existing file (a key in use, or a link planted there) is never replaced.
             fd = os.open(args.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         except OSError as exc:
-            print(f"pykvcache keygen: cannot create {args.path}: {exc.strerror}"
-                  + (" (refusing to overwrite a key file)" if isinstance(exc, FileExistsError) else ""), file=sys.stderr)
+            print(
+                f"pykvcache keygen: cannot create {args.path}: {exc.strerror}"
+                + (" (refusing to overwrite a key file)" if isinstance(exc, FileExistsError) else ""),
+                file=sys.stderr,
+            )
             return 1
         try:
             os.fchmod(fd, 0o600)  # whatever the umask left
             key = os.urandom(32)
             while key:
-                key = key[os.write(fd, key):]
+                key = key[os.write(fd, key) :]
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -310,8 +347,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if (exc.name or "").partition(".")[0] != "rich":
             raise
         # rich is the tools' dependency, not the product's (the ``tools`` extra).
-        print(f"pykvcache {args.command}: the `rich` package is not installed; "
-              "install the tools: pip install 'pykvcache[tools]'", file=sys.stderr)
+        print(
+            f"pykvcache {args.command}: the `rich` package is not installed; install the tools: pip install 'pykvcache[tools]'",
+            file=sys.stderr,
+        )
         return 2
 
 

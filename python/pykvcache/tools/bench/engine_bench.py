@@ -140,10 +140,7 @@ def run_engine_case(
             cpu = meter.result
             assert cpu is not None
             delta = DiskCounter.delta(d0, d1)
-            results.append(
-                PhaseResult.measured(case.system, direction, chunk, ok, cpu, params, delta,
-                                     dropped, errors, info)
-            )
+            results.append(PhaseResult.measured(case.system, direction, chunk, ok, cpu, params, delta, dropped, errors, info))
             if errors:
                 raise BenchDataError(f"pykvcache {direction} had {len(errors)} errors, first: {errors[0]}")
         # Each slot last received the final key written from it: its payload.
@@ -174,9 +171,18 @@ def run_engine_case(
     return results
 
 
-def _overwrite(store: Any, keys: list[bytes], slots: list[int], chunk: int, params: dict[str, Any],
-               info: dict[str, Any], disk: DiskCounter | None, direction: str, suffix: bool = True,
-               system: str = "pykvcache") -> PhaseResult:
+def _overwrite(
+    store: Any,
+    keys: list[bytes],
+    slots: list[int],
+    chunk: int,
+    params: dict[str, Any],
+    info: dict[str, Any],
+    disk: DiskCounter | None,
+    direction: str,
+    suffix: bool = True,
+    system: str = "pykvcache",
+) -> PhaseResult:
     """One pass of new keys into the full store: each put evicts one chunk."""
     new_keys = [k + b"-" + direction.encode() for k in keys] if suffix else keys
     before = store.stats()
@@ -188,8 +194,9 @@ def _overwrite(store: Any, keys: list[bytes], slots: list[int], chunk: int, para
     assert meter.result is not None
     after = store.stats()
     counts = {k: after[k] - before[k] for k in ("evictions", "recycled_files", "recycle_skipped")}
-    phase = PhaseResult.measured(system, direction, chunk, ok, meter.result, params,
-                                 DiskCounter.delta(d0, d1), None, errors, {**info, **counts})
+    phase = PhaseResult.measured(
+        system, direction, chunk, ok, meter.result, params, DiskCounter.delta(d0, d1), None, errors, {**info, **counts}
+    )
     if errors:
         raise BenchDataError(f"pykvcache {direction} had {len(errors)} errors, first: {errors[0]}")
     if counts["evictions"] < len(keys) - len(slots):
@@ -197,9 +204,17 @@ def _overwrite(store: Any, keys: list[bytes], slots: list[int], chunk: int, para
     return phase
 
 
-def _write_preformatted(store: Any, pool: Any, keys: list[bytes], slots: list[int], chunk: int,
-                        params: dict[str, Any], info: dict[str, Any], disk: DiskCounter | None,
-                        system: str = "pykvcache") -> PhaseResult:
+def _write_preformatted(
+    store: Any,
+    pool: Any,
+    keys: list[bytes],
+    slots: list[int],
+    chunk: int,
+    params: dict[str, Any],
+    info: dict[str, Any],
+    disk: DiskCounter | None,
+    system: str = "pykvcache",
+) -> PhaseResult:
     """Preformat the empty store (timed apart, in ``info``), then write every chunk once."""
     from pykvcache import preformat
 

@@ -10,7 +10,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from .config import MiB, BenchConfig
+from .config import BenchConfig, MiB
 from .parts import Table
 from .results import PhaseResult
 
@@ -60,8 +60,11 @@ def sealed_output(phases: list[PhaseResult]) -> tuple[Table, dict[str, tuple[boo
     rows: list[list[str]] = []
     raw: list[dict[str, Any]] = []
     for direction, chunk, qd in keys:
-        pairs = [(by[(PLAIN, direction, chunk, qd, r)], by[(SEALED, direction, chunk, qd, r)])
-                 for r in sorted({k[4] for k in by}) if (PLAIN, direction, chunk, qd, r) in by and (SEALED, direction, chunk, qd, r) in by]
+        pairs = [
+            (by[(PLAIN, direction, chunk, qd, r)], by[(SEALED, direction, chunk, qd, r)])
+            for r in sorted({k[4] for k in by})
+            if (PLAIN, direction, chunk, qd, r) in by and (SEALED, direction, chunk, qd, r) in by
+        ]
         if not pairs:
             continue
         ratios = [s.gbps / p.gbps for p, s in pairs if p.gbps > 0]
@@ -70,20 +73,52 @@ def sealed_output(phases: list[PhaseResult]) -> tuple[Table, dict[str, tuple[boo
         plain_cpu = _median([p.cpu_s_per_gb for p, _ in pairs])
         sealed_cpu = _median([s.cpu_s_per_gb for _, s in pairs])
         ratio = statistics.median(ratios) if ratios else None
-        raw.append({"direction": direction, "chunk_bytes": chunk, "queue_depth": qd, "plain_gbps": plain_gbps,
-                    "sealed_gbps": sealed_gbps, "ratio": ratio, "ratios": ratios, "plain_cpu_s_per_gb": plain_cpu,
-                    "sealed_cpu_s_per_gb": sealed_cpu, "repeats": len(pairs)})
-        rows.append([direction, f"{chunk // MiB}", str(qd), f"{plain_gbps:.2f}", f"{sealed_gbps:.2f}", _f(ratio),
-                     f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-", _f(plain_cpu, 4), _f(sealed_cpu, 4),
-                     _f(sealed_cpu / plain_cpu if sealed_cpu and plain_cpu else None)])
+        raw.append(
+            {
+                "direction": direction,
+                "chunk_bytes": chunk,
+                "queue_depth": qd,
+                "plain_gbps": plain_gbps,
+                "sealed_gbps": sealed_gbps,
+                "ratio": ratio,
+                "ratios": ratios,
+                "plain_cpu_s_per_gb": plain_cpu,
+                "sealed_cpu_s_per_gb": sealed_cpu,
+                "repeats": len(pairs),
+            }
+        )
+        rows.append(
+            [
+                direction,
+                f"{chunk // MiB}",
+                str(qd),
+                f"{plain_gbps:.2f}",
+                f"{sealed_gbps:.2f}",
+                _f(ratio),
+                f"{min(ratios):.2f}-{max(ratios):.2f}" if ratios else "-",
+                _f(plain_cpu, 4),
+                _f(sealed_cpu, 4),
+                _f(sealed_cpu / plain_cpu if sealed_cpu and plain_cpu else None),
+            ]
+        )
     table = Table(
         title="Sealed (encryption key, AES-256-GCM) vs plaintext chunks, both verify=full",
-        header=["op", "chunk MiB", "QD", "plaintext GB/s", "sealed GB/s", "x plaintext (median of repeats)",
-                "x plaintext (per repeat)", "plaintext CPU-s/GB", "sealed CPU-s/GB", "CPU x plaintext"],
+        header=[
+            "op",
+            "chunk MiB",
+            "QD",
+            "plaintext GB/s",
+            "sealed GB/s",
+            "x plaintext (median of repeats)",
+            "x plaintext (per repeat)",
+            "plaintext CPU-s/GB",
+            "sealed CPU-s/GB",
+            "CPU x plaintext",
+        ],
         rows=rows,
         note="Each repeat runs the plaintext and the sealed store one after the other on the same disk (the order "
-             "alternating per repeat); the ratio is sealed/plaintext of that repeat, then the median. CPU: the "
-             "whole process (caller, ring, chunk workers) per GB moved.",
+        "alternating per repeat); the ratio is sealed/plaintext of that repeat, then the median. CPU: the "
+        "whole process (caller, ring, chunk workers) per GB moved.",
     )
     covered = [r for r in raw if r["direction"] in TARGET_DIRECTIONS and r["ratio"] is not None]
     targets: dict[str, tuple[bool, str]] = {}

@@ -14,10 +14,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .cold_cache import settle
-from .config import MiB, BenchConfig, fio_sweep_for
+from .cold_cache import drop_caches, settle
+from .config import BenchConfig, MiB, fio_sweep_for
 from .engine_bench import EngineCase, run_engine_case
-from .cold_cache import drop_caches
 from .fio_runner import FioJob, FioResult, FioRunner, sweep_jobs
 from .parts import BenchContext, Figure, Part, PartOutput, Table, register_part
 from .results import Medians, PhaseResult, median_by, ratio
@@ -42,6 +41,8 @@ def _fio_rw(direction: str) -> str:
 def _cf_direction(direction: str) -> str:
     """fio chunk-files phase of the same situation: writes into existing files are its overwrite."""
     return "overwrite" if direction.startswith("overwrite") or direction == "write_preformatted" else direction
+
+
 # Name the engine gives its io_uring thread (per-thread CPU is grouped by name).
 RING_THREAD = "pykvcache-uring"
 
@@ -55,8 +56,7 @@ def _fio_jobs(config: BenchConfig, chunk: int) -> list[Any]:
     nfiles = max(1, config.engine_bytes // chunk)
     for qd in config.queue_depths:
         for rw, over in (("write", False), ("read", False), ("write", True)):
-            jobs.append(FioJob(rw=rw, block_bytes=chunk, iodepth=qd, numjobs=1, runtime_s=0,
-                               chunk_files=max(nfiles, qd), overwrite=over))
+            jobs.append(FioJob(rw=rw, block_bytes=chunk, iodepth=qd, numjobs=1, runtime_s=0, chunk_files=max(nfiles, qd), overwrite=over))
     return jobs
 
 
@@ -139,8 +139,11 @@ def measure(ctx: BenchContext) -> tuple[list[PhaseResult], list[str]]:
                                 step.advance("pykvcache engine unavailable")
                                 continue
                             case = EngineCase(chunk, qd, cfg.engine_bytes, kwargs, overwrite=True, preformat=True, system=system)
-                            phases.extend(run_engine_case(case, eng_dir, disk=ctx.disk, cold=cfg.cold_reads,
-                                                          repeat=rep, cold_metadata=cfg.cold_metadata))
+                            phases.extend(
+                                run_engine_case(
+                                    case, eng_dir, disk=ctx.disk, cold=cfg.cold_reads, repeat=rep, cold_metadata=cfg.cold_metadata
+                                )
+                            )
                             step.advance(f"{system} bs={chunk // MiB}MiB qd={qd} (repeat {rep + 1})")
 
                 for block in (fio_block, engine_block) if fio_first else (engine_block, fio_block):
@@ -154,7 +157,9 @@ def measure(ctx: BenchContext) -> tuple[list[PhaseResult], list[str]]:
 def analyse(phases: list[PhaseResult], cfg: BenchConfig) -> PartOutput:
     out = PartOutput(name="storage", title="Engine vs physical limit (fio)")
     eng = median_by([p for p in phases if p.system == "pykvcache"], lambda p: (p.direction, p.chunk_bytes, p.params["queue_depth"]))
-    fio = median_by([p for p in phases if p.system == "fio"], lambda p: (p.direction, p.chunk_bytes, p.params["numjobs"], p.params["iodepth"]))
+    fio = median_by(
+        [p for p in phases if p.system == "fio"], lambda p: (p.direction, p.chunk_bytes, p.params["numjobs"], p.params["iodepth"])
+    )
     fio_cf = median_by([p for p in phases if p.system == "fio_chunk_files"], lambda p: (p.direction, p.chunk_bytes, p.params["iodepth"]))
 
     def fio_best(rw: str, chunk: int) -> tuple[tuple[Any, ...], Medians] | None:
@@ -309,8 +314,11 @@ def _cold_notes(phases: list[PhaseResult]) -> list[str]:
     notes = []
     if reads:
         dropped = sum(1 for p in reads if p.cold)
-        what = "page/dentry/inode caches" if any(p.params.get("cold_metadata") for p in reads) else (
-            "page cache (dentries/inodes kept, as in a serving store; `--cold-metadata` drops them too)")
+        what = (
+            "page/dentry/inode caches"
+            if any(p.params.get("cold_metadata") for p in reads)
+            else ("page cache (dentries/inodes kept, as in a serving store; `--cold-metadata` drops them too)")
+        )
         notes.append(f"pykvcache reads: {what} dropped before {dropped} of {len(reads)} read phases.")
     if fr:
         notes.append(
