@@ -47,7 +47,9 @@ pub enum MissKind {
     Absent,
     /// A sound file this store does not serve and leaves in place, indexed:
     /// another writer's (no payload checksum to verify, unknown header flags,
-    /// larger than a slot). Reading it again soon would end the same way.
+    /// larger than a slot; sealed with another key or for another tenant, a
+    /// plaintext chunk where chunks are sealed, a sealed one where they are
+    /// not: "not ours", decision 0083). Reading it again soon would end the same way.
     Kept,
     /// The file could not be read, so it was not judged: the directory did
     /// not answer (deadline, storage errno, open breaker) or the read failed

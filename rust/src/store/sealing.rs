@@ -8,9 +8,8 @@
 //!   a chunk worker, which would wait for a buffer only a worker frees). The
 //!   directory worker writes the header fields into it; the chunk workers
 //!   (`Job::SealFrames`, one job each) seal the frames from the slot or region
-//!   into it together, and queue three writes (`SealPlan`): the first quarter
-//!   of the frames as soon as it is sealed, the rest, then the header (tags,
-//!   CRC). The buffer is released at `finish`. The buffers are registered with
+//!   into it together, the file's sealed start written in pieces as it grows
+//!   (`SealPlan`), the header (tags, CRC) last. The buffer is released at `finish`. The buffers are registered with
 //!   io_uring beside the slots (`BlockStore::open`); the thread backend writes
 //!   from them as from any memory.
 //! - **Gets** read the ciphertext into the caller's slot or region (the
@@ -400,27 +399,30 @@ pub struct SealJob {
 unsafe impl Send for SealJob {}
 
 /// What the jobs of one put share.
-#[derive(Default)]
 pub struct SealProgress {
-    /// Frames of the first write sealed so far.
-    first: AtomicUsize,
-    /// Jobs not done yet: the last one queues the rest and the header.
+    /// Which frames are sealed, and the first frame not queued for writing yet.
+    sealed: Mutex<(Vec<bool>, usize)>,
+    /// Jobs not done yet: the last one writes the header.
     left: AtomicUsize,
 }
 
+/// Bytes of a put's first write, and of each one after it (at most: the
+/// device's largest request here, `max_sectors_kb`).
+const FIRST_WRITE_BYTES: usize = 2 << 20;
+const WRITE_BYTES: usize = 4 << 20;
+
 /// How a sealed put's frames are sealed and written. The chunk workers seal
-/// it together (job `j` of `J` takes frames `j`, `j + J`, ...: the frames of
-/// the file's start are done first), so sealing at queue depth 1 takes
-/// 1/J of the time; the first quarter of the frames is written as soon as it
-/// is sealed, the rest and the header when the last frame is. Three writes:
-/// each write more into a freshly allocated file cost more than the sealing
-/// it overlapped (decision 0083), and the first quarter's write covers the
-/// sealing of the rest.
+/// it together (job `j` of `J` takes frames `j`, `j + J`, ...: the file's
+/// start first), so sealing at queue depth 1 takes 1/J of the time, and the
+/// sealed start of the file is written in pieces as it grows: 2 MiB as soon
+/// as they are sealed, then 4 MiB at a time, the header (tags, CRC) last.
+/// A piece per frame kept the device at a shallow queue of small requests
+/// and one write of the whole sealed file idled it during the sealing
+/// (decision 0083).
 pub(super) struct SealPlan {
     frames: usize,
+    frame_bytes: usize,
     jobs: usize,
-    /// Frames of the first write.
-    first: usize,
     /// Whether the payload has bytes (an empty one has a frame, nothing to write).
     writes: bool,
 }
@@ -428,7 +430,8 @@ pub(super) struct SealPlan {
 impl SealPlan {
     pub(super) fn new(payload_len: usize, workers: usize) -> Self {
         let frames = format::frame_count(payload_len as u64);
-        SealPlan { frames, jobs: workers.clamp(1, frames), first: frames.div_ceil(4), writes: payload_len > 0 }
+        let frame_bytes = format::frame_bytes_for(payload_len as u64) as usize;
+        SealPlan { frames, frame_bytes, jobs: workers.clamp(1, frames), writes: payload_len > 0 }
     }
 
     pub(super) fn jobs(&self) -> usize {
@@ -436,7 +439,7 @@ impl SealPlan {
     }
 
     pub(super) fn progress(&self) -> Arc<SealProgress> {
-        Arc::new(SealProgress { first: AtomicUsize::new(0), left: AtomicUsize::new(self.jobs) })
+        Arc::new(SealProgress { sealed: Mutex::new((vec![false; self.frames], 0)), left: AtomicUsize::new(self.jobs) })
     }
 
     /// The frames job `j` seals, in order.
@@ -444,25 +447,31 @@ impl SealPlan {
         (j..self.frames).step_by(self.jobs)
     }
 
-    /// Every transfer of the put: the first write, the rest (if any), the header.
+    /// The frame after the write that starts at frame `start`.
+    fn piece_end(&self, start: usize) -> usize {
+        let bytes = if start == 0 { FIRST_WRITE_BYTES } else { WRITE_BYTES };
+        (start + (bytes / self.frame_bytes).max(1)).min(self.frames)
+    }
+
+    /// Every transfer of the put: its writes, and the header.
     pub(super) fn segments(&self) -> u32 {
-        match (self.writes, self.first < self.frames) {
-            (false, _) => 1,
-            (true, false) => 2,
-            (true, true) => 3,
+        let (mut writes, mut at) = (0, 0);
+        while self.writes && at < self.frames {
+            at = self.piece_end(at);
+            writes += 1;
         }
+        writes + 1
     }
 }
 
 impl Core {
-    /// Seals job `job.job`'s frames into the buffer; the job that seals the
-    /// last frame of the first write queues it, the last job to end queues
-    /// the rest and then the header (tags, CRC).
+    /// Seals job `job.job`'s frames into the buffer; whichever job completes
+    /// a piece of the file's sealed start queues its write, and the last job
+    /// to end queues the header (tags, CRC).
     pub(super) fn seal_frames(&self, job: SealJob, backend: &dyn Backend, workers: usize) {
         let len = job.payload_len;
         let plan = SealPlan::new(len, workers);
-        let (frame_bytes, file_len) = (format::frame_bytes_for(len as u64) as usize, format::file_len(len));
-        let first_end = (HEADER_BYTES + plan.first * frame_bytes).min(file_len);
+        let (frame_bytes, file_len) = (plan.frame_bytes, format::file_len(len));
         let base = job.dst.base();
         // SAFETY: the seal buffer holds a whole file of this length (`put` checked `payload_room`);
         // the header's fields before the tags were written before the jobs were queued and are
@@ -477,23 +486,28 @@ impl Core {
             let to = (from + frame_bytes).min(len);
             let aad = format::frame_aad(fields, f as u32);
             // SAFETY: `HEADER_BYTES + to <= file_len`, inside the seal buffer; frame `f` is this
-            // job's alone, and no transfer covering it is queued before it is sealed.
+            // job's alone, and no write covers it before it is marked sealed below.
             let dst = unsafe { std::slice::from_raw_parts_mut(base.add(HEADER_BYTES + from), to - from) };
             let tag = key.seal_frame(&job.nonce, f as u32, &aad, &src[from..to], dst);
             // SAFETY: the tag of frame `f` (< MAX_FRAMES) lies in the header block, past the
             // fields read above; only this job writes it.
             unsafe { std::ptr::copy_nonoverlapping(tag.as_ptr(), base.add(format::tag_offset(f)), tag.len()) };
-            // AcqRel: the job that counts the first write's last frame sees every other one sealed.
-            if f < plan.first && job.progress.first.fetch_add(1, Ordering::AcqRel) + 1 == plan.first && plan.writes {
-                submit_range(backend, job.dst, HEADER_BYTES, first_end, 0);
+            // The lock orders every job's sealing before the write that covers it.
+            let mut sealed = job.progress.sealed.lock().unwrap_or_else(|e| e.into_inner());
+            sealed.0[f] = true;
+            while plan.writes && sealed.1 < plan.frames {
+                let (start, end) = (sealed.1, plan.piece_end(sealed.1));
+                if !sealed.0[start..end].iter().all(|s| *s) {
+                    break;
+                }
+                sealed.1 = end;
+                // The piece's bytes in the file, the padding after the last frame included.
+                submit_range(backend, job.dst, HEADER_BYTES + start * frame_bytes, (HEADER_BYTES + end * frame_bytes).min(file_len), 0);
             }
         }
-        // AcqRel: the last job sees every other job's frames and tags.
+        // AcqRel: the last job sees every other job's tags.
         if job.progress.left.fetch_sub(1, Ordering::AcqRel) != 1 {
             return;
-        }
-        if plan.writes && first_end < file_len {
-            submit_range(backend, job.dst, first_end, file_len, 0);
         }
         // SAFETY: every job of the put is done with the buffer's header block (the count above);
         // no transfer of it is queued yet.
@@ -509,18 +523,27 @@ mod tests {
     use super::SealPlan;
 
     #[test]
-    fn the_jobs_cover_every_frame_once_the_file_start_first() {
-        for (len, workers) in [(0, 2), (1, 2), (3 << 20, 2), (8 << 20, 2), ((28 << 20) + 5, 2), (28 << 20, 3), (200 << 20, 16)] {
+    fn the_jobs_cover_every_frame_once_and_the_writes_every_byte() {
+        for (len, workers) in [(0, 2), (1, 2), (3 << 20, 2), (8 << 20, 2), ((28 << 20) + 5, 2), (28 << 20, 3), (400 << 20, 16)] {
             let plan = SealPlan::new(len, workers);
             let mut frames: Vec<usize> = (0..plan.jobs()).flat_map(|j| plan.frames_of(j)).collect();
             frames.sort_unstable();
             assert_eq!(frames, (0..crate::disk::format::frame_count(len as u64)).collect::<Vec<_>>(), "{len}");
-            assert!(plan.jobs() <= workers.max(1) && plan.first >= 1);
+            assert!(plan.jobs() <= workers.max(1));
         }
         let plan = SealPlan::new(28 << 20, 2);
-        assert_eq!((plan.jobs(), plan.first, plan.segments()), (2, 7, 3));
+        let mut ends = vec![];
+        let mut at = 0;
+        while at < plan.frames {
+            at = plan.piece_end(at);
+            ends.push(at);
+        }
+        assert_eq!(ends, [2, 6, 10, 14, 18, 22, 26, 28]);
+        assert_eq!((plan.jobs(), plan.segments()), (2, 9));
         assert_eq!(plan.frames_of(1).take(3).collect::<Vec<_>>(), [1, 3, 5]);
+        assert_eq!(SealPlan::new(8 << 20, 2).segments(), 4, "2 + 4 + 2 MiB, the header");
         assert_eq!(SealPlan::new(1 << 20, 2).segments(), 2, "one frame: one write and the header");
         assert_eq!(SealPlan::new(0, 2).segments(), 1, "an empty payload: the header alone");
+        assert_eq!(SealPlan::new(400 << 20, 2).piece_end(0), 1, "frames over 2 MiB: a write each");
     }
 }
