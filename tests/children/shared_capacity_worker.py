@@ -6,7 +6,9 @@ given).
 usage: shared_capacity_worker.py STORE_DIR NAMESPACE PREFIX COUNT CAPACITY [SECONDS RATE]
 
 Writes COUNT keys, or with SECONDS, keys for that long at RATE bytes/s (0: as
-fast as it can), counting the puts skipped while other writers hold the room.
+fast as it can) and at least COUNT of them (for at most 10x SECONDS: a busy
+host may write too few in SECONDS to fill the capacity), counting the puts
+skipped while other writers hold the room.
 Prints "ready", waits for "go", writes, prints "written" (JSON with SECONDS),
 then answers each "report" with what its index holds (JSON) and closes at
 end of input, printing "closed"."""
@@ -35,7 +37,14 @@ def main():
     assert sys.stdin.readline().strip() == "go"
     errors = skipped = i = 0
     t0 = time.monotonic()
-    while (i < int(count)) if seconds is None else (time.monotonic() - t0 < seconds):
+
+    def more() -> bool:
+        if seconds is None:
+            return i < int(count)
+        elapsed = time.monotonic() - t0
+        return elapsed < 10 * seconds and (elapsed < seconds or i < int(count))
+
+    while more():
         key = f"{prefix}-{i:06d}".encode()
         r = put_bytes(store, pool, slot, key, bytes([i % 251]) * PAYLOAD)
         if not r.ok:

@@ -30,9 +30,10 @@ def held_bytes(root) -> int:
     return total
 
 
-def run_writers(dirs, capacity, seconds, rate, sample):
+def run_writers(dirs, capacity, seconds, rate, sample, min_puts=0):
     """One writer process per entry of ``dirs`` (each its own namespace) writes for
-    ``seconds`` at ``rate`` bytes/s (0: full speed); all close together. ``sample()``
+    ``seconds`` at ``rate`` bytes/s (0: full speed), and at least ``min_puts`` puts;
+    all close together. ``sample()``
     is read at 10 Hz meanwhile and after each close. Returns (samples while writing,
     samples after each close, what each writer reported)."""
     procs = []
@@ -43,7 +44,7 @@ def run_writers(dirs, capacity, seconds, rate, sample):
             str(d),
             f"writer-{i}",
             f"w{i}",
-            "0",
+            str(min_puts),
             str(capacity),
             str(seconds),
             str(rate),

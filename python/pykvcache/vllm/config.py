@@ -68,27 +68,7 @@ LOOKUP_HOLD_SHARE = 0.5
 SHARED_REFRESH_S = 10.0
 #: Filesystem types (/proc/self/mountinfo) that several hosts can mount.
 SHARED_FS_TYPES = frozenset(
-    {
-        "nfs",
-        "nfs4",
-        "cifs",
-        "smb3",
-        "smbfs",
-        "lustre",
-        "gpfs",
-        "ceph",
-        "glusterfs",
-        "9p",
-        "beegfs",
-        "wekafs",
-        "orangefs",
-        "pvfs2",
-        "afs",
-        "ocfs2",
-        "gfs2",
-        "cvfs",
-        "panfs",
-    }
+    "nfs nfs4 cifs smb3 smbfs lustre gpfs ceph glusterfs 9p beegfs wekafs orangefs pvfs2 afs ocfs2 gfs2 cvfs panfs".split()
 )
 
 
