@@ -250,10 +250,7 @@ def run_command(command: str, placeholders: dict[str, str]) -> str:
         return "ran"
     if words[:2] == ["pip", "install"] and words[-1] == ".":
         target = os.path.join(placeholders["tmp"], "pip-target")
-        # The crates compile once per clone (the extension's and the wheel's target directory):
-        # the command is the subject here, not a third build from scratch.
-        cargo = {"CARGO_TARGET_DIR": str(ROOT / "target" / "maturin")}
-        _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, *words[2:]], {**env, **cargo}, timeout=900)
+        _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, *words[2:]], env, timeout=900)
         assert list(Path(target, "pykvcache").glob("_core*.so")), "the wheel has no engine"
         return "installed into a scratch target"
     if words[:2] == ["vllm", "serve"]:
