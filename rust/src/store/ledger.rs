@@ -267,20 +267,23 @@ impl Core {
         let (root, keep) = (ctx.root, ctx.hash);
         let capacity = self.capacity.load(Ordering::Relaxed);
         loop {
-            let mut total = self.ledgers.total(root, state);
+            let mut others = 0u64;
             for other in (0..self.ledgers.roots.len()).filter(|r| *r != root) {
                 if let Some(s) = self.ledgers.file(other).and_then(|l| l.peek().ok()) {
-                    total = total.saturating_add(self.ledgers.total(other, &s));
+                    others = others.saturating_add(self.ledgers.total(other, &s));
                 }
             }
-            let need = total.saturating_sub(capacity);
-            if need == 0 {
-                return 0;
-            }
-            let victims = {
+            let (need, victims) = {
                 let mut index = self.index.lock().unwrap();
+                // Read under the index lock: a publish moves its bytes from in
+                // flight to published under it, so this never sees them in both
+                // (and evicts a chunk too many).
+                let need = self.ledgers.total(root, state).saturating_add(others).saturating_sub(capacity);
+                if need == 0 {
+                    return 0;
+                }
                 let v = index.victims_where(need, keep, |_| true);
-                self.take_victims(&mut index, v)
+                (need, self.take_victims(&mut index, v))
             };
             if victims.is_empty() {
                 // What this store cannot evict: chunks it does not know and the
