@@ -5,8 +5,9 @@
 #   venv      .venv (dev/setup_venv.sh: reused when its stamp matches)
 #   build     the Rust extension into .venv (maturin develop --release)
 #   lint      clippy -D warnings, cargo fmt --check, ruff check, mypy, stubtest of _core.pyi (make lint)
-#   lmcache   LMCache into .lmcache (the storage-level comparison's private install)
-#   cargo     cargo test (the engine alone)
+#   lmcache   LMCache into .lmcache (the storage-level comparison's private install; in the
+#             background from the end of build)
+#   cargo     cargo test (the engine alone; its binaries compile in the background during lint)
 #   pytest    tests/ (real files, real io_uring, a real vLLM CPU build), slowest 30 printed
 #   vllm033   the engine-free tests against vLLM 0.33's CUDA build (.venv-vllm033)
 #   benches   the benchmark suite smoke-run once (tiny sizes, no timing)
@@ -64,9 +65,25 @@ if [ "$skip033" != 1 ]; then
   env033_start=$(date +%s)
 fi
 stage build make --no-print-directory develop || exit $first_rc
+# The engine's test binaries compile (target/, both cores) while lint runs (mypy and stubtest
+# use one core; clippy checks in target/maturin), and LMCache installs (network) meanwhile:
+# each stage line then says how long it waited for its background part.
+background() {  # background NAME COMMAND...: runs it now, its log and exit status kept for `joined`
+  local name=$1; shift
+  { "$@"; echo $? >"$beside_bg/$name.rc"; } >"$beside_bg/$name.log" 2>&1 &
+}
+joined() {  # joined NAME: waits for the background part, prints its log, returns its status
+  while [ ! -f "$beside_bg/$1.rc" ]; do sleep 0.2; done
+  cat "$beside_bg/$1.log"
+  return "$(cat "$beside_bg/$1.rc")"
+}
+beside_bg=$(mktemp -d)
+background cargo_build cargo test --release --locked --no-run
+background lmcache make --no-print-directory lmcache-env
 stage lint make --no-print-directory lint
-stage lmcache make --no-print-directory lmcache-env
-stage cargo cargo test --release --locked
+stage lmcache joined lmcache
+cargo_tests() { joined cargo_build && cargo test --release --locked; }
+stage cargo cargo_tests
 if [ "$skip033" != 1 ]; then
   wait_env033() { wait "$env033_pid"; local rc=$?; cat "$vllm033_env_log"; return $rc; }
   stage vllm033env wait_env033

@@ -43,7 +43,7 @@ def scheduling_unit(nodeid: str) -> str:
 _UNIT_SECONDS = {
     "tests/tools/": 400,
     "tests/shared_fs/": 250,
-    "tests/e2e/test_lookahead_gate_e2e.py": 250,
+    "tests/e2e/test_lookahead_gate_e2e.py": 170,
     "tests/docs/test_readme_commands.py": 250,
     "tests/e2e/test_vllm_shutdown.py": 225,
     "tests/e2e/test_vllm_e2e.py": 150,

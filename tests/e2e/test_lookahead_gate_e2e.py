@@ -49,7 +49,7 @@ CHUNK_BYTES = 2 * 2 * 2 * 64 * 4 * CHUNK_TOKENS
 SLOT_FOOTPRINT = CHUNK_BYTES + 4096
 STAGING_SLOTS = 96
 Q_CHUNKS = 14  # chunks of every queued prompt's prefix (at least)
-PAIRS = 5  # batches with and without lookahead
+PAIRS = 3  # batches with and without lookahead
 HEAD_DECODE = 200  # tokens the head request generates while Q waits (~1 s here)
 #: Reads of the slow device: a 14-chunk prefix takes ~0.45 s.
 SLOW_READ_BPS = 4 << 20
