@@ -6,7 +6,7 @@ VENV033 := .venv-vllm033
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_OMP_THREADS_BIND := nobind
 
-.PHONY: venv venv-vllm033 lmcache-env develop wheel lint test test-quick test-rust test-python test-vllm033 demo bench bench-serve bench-serve-long clean
+.PHONY: venv venv-vllm033 lmcache-env develop wheel lint lint-code typecheck test test-quick test-rust test-python test-vllm033 demo bench bench-serve bench-serve-long clean
 
 venv:
 	bash dev/setup_venv.sh
@@ -30,17 +30,22 @@ venv-vllm033:
 lmcache-env:
 	bash dev/setup_lmcache.sh .lmcache
 
-# The lint gate (stage `lint` of `make test`, after `build`): clippy with warnings as errors
+# The lint gates: `lint-code` (stage `lint` of `make test`, after `build`): clippy with warnings as errors
 # (--release in target/maturin: reuses the extension build's dependency build scripts, 27 s
 # instead of 52 s cold on 2 cores; ~1 s when only lint config changed), rustfmt (rustfmt.toml), ruff's checks and format (pyproject.toml),
-# mypy over python/pykvcache (pyproject.toml: strict for the package root, gate/ and vllm/; ~30 s of CPU
+# and `typecheck` (stage `typecheck`, beside pytest): mypy over python/pykvcache (pyproject.toml: strict for the package root, gate/ and vllm/; ~30 s of CPU
 # cold, a few seconds with its .mypy_cache) and mypy's stubtest of the hand-written _core.pyi against the
 # extension `develop` built (dev/stubtest-allowlist.txt: only what stubtest cannot judge). ruff and mypy: requirements-dev.
-lint:
+lint: lint-code typecheck
+
+lint-code:
 	CARGO_TARGET_DIR=target/maturin cargo clippy --release --all-targets --features python --quiet -- -D warnings
 	cargo fmt --check
 	$(PY) -m ruff check --quiet .
 	$(PY) -m ruff format --check --quiet .
+
+# The type gates (one core each): `make test` runs them beside pytest.
+typecheck:
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest pykvcache._core --allowlist dev/stubtest-allowlist.txt
 

@@ -74,13 +74,22 @@ def probe_storage_dir(path: str | PathLike[str], *, file_mode: int = 0o600) -> d
     probe every store runs on its directories at open): ``o_direct`` (an aligned
     direct write and read), ``o_tmpfile``, ``fallocate``,
     ``unaligned_o_direct_accepted`` (NFS, FUSE: O_DIRECT enforces no alignment;
-    harmless) and ``o_direct_settable_after_open`` (recorded only: chunk files
-    are opened with O_DIRECT from the start, as GPFS ignores it set later)."""
+    harmless), ``o_direct_settable_after_open`` (recorded only: chunk files
+    are opened with O_DIRECT from the start, as GPFS ignores it set later) and
+    ``rename_noreplace`` (``renameat2(RENAME_NOREPLACE)`` works: GlusterFS's
+    client refuses it, and a store there publishes with a plain rename at once)."""
 
 def check_storage_dir(path: str | PathLike[str], *, allow_insecure_root: bool = False) -> None:
     """Raises the ``ValueError`` opening a store on the existing directory
     ``path`` would raise about it (not a directory, owned by another user,
     world-writable unless ``allow_insecure_root``); creates nothing."""
+
+def check_key_file(path: str | PathLike[str], *, what: str = "encryption_key_file") -> str:
+    """Reads the key file ``path`` as ``BlockStore(encryption_key_file=...)``
+    would and raises what it would raise (``ValueError``: not a regular file,
+    group or others may read or write it, not 32 bytes; ``OSError``: cannot
+    open or read it), ``what`` naming the setting in the message. Returns the
+    key's id (hex, as ``stats()["encryption_key_id"]``), never key bytes."""
 
 class StoreStats(TypedDict):
     """What ``BlockStore.stats()`` returns (every key, always present)."""

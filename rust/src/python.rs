@@ -443,6 +443,17 @@ fn check_storage_dir(py: Python<'_>, path: PathBuf, allow_insecure_root: bool) -
     py.detach(|| layout::check_root(&path, &perms)).map_err(to_py)
 }
 
+/// Reads the key file `path` as a store with `encryption_key_file` would,
+/// refusing what it refuses (not a regular file, readable or writable by
+/// group or others, not 32 bytes) with the same message, `what` naming the
+/// setting; returns the key's id (hex), never a byte of the key.
+#[pyfunction]
+#[pyo3(signature = (path, *, what="encryption_key_file"))]
+fn check_key_file(py: Python<'_>, path: PathBuf, what: &str) -> PyResult<String> {
+    let key = py.detach(|| crate::disk::seal::MasterKey::load(&path, what)).map_err(to_py)?;
+    Ok(crate::disk::layout::hex(&key.id()))
+}
+
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -461,6 +472,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(chunk_file_bytes, m)?)?;
     m.add_function(wrap_pyfunction!(digest_range, m)?)?;
     m.add_function(wrap_pyfunction!(check_storage_dir, m)?)?;
+    m.add_function(wrap_pyfunction!(check_key_file, m)?)?;
     m.add_function(wrap_pyfunction!(probe_storage_dir, m)?)?;
     m.add("FORMAT_VERSION", FORMAT_VERSION)?;
     m.add_class::<PyStagingPool>()?;

@@ -11,10 +11,10 @@ orchestrators do:
   transfer);
 * SIGKILL of every process of the server (the OOM killer, ``kill -9``,
   a container runtime): same;
-* SIGTERM right after requests stored chunks: with the default timeout the
-  chunks still queued in the scheduler are lost (measured); with
-  ``--shutdown-timeout`` the EngineCore drains and pykvcache's shutdown writes
-  them all before exit.
+* SIGTERM right after requests stored chunks, with ``--shutdown-timeout``:
+  the EngineCore drains and pykvcache's shutdown writes them all before exit.
+  (With vLLM's default timeout of 0 the chunks still queued in the scheduler
+  are lost: docs/vllm.md says to set it.)
 """
 
 from __future__ import annotations
@@ -276,14 +276,13 @@ def _chunk_files(store: Path) -> tuple[int, int]:
     return chunks, temps
 
 
-def test_sigterm_under_load_persists_chunks_only_with_a_shutdown_timeout(server_factory, model, tmp_path):
-    """The same concurrent requests twice, SIGTERM as soon as the first one is
-    answered (fresh store each time). vLLM's default stop aborts what is in
-    flight and SIGKILLs the EngineCore at once: chunks already in staging but
-    not yet written are lost (measured, not asserted: it depends on timing).
-    With ``--shutdown-timeout`` the EngineCore drains the requests and
-    pykvcache's shutdown writes every queued chunk: all of them are on disk,
-    no temp file is left."""
+def test_sigterm_under_load_persists_every_chunk_with_a_shutdown_timeout(server_factory, model, tmp_path):
+    """Concurrent requests, SIGTERM as soon as the first one is answered. With
+    ``--shutdown-timeout`` the EngineCore drains the requests and pykvcache's
+    shutdown writes every queued chunk: all of them are on disk, no temp file
+    is left. (vLLM's default stop aborts what is in flight and SIGKILLs the
+    EngineCore at once: chunks in staging not yet written are lost; that
+    costs a server start here and asserts nothing, so it is not run.)"""
     import threading
 
     from transformers import AutoTokenizer
@@ -293,11 +292,7 @@ def test_sigterm_under_load_persists_chunks_only_with_a_shutdown_timeout(server_
     expected = sum(len(ids) // CHUNK_TOKENS for ids in prompts)
     store = tmp_path / "store"
     outcome = {}
-    for label, args in (("default", ()), ("timeout", ("--shutdown-timeout", "60"))):
-        if store.exists():
-            import shutil
-
-            shutil.rmtree(store)
+    for label, args in (("timeout", ("--shutdown-timeout", "60")),):
         server = server_factory(*args)
         name = server.model_name()
         answered = threading.Event()
@@ -343,4 +338,3 @@ def test_sigterm_under_load_persists_chunks_only_with_a_shutdown_timeout(server_
     if timed["answered_in_full"] == len(prompts):
         assert timed["chunks"] == expected, outcome
     assert outcome["timeout"]["temps"] == 0, outcome
-    assert outcome["default"]["chunks"] <= expected

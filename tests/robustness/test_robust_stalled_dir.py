@@ -204,6 +204,7 @@ def test_filesystem_quirks_are_probed_not_assumed(tmp_path):
     local = tmp_path / "local"
     local.mkdir()
     got = kv.probe_storage_dir(local)
+    assert got["rename_noreplace"] is True, got  # ext4, tmpfs, xfs, btrfs
     if got["o_direct"]:
         assert got["unaligned_o_direct_accepted"] is False, got
 

@@ -35,6 +35,9 @@ def test_a_chunk_published_on_one_node_is_found_and_verified_on_the_other(shared
     try:
         # O_DIRECT reaches the brick (strict-o-direct on, remote-dio off): no fallback.
         assert a.direct_io and b.direct_io, (a.stats()["fallbacks"], b.stats()["fallbacks"])
+        # GlusterFS's client refuses renameat2(RENAME_NOREPLACE), after walking both paths:
+        # probed once at open, so a put publishes with one plain rename.
+        assert [p["rename_noreplace"] for p in a.stats()["storage_probes"].values()] == [False]
         latencies = []
         for i in range(8):
             key = b"cross-%d" % i

@@ -71,9 +71,9 @@ def test_the_preloader_asks_its_host_only_for_its_gate_gate_inputs_and_staging()
             self.asked.append((list(keys), req_id))
             return GateInputs([ChunkState.DISK if k in on_disk else ChunkState.MISSING for k in keys], 0, 0)
 
-        def stage(self, key, owner=None, background=False):
+        def stage(self, key, owner=None, background=False, tenant=b""):
             assert background, "a preload reads at background priority"
-            cache.insert(key, EntryState.READING, Origin.DISK)
+            cache.insert(key, EntryState.READING, Origin.DISK, tenant)
             cache.hold(owner, key)
             return LookupResult.HIT_PENDING
 

@@ -197,6 +197,8 @@ def test_the_helper_rejects_bad_settings_when_called(tmp_path):
 
 #: Keys whose ``null`` means "not given" (the default); every other key refuses it.
 NULL_IS_DEFAULT = {
+    "encryption_key_file",
+    "encryption_previous_key_file",
     "block_size",
     "blocks_per_chunk",
     "queue_depth",
@@ -275,6 +277,8 @@ def test_the_store_keywords_come_from_the_table(tmp_path):
         "min_free_fraction": None,
         "io_deadline": 7.0,
         "allow_insecure_root": False,
+        "encryption_key_file": None,
+        "encryption_previous_key_file": None,
         "refresh_interval_s": None,
     }
     assert store_keywords(parse_extra_config(_base(tmp_path, refresh_interval_s=2)))["refresh_interval_s"] == 2.0

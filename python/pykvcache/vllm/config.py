@@ -21,7 +21,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, NoReturn, TypeGuard
 
 from pykvcache import _core
-from pykvcache.vllm.config_checks import appendable_file_problems, filesystem_type, staging_memory_problems
+from pykvcache.vllm.config_checks import appendable_file_problems, filesystem_type, key_file_problems, staging_memory_problems
 
 #: Keys that vLLM itself reads from the same dict; accepted and left to vLLM
 #: (``block_size``/``blocks_per_chunk`` are also validated here, because
@@ -363,6 +363,10 @@ class PykvcacheConfig:
         null_is_default=True,
         store="io_deadline",
     )
+    # Chunks sealed with AES-256-GCM under a key file's key (decision 0083); the previous key
+    # file's chunks are still read (a rotation), none written with it.
+    encryption_key_file: str | None = key(None, check=file_path, null_is_default=True, store="encryption_key_file")
+    encryption_previous_key_file: str | None = key(None, check=file_path, null_is_default=True, store="encryption_previous_key_file")
     # Accept a storage root owned by another user or world-writable.
     allow_insecure_root: bool = key(False, check=flag, store="allow_insecure_root")
     # Walk the storage directories this often so that chunks other nodes
@@ -519,6 +523,8 @@ def validate_extra_config(extra: Mapping[str, Any] | None, *, more: Callable[[di
     values, problems = _parse(extra)
     if "storage_dirs" in values:  # a placeholder capacity when it was refused: not used there
         problems += storage_problems(PykvcacheConfig(**{"capacity_bytes": 1, **values}))
+    if values.get("encryption_key_file") or values.get("encryption_previous_key_file"):
+        problems += key_file_problems(values.get("encryption_key_file"), values.get("encryption_previous_key_file"))
     if values.get("gate_trace"):
         problems += appendable_file_problems("gate_trace", values["gate_trace"])
     if "staging_bytes" in values:

@@ -121,3 +121,29 @@ def appendable_file_problems(name: str, path: str) -> list[str]:
     if not os.access(parent, os.W_OK | os.X_OK):
         return [f"{name} {path} cannot be created: {parent} is not writable by this process (uid {os.geteuid()})"]
     return []
+
+
+def key_file_problems(current: str | None, previous: str | None) -> list[str]:
+    """The key files (``encryption_key_file``, ``encryption_previous_key_file``)
+    read as the engine reads them (``_core.check_key_file``: a regular file of
+    32 bytes that neither group nor others may read or write), each refusal in
+    the engine's words, and the two against each other."""
+    from pykvcache import _core
+
+    problems: list[str] = []
+    ids: dict[str, str] = {}
+    for name, path in (("encryption_key_file", current), ("encryption_previous_key_file", previous)):
+        if path is None:
+            continue
+        try:
+            ids[name] = _core.check_key_file(path, what=name)
+        except (OSError, ValueError) as exc:
+            problems.append(str(exc))
+    if previous is not None and current is None:
+        problems.append(
+            "encryption_previous_key_file is set without encryption_key_file: the previous key only reads "
+            "chunks a store sealed before a rotation; give the new key as encryption_key_file"
+        )
+    elif len(ids) == 2 and len(set(ids.values())) == 1:
+        problems.append("encryption_key_file and encryption_previous_key_file hold the same key: give the previous key, or leave it out")
+    return problems

@@ -42,6 +42,7 @@ from pykvcache.vllm.load_trace import open_trace
 from pykvcache.vllm.logs import route_engine_logs
 from pykvcache.vllm.scheduler.lookahead import WaitingRequest
 from pykvcache.vllm.scheduler.step_timer import step_work
+from pykvcache.vllm.scheduler.tenants import tenant_of_salt
 
 if TYPE_CHECKING:
     import torch
@@ -241,6 +242,10 @@ class PyKvCacheConnector(OffloadingConnector):
         super().on_new_request(request)
         if self._trace is not None:
             self._trace("arrival", req=request.request_id, tokens=request.num_tokens)
+        # With an encryption key its chunks are sealed for its tenant (scheduler/tenants.py).
+        tenant = tenant_of_salt(getattr(request, "cache_salt", None))
+        if self._manager is not None and tenant:
+            self._manager.request_tenant(request.request_id, tenant)
         if self._manager is None or not self._manager.preloader.enabled or not self._groups:
             return
         params: dict[str, Any] = request.kv_transfer_params or {}
@@ -270,6 +275,7 @@ class PyKvCacheConnector(OffloadingConnector):
                 arrival=getattr(request, "arrival_time", 0.0),
                 max_chunks=max_chunks,
                 device_cached_tokens=lambda: self._device_cached_tokens(request),
+                tenant=tenant,
             )
         )
 

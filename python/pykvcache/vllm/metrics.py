@@ -44,7 +44,8 @@ COUNTERS = {
     "store_truncated_chunks": "Chunks not stored because a request offered more than staging holds.",
     "staging_evictions": "Chunks dropped from staging memory to make room (they stay on disk).",
     "unavailable_reads": "Chunk reads answered as misses because the directory timed out, failed or its circuit breaker was open.",
-    "kept_chunks": "Chunk reads answered as misses because the file is another writer's that this engine does not serve (a verify=\"header\" writer's, unknown header flags, larger than a slot); the file is kept.",
+    "kept_chunks": "Chunk reads answered as misses because the file is another writer's that this engine does not serve (a verify=\"header\" writer's, unknown header flags, larger than a slot, sealed with another key or for another tenant, plaintext where chunks are sealed); the file is kept.",
+    "tenant_mismatches": "Lookups answered MISS because staging held the chunk key for another tenant (cache_salt); never served across tenants.",
     # Gate wiring (the gate's own decision counters are merged in below).
     "gate_limited_lookups": "Lookups answered MISS because the gate chose to recompute from that chunk on.",
     "gate_load_observations": "Finished loads fed back to the gate's online load model.",

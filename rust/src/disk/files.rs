@@ -44,6 +44,10 @@ pub struct FsSupport {
     /// relied on either way (GPFS accepts it and ignores it): chunk files are
     /// opened with O_DIRECT from the start.
     pub direct_set_after_open: bool,
+    /// `renameat2(RENAME_NOREPLACE)` works here. GlusterFS's FUSE client
+    /// refuses it (EINVAL) after walking both paths (18 FUSE operations on
+    /// the suite's volume): where it cannot work, publish does not ask.
+    pub rename_noreplace: bool,
 }
 
 /// A file opened for writing a new chunk, not yet visible under its name.
@@ -265,16 +269,22 @@ pub fn temp_writer_gone(path: &Path, name: &str) -> bool {
 /// file stays (a named temp file of ours is removed), or, where the filesystem
 /// cannot rename without replacing, ours replaced it (same content). Either
 /// way the chunk's bytes on disk did not grow: the capacity ledger relies on it.
-pub fn publish(file: &PendingFile, final_path: &Path) -> std::io::Result<bool> {
+/// `noreplace`: the directory's filesystem takes `renameat2(RENAME_NOREPLACE)`
+/// (`FsSupport::rename_noreplace`); without it the plain rename is the only try.
+pub fn publish(file: &PendingFile, final_path: &Path, noreplace: bool) -> std::io::Result<bool> {
     let dst = cstring(final_path).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     if let Some(temp) = &file.temp_path {
         let src = cstring(temp).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-        // SAFETY: both are NUL-terminated paths that live across the call.
-        let rc = unsafe { libc::renameat2(libc::AT_FDCWD, src.as_ptr(), libc::AT_FDCWD, dst.as_ptr(), libc::RENAME_NOREPLACE) };
-        if rc == 0 {
-            return Ok(true);
-        }
-        let e = std::io::Error::last_os_error();
+        let e = if noreplace {
+            // SAFETY: both are NUL-terminated paths that live across the call.
+            let rc = unsafe { libc::renameat2(libc::AT_FDCWD, src.as_ptr(), libc::AT_FDCWD, dst.as_ptr(), libc::RENAME_NOREPLACE) };
+            if rc == 0 {
+                return Ok(true);
+            }
+            std::io::Error::last_os_error()
+        } else {
+            std::io::Error::from_raw_os_error(libc::EINVAL)
+        };
         match e.raw_os_error() {
             Some(libc::EEXIST) => {
                 let _ = std::fs::remove_file(temp);
@@ -424,8 +434,25 @@ pub fn probe(dir: &Path, mode: u32) -> FsSupport {
         }
         close(fd);
     }
+    let rename_noreplace = probe_rename_noreplace(&probe_path, mode);
     let _ = std::fs::remove_file(&probe_path);
-    FsSupport { direct, tmpfile, fallocate, direct_unaligned, direct_set_after_open }
+    FsSupport { direct, tmpfile, fallocate, direct_unaligned, direct_set_after_open, rename_noreplace }
+}
+
+/// Whether `renameat2(RENAME_NOREPLACE)` of a fresh file to a free name
+/// works in `probe_path`'s directory. Any other error than the three that
+/// say "not supported here" counts as supported: publish then asks, and
+/// falls back as before if it is refused after all.
+fn probe_rename_noreplace(probe_path: &Path, mode: u32) -> bool {
+    let target = probe_path.with_extension("renamed");
+    let Ok(fd) = open_raw(probe_path, libc::O_CREAT | libc::O_RDWR, mode) else { return true };
+    close(fd);
+    let (Ok(src), Ok(dst)) = (cstring(probe_path), cstring(&target)) else { return true };
+    // SAFETY: both are NUL-terminated paths that live across the call.
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, src.as_ptr(), libc::AT_FDCWD, dst.as_ptr(), libc::RENAME_NOREPLACE) };
+    let refused = rc != 0 && matches!(std::io::Error::last_os_error().raw_os_error(), Some(libc::EINVAL | libc::ENOSYS | libc::EOPNOTSUPP));
+    let _ = std::fs::remove_file(&target);
+    !refused
 }
 
 /// The circuit breaker's probe of a directory: statvfs, then a 4 KiB file

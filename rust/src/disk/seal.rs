@@ -93,7 +93,7 @@ impl MasterKey {
         key.map_err(|e| EngineError::io(format!("{what} {shown}: cannot read it"), e))
     }
 
-    #[cfg(test)]
+    /// The key file's id (in every header it seals; derived, not secret).
     pub fn id(&self) -> [u8; 8] {
         self.id
     }

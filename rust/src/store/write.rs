@@ -277,7 +277,7 @@ impl Core {
             files::drop_cached_pages(file.fd, true);
         }
         let path = self.layout.chunk_path(ctx.hash);
-        let published = files::publish(&file, &path);
+        let published = files::publish(&file, &path, self.support[ctx.root].rename_noreplace);
         if file.temp_path.is_some() {
             // Drop the temp file's lock now, synchronously: on a network or
             // FUSE filesystem the release at close() is sent asynchronously,

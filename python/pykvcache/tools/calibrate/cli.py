@@ -122,6 +122,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--backend", choices=("auto", "io_uring", "threads"), default="auto")
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--storage-budget", type=int, default=2048, help="MiB of chunk files written at most (default 2048)")
+    parser.add_argument(
+        "--encryption-key-file",
+        default=None,
+        help="the key file the server seals chunks with (its encryption_key_file): loads are measured sealed",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-progress", action="store_true", help="no progress bars (logs, CI)")
 
@@ -279,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
         wipe_on_reset=False,  # the disk-path measurement empties staging, not the files
         direct_io=args.direct_io,
         backend=args.backend,
+        encryption_key_file=args.encryption_key_file,
         **({"block_size": args.chunk_tokens} if args.chunk_tokens else {}),
     )
     llm_kwargs.update(dict(args.vllm_arg))
@@ -365,7 +371,11 @@ def _run_engine(args, llm_kwargs, model, tiny, on_gpu, hf_config, vocab, repeats
                 chunk_counts,
                 repeats,
                 StorageOptions(
-                    queue_depth=args.queue_depth, backend=args.backend, direct_io=args.direct_io, budget_mib=args.storage_budget
+                    queue_depth=args.queue_depth,
+                    backend=args.backend,
+                    direct_io=args.direct_io,
+                    budget_mib=args.storage_budget,
+                    encryption_key_file=args.encryption_key_file,
                 ),
                 tick,
                 progress.log,

@@ -256,6 +256,8 @@ class StorageOptions:
     backend: Literal["auto", "io_uring", "threads"] = "auto"
     direct_io: Literal["required", "optional", "disabled"] = "optional"
     budget_mib: int = 2048  # chunk files written at most
+    # Sealed chunks (decision 0083): the loads measured open what a sealing store reads.
+    encryption_key_file: str | None = None
 
 
 def measure_storage(
@@ -280,6 +282,7 @@ def measure_storage(
             queue_depth=options.queue_depth,
             backend=options.backend,
             direct_io=options.direct_io,
+            encryption_key_file=options.encryption_key_file,
         )
         slots = [pool.acquire() for _ in range(pool_chunks)]  # held for the whole measurement
         noise = os.urandom(chunk_bytes)

@@ -80,16 +80,17 @@ class DiskIo:
 
     # ---------------------------------------------------------------- reads
 
-    def start_read(self, key: bytes, background: bool = False) -> StagingEntry | None:
-        """Read ``key`` into a new staging slot (a prefetch with ``background``);
-        None when no slot is free or the engine refused the read."""
-        entry = self._cache.insert(key, EntryState.READING, Origin.DISK)
+    def start_read(self, key: bytes, background: bool = False, tenant: bytes = b"") -> StagingEntry | None:
+        """Read ``key`` into a new staging slot (a prefetch with ``background``),
+        opened for ``tenant`` (tenants.py); None when no slot is free or the
+        engine refused the read."""
+        entry = self._cache.insert(key, EntryState.READING, Origin.DISK, tenant)
         if entry is None:
             return None
         store = self._disk.store
         try:
             read = store.prefetch if background else store.get
-            self.reads[key] = read(key, entry.slot)
+            self.reads[key] = read(key, entry.slot, tenant=tenant)
             started = time.monotonic()
             self._read_started[key] = started
             self._disk.gating.observe(ReadStarted(started))
@@ -104,7 +105,7 @@ class DiskIo:
             return None
         return entry
 
-    def sample(self, keys: Sequence[bytes]) -> list[bytes]:
+    def sample(self, keys: Sequence[bytes], tenant: bytes = b"") -> list[bytes]:
         """Start the background reads of an exploration's sample (decision
         0054): preload priority, no owner (a later request may load them),
         into at most half the slots staging could give now, so that a sample
@@ -112,7 +113,7 @@ class DiskIo:
         found on disk and not staged in this same call."""
         started = []
         for key in keys[: self._cache.allocatable() // 2]:
-            if self.start_read(key, background=True) is None:
+            if self.start_read(key, background=True, tenant=tenant) is None:
                 break
             started.append(key)
         self._disk.metrics.inc("gate_sample_reads", len(started))
@@ -198,7 +199,7 @@ class DiskIo:
             if entry is None:
                 continue
             try:
-                self.writes[key] = self._disk.store.put(key, entry.slot, self._payload_bytes)
+                self.writes[key] = self._disk.store.put(key, entry.slot, self._payload_bytes, tenant=entry.tenant)
             except Exception as exc:  # noqa: BLE001 - the chunk stays in staging only
                 self._disk.submit_refused("write", key, exc)
                 self._cache.unpin(key)

@@ -51,8 +51,8 @@ class PreloadHost(Protocol):
         """The gate's view of a request's prefix, as the gate gets it for a lookup."""
         ...
 
-    def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False) -> LookupResult:
-        """Start reading ``key`` into staging, held for ``owner``; MISS when it cannot."""
+    def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False, tenant: bytes = b"") -> LookupResult:
+        """Start reading ``key`` into staging for ``tenant``, held for ``owner``; MISS when it cannot."""
         ...
 
 
@@ -71,6 +71,8 @@ class WaitingRequest:
     max_chunks: int | None = None
     #: Tokens of the prompt already in the device cache (re-evaluated each pass).
     device_cached_tokens: Callable[[], int] | None = None
+    #: Whose chunks to preload (its ``cache_salt``: tenants.py).
+    tenant: bytes = b""
     #: ``(priority, arrival, insertion)``: its place in the queue (set by ``LookaheadQueue.add``).
     order: tuple[float, ...] = field(default=(), init=False)
 
@@ -265,12 +267,12 @@ class Preloader:
                 skip = max(0, req.device_cached_tokens()) // self.chunk_tokens
             for keys in req.key_lists:
                 end = len(keys) if req.max_chunks is None else min(len(keys), skip + req.max_chunks)
-                if not self._preload(req.req_id, keys[skip:end], skip * self.chunk_tokens):
+                if not self._preload(req.req_id, keys[skip:end], skip * self.chunk_tokens, req.tenant):
                     self.peak_held = max(self.peak_held, self.cache.count_held(LOOKAHEAD))
                     return
         self.peak_held = max(self.peak_held, self.cache.count_held(LOOKAHEAD))
 
-    def _preload(self, req_id: Hashable, keys: Sequence[bytes], start_tokens: int) -> bool:
+    def _preload(self, req_id: Hashable, keys: Sequence[bytes], start_tokens: int, tenant: bytes = b"") -> bool:
         """Hold or read this request's gated prefix; False when the budget or
         staging stops the pass (later requests must not jump ahead)."""
         cache = self.cache
@@ -279,6 +281,8 @@ class Preloader:
         for key in keys[:wanted]:
             entry = cache.get(key)
             if entry is not None:
+                if entry.tenant != tenant:
+                    return False  # another tenant's chunk: its lookup misses here (tenants.py)
                 if holder not in entry.owners:
                     # Already staged (another request's preload, a store, a
                     # cached chunk): holding it costs no read, but it counts
@@ -299,7 +303,7 @@ class Preloader:
                 self.metrics.inc("lookahead_budget_stops")
                 return False
             # At background priority: a load the scheduler waits for now goes first.
-            if self.host.stage(key, owner=holder, background=True) is LookupResult.MISS:
+            if self.host.stage(key, owner=holder, background=True, tenant=tenant) is LookupResult.MISS:
                 return False  # no slot, or the read was refused
             self.unused[key] = None
             self.metrics.inc("lookahead_preload_reads")

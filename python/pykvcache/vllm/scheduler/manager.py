@@ -89,6 +89,7 @@ from pykvcache.vllm.scheduler.staging_cache import (
     StagingCache,
     owner,
 )
+from pykvcache.vllm.scheduler.tenants import Tenant, tenant_of
 from pykvcache.vllm.scheduler.waiting_queue import WaitingQueue
 from pykvcache.vllm.transfer_spec import StagingSlotsSpec
 
@@ -128,7 +129,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             store,
             pool,
             gating=gating if gating is not None else no_gating,
-            sampler=lambda keys: self.io.sample(keys),
+            sampler=lambda keys: self.io.sample(keys, self._lookup_tenant),  # during a lookup: its tenant
             log=logger,
             on_learnt=lambda: self.io.update_background_budget(),
         )
@@ -158,6 +159,8 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         self._lookup_hold_slots = lookup_hold_slots
         self._waited: set[str] = set()  # requests that met HIT_PENDING
         self._recomputing: set[str] = set()  # requests whose load failed (loads_failed)
+        self._arrived: ReqContext | None = None  # the last request on_new_request saw (request_tenant)
+        self._lookup_tenant = b""  # the tenant of the lookup in progress (the gate's samples)
         # Requests that arrived (or were preempted) and are not scheduled yet:
         # the gate weighs a recompute by how many wait behind it.
         self._waiting = WaitingQueue()
@@ -200,28 +203,32 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         directories (:class:`~pykvcache.vllm.scheduler.disk_presence.DiskPresence`)."""
         return self.disk.on_disk(key)
 
-    def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False) -> LookupResult:
+    def stage(self, key: bytes, owner: Hashable | None = None, background: bool = False, tenant: bytes = b"") -> LookupResult:
         """Make ``key`` readable from staging: HIT if it already is, HIT_PENDING
         while a store or a read is filling its slot (a read is started here if
         the chunk is on disk; a prefetch with ``background``), MISS if it is
         nowhere or no slot is available. With ``owner`` the staged chunk is held
-        for that owner until :meth:`release`."""
-        result = self._stage(key, owner, background)
+        for that owner until :meth:`release`. Only ``tenant``'s chunk is
+        served (tenants.py)."""
+        result = self._stage(key, owner, background, tenant)
         if result is None:
             self.metrics.inc("staging_full_misses")
             return LookupResult.MISS
         return result
 
-    def _stage(self, key: bytes, owner: Hashable | None, background: bool) -> LookupResult | None:
+    def _stage(self, key: bytes, owner: Hashable | None, background: bool, tenant: bytes) -> LookupResult | None:
         """:meth:`stage`, with None where a read was due and did not start (no slot)."""
         self.io.poll_read(key)
         entry = self.cache.get(key)
         if entry is None:
             if not self.on_disk(key):
                 return LookupResult.MISS
-            entry = self.io.start_read(key, background)
+            entry = self.io.start_read(key, background, tenant)
             if entry is None:
                 return None
+        elif entry.tenant != tenant:  # one key, two tenants (a hash or indexing bug): never shared
+            self.metrics.inc("tenant_mismatches")
+            return LookupResult.MISS
         elif not background:
             self.io.promote(key)
         if entry.state is EntryState.FAILED:
@@ -290,6 +297,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         req_id = req_context.req_id
+        tenant = self._lookup_tenant = tenant_of(req_context)
         if req_id in self._recomputing:
             return LookupResult.MISS
         mine = owner(LOOKUP, req_id)
@@ -316,11 +324,11 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
                 self.metrics.inc("lookup_hold_cap_retries")
                 self.metrics.inc("lookups_deferred")
                 return LookupResult.RETRY
-        result = self._stage(key, mine, background=False)
+        result = self._stage(key, mine, False, tenant)
         # Staging is full: a lookup may take a slot from a later request's
         # preload (a preload never takes one).
         if result is None and self.preloader.reclaim(for_req=req_id):
-            result = self._stage(key, mine, background=False)  # a preload gave way
+            result = self._stage(key, mine, False, tenant)  # a preload gave way
         if result is None:
             self.metrics.inc("staging_full_misses")
             return LookupResult.MISS
@@ -445,7 +453,7 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
         evictions_before = self.cache.evictions
         slots = []
         for key in new_keys:
-            entry = self.cache.insert(key, EntryState.STORING, Origin.HOST)
+            entry = self.cache.insert(key, EntryState.STORING, Origin.HOST, tenant_of(req_context))
             assert entry is not None, "allocatable() promised a slot"
             slots.append(entry.slot)
         self.metrics.inc("staging_evictions", self.cache.evictions - evictions_before)
@@ -469,7 +477,15 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         self._waiting.arrived(req_context.req_id)
+        self._arrived = req_context
         return RequestOffloadingContext()
+
+    def request_tenant(self, req_id: str, tenant: bytes) -> None:
+        """The request ``on_new_request`` just saw (the connector calls this
+        next, for its salt) is ``tenant``'s: its ``ReqContext`` says so (tenants.py)."""
+        arrived, self._arrived = self._arrived, None
+        if arrived is not None and arrived.req_id == req_id and tenant:
+            arrived.set_state(Tenant(tenant))
 
     def on_request_finished(self, req_context: ReqContext) -> None:
         self._recomputing.discard(req_context.req_id)

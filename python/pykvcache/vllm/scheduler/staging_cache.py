@@ -82,6 +82,8 @@ class StagingEntry:
     # The generation of the slot's ready word armed by this entry's disk read
     # (0: none, the bytes came from a store): what a worker waits for.
     ready_gen: int = 0
+    # Whose chunk it is (tenants.py): sealed and opened for it, served only to it.
+    tenant: bytes = b""
 
     @property
     def evictable(self) -> bool:
@@ -141,7 +143,7 @@ class StagingCache:
         return len(self._entries) - len(self._lru)
 
     # -- allocation --------------------------------------------------------
-    def insert(self, key: bytes, state: EntryState, origin: Origin) -> StagingEntry | None:
+    def insert(self, key: bytes, state: EntryState, origin: Origin, tenant: bytes = b"") -> StagingEntry | None:
         """Give ``key`` a slot, evicting the least recently used evictable entry
         if no slot is free. Returns None when every slot is held."""
         if key in self._entries:
@@ -149,7 +151,7 @@ class StagingCache:
         slot = self._take_slot()
         if slot is None:
             return None
-        entry = StagingEntry(key=key, slot=slot, state=state, origin=origin)
+        entry = StagingEntry(key=key, slot=slot, state=state, origin=origin, tenant=tenant)
         self._entries[key] = entry
         return entry
 
