@@ -118,11 +118,11 @@ class SlowReads:
     def __len__(self) -> int:
         return len(self._store)
 
-    def get(self, key: bytes, slot: int) -> _SlowHandle:
-        return _SlowHandle(self._store.get(key, slot), self.delay_s)
+    def get(self, key: bytes, slot: int, *, tenant: bytes = b"") -> _SlowHandle:
+        return _SlowHandle(self._store.get(key, slot, tenant=tenant), self.delay_s)
 
-    def prefetch(self, key: bytes, slot: int) -> _SlowHandle:
-        return _SlowHandle(self._store.prefetch(key, slot), self.delay_s)
+    def prefetch(self, key: bytes, slot: int, *, tenant: bytes = b"") -> _SlowHandle:
+        return _SlowHandle(self._store.prefetch(key, slot, tenant=tenant), self.delay_s)
 
 
 # ----------------------------------------------------------------------
