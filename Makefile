@@ -30,10 +30,10 @@ venv-vllm033:
 lmcache-env:
 	bash dev/setup_lmcache.sh .lmcache
 
-# The lint gates: `lint-code` (stage `lint` of `make test`, after `build`): clippy with warnings as errors
+# The lint gates (stage `lint` of `make test`, after `build`): `lint-code`: clippy with warnings as errors
 # (--release in target/maturin: reuses the extension build's dependency build scripts, 27 s
 # instead of 52 s cold on 2 cores; ~1 s when only lint config changed), rustfmt (rustfmt.toml), ruff's checks and format (pyproject.toml),
-# and `typecheck` (stage `typecheck`, beside pytest): mypy over python/pykvcache (pyproject.toml: strict for the package root, gate/ and vllm/; ~30 s of CPU
+# and `typecheck`: mypy over python/pykvcache (pyproject.toml: strict for the package root, gate/ and vllm/; ~30 s of CPU
 # cold, a few seconds with its .mypy_cache) and mypy's stubtest of the hand-written _core.pyi against the
 # extension `develop` built (dev/stubtest-allowlist.txt: only what stubtest cannot judge). ruff and mypy: requirements-dev.
 lint: lint-code typecheck
@@ -44,7 +44,7 @@ lint-code:
 	$(PY) -m ruff check --quiet .
 	$(PY) -m ruff format --check --quiet .
 
-# The type gates (one core each): `make test` runs them beside pytest.
+# The type gates (one core each).
 typecheck:
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest pykvcache._core --allowlist dev/stubtest-allowlist.txt

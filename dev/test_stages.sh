@@ -4,20 +4,19 @@
 #
 #   venv      .venv (dev/setup_venv.sh: reused when its stamp matches)
 #   build     the Rust extension into .venv (maturin develop --release)
-#   lint      clippy -D warnings, cargo fmt --check, ruff check and format (make lint-code)
+#   lint      clippy -D warnings, cargo fmt --check, ruff check and format, mypy, stubtest of
+#             _core.pyi (make lint: lint-code and typecheck)
 #   lmcache   LMCache into .lmcache (the storage-level comparison's private install; in the
 #             background from the end of build)
-#   cargo     cargo test (the engine alone; compiled at nice 10 from the end of build, run
-#             beside pytest)
+#   cargo     cargo test (the engine alone; its binaries compile in the background during lint)
 #   pytest    tests/ (real files, real io_uring, a real vLLM CPU build), slowest 30 printed
 #   vllm033   the engine-free tests against vLLM 0.33's CUDA build (.venv-vllm033)
-#   typecheck mypy and the stubtest of _core.pyi (make typecheck; beside pytest)
 #   benches   the benchmark suite smoke-run once (tiny sizes, no timing)
 #
 # .venv-vllm033 (9.4 GB) is installed in the background while the Rust stages build and run:
 # that install is network and disk work, the Rust stages are compiles; both are done before
 # pytest starts.
-# typecheck, vllm033 and benches (engine-free, no timing asserted; ~160 s of CPU) run beside pytest, at
+# vllm033 and benches (engine-free, no timing asserted; ~130 s of CPU) run beside pytest, at
 # nice 10: pytest's engine tests leave most of a core idle (their processes wait on each
 # other), which these take; when pytest wants both cores the kernel gives it ~90% of them
 # (weights 1024:110), so its timing-sensitive tests keep their cores. Their logs are printed
@@ -67,10 +66,11 @@ if [ "$skip033" != 1 ]; then
   env033_start=$(date +%s)
 fi
 stage build make --no-print-directory develop || exit $first_rc
-# The engine's test binaries compile in target/ at nice 10 from here on (beside lint, then
-# beside pytest: the CPU those leave), and LMCache installs (network) meanwhile. The cargo
-# stage runs the engine's tests once they are built, beside pytest at normal priority (a few
-# seconds of CPU; their deadlines are seconds); PYKVCACHE_STAGES_SERIAL=1: before pytest.
+# The engine's test binaries compile (target/) while lint runs (mypy and stubtest use one core;
+# clippy checks in target/maturin), and LMCache installs (network) meanwhile: each stage line
+# then says how long it waited for its background part. Nothing of these runs beside pytest:
+# its engine tests time reads on the same disk and cores (a CI run with the engine's tests
+# beside it failed three of them).
 background() {  # background NAME COMMAND...: runs it now, its log and exit status kept for `joined`
   local name=$1; shift
   { "$@"; echo $? >"$beside_bg/$name.rc"; } >"$beside_bg/$name.log" 2>&1 &
@@ -81,19 +81,18 @@ joined() {  # joined NAME: waits for the background part, prints its log, return
   return "$(cat "$beside_bg/$1.rc")"
 }
 beside_bg=$(mktemp -d)
-background cargo_build nice -n 10 cargo test --release --locked --no-run
+background cargo_build cargo test --release --locked --no-run
 background lmcache make --no-print-directory lmcache-env
-stage lint make --no-print-directory lint-code
+stage lint make --no-print-directory lint
 stage lmcache joined lmcache
 cargo_tests() { joined cargo_build && cargo test --release --locked; }
-if [ "${PYKVCACHE_STAGES_SERIAL:-0}" = 1 ]; then stage cargo cargo_tests; fi
+stage cargo cargo_tests
 if [ "$skip033" != 1 ]; then
   wait_env033() { wait "$env033_pid"; local rc=$?; cat "$vllm033_env_log"; return $rc; }
   stage vllm033env wait_env033
   summary[-1]="${summary[-1]}  (the install itself: $(( $(cat "$vllm033_env_log.end" 2>/dev/null || date +%s) - env033_start )) s, in the background since the build)"
 fi
 after_pytest() {
-  stage typecheck make --no-print-directory typecheck
   if [ "$skip033" = 1 ]; then
     echo "test-vllm033: SKIPPED (PYKVCACHE_SKIP_VLLM033=1): nothing ran against vLLM 0.33"
     summary+=("stage vllm033   SKIPPED (PYKVCACHE_SKIP_VLLM033=1)")
@@ -117,24 +116,10 @@ else
     echo "$first_rc" >"$beside_dir/rc"
   ) >"$beside_dir/log" 2>&1 &
   beside_pid=$!
-  cargo_dir=$(mktemp -d)
-  (
-    summary=(); first_rc=0
-    stage cargo cargo_tests
-    printf '%s\n' "${summary[@]}" >"$cargo_dir/summary"
-    echo "$first_rc" >"$cargo_dir/rc"
-  ) >"$cargo_dir/log" 2>&1 &
-  cargo_pid=$!
   stage pytest "$PY" -m pytest -q -ra --durations=30 "${xdist[@]}"
-  wait "$cargo_pid"
-  echo "==== beside pytest: cargo (compiled at nice 10, run at normal priority)"
-  cat "$cargo_dir/log"
-  while IFS= read -r line; do summary+=("$line  (beside pytest)"); done <"$cargo_dir/summary"
-  cargo_rc=$(cat "$cargo_dir/rc" 2>/dev/null || echo 1)
-  if [ "$cargo_rc" -ne 0 ] && [ "$first_rc" -eq 0 ]; then first_rc=$cargo_rc; fi
   if ! kill -0 "$beside_pid" 2>/dev/null; then beside_note="done before pytest"; else beside_note="waited for"; fi
   wait "$beside_pid"
-  echo "==== beside pytest (nice 10), ${beside_note}: typecheck, vllm033 and benches"
+  echo "==== beside pytest (nice 10), ${beside_note}: vllm033 and benches"
   cat "$beside_dir/log"
   while IFS= read -r line; do summary+=("$line  (beside pytest)"); done <"$beside_dir/summary"
   beside_rc=$(cat "$beside_dir/rc" 2>/dev/null || echo 1)

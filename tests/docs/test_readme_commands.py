@@ -250,10 +250,11 @@ def run_command(command: str, placeholders: dict[str, str]) -> str:
         return "ran"
     if words[:2] == ["pip", "install"] and words[-1] == ".":
         target = os.path.join(placeholders["tmp"], "pip-target")
-        # A target directory of its own, kept between runs of a clone: target/maturin and target/
-        # are built beside pytest (`make wheel`, `cargo test`), and a build there could replace
-        # the library between maturin's build and its copy into the wheel.
-        cargo = {"CARGO_TARGET_DIR": str(ROOT / "target" / "pip")}
+        # The command is the subject, not a third build of every crate from scratch: the build
+        # reuses the dependencies `cargo test` compiled into target/ (make test runs it before
+        # pytest). Not target/maturin: `make wheel` builds there beside pytest, and two maturin
+        # builds in one directory race on the library's rename.
+        cargo = {"CARGO_TARGET_DIR": str(ROOT / "target")}
         _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", target, *words[2:]], {**env, **cargo}, timeout=900)
         assert list(Path(target, "pykvcache").glob("_core*.so")), "the wheel has no engine"
         return "installed into a scratch target"
