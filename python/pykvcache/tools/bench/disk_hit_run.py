@@ -91,15 +91,16 @@ def token_ids(n: int, seed: int, vocab: int) -> list[int]:
     return [rng.randrange(3, vocab - 1) for _ in range(n)]
 
 
-def settle_writes(url: str, quiet_s: float = 0.3, timeout_s: float = 60.0) -> None:
-    """Returns once the server's disk writes stopped growing for ``quiet_s``
-    (a warm-up's chunks are written after its response)."""
+def settle_writes(url: str, quiet_s: float = 0.3, timeout_s: float = 60.0, at_least: float = 0.0) -> None:
+    """Returns once the server wrote ``at_least`` bytes to disk and its writes
+    stopped growing for ``quiet_s`` (a request's chunks are written after its
+    response; on a busy host the first write can start later than ``quiet_s``)."""
     last, since, end = -1.0, time.monotonic(), time.monotonic() + timeout_s
     while time.monotonic() < end:
         now = _metric(url, WRITE_BYTES)
         if now != last:
             last, since = now, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
+        elif now >= at_least and time.monotonic() - since >= quiet_s:
             return
         time.sleep(0.05)
 
@@ -154,9 +155,20 @@ def fio_read_bps(directory: Path, opts: DiskHitOptions) -> float:
 
 
 def one_server(
-    cfg: ServerConfig, log: Path, model: str, doc_ids: list[int], warm_ids: list[int] | None, opts: DiskHitOptions, *, device: bool = True
+    cfg: ServerConfig,
+    log: Path,
+    model: str,
+    doc_ids: list[int],
+    warm_ids: list[int] | None,
+    opts: DiskHitOptions,
+    *,
+    device: bool = True,
+    stores: float = 0.0,
 ) -> dict[str, Any]:
-    """A fresh server: warm-up, its writes, the document (disk), the document again (device)."""
+    """A fresh server: warm-up, its writes, the document (disk), the document
+    again (device). ``stores``: bytes of the document's chunks it must have
+    written before it stops (the storing server: vLLM's default stop drops
+    writes still queued)."""
     server = Server(cfg, log, opts.start_timeout_s)
     server.start()
     try:
@@ -167,6 +179,8 @@ def one_server(
         read0 = _metric(server.url, READ_BYTES)
         out["disk_s"] = ttft(server.url, model, doc_ids)
         out["read_bytes"] = _metric(server.url, READ_BYTES) - read0
+        if stores:
+            settle_writes(server.url, quiet_s=0.5, at_least=stores)
         if device:
             out["device_all_s"] = sorted(ttft(server.url, model, doc_ids) for _ in range(opts.device_repeats))
             out["device_s"] = statistics.median(out["device_all_s"])
@@ -192,7 +206,9 @@ def run_length(
 
     step.advance(f"ctx {doc}: computing and storing the document")
     c, log = cfg(f"ctx{doc}-store")
-    seeded = one_server(c, log, model, doc_ids, None, opts, device=False)
+    # Every whole chunk but the last (vLLM may keep the one that ends on the last prompt token).
+    stores = max(0, doc // opts.chunk_tokens - 1) * opts.chunk_tokens * bytes_per_token
+    seeded = one_server(c, log, model, doc_ids, None, opts, device=False, stores=stores)
     result["store_s"] = seeded["disk_s"]  # a recompute: nothing was on disk yet
     result["first_contact"] = None
     if opts.first_contact:
