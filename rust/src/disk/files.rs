@@ -275,33 +275,32 @@ pub fn publish(file: &PendingFile, final_path: &Path, noreplace: bool) -> std::i
     let dst = cstring(final_path).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     if let Some(temp) = &file.temp_path {
         let src = cstring(temp).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
-        let e = if noreplace {
+        if noreplace {
             // SAFETY: both are NUL-terminated paths that live across the call.
             let rc = unsafe { libc::renameat2(libc::AT_FDCWD, src.as_ptr(), libc::AT_FDCWD, dst.as_ptr(), libc::RENAME_NOREPLACE) };
             if rc == 0 {
                 return Ok(true);
             }
-            std::io::Error::last_os_error()
-        } else {
-            std::io::Error::from_raw_os_error(libc::EINVAL)
-        };
-        match e.raw_os_error() {
-            Some(libc::EEXIST) => {
-                let _ = std::fs::remove_file(temp);
-                return Ok(false);
-            }
-            // No RENAME_NOREPLACE here (some FUSE and network filesystems): a
-            // plain rename, which replaces an existing chunk of the same key.
-            Some(libc::EINVAL) | Some(libc::ENOSYS) | Some(libc::EOPNOTSUPP) => {
-                let existed = std::fs::symlink_metadata(final_path).is_ok();
-                // SAFETY: both are NUL-terminated paths that live across the call.
-                if unsafe { libc::rename(src.as_ptr(), dst.as_ptr()) } != 0 {
-                    return Err(std::io::Error::last_os_error());
+            let e = std::io::Error::last_os_error();
+            match e.raw_os_error() {
+                Some(libc::EEXIST) => {
+                    let _ = std::fs::remove_file(temp);
+                    return Ok(false);
                 }
-                return Ok(!existed);
+                // Refused after all (another filesystem mounted over the probed
+                // directory): the plain rename below.
+                Some(libc::EINVAL) | Some(libc::ENOSYS) | Some(libc::EOPNOTSUPP) => {}
+                _ => return Err(e),
             }
-            _ => return Err(e),
         }
+        // No RENAME_NOREPLACE here (some FUSE and network filesystems): a
+        // plain rename, which replaces an existing chunk of the same key.
+        let existed = std::fs::symlink_metadata(final_path).is_ok();
+        // SAFETY: both are NUL-terminated paths that live across the call.
+        if unsafe { libc::rename(src.as_ptr(), dst.as_ptr()) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        return Ok(!existed);
     }
     // linkat through /proc avoids needing CAP_DAC_READ_SEARCH for AT_EMPTY_PATH.
     let src = std::ffi::CString::new(format!("/proc/self/fd/{}", file.fd)).unwrap();

@@ -272,7 +272,7 @@ class Preloader:
                     return
         self.peak_held = max(self.peak_held, self.cache.count_held(LOOKAHEAD))
 
-    def _preload(self, req_id: Hashable, keys: Sequence[bytes], start_tokens: int, tenant: bytes = b"") -> bool:
+    def _preload(self, req_id: Hashable, keys: Sequence[bytes], start_tokens: int, tenant: bytes) -> bool:
         """Hold or read this request's gated prefix; False when the budget or
         staging stops the pass (later requests must not jump ahead)."""
         cache = self.cache

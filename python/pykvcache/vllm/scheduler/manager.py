@@ -324,11 +324,11 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
                 self.metrics.inc("lookup_hold_cap_retries")
                 self.metrics.inc("lookups_deferred")
                 return LookupResult.RETRY
-        result = self._stage(key, mine, False, tenant)
+        result = self._stage(key, mine, background=False, tenant=tenant)
         # Staging is full: a lookup may take a slot from a later request's
         # preload (a preload never takes one).
         if result is None and self.preloader.reclaim(for_req=req_id):
-            result = self._stage(key, mine, False, tenant)  # a preload gave way
+            result = self._stage(key, mine, background=False, tenant=tenant)  # a preload gave way
         if result is None:
             self.metrics.inc("staging_full_misses")
             return LookupResult.MISS
@@ -451,9 +451,9 @@ class NvmeOffloadingManager(UsesDiskTier, OffloadingManager):
             self.metrics.inc("store_truncated_chunks", len(new_keys) - available)
             new_keys = new_keys[:available]
         evictions_before = self.cache.evictions
-        slots = []
+        slots, tenant = [], tenant_of(req_context)
         for key in new_keys:
-            entry = self.cache.insert(key, EntryState.STORING, Origin.HOST, tenant_of(req_context))
+            entry = self.cache.insert(key, EntryState.STORING, Origin.HOST, tenant)
             assert entry is not None, "allocatable() promised a slot"
             slots.append(entry.slot)
         self.metrics.inc("staging_evictions", self.cache.evictions - evictions_before)
