@@ -51,10 +51,7 @@ def test_disk_hit_part_tiny(tmp_path, tiny_model_cache):
         assert server["read_bytes"] >= doc_bytes * 0.75, "the measured request was not served from disk"
         t = server["trace"]
         assert t is not None, "the server's gate_trace holds no load path"
-        assert t["chunks_read"] >= 3
-        # Copied in waves as the reads ended, or at once when every read had ended before the
-        # worker got the load (a busy host schedules the load late).
-        assert t["copy_waves"] >= 1 or t["reads_in_flight_at_load"] == 0, t
+        assert t["chunks_read"] >= 3 and t["copy_waves"] >= 1
         assert t["first_read_submitted_ms"] <= t["last_read_ended_ms"] <= t["load_done_ms"] <= t["received_ms"] <= t["prefill_step_ms"], t
     (sample,) = result["samples"]
     assert sample["fio_read_bps"] > 0 and sample["limit_s"] > sample["device_s"] > 0

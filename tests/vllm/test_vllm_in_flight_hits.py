@@ -528,3 +528,28 @@ def test_a_chunk_looked_up_again_while_its_read_is_in_flight_counts_once(stall_f
     finally:
         stall_fs.resume()
         rig.close()
+
+
+def test_a_load_whose_reads_all_ended_is_traced_as_one_copy_then_done(tmp_path):
+    """gate_trace's load path (decision 0082) when every read ended before the
+    worker got the load: one copy of every chunk, then ``load_done`` (the
+    disk-hit part times the load's end from it)."""
+    rig = Rig(tmp_path / "kv", io_deadline=10.0)
+    try:
+        rig.store_chunk()
+        ctx = ReqContext(req_id="r")
+        deadline = time.monotonic() + 10
+        while rig.manager.lookup(KEY, ctx) is not LookupResult.HIT:
+            assert time.monotonic() < deadline, "the read never ended"
+            rig.reads_settled()
+        spec = rig.manager.prepare_load([KEY], ctx)
+        assert not any(getattr(spec, "ready_generations", None) or ()), "every read ended"
+        events = []
+        rig.worker.trace = lambda ev, **fields: events.append((ev, fields))
+        rig.submit_load(spec)
+        rig.poll_until_finished()
+        assert [ev for ev, _ in events] == ["load_in", "copied", "load_done"], events
+        assert events[1][1]["chunks"] == 1
+        assert all(torch.equal(a, b) for a, b in zip(rig.loaded_blocks(), rig.expected_blocks()))
+    finally:
+        rig.close()

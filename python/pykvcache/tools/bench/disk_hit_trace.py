@@ -45,8 +45,7 @@ def breakdown(path: Path, tokens: int) -> dict[str, Any] | None:
     prefill = next((r["mono"] for r in recs if r["ev"] == "step" and req in (r.get("prefill") or ())), None)
     end = prefill if prefill is not None else float("inf")
     reads = [r for r in recs if r["ev"] == "read" and t0 - 0.001 <= r["submitted"] <= end]
-    load_in = next((r for r in recs if r["ev"] == "load_in" and r["mono"] >= out["mono"]), None)
-    job = load_in["job"] if load_in is not None else None
+    job = next((r["job"] for r in recs if r["ev"] == "load_in" and r["mono"] >= out["mono"]), None)
     copies = [r for r in recs if r["ev"] == "copied" and r.get("job") == job and r["mono"] >= t0]
     done = next((r["mono"] for r in recs if r["ev"] == "load_done" and r.get("job") == job and r["mono"] >= t0), None)
 
@@ -61,9 +60,6 @@ def breakdown(path: Path, tokens: int) -> dict[str, Any] | None:
         "first_read_ended_ms": ms(min((r["ended"] for r in reads), default=None)),
         "last_read_ended_ms": ms(max((r["ended"] for r in reads), default=None)),
         "load_out_ms": ms(out["mono"]),
-        # Reads still in flight when the worker got the load: copied in waves as
-        # they end; with none (every read ended first), copied at once, no wave.
-        "reads_in_flight_at_load": load_in.get("in_flight") if load_in is not None else None,
         "copy_waves": len(copies),
         "copy_ms": round(sum(r.get("s", 0.0) for r in copies) * 1000, 1),
         "load_done_ms": ms(done),

@@ -117,7 +117,14 @@ class StagingWorker(OffloadingWorker):
         if self.trace is not None:
             self.trace("load_in", job=job_id, chunks=len(slots), in_flight=sum(1 for g in generations if g > 0))
         if not any(generations):
-            return self._submit(job_id, gpu_spec=dst_spec, slots=slots, to_gpu=True)
+            if self.trace is None or self._on_cuda:
+                return self._submit(job_id, gpu_spec=dst_spec, slots=slots, to_gpu=True)
+            # Every read ended before the load came: one wave, every chunk, copied now.
+            began = time.perf_counter()
+            submitted = self._submit(job_id, gpu_spec=dst_spec, slots=slots, to_gpu=True)
+            self.trace("copied", job=job_id, chunks=len(slots), s=round(time.perf_counter() - began, 6))
+            self.trace("load_done", job=job_id)
+            return submitted
         if any(gen < 0 for gen in generations):
             failed = sum(1 for gen in generations if gen < 0)
             self._load_failed(job_id, f"{failed} read(s) failed before the load", start)
