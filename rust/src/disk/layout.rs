@@ -241,7 +241,7 @@ fn require_real_dir(dir: &Path) -> Result<()> {
 }
 
 /// How long creating a directory keeps retrying a mkdir that says EEXIST for a
-/// directory this client cannot see.
+/// directory this client cannot see, or ESTALE while another node creates it.
 const DIR_CREATE_WAIT: Duration = Duration::from_secs(2);
 
 /// Creates `dir` and its missing parents, as `create_dir_all` does, but safe
@@ -251,9 +251,11 @@ const DIR_CREATE_WAIT: Duration = Duration::from_secs(2);
 /// at once can both get EEXIST while neither creates it: the name is then in no
 /// listing, on neither mount, and a new mkdir succeeds (measured on the test
 /// volume with client caching: ~1 in 100 concurrent mkdirs). The CI saw two
-/// nodes opening one fresh store fail so. Here an EEXIST for a path that is not
-/// there is retried until `DIR_CREATE_WAIT`; a non-directory in the way is still
-/// an error at once.
+/// nodes opening one fresh store fail so. A mkdir racing another client's mkdir
+/// of the same name can also fail with ESTALE (the client's cached handle of the
+/// name went stale under it; seen once in CI with two nodes opening one fresh
+/// store). Here an EEXIST or ESTALE for a path that is not there is retried until
+/// `DIR_CREATE_WAIT`; a non-directory in the way is still an error at once.
 pub(crate) fn create_dir_shared(dir: &Path, mode: u32) -> std::io::Result<()> {
     create_dir_shared_with(dir, DIR_CREATE_WAIT, &|p| std::fs::DirBuilder::new().mode(mode).create(p))
 }
@@ -290,7 +292,7 @@ fn create_dir_shared_with_parents(
                 }
                 _ => return Err(e),
             },
-            Err(e) if e.raw_os_error() == Some(libc::EEXIST) => e,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EEXIST | libc::ESTALE)) => e,
             Err(e) => return Err(e),
         };
         match std::fs::metadata(dir) {
@@ -299,7 +301,7 @@ fn create_dir_shared_with_parents(
             Err(e) if Instant::now() >= deadline => {
                 return Err(std::io::Error::new(
                     e.kind(),
-                    format!("mkdir keeps saying it exists, but after {wait:?} it is still not there: {e}"),
+                    format!("mkdir keeps failing ({exists}), and after {wait:?} the directory is still not there: {e}"),
                 ))
             }
             Err(_) => {
@@ -362,12 +364,18 @@ mod tests {
     /// The filesystem, except that the first `spurious` mkdirs of `dir` fail
     /// with EEXIST without creating anything (what GlusterFS did).
     fn spurious_eexist(dir: &Path, spurious: u32, test: impl FnOnce(&dyn Fn(&Path) -> std::io::Result<()>)) -> u32 {
+        spurious_errno(dir, libc::EEXIST, spurious, test)
+    }
+
+    /// The filesystem, except that the first `spurious` mkdirs of `dir` fail
+    /// with `errno` without creating anything.
+    fn spurious_errno(dir: &Path, errno: i32, spurious: u32, test: impl FnOnce(&dyn Fn(&Path) -> std::io::Result<()>)) -> u32 {
         let calls = Cell::new(0);
         let mkdir = |p: &Path| {
             if p == dir {
                 calls.set(calls.get() + 1);
                 if calls.get() <= spurious {
-                    return Err(std::io::Error::from_raw_os_error(libc::EEXIST));
+                    return Err(std::io::Error::from_raw_os_error(errno));
                 }
             }
             std::fs::create_dir(p)
@@ -391,6 +399,15 @@ mod tests {
         let d = tmp.path().join("00");
         let calls = spurious_eexist(&d, 3, |mkdir| create_dir_shared_with(&d, WAIT, mkdir).unwrap());
         assert_eq!(calls, 4);
+        assert!(d.is_dir());
+    }
+
+    #[test]
+    fn a_spurious_estale_is_retried_until_the_directory_exists() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path().join("00");
+        let calls = spurious_errno(&d, libc::ESTALE, 2, |mkdir| create_dir_shared_with(&d, WAIT, mkdir).unwrap());
+        assert_eq!(calls, 3);
         assert!(d.is_dir());
     }
 
