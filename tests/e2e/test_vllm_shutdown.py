@@ -4,15 +4,16 @@ Each test starts ``python -m vllm.entrypoints.openai.api_server`` with the
 tiny model (its own process group), and stops it the way operators and
 orchestrators do:
 
-* SIGTERM before any KV transfer (vLLM's default ``--shutdown-timeout 0``:
-  the API server SIGTERMs the EngineCore and SIGKILLs it at once): the staging
-  region must not outlive the engine. It used to stay in /dev/shm, fully
-  resident, one per restart (its name was only removed after the first
-  transfer);
-* SIGKILL of every process of the server (the OOM killer, ``kill -9``,
-  a container runtime): same;
+* SIGKILL of every process of the server before any KV transfer (the OOM
+  killer, ``kill -9``, a container runtime): the staging region must not
+  outlive the engine. It used to stay in /dev/shm, fully resident, one per
+  restart (its name was only removed after the first transfer). vLLM's
+  default SIGTERM (``--shutdown-timeout 0``: the API server SIGTERMs the
+  EngineCore and SIGKILLs it at once) ends the engine the same way, so the
+  SIGKILL case covers it;
 * SIGTERM right after requests stored chunks, with ``--shutdown-timeout``:
-  the EngineCore drains and pykvcache's shutdown writes them all before exit.
+  the EngineCore drains and pykvcache's shutdown writes them all before exit,
+  and leaves no staging behind either.
   (With vLLM's default timeout of 0 the chunks still queued in the scheduler
   are lost: docs/vllm.md says to set it.)
 """
@@ -243,10 +244,10 @@ def server_factory(tmp_path, model):
         server.kill()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_stopped_before_any_transfer_leaves_no_staging_behind(server_factory, sig):
+def _stop_leaving_no_staging(server: Server, sig: int) -> float:
+    """Stops the server with ``sig`` and asserts that its staging region (one
+    memfd while it served) is gone with it: not in /dev/shm, held by no process."""
     before = _pykvcache_shm()
-    server = server_factory()
     held = staging_memfds(server.prefix)
     mapped = server.dev_shm_mapped()
     seconds = server.stop(sig)
@@ -262,6 +263,11 @@ def test_stopped_before_any_transfer_leaves_no_staging_behind(server_factory, si
     assert not {n for n in leaked if n.startswith(server.prefix)}, "staging left in /dev/shm"
     assert len(held) == 1, "the engine held its staging region (a memfd) while it served"
     assert not staging_memfds(server.prefix), "a process still holds the region"
+    return seconds
+
+
+def test_killed_before_any_transfer_leaves_no_staging_behind(server_factory):
+    _stop_leaving_no_staging(server_factory(), signal.SIGKILL)
 
 
 def _prompts(tokenizer, count: int) -> list[list[int]]:
@@ -280,7 +286,7 @@ def test_sigterm_under_load_persists_every_chunk_with_a_shutdown_timeout(server_
     """Concurrent requests, SIGTERM as soon as the first one is answered. With
     ``--shutdown-timeout`` the EngineCore drains the requests and pykvcache's
     shutdown writes every queued chunk: all of them are on disk, no temp file
-    is left. (vLLM's default stop aborts what is in flight and SIGKILLs the
+    and no staging region is left. (vLLM's default stop aborts what is in flight and SIGKILLs the
     EngineCore at once: chunks in staging not yet written are lost; that
     costs a server start here and asserts nothing, so it is not run.)"""
     import threading
@@ -321,7 +327,7 @@ def test_sigterm_under_load_persists_every_chunk_with_a_shutdown_timeout(server_
         while not answered.is_set() and time.monotonic() < admitted and server.requests_in_engine() < len(prompts):
             time.sleep(0.05)
         answered.wait(300)
-        seconds = server.stop(signal.SIGTERM)
+        seconds = _stop_leaving_no_staging(server, signal.SIGTERM)
         chunks, temps = _chunk_files(store)
         outcome[label] = {
             "answered_in_full": len(done),
