@@ -31,7 +31,11 @@ CALIBRATED = "calibrated"
 #: pykvcache's defaults on a server started where a predecessor of the same
 #: configuration stopped (serve_restart.py). Not in the defaults.
 RESTARTED = "restarted"
-KNOWN_CONFIGS = (*ALL_CONFIGS, VARIANT, CALIBRATED, RESTARTED)
+#: pykvcache's defaults with every chunk sealed (AES-256-GCM) under a key made beside the
+#: server's store (``serve-encryption.key``): what encryption at rest costs a server.
+#: Not in the defaults.
+SEALED = "sealed"
+KNOWN_CONFIGS = (*ALL_CONFIGS, VARIANT, CALIBRATED, RESTARTED, SEALED)
 PYKVCACHE_CONFIGS: dict[str, dict[str, Any]] = {
     "pykvcache": {},
     "gate_off": {"gate": False},
@@ -40,6 +44,7 @@ PYKVCACHE_CONFIGS: dict[str, dict[str, Any]] = {
     VARIANT: {},  # pykvcache's defaults, from variant_path (server_config)
     CALIBRATED: {},  # pykvcache's defaults with calibrated_profile (server_config)
     RESTARTED: {},  # pykvcache's defaults, after a predecessor on the same storage (run_server)
+    SEALED: {},  # pykvcache's defaults with encryption_key_file (server_config)
 }
 
 LMCACHE_PATH_ENV = "PYKVCACHE_LMCACHE_PATH"

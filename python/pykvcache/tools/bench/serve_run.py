@@ -19,7 +19,7 @@ from typing import Any
 from .contention import CpuContention
 from .parts import Step
 from .read_throttle import ReadThrottle
-from .serve_options import CALIBRATED, KV_MARGIN_TOKENS, LMCACHE_PATH_ENV, PYKVCACHE_CONFIGS, RESTARTED, VARIANT, ServeOptions
+from .serve_options import CALIBRATED, KV_MARGIN_TOKENS, LMCACHE_PATH_ENV, PYKVCACHE_CONFIGS, RESTARTED, SEALED, VARIANT, ServeOptions
 from .serve_restart import restored as restored_device
 from .serve_restart import run_predecessor
 from .serve_server import Server, ServerConfig, ServerFailed, log_tail
@@ -83,6 +83,22 @@ def lmcache_degraded(log: Path) -> str | None:
     )
 
 
+def run_key(path: Path) -> Path:
+    """The sealed configuration's key: 32 random bytes, mode 0600, made once and then kept
+    (a server restarted on the same store must open what it sealed: a new key would make
+    those chunks misses of another key)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return path
+    try:
+        os.write(fd, os.urandom(32))
+    finally:
+        os.close(fd)
+    return path
+
+
 def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: int, storage: Path) -> ServerConfig:
     args = [
         "--dtype",
@@ -119,6 +135,8 @@ def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: in
         if name == CALIBRATED:
             assert opts.calibrated_profile, "run_with calibrates before the first round"
             extra["gate_profile"] = opts.calibrated_profile
+        if name == SEALED:
+            extra["encryption_key_file"] = str(run_key(storage.parent / "serve-encryption.key"))
         if opts.gate_trace:
             extra["gate_trace"] = str(storage.parent / "gate-trace.jsonl")
         cfg.kv_transfer_config = {
