@@ -75,6 +75,9 @@ def run_writers(dirs, capacity, seconds, rate, sample, min_puts=0):
             after.append(sample())
             p.wait(timeout=30)
         after.append(sample())
+        for p, report in zip(procs, reports):
+            if report.get("errors"):  # the failed puts' messages (the worker prints each)
+                report["messages"] = p.stderr.read().strip().splitlines()[-5:]
         return during, after, reports
     finally:
         for p in procs:

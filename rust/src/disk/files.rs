@@ -241,27 +241,51 @@ pub fn open_for_write(dir: &Path, support: FsSupport, direct: bool, mode: u32) -
         let fd = open_raw(dir, libc::O_TMPFILE | libc::O_WRONLY | direct_flag(direct), mode)?;
         return Ok(PendingFile { fd, temp_path: None });
     }
-    let temp = temp_name(dir);
-    let fd = open_raw(&temp, libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | direct_flag(direct), mode)?;
-    // Held until the file is published or discarded; the kernel drops it when
-    // the writer dies, which is how a scan tells an orphan from a live write.
-    // SAFETY: flock takes no pointer; `fd` was opened just above.
-    unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) };
-    Ok(PendingFile { fd, temp_path: Some(temp) })
+    // The lock is held until the file is published or discarded; the kernel
+    // drops it when the writer dies, which is how a scan tells an orphan from a
+    // live write. Between the create and the flock the file is unlocked, and a
+    // scan of another process may remove it then as a dead writer's (on
+    // GlusterFS that window is a network round trip: a put then failed at its
+    // publish with ENOENT). So the locked file is checked to still have its
+    // name, and a taken one is replaced by a new temp file.
+    for _ in 0..TEMP_CREATE_TRIES {
+        let temp = temp_name(dir);
+        let fd = open_raw(&temp, libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | direct_flag(direct), mode)?;
+        match lock_if_current(fd, &temp, libc::LOCK_EX) {
+            Ok(()) => return Ok(PendingFile { fd, temp_path: Some(temp) }),
+            // Removed (or replaced) before we held it: another temp file.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => close(fd),
+            // No flock here (some network filesystems): unlocked, as scans cannot judge it either.
+            Err(_) => return Ok(PendingFile { fd, temp_path: Some(temp) }),
+        }
+    }
+    Err(std::io::Error::new(
+        std::io::ErrorKind::NotFound,
+        format!("{TEMP_CREATE_TRIES} new temporary files in {} were removed before this writer could lock them", dir.display()),
+    ))
 }
 
-/// Whether the temporary file `name` at `path` was left by a dead writer:
-/// nobody holds its lock. Our own files are skipped (network filesystems
-/// emulate flock with per-process locks, which we would always get).
-pub fn temp_writer_gone(path: &Path, name: &str) -> bool {
+/// How many fresh temporary files a put creates before it gives up, each
+/// removed by another process's scan before it was locked.
+const TEMP_CREATE_TRIES: usize = 3;
+
+/// Removes the temporary file `name` at `path` if it was left by a dead
+/// writer: nobody holds its lock. Our own files are skipped (network
+/// filesystems emulate flock with per-process locks, which we would always
+/// get). The file is removed while this lock is held, so a writer that locks
+/// its new file (`open_for_write`) either finds it locked here and takes
+/// another, or locks it after the removal and sees its name gone. Returns
+/// whether it was removed.
+pub fn remove_if_writer_gone(path: &Path, name: &str) -> bool {
     if name.starts_with(&format!("{TEMP_PREFIX}{}-", std::process::id())) {
         return false;
     }
     let Ok(fd) = open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0) else { return false };
     // SAFETY: flock takes no pointer; `fd` was opened above and is closed below.
     let unlocked = unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) } == 0;
+    let removed = unlocked && std::fs::remove_file(path).is_ok();
     close(fd);
-    unlocked
+    removed
 }
 
 /// Makes a completely written file visible under `final_path`.

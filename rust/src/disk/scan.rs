@@ -107,8 +107,10 @@ fn collect_namespace(ns: NsId, ns_dir: &Path, now: SystemTime, stop: &AtomicBool
                 let changed =
                     SystemTime::UNIX_EPOCH + Duration::new(meta.ctime().max(0) as u64, meta.ctime_nsec().clamp(0, 999_999_999) as u32);
                 let age = now.duration_since(changed).unwrap_or_default();
-                if age > STALE_TEMP_AGE || files::temp_writer_gone(&entry.path(), name) {
+                if age > STALE_TEMP_AGE {
                     let _ = std::fs::remove_file(entry.path());
+                } else {
+                    files::remove_if_writer_gone(&entry.path(), name);
                 }
                 continue;
             }
