@@ -1,40 +1,18 @@
 """The device's read speed from the periods it was busy reading
-(:class:`DeviceBusyPeriods`, decision 0079).
+(:class:`DeviceBusyPeriods`; docs/gate.md, decision 0079).
 
-The gate learns the device from timed loads: a request's reads from the
-moment its plan was made (``vllm/scheduler/gate_plan.py``). A load that the preloader
-started (lookahead: the chunks are being read when the request's lookup comes)
-is not such a load, and with lookahead on every load can be one: in the 8k
-long-context benchmark with reads capped at 50 MB/s the gate observed no load
-in a whole run and kept its prior of 1000 MB/s, so it loaded every prefix of
-a disk 20x slower than it believed.
+A busy period starts when a read is submitted while none is outstanding and
+ends when the last outstanding one ends: its bytes over its length are what
+the device delivered while it had work, whoever asked for it, so a server
+whose loads all came through the preloader still learns its device. A device
+that is never idle would never end one, so a period is also cut once
+``cut_bytes`` ended in it (a read still in flight at the cut may have moved
+part of its bytes: an error of at most the reads in the kernel).
 
-Every read, demand or preload, tells how busy the device was. A busy period
-starts when a read is submitted while none is outstanding and ends when the
-last outstanding one ends; its bytes over its length are what the device
-delivered while it had work, whoever asked for it. A device that is never
-idle (a saturated one, exactly where the speed matters) would never end a
-period, so a period is also cut once it has ``cut_bytes`` behind it: the
-device was busy from the period's start to the latest end seen, and the bytes
-of the reads that ended by then were served in it (a read still outstanding
-may have moved part of its bytes before the cut: an error of at most the
-reads in flight in the kernel, small against ``cut_bytes``).
-
-A read a request's plan already times (``timed_elsewhere``) is counted in
-its period but does not make one worth learning from: a period of demand
-loads alone would teach the gate each of those loads twice (and one load
-alone must not swing it, ``OnlineLoadModel.prior_weight``). A period is
-returned only when at least one of its reads was timed by nothing else: a
-preload, or a read whose plan stopped timing it.
-
-A period that holds a read the gate started to sample the device
-(``sample``: an exploration read in the background, decision 0054) is
-returned flagged: it is the exploration's measurement. Timing the sample
-alone would time its wait in the background queue, behind every demand read
-submitted after it; its period times what the device delivered meanwhile,
-which is the sustained service the gate prices (a lone read on an idle
-throttled device sees the throttle's burst, not its rate: the sample is
-sized to outlast it, ``Exploration.min_sample_s``).
+A period is returned only when one of its reads is timed by nothing else (a
+plan times its own reads, ``timed_elsewhere``: counting them twice would let one
+load swing the model). A period holding an exploration's sample is flagged:
+it is that exploration's measurement (decision 0054).
 
 Pure arithmetic on times the caller gives: no clock, no I/O.
 """

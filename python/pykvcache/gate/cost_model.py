@@ -1,26 +1,13 @@
-"""Load-versus-recompute cost model of the admission gate.
+"""Load-versus-recompute cost model of the admission gate (docs/gate.md, "The model").
 
-Loading the tokens ``[start, end)`` of a prompt from the KV tier costs::
-
-    T_load = step + fixed + (queued + disk_bytes) / BW_disk + all_bytes / BW_h2d
-
-where ``step`` is what any load costs end to end in the serving engine
-(vLLM loads asynchronously: the request waits for the copy and computes one
-scheduler step later; measured through vLLM by ``pykvcache calibrate``),
-``fixed`` the storage's per-load latency (paid only when something must come
-from the disk), ``queued`` is I/O already waiting on the device (a new read is served
-behind it), ``disk_bytes`` the part that must come from the SSD (chunks
-already in staging memory skip it) and ``BW_h2d`` the copy from staging into
-the KV pages. Recomputing them instead costs ``T_prefill(end) -
-T_prefill(start)`` on the measured prefill curve: the suffix after ``end`` is
-computed either way, so only the prefix's own compute is saved, including
-its attention over tokens before ``start``.
-
-``T_prefill`` is a least-squares fit ``a + b*n + c*n^2`` with non-negative
-coefficients (monotone by construction, quadratic because attention is), made
-on relative error so that short prompts weigh as much as long ones.
-Everything here is plain arithmetic: the gate runs per request per
-scheduling step.
+Loading the tokens ``[start, end)`` costs
+``step + fixed + (queued + disk_bytes) / BW_disk + all_bytes / BW_h2d``:
+``step`` what any load costs end to end in the engine (the request computes
+one scheduler step after its copy), ``fixed`` the storage's per-load latency
+(only when something comes from disk), ``queued`` the I/O ahead of the read.
+Recomputing costs ``T_prefill(end) - T_prefill(start)``, a least-squares fit
+``a + b*n + c*n^2`` with non-negative coefficients (monotone; quadratic as
+attention is) on relative error. Plain arithmetic: it runs per request per step.
 """
 
 from __future__ import annotations

@@ -1,52 +1,25 @@
-"""Per-request decision: how many prefix tokens to load (0 = recompute).
+"""Per-request decision: how many prefix tokens to load (0 = recompute;
+docs/gate.md, "The decision").
 
-The manager hands the gate the states of a request's chunks, in prompt
-order, starting at the first chunk the device cache does not already hold:
+The manager hands the gate the states of a request's chunks in prompt order,
+from the first chunk the device cache lacks (``STAGED``: the copy remains;
+``DISK``: a read behind the queued I/O, then the copy; ``MISSING``: the
+loadable prefix ends). One pass evaluates every prefix length up to the
+first missing chunk and keeps the one that saves the most; the answer is a
+prefix because vLLM can only skip a prompt's leading tokens.
 
-* ``STAGED``  verified in staging memory: only the copy into KV pages remains;
-* ``DISK``    on the SSD: a read (behind the I/O already queued), then the copy;
-* ``MISSING`` nowhere: the loadable prefix ends here.
+With requests waiting behind (``waiting_requests``) a recompute delays them
+all while a load lets the engine compute for others: the recompute side
+counts ``1 + waiting`` times, capped at ``behind_weight_cap`` (2), since a
+load also queues later loads behind its reads (decision 0070).
 
-The gate evaluates every prefix length ``k`` (in chunks) up to the first
-missing chunk and keeps the one that saves the most time; it loads nothing
-when no prefix saves time. The answer is always a prefix, because vLLM can
-only skip computing the leading tokens of a prompt. The cost is one pass over
-the chunk list with a few multiplications per chunk (microseconds for a
-prompt of hundreds of chunks).
-
-With other requests waiting behind this one (``waiting_requests``) the engine
-is saturated, and the two choices do not cost the same people: recomputing
-takes the engine's compute, so every request behind it is served that much later, while
-a load waits on the disk and staging and lets the engine compute for the
-others meanwhile. The recompute side is then worth ``1 + waiting`` times its
-compute. Measured: with the server's reads capped at 25 MB/s a 1.5k-token
-prefix reads in ~2 s against ~1.8 s of prefill, and loading it gave 2.51x
-recompute's p50 TTFT and 2.07x its throughput at 6 users (decision 0079,
-docs/perf/serve-read25).
-
-That weight is capped (``behind_weight_cap``, 2): a load makes its own
-request wait for the disk, and its reads queue every later load behind
-them. Unbounded, the gate chose loads up to 3.9x slower than their own
-recompute at 25 MB/s; capped, it read a third as much and gained 1.22x p50
-and 1.19x p99 (decision 0070).
-
-Before the gate has timed a read of the device (its online model is not
-``timed``: at start, or after every lesson was forgotten) a caller that reads
-in the background commits no request to the disk: the decision loads the
-staged head and names the first chunk on disk to read (``sample_chunks``;
-reason ``untimed``), and the caller decides again once that read is timed
-(``vllm/scheduler/gate_plan.py``). The prior may be a profile of another device: a
-profile calibrated at 1426 MB/s served a disk capped at 0.26 MB/s, where the
-first requests committed to reads of up to 24 chunks, each waited for the 2 s I/O
-deadline and then recomputed (2026-12-06, 2-core VM). Elsewhere (vLLM's tiering framework) the prior
-decides as before.
-
-A gate with an :class:`~pykvcache.gate.exploration.Exploration` policy loads
-now and then a prefix it would recompute (reason ``explore``), within that
-policy's bounds: without loads it could never learn that a disk it learnt as
-slow got fast again (decision 0054). Where its caller can read in the
-background (``sample_in_background``) the request recomputes instead and the
-decision names the chunks to sample (``sample_chunks``, decision 0054).
+Until the device's first read is timed (the online model is not ``timed``;
+the prior may be a profile of another device), a caller that reads in the
+background commits no request to the disk: the decision loads the staged head
+and names the first disk chunk to read (``sample_chunks``, reason ``untimed``)
+and the caller decides again once it is timed (``vllm/scheduler/gate_plan.py``).
+An :class:`~pykvcache.gate.exploration.Exploration` policy makes the gate load
+now and then what it would recompute (reason ``explore``, decision 0054).
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """The device model the gate learnt, kept beside the namespace (decision 0073).
 
-A server learns its storage device online (:class:`~pykvcache.gate.online.OnlineLoadModel`):
-until two loads agree it prices reads at its prior, the calibrated or default
-speed (1 GB/s). A restarted server forgot everything: on a disk capped at
-25 MB/s it priced its first loads 40x too fast for 4-7 s, and the loads and
-preloads it chose then queued the next requests behind seconds of reads
-(decision 0054). The window of ``(bytes, seconds)`` loads is the state worth
-keeping: a restart replays it as observations, so the first decision after a
-restart is priced as the last one before it.
-
-The file is small JSON written next to the chunks (``<namespace dir>/gate-device.json``;
-the engine's scan ignores anything that is not a chunk in a shard directory),
-atomically (a temporary file renamed over it), by whoever saves last when
-several engines share the directory. It is a hint, never a requirement: a
-missing, unreadable, foreign or old file (older than ``MAX_AGE_S``: the device
-may have been replaced) is ignored, and the window still moves with every new
-load and exploration (two surprising samples forget it, decision 0054).
-
-Pure file I/O on a path the caller gives: no vLLM.
+A restarted server would price its first reads at the prior (on a disk
+capped at 25 MB/s, 40x too fast for 4-7 s): the window of ``(bytes, seconds)``
+loads is replayed at start instead. The file is small JSON beside the chunks
+(``<namespace dir>/gate-device.json``; the engine's scan ignores it), written
+atomically by whoever saves last. It is a hint: a missing, unreadable, foreign
+or old file (``MAX_AGE_S``) is ignored. Pure file I/O: no vLLM.
 """
 
 from __future__ import annotations

@@ -1,52 +1,24 @@
-"""Exploration: a gate that recomputes still samples a load now and then.
+"""Exploration: a gate that recomputes still samples a load now and then
+(docs/gate.md, decision 0054).
 
-The online load model learns only from loads, and a gate that chose to
-recompute makes none: once it has learnt a slow disk (a busy device, a network
-filesystem reconnecting after a partition) nothing can teach it that the disk
-got fast again. Measured on the two-node GlusterFS fixture: the
-first loads after a reconnect taught the gate 20.7 MB/s, and it recomputed
-every lookup for the next 92 s and more (84 decisions, 0 disk reads).
+The online load model learns only from loads, and a gate that recomputes
+makes none: once it learnt a slow disk (a partition, a reconnecting network
+filesystem: 92 s of recomputes after a GlusterFS reconnect), nothing would
+teach it that the disk got fast again. :class:`Exploration` lets a request
+whose learnt device recomputes, but whose calibrated one would load, load
+anyway, at a bounded cost:
 
-:class:`Exploration` decides when such a gate loads anyway. The gate asks
-only for a request whose decision reads nothing from disk although a chunk is
-there, and whose prefix the calibrated (or default) device would have loaded:
-the learnt device is why it recomputes (``AdmissionGate.decide``). Its cost
-is bounded twice:
+* **how often**: one per interval, ``MIN_INTERVAL_S`` doubling to
+  ``MAX_INTERVAL_S`` while samples confirm the model; a sample ``SURPRISE``
+  times faster than predicted explores again at once, and two in a row
+  (:attr:`streak_since`) forget what was learnt before them;
+* **how much**: the longest prefix whose estimated load is at most
+  ``MAX_LOAD_RATIO`` times its recompute (at least one disk chunk).
 
-* **how often**: one explored request per interval, which starts at
-  ``MIN_INTERVAL_S`` and doubles (up to ``MAX_INTERVAL_S``) each time a sample
-  confirms what the model predicted. A sample well faster than predicted (by
-  ``SURPRISE``) says the model is stale: the next eligible request explores
-  again at once. Two surprising samples in a row (:attr:`streak_since`) say
-  the device changed: the gate then forgets what it learnt before the first
-  of them (two loads that agree move the model, as after calibration; one
-  lucky page-cache hit does not), so a disk that got fast is loaded from
-  again after two explored requests, not after a window of them;
-* **how much**: the explored prefix is the longest whose estimated load is at
-  most ``MAX_LOAD_RATIO`` times its estimated recompute (at least the first
-  chunk that must come from disk: one read is the smallest sample). Where the
-  model is right, an exploration costs at most ``MAX_LOAD_RATIO - 1`` times
-  the recompute of what it loads; where it is stale (the disk is faster than
-  believed) it costs less, or saves time.
-
-A circuit breaker that closes again (:meth:`reset`) says the device may now
-be anything: the interval starts over and the next eligible request explores.
-
-**In the background** (where the caller can read without a request, the
-standalone manager; decision 0054) the explored request does not load at
-all: it recomputes, and the gate reads a sample of its prefix's disk chunks
-at preload priority, which no request waits for. At 25 MB/s an exploration
-in the request itself queued its one-chunk sample behind 36 MB of demand
-reads: 1.6 s to save 19 ms, the slowest request of most runs (decision
-0054). The sample is timed by the device's busy period that holds it (its
-own latency includes its wait behind demand reads submitted after it), and
-is sized to outlast a throttle's or cache's burst: its disk chunks until
-their estimated read at the learnt speed reaches ``min_sample_s`` (at most
-``MAX_SAMPLE_CHUNKS``, within the loadable prefix). On an idle device whose
-reads are capped at 25 MB/s, a lone 2 MB read is served from the cgroup
-throttle's 100 ms slice allowance at the disk's full speed: a one-chunk
-sample there was "surprising" every time and made the gate forget a window
-that was right.
+A breaker that closes (:meth:`reset`) starts the interval over. Where the
+caller can read without a request (the standalone manager), the explored
+request recomputes and the sample is read in the background, sized to
+outlast a throttle's burst (``min_sample_s``, at most ``MAX_SAMPLE_CHUNKS``).
 """
 
 from __future__ import annotations

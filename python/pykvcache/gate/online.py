@@ -1,45 +1,25 @@
-"""Online refinement of the cost model: load times (:class:`OnlineLoadModel`)
-and prefill times (:class:`OnlinePrefillModel`) observed in service.
+"""Online refinement of the cost model from what service shows: load times
+(:class:`OnlineLoadModel`) and prefill times (:class:`OnlinePrefillModel`);
+docs/gate.md, "Learning while serving".
 
-Load side: the calibration measured an idle device. In service the SSD is
-shared with stores, other requests' loads and possibly other processes (or
-it is slower than calibrated). Every completed load is an observation of
-``(bytes, seconds)`` where the bytes include the I/O already queued ahead of
-it; :class:`OnlineLoadModel` keeps the last ``LOAD_WINDOW`` of them and fits the
-device from those alone: a Theil-Sen line (fixed cost and bandwidth) when
-the loads' sizes differ enough, else the median throughput of the loads over
-the current fixed cost. Medians make a single stall or a lucky page-cache
-hit irrelevant, and the window makes the model follow a device whose speed
-changes, within a few loads: an exponential average with a small step
-(what this was before) needed tens of loads to move, and a serving engine
-with long prefixes sees only a few loads a minute (a server whose reads were
-capped at 200 MB/s still believed 478-1159 MB/s after a run). The
-prior first counts as ``prior_weight`` observations, one fewer with each load
-seen (``build_gate`` gives every prior 0: the first lesson replaces it).
-Nothing bounds the estimates to the prior: a profile may have timed another
-device, or this one before a throttle, a cloud volume's spent burst credits or
-a replacement (an 8x bound held a profile's 1426 MB/s at 178 MB/s or more on a
-disk capped at 0.26 MB/s, where a chunk costs more than its recompute). A slower
-SSD lowers the bandwidth estimate, which raises the break-even: longer
-prefixes are then needed before loading pays.
+Load side (decision 0079): each finished load is ``(bytes, seconds)``, the
+bytes counting the I/O queued ahead of it. The last ``LOAD_WINDOW`` are the
+device: a Theil-Sen line (fixed cost and bandwidth) when their sizes differ
+enough, else their median throughput over the current fixed cost. Medians
+ignore a stall or a page-cache hit, and a window follows a device that
+changes within a few loads (an exponential average needed tens). The prior
+counts as ``prior_weight`` observations (``build_gate`` gives 0: the first
+lesson replaces it), and nothing bounds the estimate to it: a profile may
+have timed another device (an 8x bound held 1426 MB/s on a disk capped at
+0.26 MB/s).
 
-Every lesson covers at least ``min_lesson_s`` of the device's time
-(decision 0079): shorter observations are pooled until their seconds add up
-to it, and learnt as one load, their mean. A disk behind a throttle (a
-cgroup's io.max, a cloud volume's burst credits) serves the first reads after
-an idle spell at full speed: on a disk capped at 25 MB/s a fresh server's
-first busy period was one chunk, 2.1 MB in 2-4 ms (700 MB/s), and so was a
-later one. A throttle's slice is 0.1 s; pooled past it, a burst is averaged
-with the throttled reads after it. A fast device's loads are pooled too, and
-their mean is its speed. An exploration (sized to outlast a burst, decision
-0054) and a load replayed from a saved window are lessons in themselves.
-A default prior knows nothing of the device and gives way to the first
-lesson (``prior_weight`` 0).
-
-Each point remembers when it was observed, so that what was learnt while the
-storage was failing can be forgotten (:meth:`OnlineLoadModel.forget_since`,
-decision 0054): loads that ended just before a circuit breaker opened timed a
-dying link, not the device.
+Every lesson covers at least ``min_lesson_s`` of device time: shorter loads
+are pooled and learnt as one, so a throttle's burst after an idle spell
+(700 MB/s for one chunk on a disk capped at 25 MB/s) is averaged with the
+throttled reads behind it. An exploration and a replayed saved window are
+lessons in themselves. Each point remembers when it was observed, so what was
+learnt while the storage was failing can be forgotten
+(:meth:`OnlineLoadModel.forget_since`, decision 0054).
 """
 
 from __future__ import annotations
@@ -219,34 +199,21 @@ class OnlineLoadModel:
 
 
 class OnlinePrefillModel:
-    """Online refinement of the prefill curve from timed engine steps.
+    """Online refinement of the prefill curve from timed engine steps (decision 0040).
 
-    The load side is refined from timed reads; without this, the prefill side
-    would be only what the profile (or, without one, a default prior) says. A
-    default prior knows nothing of the host: on a 2-core CPU a 1k-token
-    prefill takes seconds where the prior says milliseconds, and the gate then
-    recomputes prefixes that loading would serve many times faster.
+    A default prior knows nothing of the host (on a 2-core CPU a 1k-token
+    prefill takes seconds where it says milliseconds). Each observation is one
+    engine step that mostly prefilled: its work (``(start, tokens)`` per
+    request, priced by the prior) and its time, ``overhead + scale * priced``.
+    ``scale`` is the Theil-Sen slope of the last ``PREFILL_WINDOW`` steps,
+    robust to stalled steps and apart from the per-step overhead a recompute
+    does not add; without spread in step sizes, their median ratio (biased
+    towards loading).
 
-    Each observation is one engine step that mostly prefilled: the work it did
-    (``(start, tokens)`` per scheduled request, decodes included as one token
-    at their position) and how long it took. The prior prices that work; the
-    step time is ``overhead + scale * priced``. The last ``PREFILL_WINDOW`` steps are
-    kept (bounded memory) and ``scale`` is their Theil-Sen slope (the median of
-    pairwise slopes: robust to a few stalled or idle-inflated steps, and it
-    separates the per-step overhead, which recomputing a prefix does not add,
-    from the per-token cost, which it does). Without enough spread in step
-    sizes the slope is not identifiable and the median ratio (through the
-    origin, i.e. overhead counted as compute: biased towards loading) is used.
-    CPU contention slows compute and reads alike, which the ratio the gate
-    compares is insensitive to.
-
-    ``calibrated`` says whether the prior was measured on this host (a gate
-    profile): its scale stays within ``PROFILE_SCALE_BOUND`` of 1 either way; a
-    default prior may be off by orders of magnitude and gets ``DEFAULT_SCALE_BOUND``.
-    :attr:`trusted` is what the gate needs before it denies a load, and only
-    once :attr:`fed` says that something times steps (PyKvCacheConnector
-    does; vLLM's tiering framework and the stock connector do not, and there
-    the gate keeps its prior as before).
+    A profile's prior (``calibrated``) moves within ``PROFILE_SCALE_BOUND`` of
+    itself, a default one within ``DEFAULT_SCALE_BOUND``. :attr:`trusted` is
+    what the gate needs before it denies a load, once :attr:`fed` says that
+    something times steps (PyKvCacheConnector does; elsewhere the prior decides).
     """
 
     def __init__(self, base: PrefillCurve, *, calibrated: bool) -> None:

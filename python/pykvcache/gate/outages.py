@@ -1,29 +1,15 @@
 """Which finished loads the gate may learn the device from, given the storage's
-circuit breakers (decision 0031).
+circuit breakers (docs/gate.md, "Outages"; decisions 0031, 0054).
 
 A load timed while a directory was failing measures the failure, not the
-device, and the gate must not carry it into the healthy time after: measured
-on the two-node GlusterFS fixture, the first loads after a
-partition healed took long enough to teach the gate 20.7 MB/s (the link's
-steady state moved 0.3 GB/s), and the gate recomputed from then on.
-:class:`OutageFilter` follows the breakers through
-``(breaker_opens, breaker_closes, open_dirs)`` (``BlockStore.breaker_health``:
-counters, so an outage that opened and closed between two looks is still
-seen) and tells the gate:
-
-* when an outage begins: forget the loads observed within ``lookback_s``
-  before it was seen (they ended while the link was dying: the breaker opens
-  only after three operations failed or ran past the I/O deadline);
-* while a breaker is open or half-open: learn nothing (reads there are
-  misses or time out anyway; one that completes timed the outage);
-* when the breakers close again: learn nothing from a load that started
-  before (it straddled the outage), nor from the first ``SETTLE_LOADS``
-  loads after (a reconnecting network filesystem re-opens files, re-resolves
-  paths and refills caches: those loads time the reconnect). The gate keeps
-  what it knew before the outage meanwhile, and its exploration starts over
-  (:meth:`~pykvcache.gate.exploration.Exploration.reset`), so that a device
-  that is really slower after the outage is relearnt from the loads after
-  those.
+device (after a GlusterFS partition healed, the first loads taught 20.7 MB/s
+and the gate recomputed from then on). :class:`OutageFilter` follows the
+breakers through ``BlockStore.breaker_health`` (counters: an outage that
+opened and closed between two looks is still seen) and tells the gate to
+forget the loads within ``lookback_s`` before an outage began, to learn
+nothing while a breaker is open or half-open, and, after they close, to skip
+a load that straddled the outage and the first ``SETTLE_LOADS`` after it (a
+reconnecting filesystem refills its caches); exploration then starts over.
 """
 
 from __future__ import annotations

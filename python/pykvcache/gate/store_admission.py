@@ -1,19 +1,11 @@
-"""Store admission: skip writing chunks that can never pay off.
+"""Store admission: skip writing chunks that can never pay off (docs/gate.md).
 
-Every chunk written costs SSD bandwidth (competing with loads) and wear.
-Two optional filters, both counted:
-
-* **below break-even**: a request whose whole storable prompt is shorter
-  than the break-even would, when seen again, be recomputed by the gate
-  anyway, so none of its chunks are written. (A later, longer request that
-  extends it stores the shared chunks itself: the cost is one missed reuse.)
-* **second sighting**: a chunk is written only once a second request has
-  asked for it. One-off prompts, the bulk of traffic in many services,
-  then cost no writes at all; shared prefixes are written on their second
-  use and hit from the third. Sightings live in a bounded LRU table.
-
-Admission returns a *prefix* of the offered keys: a chunk stored after a
-skipped one could never be loaded (a lookup stops at the first miss).
+Two optional filters, both counted: **below break-even** (a request whose
+storable prompt is shorter than the break-even would be recomputed anyway)
+and **second sighting** (a chunk is written once a second request asked for
+it, so one-off prompts cost no writes; sightings live in a bounded LRU).
+Admission returns a *prefix* of the offered keys: a chunk after a skipped
+one could never load (a lookup stops at the first miss).
 """
 
 from __future__ import annotations

@@ -1,23 +1,17 @@
 """A trace of the gate's view, one JSON object per line (``gate_trace`` key).
 
-Why: a serving run's counters say how many loads and recomputes the gate
-chose, not which request was priced how, when, behind what. The first
-seconds of a fresh server on a slow disk were its slowest (decisions 0073,
-0061), and neither counters nor timings could say why. With a trace file a
-run can be replayed: every decision (a request's first lookup, or a
-preload), the chunk states and queue it saw, and every read and busy period
-the device model learnt from, on one monotonic clock.
-
-Each line is flushed as it is written (vLLM's default stop SIGKILLs the
-engine); writing is best effort: the first failure is logged and the trace
-stops, serving goes on. Records:
+Counters say how many loads the gate chose, not which request was priced how,
+when, behind what: a trace replays every decision (a request's first lookup
+or a preload) with the states and queue it saw, and every read and lesson, on
+one monotonic clock. Each line is flushed (vLLM's default stop SIGKILLs the
+engine); a write failure is logged once and ends the trace, never serving.
+Records:
 
 * ``{"t", "ev": "decide", "role": "lookup"|"preload", "req", "staged", "disk",
   "missing", "first_disk", "queued_mb", "waiting", "load", "disk_load", "reason",
   "sample", "est_load_s", "est_recompute_s", "mbps"}``
 * ``{"t", "ev": "read", "started", "latency_s", "mb", "sample"}``
 * ``{"t", "ev": "learn", "from": "period"|"load", "mb", "s", "explored", "mbps"}``
-  (a busy period or a request's load learnt; ``mbps``: the model after it)
 """
 
 from __future__ import annotations

@@ -1,29 +1,15 @@
-"""The break-even gate inside the manager: one decision per request, kept as a plan.
+"""The break-even gate inside the manager: one decision per request, kept as a plan
+(docs/gate.md, "Inside the vLLM manager").
 
-vLLM asks the manager one key at a time. At the first lookup of a request the
-whole key list is known (``request_keys_from``), so the gate decides there how
-many leading chunks to load; the plan remembers which keys it allowed, and
-later lookups of the same request (this step or the next ones, while reads
-complete) are a set probe. Keys the plan does not allow are answered MISS
-before anything is staged, so a recomputed prefix costs no disk read.
-
-The plan times the request's disk reads (the longest submit-to-completion
-time among them, all submitted at the first lookup: what the calibrated
-``fixed + bytes/BW`` predicts; the scheduler step a request may wait for
-their completions depends on the step time, not the device, and is not
-learnt), every read times the device's busy periods (decision 0079), and the
-engine's steps, as the connector reports them, time the prefill side
-(:class:`~pykvcache.vllm.scheduler.step_timer.StepTimer`). Around a storage
-outage nothing is learnt (:class:`~pykvcache.gate.outages.OutageFilter`, from
-the store's breakers: a dying or reconnecting link is not the device). An
-exploration is read in the background where the owner has a sampler (the
-standalone manager: the explored request recomputes, and the busy period
-holding the sample is the measurement), else loaded by its request (decision 0054).
-
-The rest of the vLLM side sees all this through :class:`~pykvcache.vllm.scheduler.gating.Gating`
-(six members); what it is given at construction comes in
-:class:`~pykvcache.vllm.scheduler.gating.GateHooks` (breakers, sampler, saved
-device model) and from :func:`build_gating` (profile, store admission, trace).
+At a request's first lookup its whole key list is known (``request_keys_from``):
+the gate decides there how many leading chunks to load, and later lookups of
+the request are a set probe of the plan; keys it does not allow are answered
+MISS before anything is staged, so a recomputed prefix costs no read. The plan
+times the request's reads (the longest submit-to-completion time, what
+``fixed + bytes/BW`` predicts), every read times the device's busy periods
+(decision 0079), the connector's steps time the prefill side (``StepTimer``),
+and nothing is learnt around a storage outage (``OutageFilter``). The rest of
+the vLLM side sees it through :class:`~pykvcache.vllm.scheduler.gating.Gating`.
 """
 
 from __future__ import annotations
@@ -338,15 +324,10 @@ class GateWiring:
         allowed = keys[: decision.load_chunks]
         plan = Plan(considered=frozenset(keys), allowed=frozenset(allowed), decision=decision, started=now, queued_bytes=queued)
         if decision.reason == "untimed" and decision.sample_chunks and not again:
-            # First contact: the request waits while its first chunk on disk
-            # is read in the background, then is decided again at the speed
-            # that read showed; it waits at most its recompute's time (a
-            # device too slow for one chunk in that long is not loaded from).
-            # On a fast device that is a scheduler step; a profile of a fast
-            # disk served from one capped at 0.26 MB/s committed requests to
-            # reads of up to 24 chunks that each waited for the 2 s I/O deadline
-            # (2026-12-06, 2-core VM). The recompute estimate is a prior too (a
-            # few ms for a CPU host's 1k tokens): never less than FIRST_CONTACT_S.
+            # First contact (docs/gate.md): the request retries while its first
+            # disk chunk is read in the background, at most for its recompute's
+            # time (itself a prior: never less than FIRST_CONTACT_S), then is
+            # decided again at the speed that read showed.
             plan.retry_until = now + max(decision.est_recompute_s, FIRST_CONTACT_S)
         for k, state in zip(allowed, states):
             if state is ChunkState.DISK:
@@ -429,19 +410,12 @@ class GateWiring:
 
     def _read_ended(self, key: bytes, started_at: float, latency_s: float, nbytes: int, *, timed_out: bool) -> int:
         """The read of ``key`` submitted at ``started_at`` ended after
-        ``latency_s``, serving ``nbytes`` (before :meth:`_read_finished`);
-        returns 1 when that ended (or cut) a busy period the gate learnt from
-        (decision 0079). A period holding an exploration's sample is that
-        exploration's measurement (decision 0054).
-
-        ``timed_out``: the read ran out of the I/O deadline and served
-        nothing. It still times the device, which did not deliver the chunk
-        in all that time: it counts as the chunk served when it was given up
-        (the device is at least that slow), and no plan times it (a failed
-        read ends their timing). On a disk capped at 0.26 MB/s no 2 MiB read
-        ended within the 2 s deadline, and a gate that learnt only from reads
-        that served their chunk timed nothing and kept its profile's 1426 MB/s
-        (2026-12-06, 2-core VM)."""
+        ``latency_s``, serving ``nbytes``; returns 1 when it ended (or cut) a
+        busy period the gate learnt from (decision 0079; one holding an
+        exploration's sample is its measurement, decision 0054). A read that
+        ran out of the I/O deadline (``timed_out``) counts as served when it
+        was given up: the device is at least that slow (a gate that learnt
+        only from served reads kept a profile's 1426 MB/s on a 0.26 MB/s disk)."""
         sample = key in self._sample_keys
         self._sample_keys.discard(key)
         if timed_out:
