@@ -417,74 +417,17 @@ class BlockStore:
         encryption_previous_key_file: str | PathLike[str] | None = None,
         seal_buffers: int = 2,
     ) -> BlockStore:
-        """``chunk_workers`` threads checksum, verify and publish chunks, off the
-        caller's and the ring's threads. Reads move in ``segment_bytes`` pieces
-        in flight together; writes in ``write_segment_bytes`` pieces, 0 = the
-        whole chunk in one transfer (faster for writes on ext4). ``verify="header"`` skips the payload
-        CRC on reads (header, namespace, key and length are still checked) and
-        on writes (the header says so; a ``verify="full"`` store sharing the
-        directory reads such chunks as misses): only for storage that checksums
-        data itself. ``recycle_files`` overwrites the
-        file a write evicts instead of allocating a new one (faster on ext4/xfs;
-        a reader never sees it change: it is claimed under a lock and a private
-        name, and published by rename). ``background_scan`` returns at once and
-        rebuilds the index in a thread (for stores of very many chunks): until
-        ``scan_complete``, ``get``/``probe`` work as always but index answers
-        (``contains``, ``len``, ``used_bytes``) miss chunks not yet scanned.
-        ``preallocate`` allocates each chunk file (fallocate) before writing it:
-        on ext4 a direct write into allocated space is not an extending write.
-
-        Bounds (``ValueError`` naming the argument otherwise, ``ENGINE_LIMITS``):
-        ``queue_depth`` 1..=4096, ``max_inflight`` 1..=65536 (the operation
-        table is allocated up front), ``io_threads`` 0..=1024 (0 = from
-        ``queue_depth``), ``chunk_workers`` 0..=1024, ``segment_bytes`` a positive multiple
-        of 4096, ``write_segment_bytes`` 0 or a multiple of 4096,
-        ``capacity_bytes`` at least one chunk and below 2**64.
-
-        ``min_free_bytes``/``min_free_fraction`` keep that much of each storage
-        filesystem free for other writers (the larger of the two; neither given:
-        5% of the filesystem, at most 16 GiB; ``min_free_bytes=0``: none): a put
-        evicts until its chunk fits and the reserve stays free, and fails with
-        ``ENOSPC`` when evicting every chunk there could not keep it. A symlinked
-        storage directory is resolved once, here (symlinks inside the store are
-        refused); a ``capacity_bytes`` above the filesystems' size is logged.
-
-        ``io_deadline`` (seconds; None: ``max(2 s, 4 * slot stride / 100 MB/s)``;
-        above ``FOREVER_S``: none, ``stats()["io_deadline_s"]`` is ``inf``)
-        bounds every get and put on a stalled directory: past it (and with the
-        directory completing nothing for as long) a get is a ``miss`` and a put
-        an ``error``, both with errno ``ETIMEDOUT``, while the slot stays
-        quarantined (released when the kernel lets go of it; ``release`` is
-        accepted meanwhile). Three timeouts or storage errors (EIO, ENOTCONN,
-        ESTALE...) in a row open that directory's circuit breaker: gets there
-        are misses and puts skipped (errno ``EAGAIN``) at once until a probe
-        after a back-off succeeds. Each change is logged once (``log_notices``).
-
-        ``capacity_bytes`` bounds each storage directory in total: the chunks
-        of every namespace under it count (another model, dtype or override,
-        an older configuration) and the stalest go first, whatever their
-        namespace; lookups never see another namespace's chunk.
-        ``refresh_interval_s``: ``"auto"`` (default) walks the directories
-        (:meth:`refresh`) while another store, in any process, holds a writer
-        lease in them (``<dir>/.writers``, checked every second), so that every
-        writer's chunks count here: at once when one appears, then every 20x
-        the walk's duration (1-10 s); alone, never. A number of seconds: that
-        often, whoever writes (a filesystem shared with nodes that may not
-        hold leases); ``None`` or 0: only at open and on :meth:`refresh`.
-
-        ``encryption_key_file`` (decision 0083): a file of exactly 32 random
-        bytes (``pykvcache keygen PATH``), a regular file no group or other may
-        read or write (``ValueError`` naming the path and ``chmod 600``
-        otherwise; the key never appears in an error, a log or ``stats()``).
-        Every chunk is then sealed with AES-256-GCM under a key derived for the
-        operation's ``tenant``; reads load only chunks sealed with this key (or
-        ``encryption_previous_key_file``'s, read only) for the same tenant: any
-        other chunk, a plaintext one included, is a ``miss`` of kind
-        ``"kept"``, left in place; a chunk that fails authentication is
-        ``corrupt``. ``seal_buffers`` (1..=1024) buffers the size of a slot's
-        file, allocated here, hold the ciphertext of the sealed puts in flight:
-        a put waits for one up to ``submit_timeout`` (then
-        :class:`PoolExhausted`); the slot itself is never written by a put."""
+        """Opens (or creates) the store and rebuilds its index from the files.
+        Every keyword is described in docs/python-api.md ("``BlockStore``
+        keywords"). Out-of-range values raise ``ValueError`` naming the argument
+        (``ENGINE_LIMITS``); a key file others may read, an unusable directory
+        or a mismatched layout raise before anything is written.
+        ``capacity_bytes`` bounds each storage directory in total, every
+        namespace and writer counted; lookups never see another namespace's
+        chunk. With ``encryption_key_file`` every chunk is sealed (AES-256-GCM,
+        decision 0083) and only chunks sealed with this key (or the previous
+        one) for the operation's ``tenant`` are loaded; any other is a ``miss``
+        of kind ``"kept"``, left in place."""
     def put(self, key: bytes, slot: int, length: int, *, tenant: bytes = b"") -> IoHandle:
         """Write ``length`` payload bytes of ``slot`` as chunk ``key``. Becomes
         visible atomically once complete; an existing chunk is success.
