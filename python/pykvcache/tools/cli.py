@@ -302,11 +302,10 @@ def _keygen(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("path", type=Path, help="the key file to create (never overwritten)")
 
     def run(args: argparse.Namespace) -> int:
-        import os
+        from pykvcache.keys import write_key_file
 
         try:
-            # O_EXCL: an existing file (a key in use, or a link planted there) is never replaced.
-            fd = os.open(args.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            write_key_file(args.path)
         except OSError as exc:
             print(
                 f"pykvcache keygen: cannot create {args.path}: {exc.strerror}"
@@ -314,14 +313,6 @@ def _keygen(parser: argparse.ArgumentParser) -> Handler:
                 file=sys.stderr,
             )
             return 1
-        try:
-            os.fchmod(fd, 0o600)  # whatever the umask left
-            key = os.urandom(32)
-            while key:
-                key = key[os.write(fd, key) :]
-            os.fsync(fd)
-        finally:
-            os.close(fd)
         print(f"wrote a 32-byte key to {args.path} (mode 0600); keep a copy: chunks sealed with it are unreadable without it")
         return 0
 

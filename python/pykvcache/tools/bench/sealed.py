@@ -5,10 +5,11 @@ throughput and of CPU per GB for each direction, chunk size and queue depth."""
 
 from __future__ import annotations
 
-import os
 import statistics
 from pathlib import Path
 from typing import Any
+
+from pykvcache.keys import write_key_file
 
 from .config import BenchConfig, MiB
 from .parts import Table
@@ -26,12 +27,7 @@ def bench_key(directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "bench-encryption.key"
     path.unlink(missing_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    try:
-        os.write(fd, os.urandom(32))
-    finally:
-        os.close(fd)
-    return path
+    return write_key_file(path)
 
 
 def engine_cases(cfg: BenchConfig, directory: Path, repeat: int) -> list[tuple[str, dict[str, Any]]]:

@@ -16,6 +16,8 @@ import traceback
 from pathlib import Path
 from typing import Any
 
+from pykvcache.keys import write_key_file
+
 from .contention import CpuContention
 from .parts import Step
 from .read_throttle import ReadThrottle
@@ -84,19 +86,14 @@ def lmcache_degraded(log: Path) -> str | None:
 
 
 def run_key(path: Path) -> Path:
-    """The sealed configuration's key: 32 random bytes, mode 0600, made once and then kept
-    (a server restarted on the same store must open what it sealed: a new key would make
-    those chunks misses of another key)."""
+    """The sealed configuration's key: made once and then kept (a server restarted on the
+    same store must open what it sealed: a new key would make those chunks misses of
+    another key)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        return write_key_file(path)
     except FileExistsError:
         return path
-    try:
-        os.write(fd, os.urandom(32))
-    finally:
-        os.close(fd)
-    return path
 
 
 def server_config(name: str, model: str, opts: ServeOptions, bytes_per_token: int, storage: Path) -> ServerConfig:
