@@ -34,6 +34,18 @@ def _payload(i: int) -> bytes:
     return bytes((i * 7 + j) % 251 for j in range(LAYOUT.payload_bytes))
 
 
+def _found_by_name(manager, key: bytes, timeout: float = 10.0) -> bool:
+    """``manager.on_disk(key)`` for a chunk another engine published: the name's
+    lstat waits on the directory's worker at most ``PROBE_WAIT`` (250 ms), which a
+    loaded host can exceed; the late answer is indexed, so asking again finds it."""
+    deadline = time.monotonic() + timeout
+    while not manager.on_disk(key):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 class Harness:
     def __init__(self, directory, num_slots=6, capacity_bytes=1 << 30, **store_keys):
         self.pool = StagingPool(LAYOUT.payload_bytes, num_slots)
@@ -349,7 +361,7 @@ def test_a_chunk_another_node_removed_is_announced_removed_after_a_refresh(tmp_p
         a.store([7])
         a.settle()
         assert _event_keys(a.manager.take_events(), removed=False) == [_key(7)]
-        assert b.manager.on_disk(_key(7))  # found by name on B
+        assert _found_by_name(b.manager, _key(7))  # found by name on B
         assert b.manager.store.evict(_key(7))
         assert list(a.manager.take_events()) == []  # A cannot know yet
         assert a.manager.store.refresh() == (0, 1)
@@ -377,7 +389,7 @@ def test_a_verify_header_writers_chunks_survive_a_full_verifying_manager(tmp_pat
         writer.settle()
         before = _chunk_files(tmp_path / "kv")
         assert len(before) == 2
-        assert reader.manager.on_disk(_key(4))  # found by name (published after the reader opened)
+        assert _found_by_name(reader.manager, _key(4))  # found by name (published after the reader opened)
         result, _ = reader.lookup_until_final(_key(4))
         assert result is LookupResult.MISS
         assert _chunk_files(tmp_path / "kv") == before, "the writer's chunks are left as they are"
