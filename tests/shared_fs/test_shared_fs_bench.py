@@ -54,3 +54,40 @@ def test_the_shared_fs_bench_measures_pykvcache_and_fio_on_both_setups(gluster, 
     # The FUSE clients and the brick work for every byte on the shared setup.
     assert results["shared"]["pykvcache"]["write"]["cpu_s_per_gb_all"] > results["shared"]["pykvcache"]["write"]["cpu_s_per_gb"]
     assert not list(local.iterdir()), "the bench left files behind"
+
+
+OPS_SCRIPT = SCRIPT.with_name("shared_fs_ops.py")
+
+
+@pytest.mark.skipif(shutil.which("fio") is None or shutil.which("setfattr") is None, reason="fio or setfattr is not installed")
+def test_the_ops_count_says_what_a_chunk_costs_beside_fio(gluster, tmp_path):
+    """scripts/shared_fs_ops.py on the session's mounts, one small case: the
+    clients' counters give the engine's operations per chunk, READ and WRITE
+    apart, and fio's on the same mounts."""
+    import glusterfs
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import shared_fs_ops
+
+    for key in shared_fs_ops.COUNTING:
+        gluster.cli("volume", "set", glusterfs.VOLUME, key, "on")
+    out = tmp_path / "ops.json"
+    try:
+        args = ["--chunks", "1", "--qd", "2", "--mib", "2", "--repeats", "1", "--json", str(out)]
+        mounts = ["--mount-a", str(gluster.mounts["a"]), "--mount-b", str(gluster.mounts["b"])]
+        proc = subprocess.run([sys.executable, str(OPS_SCRIPT), *args, *mounts], capture_output=True, text=True, timeout=300)
+    finally:
+        for key in shared_fs_ops.COUNTING:
+            gluster.cli("volume", "set", glusterfs.VOLUME, key, "off")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())
+    assert row["chunks"] == 16 and "| pykvcache | 1 MiB | 2 |" in proc.stdout
+    for tool in ("pykvcache", "fio"):
+        for phase in ("put", "get"):
+            ops = row[tool][phase]["ops"]
+            assert row[tool][phase]["gbps"] > 0, (tool, phase)
+            assert ops.get("WRITE" if phase == "put" else "READ", 0) >= 16, (tool, phase, ops)
+    # A put creates and renames a file: metadata a fio block does not pay.
+    put = row["pykvcache"]["put"]["ops"]
+    assert put.get("CREATE") == 16 and put.get("RENAME") == 16, put
+    assert shared_fs_ops.per_chunk(put, 16)[0] > shared_fs_ops.per_chunk(row["fio"]["put"]["ops"], 16)[0]

@@ -64,6 +64,38 @@ def test_a_chunk_published_on_one_node_is_found_and_verified_on_the_other(shared
             store.close()
 
 
+def test_a_shard_directory_the_other_node_removed_and_made_again_is_used_again(shared_dirs):
+    """A store reaches chunk files from shard directories it holds open. When
+    another node removes one (a cleanup) and makes it again, the held one is
+    dead: the next get there is a miss, the next put lands in the directory now
+    at the path, and the other node reads it back."""
+    a_dir, b_dir = shared_dirs
+    pool_a, pool_b = kv.StagingPool(PAYLOAD, 2), kv.StagingPool(PAYLOAD, 2)
+    a, b = _store(a_dir, pool_a), _store(b_dir, pool_b)
+    sa, sb = pool_a.acquire(), pool_b.acquire()
+    try:
+        key = b"shard-made-again"
+        data = payload_for(key, PAYLOAD, PAYLOAD)
+        assert put_bytes(a, pool_a, sa, key, data).ok
+        assert get_bytes(a, pool_a, sa, key)[1] == data
+        (path,) = chunk_files(a_dir)
+        shard_on_b = b_dir / os.path.relpath(os.path.dirname(path), a_dir)
+        shutil.rmtree(shard_on_b)
+        shard_on_b.mkdir(mode=0o700)
+        r, _ = get_bytes(a, pool_a, sa, key)
+        assert r.status == "miss", (r.status, r.message)
+        r = put_bytes(a, pool_a, sa, key, data)
+        assert r.ok, (r.status, r.message)
+        assert chunk_files(b_dir) == [str(shard_on_b / os.path.basename(path))]
+        r, served = get_bytes(b, pool_b, sb, key)
+        assert r.ok and served == data, (r.status, r.message)
+        assert a.stats()["breaker_open_dirs"] == 0
+    finally:
+        for store, pool, slot in ((a, pool_a, sa), (b, pool_b, sb)):
+            pool.release(slot)
+            store.close()
+
+
 def test_a_chunk_the_other_node_evicted_is_a_miss_not_an_error(shared_dirs):
     a_dir, b_dir = shared_dirs
     pool_a, pool_b = kv.StagingPool(PAYLOAD, 2), kv.StagingPool(PAYLOAD, 2)

@@ -3,10 +3,10 @@
 //! buffered I/O, and probing what a filesystem supports.
 
 use std::os::fd::RawFd;
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use crate::disk::dirfds::HeldDirs;
 use crate::disk::format::IO_ALIGN;
 use crate::disk::layout::{cstring, TEMP_PREFIX};
 use crate::error::Result;
@@ -55,6 +55,8 @@ pub struct PendingFile {
     pub fd: RawFd,
     /// Set when O_TMPFILE was unavailable and a named temporary file is used.
     pub temp_path: Option<std::path::PathBuf>,
+    /// Its length when opened: 0 for a new file, a recycled one's (at most the new chunk's).
+    pub size: u64,
 }
 
 static TEMP_COUNTER: AtomicU64 = AtomicU64::new(0);
@@ -92,18 +94,19 @@ fn direct_flag(direct: bool) -> i32 {
 /// `claim_for_reuse`), and a recycler overwrites a file only while it holds
 /// the exclusive lock. A file being recycled, or moved away between open and
 /// lock, comes back as `ENOENT` (a miss), never as another chunk's bytes.
-pub fn open_for_read(path: &Path, direct: bool) -> std::io::Result<(RawFd, Option<u64>)> {
+pub fn open_for_read(dirs: &HeldDirs, path: &Path, direct: bool) -> std::io::Result<(RawFd, Option<u64>)> {
     // O_NONBLOCK so that opening a FIFO planted at a chunk path cannot hang.
     // O_DIRECT from the start: some filesystems (GPFS) ignore it when set
     // later with fcntl. What refuses it at open (a FIFO, a device, a file
     // system without direct I/O) is opened again without it, to be judged.
-    let fd = match open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK | direct_flag(direct), 0) {
-        Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0)?,
+    let fd = match dirs.open(path, libc::O_RDONLY | libc::O_NONBLOCK | direct_flag(direct), 0) {
+        Err(e) if direct && e.raw_os_error() == Some(libc::EINVAL) => dirs.open(path, libc::O_RDONLY | libc::O_NONBLOCK, 0)?,
         other => other?,
     };
-    let checked = regular_file_size(fd).and_then(|size| {
+    let checked = fstat(fd).and_then(|st| {
+        let size = regular_size(&st);
         if size.is_some() {
-            lock_if_current(fd, path, libc::LOCK_SH)?;
+            lock_if_current(dirs, fd, &st, path, libc::LOCK_SH)?;
             set_blocking(fd, direct)?;
         }
         Ok(size)
@@ -135,10 +138,11 @@ fn gone() -> std::io::Error {
 }
 
 /// Takes `how` (LOCK_SH/LOCK_EX) without waiting, then checks that `path`
-/// still names the locked file. A lock held by someone else, or a file moved
+/// still names the locked file, `st` (the open file's `fstat`: its device and
+/// inode are the file's for as long as it is open). A lock held by someone else, or a file moved
 /// away, is `ENOENT`. Filesystems without flock (`ENOLCK`, `EOPNOTSUPP`)
 /// give readers no lock: recyclers there never get theirs, so never overwrite.
-fn lock_if_current(fd: RawFd, path: &Path, how: i32) -> std::io::Result<()> {
+fn lock_if_current(dirs: &HeldDirs, fd: RawFd, st: &libc::stat, path: &Path, how: i32) -> std::io::Result<()> {
     // SAFETY: flock takes no pointer; `fd` is the caller's open descriptor.
     if unsafe { libc::flock(fd, how | libc::LOCK_NB) } != 0 {
         let e = std::io::Error::last_os_error();
@@ -148,14 +152,8 @@ fn lock_if_current(fd: RawFd, path: &Path, how: i32) -> std::io::Result<()> {
             _ => Err(e),
         };
     }
-    // SAFETY: stat is plain data, for which all-zero bytes are a valid value.
-    let mut st: libc::stat = unsafe { std::mem::zeroed() };
-    // SAFETY: `st` is a writable stat that lives across the call; `fd` is open.
-    if unsafe { libc::fstat(fd, &mut st) } != 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.dev() == st.st_dev && m.ino() == st.st_ino => Ok(()),
+    match dirs.lstat(path) {
+        Ok(m) if m.st_dev == st.st_dev && m.st_ino == st.st_ino => Ok(()),
         _ => Err(gone()),
     }
 }
@@ -176,16 +174,10 @@ fn lock_if_current(fd: RawFd, path: &Path, how: i32) -> std::io::Result<()> {
 /// the rest. On failure the flag says whether this call took the victim off
 /// its path all the same (unlinked it): false when another process had
 /// removed it first, whose removal the capacity ledger counted then.
-pub fn take_for_reuse(victim: &Path, dir: &Path) -> std::result::Result<std::path::PathBuf, (std::io::Error, bool)> {
+pub fn take_for_reuse(dirs: &HeldDirs, victim: &Path, dir: &Path) -> std::result::Result<std::path::PathBuf, (std::io::Error, bool)> {
     let temp = temp_name(dir);
-    let (src, dst) = match (cpath(victim), cpath(&temp)) {
-        (Ok(s), Ok(d)) => (s, d),
-        (Err(e), _) | (_, Err(e)) => return Err((e, false)),
-    };
-    // SAFETY: both are NUL-terminated paths that live across the call.
-    if unsafe { libc::rename(src.as_ptr(), dst.as_ptr()) } != 0 {
-        let e = std::io::Error::last_os_error();
-        let removed = std::fs::remove_file(victim).is_ok();
+    if let Err(e) = dirs.rename(victim, &temp, 0) {
+        let removed = dirs.unlink(victim).is_ok();
         return Err((e, removed));
     }
     Ok(temp)
@@ -194,13 +186,14 @@ pub fn take_for_reuse(victim: &Path, dir: &Path) -> std::result::Result<std::pat
 /// The rest of a claim, after `take_for_reuse` (outside any lock: a few
 /// round trips on a network filesystem): opens, locks and trims the taken
 /// file. On failure the temp file is removed.
-pub fn open_taken(temp: std::path::PathBuf, file_len: usize, direct: bool) -> std::io::Result<PendingFile> {
-    let claimed = open_raw(&temp, libc::O_WRONLY | libc::O_NONBLOCK, 0).and_then(|fd| {
+pub fn open_taken(dirs: &HeldDirs, temp: std::path::PathBuf, file_len: usize, direct: bool) -> std::io::Result<PendingFile> {
+    let claimed = dirs.open(&temp, libc::O_WRONLY | libc::O_NONBLOCK, 0).and_then(|fd| {
         let prepared = (|| {
-            if regular_file_size(fd)?.is_none() {
+            let st = fstat(fd)?;
+            if regular_size(&st).is_none() {
                 return Err(std::io::Error::from_raw_os_error(libc::EINVAL));
             }
-            lock_if_current(fd, &temp, libc::LOCK_EX)?;
+            lock_if_current(dirs, fd, &st, &temp, libc::LOCK_EX)?;
             set_blocking(fd, direct)?;
             // A longer victim keeps no stale tail; a shorter one grows as it is written.
             let size = regular_file_size(fd)?.unwrap_or(0);
@@ -208,10 +201,10 @@ pub fn open_taken(temp: std::path::PathBuf, file_len: usize, direct: bool) -> st
             if size > file_len as u64 && unsafe { libc::ftruncate(fd, file_len as libc::off_t) } != 0 {
                 return Err(std::io::Error::last_os_error());
             }
-            Ok(())
+            Ok(size.min(file_len as u64))
         })();
         match prepared {
-            Ok(()) => Ok(fd),
+            Ok(size) => Ok((fd, size)),
             Err(e) => {
                 close(fd);
                 Err(e)
@@ -219,9 +212,9 @@ pub fn open_taken(temp: std::path::PathBuf, file_len: usize, direct: bool) -> st
         }
     });
     match claimed {
-        Ok(fd) => Ok(PendingFile { fd, temp_path: Some(temp) }),
+        Ok((fd, size)) => Ok(PendingFile { fd, temp_path: Some(temp), size }),
         Err(e) => {
-            let _ = std::fs::remove_file(&temp);
+            let _ = dirs.unlink(&temp);
             Err(e)
         }
     }
@@ -236,10 +229,10 @@ fn temp_name(dir: &Path) -> std::path::PathBuf {
     dir.join(format!("{TEMP_PREFIX}{}-{n}", std::process::id()))
 }
 
-pub fn open_for_write(dir: &Path, support: FsSupport, direct: bool, mode: u32) -> std::io::Result<PendingFile> {
+pub fn open_for_write(dirs: &HeldDirs, dir: &Path, support: FsSupport, direct: bool, mode: u32) -> std::io::Result<PendingFile> {
     if support.tmpfile {
         let fd = open_raw(dir, libc::O_TMPFILE | libc::O_WRONLY | direct_flag(direct), mode)?;
-        return Ok(PendingFile { fd, temp_path: None });
+        return Ok(PendingFile { fd, temp_path: None, size: 0 });
     }
     // The lock is held until the file is published or discarded; the kernel
     // drops it when the writer dies, which is how a scan tells an orphan from a
@@ -250,13 +243,13 @@ pub fn open_for_write(dir: &Path, support: FsSupport, direct: bool, mode: u32) -
     // name, and a taken one is replaced by a new temp file.
     for _ in 0..TEMP_CREATE_TRIES {
         let temp = temp_name(dir);
-        let fd = open_raw(&temp, libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | direct_flag(direct), mode)?;
-        match lock_if_current(fd, &temp, libc::LOCK_EX) {
-            Ok(()) => return Ok(PendingFile { fd, temp_path: Some(temp) }),
+        let fd = dirs.open(&temp, libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | direct_flag(direct), mode)?;
+        match fstat(fd).and_then(|st| lock_if_current(dirs, fd, &st, &temp, libc::LOCK_EX)) {
+            Ok(()) => return Ok(PendingFile { fd, temp_path: Some(temp), size: 0 }),
             // Removed (or replaced) before we held it: another temp file.
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => close(fd),
             // No flock here (some network filesystems): unlocked, as scans cannot judge it either.
-            Err(_) => return Ok(PendingFile { fd, temp_path: Some(temp) }),
+            Err(_) => return Ok(PendingFile { fd, temp_path: Some(temp), size: 0 }),
         }
     }
     Err(std::io::Error::new(
@@ -295,20 +288,13 @@ pub fn remove_if_writer_gone(path: &Path, name: &str) -> bool {
 /// way the chunk's bytes on disk did not grow: the capacity ledger relies on it.
 /// `noreplace`: the directory's filesystem takes `renameat2(RENAME_NOREPLACE)`
 /// (`FsSupport::rename_noreplace`); without it the plain rename is the only try.
-pub fn publish(file: &PendingFile, final_path: &Path, noreplace: bool) -> std::io::Result<bool> {
-    let dst = cstring(final_path).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
+pub fn publish(dirs: &HeldDirs, file: &PendingFile, final_path: &Path, noreplace: bool) -> std::io::Result<bool> {
     if let Some(temp) = &file.temp_path {
-        let src = cstring(temp).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
         if noreplace {
-            // SAFETY: both are NUL-terminated paths that live across the call.
-            let rc = unsafe { libc::renameat2(libc::AT_FDCWD, src.as_ptr(), libc::AT_FDCWD, dst.as_ptr(), libc::RENAME_NOREPLACE) };
-            if rc == 0 {
-                return Ok(true);
-            }
-            let e = std::io::Error::last_os_error();
+            let Err(e) = dirs.rename(temp, final_path, libc::RENAME_NOREPLACE) else { return Ok(true) };
             match e.raw_os_error() {
                 Some(libc::EEXIST) => {
-                    let _ = std::fs::remove_file(temp);
+                    let _ = dirs.unlink(temp);
                     return Ok(false);
                 }
                 // Refused after all (another filesystem mounted over the probed
@@ -319,13 +305,11 @@ pub fn publish(file: &PendingFile, final_path: &Path, noreplace: bool) -> std::i
         }
         // No RENAME_NOREPLACE here (some FUSE and network filesystems): a
         // plain rename, which replaces an existing chunk of the same key.
-        let existed = std::fs::symlink_metadata(final_path).is_ok();
-        // SAFETY: both are NUL-terminated paths that live across the call.
-        if unsafe { libc::rename(src.as_ptr(), dst.as_ptr()) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        let existed = dirs.lstat_once(final_path).is_ok();
+        dirs.rename(temp, final_path, 0)?;
         return Ok(!existed);
     }
+    let dst = cstring(final_path).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))?;
     // linkat through /proc avoids needing CAP_DAC_READ_SEARCH for AT_EMPTY_PATH.
     let src = std::ffi::CString::new(format!("/proc/self/fd/{}", file.fd)).unwrap();
     // SAFETY: both are NUL-terminated paths that live across the call.
@@ -357,9 +341,9 @@ pub fn preallocate(fd: RawFd, len: usize) -> std::io::Result<()> {
     }
 }
 
-pub fn discard(file: &PendingFile) {
+pub fn discard(dirs: &HeldDirs, file: &PendingFile) {
     if let Some(temp) = &file.temp_path {
-        let _ = std::fs::remove_file(temp);
+        let _ = dirs.unlink(temp);
     }
     close(file.fd);
 }
@@ -373,6 +357,15 @@ pub fn close(fd: RawFd) {
 
 /// Size of a regular file; None for anything else (FIFO, device, ...).
 pub fn regular_file_size(fd: RawFd) -> std::io::Result<Option<u64>> {
+    Ok(regular_size(&fstat(fd)?))
+}
+
+fn regular_size(st: &libc::stat) -> Option<u64> {
+    (st.st_mode & libc::S_IFMT == libc::S_IFREG).then_some(st.st_size as u64)
+}
+
+/// One `fstat` (on a network filesystem without attribute caching, a round trip).
+fn fstat(fd: RawFd) -> std::io::Result<libc::stat> {
     // SAFETY: stat is plain data, for which all-zero bytes are a valid value.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
     // SAFETY: `st` is a writable stat that lives across the call; `fd` is the caller's open
@@ -380,7 +373,7 @@ pub fn regular_file_size(fd: RawFd) -> std::io::Result<Option<u64>> {
     if unsafe { libc::fstat(fd, &mut st) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    Ok((st.st_mode & libc::S_IFMT == libc::S_IFREG).then_some(st.st_size as u64))
+    Ok(st)
 }
 
 /// After buffered I/O, keep the page cache from filling with chunk data
@@ -531,10 +524,15 @@ pub fn fs_space(dir: &Path) -> std::io::Result<FsSpace> {
     if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
         return Err(std::io::Error::last_os_error());
     }
-    let frsize = st.f_frsize as u64;
-    Ok(FsSpace {
-        total: (st.f_blocks as u64).saturating_mul(frsize),
-        available: (st.f_bavail as u64).saturating_mul(frsize),
-        fsid: st.f_fsid as u64,
-    })
+    Ok(space_of(&st))
+}
+
+/// `fs_space` from `dir`'s held descriptor: no walk of its path.
+pub fn fs_space_held(dirs: &HeldDirs, dir: &Path) -> std::io::Result<FsSpace> {
+    Ok(space_of(&dirs.statvfs(dir)?))
+}
+
+fn space_of(st: &libc::statvfs) -> FsSpace {
+    let frsize = st.f_frsize;
+    FsSpace { total: st.f_blocks.saturating_mul(frsize), available: st.f_bavail.saturating_mul(frsize), fsid: st.f_fsid }
 }

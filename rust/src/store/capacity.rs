@@ -58,7 +58,7 @@ impl Core {
             if let Some((c, len)) = victim {
                 // Evicted (and counted) already: its file goes too, not left unindexed.
                 let root = self.layout.root_of_ref(c);
-                if std::fs::remove_file(self.layout.chunk_path_of(c)).is_ok() {
+                if self.held.unlink(&self.layout.chunk_path_of(c)).is_ok() {
                     self.ledgers.published(root, -(len as i64));
                 }
                 self.ledgers.evicting(root, -(len as i64));
@@ -112,7 +112,7 @@ impl Core {
         if reserve == 0 {
             return None;
         }
-        let available = files::fs_space(&self.layout.ns_dirs()[root]).ok()?.available;
+        let available = files::fs_space_held(&self.held, &self.layout.ns_dirs()[root]).ok()?.available;
         let pending = self.reserved.load(Ordering::Relaxed);
         let short = reserve.saturating_add(incoming).saturating_add(pending).saturating_sub(available);
         (short > 0).then_some(short)
@@ -220,7 +220,7 @@ impl Core {
         let mut gone = 0;
         for (chunk, len) in victims {
             let root = self.layout.root_of_ref(chunk);
-            match std::fs::remove_file(self.layout.chunk_path_of(chunk)) {
+            match self.held.unlink(&self.layout.chunk_path_of(chunk)) {
                 Ok(()) => self.ledgers.published(root, -(len as i64)),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => gone += 1,
                 Err(_) => {}
@@ -266,7 +266,7 @@ impl Core {
     /// Drops a chunk of this namespace (corrupt, vanished): index and file.
     pub(super) fn remove_chunk(&self, hash: u128) -> bool {
         let removed = self.index.lock().unwrap().remove(hash);
-        let unlinked = std::fs::remove_file(self.layout.chunk_path(hash)).is_ok();
+        let unlinked = self.held.unlink(&self.layout.chunk_path(hash)).is_ok();
         if let Some(len) = removed {
             Stats::add(&self.stats.evicted_bytes, len);
             if unlinked {

@@ -92,10 +92,10 @@ impl Core {
             }
         }
         if let Some(f) = ctx.write_file.take() {
-            files::discard(&f);
+            files::discard(&self.held, &f);
         }
         if let Some(temp) = ctx.claimed.take() {
-            let _ = std::fs::remove_file(temp);
+            let _ = self.held.unlink(&temp);
         }
         self.unpin_memory(&ctx);
         outcome.latency = ctx.started.elapsed();
@@ -337,7 +337,7 @@ pub(super) fn dir_worker(core: &Core, backend: &dyn Backend, root: usize) {
                 reply.ready.notify_all();
             }
             DirJob::Unlink { hash, len, reply } => {
-                let unlinked = std::fs::remove_file(core.layout.chunk_path(hash)).is_ok();
+                let unlinked = core.held.unlink(&core.layout.chunk_path(hash)).is_ok();
                 if let (true, Some(len)) = (unlinked, len) {
                     core.ledgers.published(root, -(len as i64));
                 }

@@ -72,6 +72,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::backend::Backend;
+use crate::disk::dirfds::HeldDirs;
 use crate::disk::files::{self, FsSupport, PendingFile};
 use crate::disk::format::{self, Fingerprint, HEADER_BYTES, MAX_KEY_BYTES};
 use crate::disk::index::ChunkIndex;
@@ -212,6 +213,8 @@ struct Core {
     health: Health,
     /// One queue of blocking directory work per root (`health::DIR_WORKERS` threads each).
     dirs: Vec<DirQueue>,
+    /// Shard directories held open: chunk files are reached by name from them (`disk::dirfds`).
+    held: HeldDirs,
     watchdog_stop: AtomicBool,
 }
 
@@ -471,9 +474,9 @@ impl BlockStore {
 impl Core {
     /// One lstat of a chunk path; a chunk found is indexed.
     fn lstat_chunk(&self, hash: u128) -> bool {
-        match std::fs::symlink_metadata(self.layout.chunk_path(hash)) {
-            Ok(meta) if meta.file_type().is_file() && meta.len() >= HEADER_BYTES as u64 => {
-                self.index.lock().unwrap().insert(hash, meta.len());
+        match self.held.lstat(&self.layout.chunk_path(hash)) {
+            Ok(st) if st.st_mode & libc::S_IFMT == libc::S_IFREG && st.st_size as u64 >= HEADER_BYTES as u64 => {
+                self.index.lock().unwrap().insert(hash, st.st_size as u64);
                 true
             }
             _ => false,

@@ -13,6 +13,7 @@ use super::{capacity, completion, read, region, BlockStore, Core, OpenReport};
 use crate::backend::threads::ThreadBackend;
 use crate::backend::uring::UringBackend;
 use crate::backend::{Backend, SegmentSink};
+use crate::disk::dirfds::HeldDirs;
 use crate::disk::files::{self, DirectIoPolicy};
 use crate::disk::format;
 use crate::disk::index::ChunkIndex;
@@ -85,6 +86,7 @@ impl BlockStore {
         let core = Arc::new(Core {
             health,
             dirs,
+            held: HeldDirs::default(),
             watchdog_stop: AtomicBool::new(false),
             pool: pool.clone(),
             layout,
@@ -121,6 +123,9 @@ impl BlockStore {
             sealing,
             jobs: JobQueue::default(),
         });
+        for ns_dir in core.layout.ns_dirs() {
+            core.held.hold(ns_dir);
+        }
         // The capacity ledgers, counted from the index at once while this
         // store is the only writer (decision 0053).
         core.open_ledgers();

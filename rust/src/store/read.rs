@@ -114,7 +114,7 @@ impl Core {
         let pool = &self.pool;
         let hash = ctx.hash;
         let path = self.layout.chunk_path(hash);
-        let (fd, size) = match files::open_for_read(&path, ctx.direct) {
+        let (fd, size) = match files::open_for_read(&self.held, &path, ctx.direct) {
             Ok(opened) => opened,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                 // Absent (or deleted by another process sharing the directory): a miss.

@@ -52,6 +52,7 @@ impl Core {
             // Made again at its path, by someone else, with our namespace
             // directory in it: usable, but the index must be rebuilt from it.
             self.root_ids.lock().unwrap()[root] = Some(now);
+            self.held.forget_all(root_dir);
             self.rebuild.store(true, Ordering::Release);
         }
         None
@@ -62,6 +63,7 @@ impl Core {
     pub(super) fn check_tree(&self, root: usize, shard: &Path) -> bool {
         match self.missing(root, Some(shard)) {
             Some(what) => {
+                self.held.forget_all(&self.layout.roots()[root]);
                 self.health.gone(root, &what, Instant::now());
                 true
             }
@@ -74,6 +76,7 @@ impl Core {
         for root in 0..self.layout.roots().len() {
             if self.health.refusal(root).is_none() {
                 if let Some(what) = self.missing(root, None) {
+                    self.held.forget_all(&self.layout.roots()[root]);
                     self.health.gone(root, &what, Instant::now());
                 }
             }
@@ -96,6 +99,10 @@ impl Core {
     fn recover(&self, root: usize) -> std::io::Result<bool> {
         let gone = self.health.is_gone(root);
         let root_dir = &self.layout.roots()[root];
+        // Whatever opened the breaker (a directory gone, a mount replaced, a
+        // dead network client), descriptors held from before may name what is
+        // no longer at the paths: reopened on use.
+        self.held.forget_all(root_dir);
         let now = RootIdentity::of(root_dir)?;
         let known = self.root_ids.lock().unwrap()[root];
         if let Some(k) = known.filter(|k| !k.same_place(&now)) {
@@ -107,6 +114,7 @@ impl Core {
             self.layout.ensure_tree(root, &self.permissions)?;
         }
         files::probe_health(&self.layout.ns_dirs()[root])?;
+        self.held.hold(&self.layout.ns_dirs()[root]);
         self.root_ids.lock().unwrap()[root] = Some(now);
         Ok(gone || replaced)
     }

@@ -182,7 +182,7 @@ impl Core {
     /// by `open_chunk_file`, outside the capacity ledger's lock.
     pub(super) fn take_victim(&self, ctx: &mut OpContext, (victim, len): (ChunkRef, u64)) {
         let shard = self.layout.shard_dir(ctx.hash);
-        let taken = files::take_for_reuse(&self.layout.chunk_path_of(victim), &shard);
+        let taken = files::take_for_reuse(&self.held, &self.layout.chunk_path_of(victim), &shard);
         let root = self.layout.root_of_ref(victim);
         if taken.as_ref().map_or_else(|(_, removed)| *removed, |_| true) {
             // Its bytes are no longer a published chunk's (`ctx`'s room covers them now).
@@ -201,7 +201,7 @@ impl Core {
     fn open_chunk_file(&self, ctx: &mut OpContext) -> std::io::Result<files::PendingFile> {
         let shard = self.layout.shard_dir(ctx.hash);
         let support = self.support[ctx.root];
-        let mut claimed = ctx.claimed.take().and_then(|temp| match files::open_taken(temp, ctx.file_len, ctx.direct) {
+        let mut claimed = ctx.claimed.take().and_then(|temp| match files::open_taken(&self.held, temp, ctx.file_len, ctx.direct) {
             Ok(f) => {
                 Stats::add(&self.stats.recycled_files, 1);
                 Some(f)
@@ -215,19 +215,18 @@ impl Core {
         loop {
             let opened = match claimed.take() {
                 Some(f) => Ok(f),
-                None => files::open_for_write(&shard, support, ctx.direct, self.file_mode),
+                None => files::open_for_write(&self.held, &shard, support, ctx.direct, self.file_mode),
             };
             // Preallocation also finds a full disk before any byte is written.
             // A recycled file at least as long is allocated already.
             let ready = opened.and_then(|f| {
-                let allocated = || files::regular_file_size(f.fd).ok().flatten().unwrap_or(0) >= ctx.file_len as u64;
-                if !(self.preallocate && support.fallocate) || (f.temp_path.is_some() && allocated()) {
+                if !(self.preallocate && support.fallocate) || f.size >= ctx.file_len as u64 {
                     return Ok(f);
                 }
                 match files::preallocate(f.fd, ctx.file_len) {
                     Ok(()) => Ok(f),
                     Err(e) => {
-                        files::discard(&f);
+                        files::discard(&self.held, &f);
                         Err(e)
                     }
                 }
@@ -277,7 +276,7 @@ impl Core {
             files::drop_cached_pages(file.fd, true);
         }
         let path = self.layout.chunk_path(ctx.hash);
-        let published = files::publish(&file, &path, self.support[ctx.root].rename_noreplace);
+        let published = files::publish(&self.held, &file, &path, self.support[ctx.root].rename_noreplace);
         if file.temp_path.is_some() {
             // Drop the temp file's lock now, synchronously: on a network or
             // FUSE filesystem the release at close() is sent asynchronously,
@@ -309,7 +308,7 @@ impl Core {
             }
             Err(e) => {
                 if let Some(temp) = &file.temp_path {
-                    let _ = std::fs::remove_file(temp);
+                    let _ = self.held.unlink(temp);
                 }
                 if e.raw_os_error() == Some(libc::ENOENT) && self.check_tree(ctx.root, &self.layout.shard_dir(ctx.hash)) {
                     return self.skip_gone(id, ctx);

@@ -1,0 +1,277 @@
+"""What a chunk costs on a shared filesystem: bandwidth against fio on the same
+mounts, and the filesystem operations per chunk that are not data.
+
+    sudo .venv/bin/python scripts/shared_fs_ops.py [--chunks 2,8,28] [--qd 1,8] [--mib 112] [--repeats 2]
+        [--engine NAME=PYTHONPATH ...] [--json OUT]
+
+Sets up the GlusterFS test fixture (tests/helpers/glusterfs.py: one brick,
+two FUSE clients in their own network namespaces, strict consistency,
+O_DIRECT to the brick) with the clients' io-stats counting every operation
+(``diagnostics.count-fop-hits``). For each repeat, chunk size and queue
+depth, in this order on the same mounts: the engine puts ``--mib`` MiB of
+chunks through mount A (a fresh store, verify="full"), a fresh store on
+mount B gets and verifies them all; fio writes the same bytes through mount A
+and reads them through mount B (one preallocated file, blocks of the chunk
+size, the same queue depth, io_uring, O_DIRECT). Around each phase the
+client's counters are dumped (``setfattr -n trusted.io-stats-dump``), so
+each row says how many operations per chunk went to the network besides
+READ and WRITE, and which. ``--engine`` names builds of the package to compare
+in the same run (an unzipped wheel: ``before=/tmp/old``), case by case,
+alternating; by default the one this script imports.
+
+A 2-core VM runs the brick, both clients and the measured process: the
+fixture is CPU-bound, so every operation a put saves is CPU the brick and the
+clients give to the data. A functional stand-in, not a figure for Lustre.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
+
+MiB = 1 << 20
+#: Chunks per case and phase at least: what a case's setup costs (fio's create) spread thin.
+MIN_CHUNKS = 16
+#: Not counted as metadata: the data, and FORGET (the kernel dropping an inode: no round trip).
+NOT_METADATA = {"READ", "WRITE", "FORGET"}
+#: The volume options that make the clients count every operation.
+COUNTING = ("diagnostics.count-fop-hits", "diagnostics.latency-measurement")
+#: Where a FUSE client writes the dump named by the extended attribute's value (``<value>.<volume>``).
+DUMP_DIR = Path("/var/run/gluster")
+
+
+def fop_counts(mount: Path, tag: str) -> dict[str, int]:
+    """The client's cumulative call count per operation since it mounted."""
+    name = f"pykvcache-ops-{os.getpid()}-{tag}.txt"
+    subprocess.run(["setfattr", "-n", "trusted.io-stats-dump", "-v", name, str(mount)], check=True, capture_output=True)
+    deadline = time.monotonic() + 10
+    while not (found := sorted(DUMP_DIR.glob(name + "*"))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if not found:
+        raise RuntimeError(f"the client of {mount} wrote no io-stats dump {DUMP_DIR / name}.*")
+    text = found[0].read_text()
+    for path in found:
+        path.unlink(missing_ok=True)
+    # The cumulative section comes first; its operation table ends at the
+    # next section ("Interval ... Stats").
+    cumulative = text.split("Interval", 1)[0]
+    counts: dict[str, int] = {}
+    for m in re.finditer(r"^\s*([A-Z][A-Z_]+)\s+(\d+)\s+[\d.]+\s*us", cumulative, re.M):
+        counts[m.group(1)] = counts.get(m.group(1), 0) + int(m.group(2))
+    if not counts:
+        raise RuntimeError(f"the client of {mount} counts no operations: set {' and '.join(COUNTING)} on its volume")
+    return counts
+
+
+class Counted:
+    """Counts the operations a mount's client sends while the block runs."""
+
+    def __init__(self, mount: Path, tag: str) -> None:
+        self.mount, self.tag = mount, tag
+        self.ops: dict[str, int] = {}
+
+    def __enter__(self) -> Counted:
+        self._before = fop_counts(self.mount, self.tag + "-0")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        after = fop_counts(self.mount, self.tag + "-1")
+        self.ops = {k: v - self._before.get(k, 0) for k, v in after.items() if v - self._before.get(k, 0) > 0}
+
+
+def _run_queue(submit, n: int, qd: int) -> float:
+    t0 = time.monotonic()
+    inflight = []
+    for i in range(n):
+        if len(inflight) == qd:
+            r = inflight.pop(0).wait()
+            assert r.ok, (r.status, r.message)
+        inflight.append(submit(i))
+    for h in inflight:
+        r = h.wait()
+        assert r.ok, (r.status, r.message)
+    return time.monotonic() - t0
+
+
+def engine_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str) -> dict:
+    import pykvcache as kv
+
+    payload = os.urandom(chunk)
+    out: dict = {}
+    for node, phase in (("a", "put"), ("b", "get")):
+        pool = kv.StagingPool(chunk, qd)
+        store = kv.BlockStore([str(mounts[node] / run_dir)], pool, namespace="shared-fs-ops", capacity_bytes=4 * n * chunk)
+        slots = [pool.acquire() for _ in range(qd)]
+        try:
+            if phase == "put":
+                for s in slots:
+                    with pool.view(s) as v:
+                        v[:] = payload
+            with Counted(mounts[node], f"{tag}-{phase}") as c:
+                if phase == "put":
+                    dt = _run_queue(lambda i: store.put(b"chunk-%06d" % i, slots[i % qd], chunk), n, qd)
+                else:
+                    dt = _run_queue(lambda i: store.get(b"chunk-%06d" % i, slots[i % qd]), n, qd)
+            if phase == "get":
+                with pool.view(slots[(n - 1) % qd]) as v:
+                    assert bytes(v[:chunk]) == payload
+            out[phase] = {"gbps": n * chunk / dt / 1e9, "ops": c.ops}
+        finally:
+            for s in slots:
+                pool.release(s)
+            store.close()
+            pool.close()
+    return out
+
+
+def engine_in_child(pythonpath: str, mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str) -> dict:
+    """``engine_case`` in a child process importing the package from ``pythonpath``."""
+    env = dict(os.environ)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
+    args = json.dumps({"mounts": {k: str(v) for k, v in mounts.items()}, "run_dir": run_dir, "n": n, "chunk": chunk, "qd": qd, "tag": tag})
+    proc = subprocess.run([sys.executable, __file__, "--child", args], env=env, capture_output=True, text=True, timeout=900)
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine case failed: {proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def fio_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str) -> dict:
+    out: dict = {}
+    for node, rw in (("a", "write"), ("b", "read")):
+        cmd = [
+            "fio",
+            "--name=shared",
+            f"--filename={mounts[node] / run_dir / 'fio.dat'}",
+            f"--rw={rw}",
+            f"--bs={chunk}",
+            f"--size={n * chunk}",
+            "--ioengine=io_uring",
+            f"--iodepth={qd}",
+            "--direct=1",
+            "--numjobs=1",
+            "--output-format=json",
+        ]
+        with Counted(mounts[node], f"{tag}-fio-{rw}") as c:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if proc.returncode != 0:
+            raise RuntimeError(f"fio failed: {proc.stderr.strip()}")
+        side = json.loads(proc.stdout[proc.stdout.index("{") :])["jobs"][0][rw]
+        out["put" if rw == "write" else "get"] = {"gbps": side["io_bytes"] / (side["runtime"] / 1000) / 1e9, "ops": c.ops}
+    return out
+
+
+def per_chunk(ops: dict[str, int], n: int) -> tuple[float, str]:
+    """Non-data operations per chunk, and the three most frequent."""
+    meta = {k: v for k, v in ops.items() if k not in NOT_METADATA}
+    top = sorted(meta.items(), key=lambda kv: -kv[1])[:3]
+    return sum(meta.values()) / n, ", ".join(f"{k} {v / n:.1f}" for k, v in top)
+
+
+def measure(mounts: dict[str, Path], chunks: list[int], qds: list[int], mib: int, repeats: int, engines: dict[str, str]) -> list[dict]:
+    """Every case: each engine (in turn, the order swapped every repeat), then fio."""
+    rows = []
+    for rep in range(repeats):
+        order = list(engines) if rep % 2 == 0 else list(reversed(engines))
+        for chunk_mib in chunks:
+            for qd in qds:
+                chunk = chunk_mib * MiB
+                n = max(mib // chunk_mib, 2 * qd, MIN_CHUNKS)
+                results = {}
+                for name in order:
+                    run_dir = f"ops-{os.getpid()}-{rep}-{chunk_mib}-{qd}-{name}"
+                    (mounts["a"] / run_dir).mkdir(mode=0o700)
+                    tag = f"{rep}-{chunk_mib}-{qd}-{name}"
+                    try:
+                        results[name] = engine_in_child(engines[name], mounts, run_dir, n, chunk, qd, tag)
+                        if name == order[-1]:
+                            results["fio"] = fio_case(mounts, run_dir, n, chunk, qd, tag)
+                    finally:
+                        shutil.rmtree(mounts["a"] / run_dir, ignore_errors=True)
+                for name in engines:
+                    rows.append(
+                        {
+                            "repeat": rep,
+                            "chunk_mib": chunk_mib,
+                            "qd": qd,
+                            "chunks": n,
+                            "engine": name,
+                            "pykvcache": results[name],
+                            "fio": results["fio"],
+                        }
+                    )
+                    print(format_row(rows[-1]), flush=True)
+    return rows
+
+
+def format_row(r: dict) -> str:
+    e, f, n = r["pykvcache"], r["fio"], r["chunks"]
+    cells = [r["engine"], f"{r['chunk_mib']} MiB", str(r["qd"])]
+    for phase in ("put", "get"):
+        ratio = e[phase]["gbps"] / f[phase]["gbps"]
+        ops, top = per_chunk(e[phase]["ops"], n)
+        fio_ops, _ = per_chunk(f[phase]["ops"], n)
+        cells += [f"{e[phase]['gbps']:.3f} / {f[phase]['gbps']:.3f} = **{ratio:.2f}**", f"{ops:.1f} ({top}); fio {fio_ops:.1f}"]
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = (
+    "| engine | chunk | QD | put GB/s: pykvcache / fio write | put: non-data ops per chunk (top 3) | "
+    "get GB/s: pykvcache / fio read | get: non-data ops per chunk (top 3) |\n|---|---|---|---|---|---|---|"
+)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--chunks", default="2,8,28", help="chunk sizes in MiB, comma-separated")
+    ap.add_argument("--qd", default="1,8", help="queue depths, comma-separated")
+    ap.add_argument("--mib", type=int, default=112, help="MiB per case and phase (at least 2 x QD chunks)")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--engine", action="append", default=[], metavar="NAME=PYTHONPATH", help="a build to measure (repeatable)")
+    ap.add_argument("--mount-a", type=Path, help="node A's mount of a GlusterFS volume counting operations (COUNTING on)")
+    ap.add_argument("--mount-b", type=Path, help="node B's mount of the same volume")
+    ap.add_argument("--json", type=Path, help="write the rows here")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        c = json.loads(args.child)
+        mounts = {k: Path(v) for k, v in c["mounts"].items()}
+        print(json.dumps(engine_case(mounts, c["run_dir"], c["n"], c["chunk"], c["qd"], c["tag"])))
+        return 0
+    engines = dict(e.split("=", 1) for e in args.engine) or {"pykvcache": ""}
+    for tool in ("fio", "setfattr"):
+        if shutil.which(tool) is None:
+            print(f"{tool} is not installed (apt-get install fio attr)", file=sys.stderr)
+            return 2
+    chunks, qds = [int(c) for c in args.chunks.split(",")], [int(q) for q in args.qd.split(",")]
+    if args.mount_a:
+        print(HEADER, flush=True)
+        rows = measure({"a": args.mount_a, "b": args.mount_b or args.mount_a}, chunks, qds, args.mib, args.repeats, engines)
+    else:
+        import glusterfs
+
+        fixture = glusterfs.start()
+        try:
+            for key in COUNTING:
+                fixture.cli("volume", "set", glusterfs.VOLUME, key, "on")
+            time.sleep(2)  # the clients switch to the new graph
+            print(HEADER, flush=True)
+            rows = measure(fixture.mounts, chunks, qds, args.mib, args.repeats, engines)
+        finally:
+            fixture.teardown()
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
