@@ -41,6 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpe
 MiB = 1 << 20
 #: Chunks per case and phase at least: what a case's setup costs (fio's create) spread thin.
 MIN_CHUNKS = 16
+#: A store's capacity in chunks of a case: ample (no eviction), as a cache that is not full.
+CAPACITY_CHUNKS = 64
 #: Not counted as metadata: the data, and FORGET (the kernel dropping an inode: no round trip).
 NOT_METADATA = {"READ", "WRITE", "FORGET"}
 #: The volume options that make the clients count every operation.
@@ -109,7 +111,7 @@ def engine_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: i
     out: dict = {}
     for node, phase in (("a", "put"), ("b", "get")):
         pool = kv.StagingPool(chunk, qd)
-        store = kv.BlockStore([str(mounts[node] / run_dir)], pool, namespace="shared-fs-ops", capacity_bytes=4 * n * chunk)
+        store = kv.BlockStore([str(mounts[node] / run_dir)], pool, namespace="shared-fs-ops", capacity_bytes=CAPACITY_CHUNKS * n * chunk)
         slots = [pool.acquire() for _ in range(qd)]
         try:
             if phase == "put":

@@ -90,4 +90,11 @@ def test_the_ops_count_says_what_a_chunk_costs_beside_fio(gluster, tmp_path):
     # A put creates and renames a file: metadata a fio block does not pay.
     put = row["pykvcache"]["put"]["ops"]
     assert put.get("CREATE") == 16 and put.get("RENAME") == 16, put
+    # Held shard directories: a put looks up its temp file's name, the chunk's
+    # and both at the rename, not every component of their paths (5 + 1 for a
+    # shard not held yet, against 28 walking the paths).
+    assert put["LOOKUP"] <= 6 * 16, put
+    # The capacity ledger's credit: a transaction (lock and unlock) covers
+    # several puts, so a put's locks are mostly its temp file's (2).
+    assert put["LK"] < 3 * 16, put
     assert shared_fs_ops.per_chunk(put, 16)[0] > shared_fs_ops.per_chunk(row["fio"]["put"]["ops"], 16)[0]

@@ -174,8 +174,13 @@ fn lock_if_current(dirs: &HeldDirs, fd: RawFd, st: &libc::stat, path: &Path, how
 /// the rest. On failure the flag says whether this call took the victim off
 /// its path all the same (unlinked it): false when another process had
 /// removed it first, whose removal the capacity ledger counted then.
-pub fn take_for_reuse(dirs: &HeldDirs, victim: &Path, dir: &Path) -> std::result::Result<std::path::PathBuf, (std::io::Error, bool)> {
-    let temp = temp_name(dir);
+pub fn take_for_reuse(
+    dirs: &HeldDirs,
+    victim: &Path,
+    dir: &Path,
+    owner: u64,
+) -> std::result::Result<std::path::PathBuf, (std::io::Error, bool)> {
+    let temp = temp_name(dir, owner);
     if let Err(e) = dirs.rename(victim, &temp, 0) {
         let removed = dirs.unlink(victim).is_ok();
         return Err((e, removed));
@@ -224,53 +229,58 @@ fn cpath(path: &Path) -> std::io::Result<std::ffi::CString> {
     cstring(path).map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
 }
 
-fn temp_name(dir: &Path) -> std::path::PathBuf {
+/// `.tmp-<pid>-<n>-w<owner>`: `owner` is the writer's lease id
+/// (`disk::writers`), by which a scan tells a live writer's file from an orphan.
+fn temp_name(dir: &Path, owner: u64) -> std::path::PathBuf {
     let n = TEMP_COUNTER.fetch_add(1, Ordering::Relaxed);
-    dir.join(format!("{TEMP_PREFIX}{}-{n}", std::process::id()))
+    dir.join(format!("{TEMP_PREFIX}{}-{n}-w{owner:016x}", std::process::id()))
 }
 
-pub fn open_for_write(dirs: &HeldDirs, dir: &Path, support: FsSupport, direct: bool, mode: u32) -> std::io::Result<PendingFile> {
+/// The writer's lease id in a temporary file's name (`temp_name`); None for
+/// a name without one.
+pub fn temp_owner(name: &str) -> Option<u64> {
+    let (_, hex) = name.strip_prefix(TEMP_PREFIX)?.rsplit_once("-w")?;
+    u64::from_str_radix(hex, 16).ok().filter(|_| hex.len() == 16)
+}
+
+/// A new temporary file in `dir` for `owner`'s put, locked (exclusively)
+/// until published or discarded. The kernel drops the lock when the writer
+/// dies, which is how a scan tells an orphan of a writer without a lease from
+/// a live write; a scan never removes the file of a writer whose lease is live
+/// (`remove_if_writer_gone`), so the moment between the create and the lock is
+/// no race, and the put pays no look at its own file's name afterwards (two
+/// round trips on a network filesystem).
+pub fn open_for_write(
+    dirs: &HeldDirs,
+    dir: &Path,
+    owner: u64,
+    support: FsSupport,
+    direct: bool,
+    mode: u32,
+) -> std::io::Result<PendingFile> {
     if support.tmpfile {
         let fd = open_raw(dir, libc::O_TMPFILE | libc::O_WRONLY | direct_flag(direct), mode)?;
         return Ok(PendingFile { fd, temp_path: None, size: 0 });
     }
-    // The lock is held until the file is published or discarded; the kernel
-    // drops it when the writer dies, which is how a scan tells an orphan from a
-    // live write. Between the create and the flock the file is unlocked, and a
-    // scan of another process may remove it then as a dead writer's (on
-    // GlusterFS that window is a network round trip: a put then failed at its
-    // publish with ENOENT). So the locked file is checked to still have its
-    // name, and a taken one is replaced by a new temp file.
-    for _ in 0..TEMP_CREATE_TRIES {
-        let temp = temp_name(dir);
-        let fd = dirs.open(&temp, libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | direct_flag(direct), mode)?;
-        match fstat(fd).and_then(|st| lock_if_current(dirs, fd, &st, &temp, libc::LOCK_EX)) {
-            Ok(()) => return Ok(PendingFile { fd, temp_path: Some(temp), size: 0 }),
-            // Removed (or replaced) before we held it: another temp file.
-            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => close(fd),
-            // No flock here (some network filesystems): unlocked, as scans cannot judge it either.
-            Err(_) => return Ok(PendingFile { fd, temp_path: Some(temp), size: 0 }),
-        }
-    }
-    Err(std::io::Error::new(
-        std::io::ErrorKind::NotFound,
-        format!("{TEMP_CREATE_TRIES} new temporary files in {} were removed before this writer could lock them", dir.display()),
-    ))
+    let temp = temp_name(dir, owner);
+    let fd = dirs.open(&temp, libc::O_CREAT | libc::O_EXCL | libc::O_WRONLY | direct_flag(direct), mode)?;
+    // Without flock here (some network filesystems) the file stays unlocked:
+    // scans cannot judge it either and leave it to `STALE_TEMP_AGE`.
+    // SAFETY: flock takes no pointer; `fd` was just opened.
+    unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) };
+    Ok(PendingFile { fd, temp_path: Some(temp), size: 0 })
 }
 
-/// How many fresh temporary files a put creates before it gives up, each
-/// removed by another process's scan before it was locked.
-const TEMP_CREATE_TRIES: usize = 3;
-
 /// Removes the temporary file `name` at `path` if it was left by a dead
-/// writer: nobody holds its lock. Our own files are skipped (network
-/// filesystems emulate flock with per-process locks, which we would always
-/// get). The file is removed while this lock is held, so a writer that locks
-/// its new file (`open_for_write`) either finds it locked here and takes
-/// another, or locks it after the removal and sees its name gone. Returns
+/// writer: its owner (`temp_owner`) holds no live lease (`owner_live`), and
+/// nobody holds its lock. Our own files are skipped (network filesystems
+/// emulate flock with per-process locks, which we would always get). Returns
 /// whether it was removed.
-pub fn remove_if_writer_gone(path: &Path, name: &str) -> bool {
+pub fn remove_if_writer_gone(path: &Path, name: &str, owner_live: &mut dyn FnMut(u64) -> bool) -> bool {
     if name.starts_with(&format!("{TEMP_PREFIX}{}-", std::process::id())) {
+        return false;
+    }
+    if temp_owner(name).is_some_and(owner_live) {
         return false;
     }
     let Ok(fd) = open_raw(path, libc::O_RDONLY | libc::O_NONBLOCK, 0) else { return false };

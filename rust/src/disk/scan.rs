@@ -18,6 +18,7 @@ use std::time::{Duration, Instant, SystemTime};
 use crate::disk::files;
 use crate::disk::index::{epoch_ns, ChunkIndex, Found, NsId, OWN};
 use crate::disk::layout::{is_namespace_name, is_shard_name, parse_chunk_name, Layout, TEMP_PREFIX};
+use crate::disk::writers;
 use crate::error::{EngineError, Result};
 use crate::faults::SharedFaults;
 use crate::wait::{deadline_after, wait_until};
@@ -56,11 +57,14 @@ pub fn collect(layout: &Layout, stop: &AtomicBool) -> Result<Vec<Found>> {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
             Err(e) => return Err(EngineError::io(format!("scanning {}", root_dir.display()), e)),
         }
+        // Whether a temporary file's owner holds a live lease: asked once per owner and walk.
+        let mut owners: std::collections::HashMap<u64, bool> = std::collections::HashMap::new();
+        let mut owner_live = |id: u64| *owners.entry(id).or_insert_with(|| writers::is_live(root_dir, id));
         for (ns, ns_dir) in namespaces {
             if stop.load(Ordering::Relaxed) {
                 return Ok(Vec::new());
             }
-            match collect_namespace(ns, &ns_dir, now, stop, &mut found) {
+            match collect_namespace(ns, &ns_dir, now, stop, &mut owner_live, &mut found) {
                 Ok(()) => {}
                 // Another namespace's directory that cannot be read holds
                 // nothing this store could evict: skipped.
@@ -76,7 +80,14 @@ pub fn collect(layout: &Layout, stop: &AtomicBool) -> Result<Vec<Found>> {
     Ok(found)
 }
 
-fn collect_namespace(ns: NsId, ns_dir: &Path, now: SystemTime, stop: &AtomicBool, found: &mut Vec<Found>) -> Result<()> {
+fn collect_namespace(
+    ns: NsId,
+    ns_dir: &Path,
+    now: SystemTime,
+    stop: &AtomicBool,
+    owner_live: &mut dyn FnMut(u64) -> bool,
+    found: &mut Vec<Found>,
+) -> Result<()> {
     let shards = match std::fs::read_dir(ns_dir) {
         Ok(e) => e,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -110,7 +121,7 @@ fn collect_namespace(ns: NsId, ns_dir: &Path, now: SystemTime, stop: &AtomicBool
                 if age > STALE_TEMP_AGE {
                     let _ = std::fs::remove_file(entry.path());
                 } else {
-                    files::remove_if_writer_gone(&entry.path(), name);
+                    files::remove_if_writer_gone(&entry.path(), name, owner_live);
                 }
                 continue;
             }

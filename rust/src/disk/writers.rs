@@ -249,4 +249,26 @@ mod tests {
         assert_eq!(a.others(), 0);
         assert!(!dead.exists(), "a stale, unlocked lease is removed");
     }
+
+    #[test]
+    fn a_scan_leaves_a_live_writers_unlocked_temp_file_and_removes_an_orphan() {
+        use crate::disk::files::{remove_if_writer_gone, temp_owner};
+        let tmp = tempfile::tempdir().unwrap();
+        let roots = vec![tmp.path().to_path_buf()];
+        let (live, _) = WriterLease::take(&roots, 0o700, 0o600);
+        let mut owner_live = |id| is_live(tmp.path(), id);
+        // Another process's names (pid 1): just created, not locked yet.
+        let theirs = format!(".tmp-1-0-w{:016x}", live.id());
+        let orphan = format!(".tmp-1-1-w{:016x}", live.id() ^ 1);
+        let legacy = ".tmp-1-2".to_string();
+        assert_eq!((temp_owner(&theirs), temp_owner(&legacy), temp_owner(".tmp-1-3-wxyz")), (Some(live.id()), None, None));
+        for name in [&theirs, &orphan, &legacy] {
+            std::fs::File::create(tmp.path().join(name)).unwrap();
+        }
+        assert!(!remove_if_writer_gone(&tmp.path().join(&theirs), &theirs, &mut owner_live), "its writer's lease is live");
+        assert!(remove_if_writer_gone(&tmp.path().join(&orphan), &orphan, &mut owner_live), "no lease, no lock: an orphan");
+        assert!(remove_if_writer_gone(&tmp.path().join(&legacy), &legacy, &mut owner_live), "no owner named, no lock");
+        drop(live);
+        assert!(remove_if_writer_gone(&tmp.path().join(&theirs), &theirs, &mut owner_live), "its writer closed");
+    }
 }

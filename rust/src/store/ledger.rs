@@ -15,6 +15,14 @@
 //! writers whose lease is dead (their puts in flight ended with them) and,
 //! while this store writes the root alone, counts `published` again from its
 //! index, which is what is on disk then.
+//!
+//! On a network filesystem a transaction is four round trips (lock, read,
+//! write, unlock: a tenth of a 2 MiB put on the suite's GlusterFS). There a
+//! transaction also takes room for the next puts, `credit`: counted in this
+//! store's record like puts in flight, evicted for like them, so the total
+//! still bounds what is and may soon be on disk. A put that finds enough
+//! credit takes it without a transaction; the refresh thread gives what is
+//! left back at its next write (`WRITER_CHECK`).
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -58,7 +66,17 @@ pub(super) struct RootLedger {
     /// counted (the index no longer counts them either).
     evicting: AtomicI64,
     direct: AtomicBool,
+    /// On a network or FUSE filesystem: transactions take `credit`.
+    remote: AtomicBool,
+    /// Room taken in the ledger for this store's next puts, not theirs yet
+    /// (counted in its record with `in_flight`).
+    credit: AtomicU64,
 }
+
+/// Puts of the size of the one taking a transaction that its credit covers,
+/// at most `1/CREDIT_SHARE` of the capacity.
+const CREDIT_PUTS: u64 = 8;
+const CREDIT_SHARE: u64 = 32;
 
 #[derive(Default)]
 pub(super) struct Ledgers {
@@ -89,6 +107,19 @@ impl Ledgers {
         self.roots[root].in_flight.fetch_add(bytes, Ordering::Relaxed);
     }
 
+    /// A put's room out of the credit, when there is enough: its bytes move
+    /// from credit to in flight, the record's total unchanged. In flight
+    /// first: a total read meanwhile counts them twice, never not at all.
+    fn take_credit(&self, root: usize, bytes: u64) -> bool {
+        let r = &self.roots[root];
+        r.in_flight.fetch_add(bytes, Ordering::Relaxed);
+        let taken = r.credit.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| c.checked_sub(bytes)).is_ok();
+        if !taken {
+            r.in_flight.fetch_sub(bytes, Ordering::Relaxed);
+        }
+        taken
+    }
+
     pub(super) fn end_put(&self, root: usize, bytes: u64) {
         self.roots[root].in_flight.fetch_sub(bytes, Ordering::Relaxed);
     }
@@ -99,14 +130,17 @@ impl Ledgers {
         let change = r.delta.load(Ordering::Relaxed) - r.evicting.load(Ordering::Relaxed);
         let published = (state.published as i64).saturating_add(change).max(0) as u64;
         let others: u64 = state.writers.iter().filter(|(w, _)| *w != self.id).map(|(_, b)| b).sum();
-        published.saturating_add(others).saturating_add(r.in_flight.load(Ordering::Relaxed))
+        published
+            .saturating_add(others)
+            .saturating_add(r.in_flight.load(Ordering::Relaxed))
+            .saturating_add(r.credit.load(Ordering::Relaxed))
     }
 
     /// Writes this store's part into the locked ledger of `root`.
     fn write(&self, root: usize, g: &mut LedgerGuard<'_>) -> std::io::Result<()> {
         let r = &self.roots[root];
         let delta = r.delta.swap(0, Ordering::Relaxed);
-        let in_flight = r.in_flight.load(Ordering::Relaxed);
+        let in_flight = r.in_flight.load(Ordering::Relaxed).saturating_add(r.credit.load(Ordering::Relaxed));
         let before = g.state.clone();
         g.state.published = (g.state.published as i64).saturating_add(delta).max(0) as u64;
         g.state.set_writer(self.id, in_flight);
@@ -143,6 +177,7 @@ impl Core {
         match Ledger::open(dir, self.file_mode, direct, create) {
             Ok(l) => {
                 self.ledgers.roots[root].direct.store(direct, Ordering::Relaxed);
+                self.ledgers.roots[root].remote.store(remote, Ordering::Relaxed);
                 *self.ledgers.roots[root].file.lock().unwrap() = Some(Arc::new(l));
                 true
             }
@@ -195,6 +230,9 @@ impl Core {
             self.ledgers.begin_put(root, ctx.reserved);
             return local(ctx);
         };
+        if self.ledgers.take_credit(root, ctx.reserved) {
+            return local(ctx);
+        }
         let mut g = match ledger.lock() {
             Ok(g) => g,
             Err(e) => {
@@ -203,6 +241,13 @@ impl Core {
                 return local(ctx);
             }
         };
+        if self.ledgers.take_credit(root, ctx.reserved) {
+            // Another put's transaction took credit while this one waited.
+            drop(g);
+            return local(ctx);
+        }
+        // What is left is less than a put: given back, taken anew below.
+        self.ledgers.roots[root].credit.store(0, Ordering::Relaxed);
         self.ledgers.begin_put(root, ctx.reserved);
         if !g.state.counted && !self.count_ledger(root, &mut g) {
             // Nobody counted it yet and this store's index is not complete.
@@ -215,6 +260,9 @@ impl Core {
         // reached): the put is recorded, the eviction waits for the index.
         let indexed = self.scan.report().done;
         let mut unmet = if indexed { self.evict_for_ledger(&g.state, ctx, reuse) } else { 0 };
+        if unmet == 0 && indexed {
+            self.take_room_ahead(root, &g.state, ctx);
+        }
         self.write_ledger(root, &ledger, &mut g);
         drop(g);
         if unmet > 0 {
@@ -241,6 +289,23 @@ impl Core {
             ));
         }
         Ok(made)
+    }
+
+    /// On a network filesystem, room for the next puts (`credit`) where the
+    /// capacity has it or eviction makes it; none where it does not.
+    fn take_room_ahead(&self, root: usize, state: &LedgerState, ctx: &mut OpContext) {
+        let r = &self.ledgers.roots[root];
+        if !r.remote.load(Ordering::Relaxed) {
+            return;
+        }
+        let want = ctx.reserved.saturating_mul(CREDIT_PUTS).min(self.capacity.load(Ordering::Relaxed) / CREDIT_SHARE);
+        if want < ctx.reserved {
+            return;
+        }
+        r.credit.store(want, Ordering::Relaxed);
+        if self.evict_for_ledger(state, ctx, None) > 0 {
+            r.credit.store(0, Ordering::Relaxed);
+        }
     }
 
     fn write_ledger(&self, root: usize, ledger: &Ledger, g: &mut LedgerGuard<'_>) {
@@ -355,7 +420,11 @@ impl Core {
             let dir = &self.layout.roots()[root];
             let dead: Vec<u64> =
                 seen.writers.iter().map(|(w, _)| *w).filter(|w| *w != self.ledgers.id && !writers::is_live(dir, *w)).collect();
-            let changed = r.delta.load(Ordering::Relaxed) != 0 || r.in_flight.load(Ordering::Relaxed) != r.written.load(Ordering::Relaxed);
+            // Credit left is given back: room held for puts that are not coming.
+            let credit = r.credit.swap(0, Ordering::Relaxed);
+            let changed = credit > 0
+                || r.delta.load(Ordering::Relaxed) != 0
+                || r.in_flight.load(Ordering::Relaxed) != r.written.load(Ordering::Relaxed);
             if !changed && !alone && dead.is_empty() && seen.counted {
                 continue;
             }

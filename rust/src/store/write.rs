@@ -182,7 +182,7 @@ impl Core {
     /// by `open_chunk_file`, outside the capacity ledger's lock.
     pub(super) fn take_victim(&self, ctx: &mut OpContext, (victim, len): (ChunkRef, u64)) {
         let shard = self.layout.shard_dir(ctx.hash);
-        let taken = files::take_for_reuse(&self.held, &self.layout.chunk_path_of(victim), &shard);
+        let taken = files::take_for_reuse(&self.held, &self.layout.chunk_path_of(victim), &shard, self.ledgers_id());
         let root = self.layout.root_of_ref(victim);
         if taken.as_ref().map_or_else(|(_, removed)| *removed, |_| true) {
             // Its bytes are no longer a published chunk's (`ctx`'s room covers them now).
@@ -215,7 +215,7 @@ impl Core {
         loop {
             let opened = match claimed.take() {
                 Some(f) => Ok(f),
-                None => files::open_for_write(&self.held, &shard, support, ctx.direct, self.file_mode),
+                None => files::open_for_write(&self.held, &shard, self.ledgers_id(), support, ctx.direct, self.file_mode),
             };
             // Preallocation also finds a full disk before any byte is written.
             // A recycled file at least as long is allocated already.
