@@ -89,11 +89,15 @@ fn direct_flag(direct: bool) -> i32 {
 /// Anything else (FIFO, device, ...) comes back with no size, for the caller
 /// to reject; it is never switched to O_DIRECT or read.
 ///
-/// A regular file is read under a shared `flock`, and only if it is still the
-/// file at `path` once locked: evicted files are recycled in place (see
-/// `claim_for_reuse`), and a recycler overwrites a file only while it holds
-/// the exclusive lock. A file being recycled, or moved away between open and
-/// lock, comes back as `ENOENT` (a miss), never as another chunk's bytes.
+/// A regular file is read under a shared `flock`: evicted files are recycled
+/// (see `take_for_reuse`), and a recycler overwrites a file only while it
+/// holds the exclusive lock, so a file being recycled comes back as `ENOENT`
+/// (a miss) and one locked here is never overwritten while it is read. A file
+/// recycled between this open and the lock holds another chunk, complete:
+/// its header names that chunk's key, which the read's verdict refuses, and
+/// only then is the path looked at again (`still_at`: a file moved away is a
+/// miss, not a corrupt chunk to delete). Looking at the path after every lock
+/// instead cost each get two round trips on a network filesystem.
 pub fn open_for_read(dirs: &HeldDirs, path: &Path, direct: bool) -> std::io::Result<(RawFd, Option<u64>)> {
     // O_NONBLOCK so that opening a FIFO planted at a chunk path cannot hang.
     // O_DIRECT from the start: some filesystems (GPFS) ignore it when set
@@ -106,7 +110,15 @@ pub fn open_for_read(dirs: &HeldDirs, path: &Path, direct: bool) -> std::io::Res
     let checked = fstat(fd).and_then(|st| {
         let size = regular_size(&st);
         if size.is_some() {
-            lock_if_current(dirs, fd, &st, path, libc::LOCK_SH)?;
+            // SAFETY: flock takes no pointer; `fd` was opened above.
+            if unsafe { libc::flock(fd, libc::LOCK_SH | libc::LOCK_NB) } != 0 {
+                let e = std::io::Error::last_os_error();
+                // Held exclusively: being recycled. Without flock (ENOLCK,
+                // EOPNOTSUPP) recyclers never get theirs either: read unlocked.
+                if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
+                    return Err(gone());
+                }
+            }
             set_blocking(fd, direct)?;
         }
         Ok(size)
@@ -117,6 +129,15 @@ pub fn open_for_read(dirs: &HeldDirs, path: &Path, direct: bool) -> std::io::Res
             close(fd);
             Err(e)
         }
+    }
+}
+
+/// Whether `path` still names the open file `fd` (not moved away, replaced
+/// or removed since it was opened).
+pub fn still_at(dirs: &HeldDirs, fd: RawFd, path: &Path) -> bool {
+    match (fstat(fd), dirs.lstat(path)) {
+        (Ok(open), Ok(now)) => open.st_dev == now.st_dev && open.st_ino == now.st_ino,
+        _ => false,
     }
 }
 

@@ -32,8 +32,15 @@ impl Core {
     }
 
     pub(super) fn corrupt(&self, id: OpId, ctx: OpContext, reason: String) {
-        // A chunk that fails verification is removed so it is never tried again.
         let path = self.layout.chunk_path(ctx.hash);
+        if ctx.read_fd >= 0 && !files::still_at(&self.held, ctx.read_fd, &path) {
+            // Recycled or replaced between the open and the lock
+            // (`files::open_for_read`): what was read is not the file at the
+            // path now, so nothing is judged (or deleted) by it. A miss.
+            self.index.lock().unwrap().remove(ctx.hash);
+            return self.finish(id, ctx, Outcome::miss(MissKind::Absent, None, "chunk file moved away while it was opened"));
+        }
+        // A chunk that fails verification is removed so it is never tried again.
         self.remove_chunk(ctx.hash);
         let msg = format!("corrupt chunk {}: {reason}", path.display());
         self.finish(id, ctx, Outcome::new(Status::Corrupt, 0, None, msg));
