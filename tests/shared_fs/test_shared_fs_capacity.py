@@ -4,8 +4,14 @@ the number of writers (decision 0053): writer processes on two GlusterFS nodes
 directory at once, each in its own namespace; the brick, sampled at 10 Hz while
 they write and after each close, never holds more than 1.1x the capacity."""
 
+import os
+import struct
+import time
+
+import pykvcache as kv
 import pytest
 from capacity_writers import held_bytes, run_writers
+from robust_chunkfmt import chunk_files, payload_for, put_bytes
 
 FILE_LEN = 4096 + (60 << 10)  # the worker's chunk file
 
@@ -36,3 +42,39 @@ def test_writers_on_two_nodes_never_hold_more_than_a_tenth_over_the_capacity(glu
     bound = capacity * 11 // 10
     assert max(during) <= bound, f"{max(during)} bytes on the brick while writing for a capacity of {capacity}"
     assert max(after) <= bound, f"{after} bytes on the brick after the closes for a capacity of {capacity}"
+
+
+def _ledger_records(root) -> tuple[int, dict[int, int]]:
+    """The capacity ledger of ``root`` (disk/ledger.rs: magic, published, records):
+    published bytes, and each writer's bytes in flight and taken ahead."""
+    block = (root / ".capacity-ledger").read_bytes()[:4096]
+    assert block[:8] == b"PKVLDG01", block[:8]
+    published, n = struct.unpack_from("<QQ", block, 8)
+    return published, {struct.unpack_from("<Q", block, 24 + 16 * i)[0]: struct.unpack_from("<Q", block, 32 + 16 * i)[0] for i in range(n)}
+
+
+def test_room_a_writer_took_ahead_is_given_back_after_its_last_put(shared_dirs):
+    """On a network filesystem a ledger transaction takes room for the next
+    puts (decision 0084): counted in the writer's record while it writes, given
+    back by its refresh thread within seconds of its last put, so an idle
+    writer holds no room it does not use."""
+    a_dir, b_dir = shared_dirs
+    payload = 256 << 10
+    pool = kv.StagingPool(payload, 1)
+    store = kv.BlockStore([str(a_dir)], pool, namespace="credit", capacity_bytes=256 << 20)
+    slot = pool.acquire()
+    try:
+        for i in range(3):
+            r = put_bytes(store, pool, slot, b"credit-%d" % i, payload_for(b"credit-%d" % i, payload, payload))
+            assert r.ok, (r.status, r.message)
+        chunk_bytes = sum(os.path.getsize(p) for p in chunk_files(a_dir))
+        deadline = time.monotonic() + 10
+        while True:
+            published, records = _ledger_records(b_dir)  # read through the other node
+            if published == chunk_bytes and all(v == 0 for v in records.values()):
+                break
+            assert time.monotonic() < deadline, f"published {published} of {chunk_bytes}, records {records}"
+            time.sleep(0.2)
+    finally:
+        pool.release(slot)
+        store.close()
