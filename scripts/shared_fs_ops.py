@@ -2,7 +2,7 @@
 mounts, and the filesystem operations per chunk that are not data.
 
     sudo .venv/bin/python scripts/shared_fs_ops.py [--chunks 2,8,28] [--qd 1,8] [--mib 112] [--repeats 2]
-        [--engine NAME=PYTHONPATH ...] [--json OUT]
+        [--engine NAME=PYTHONPATH ...] [--store KEY=VALUE ...] [--json OUT]
 
 Sets up the GlusterFS test fixture (tests/helpers/glusterfs.py: one brick,
 two FUSE clients in their own network namespaces, strict consistency,
@@ -104,14 +104,16 @@ def _run_queue(submit, n: int, qd: int) -> float:
     return time.monotonic() - t0
 
 
-def engine_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str) -> dict:
+def engine_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str, store_kw: dict | None = None) -> dict:
     import pykvcache as kv
 
     payload = os.urandom(chunk)
     out: dict = {}
     for node, phase in (("a", "put"), ("b", "get")):
         pool = kv.StagingPool(chunk, qd)
-        store = kv.BlockStore([str(mounts[node] / run_dir)], pool, namespace="shared-fs-ops", capacity_bytes=CAPACITY_CHUNKS * n * chunk)
+        store = kv.BlockStore(
+            [str(mounts[node] / run_dir)], pool, namespace="shared-fs-ops", capacity_bytes=CAPACITY_CHUNKS * n * chunk, **(store_kw or {})
+        )
         slots = [pool.acquire() for _ in range(qd)]
         try:
             if phase == "put":
@@ -135,12 +137,13 @@ def engine_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: i
     return out
 
 
-def engine_in_child(pythonpath: str, mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str) -> dict:
+def engine_in_child(pythonpath: str, mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str, store_kw: dict) -> dict:
     """``engine_case`` in a child process importing the package from ``pythonpath``."""
     env = dict(os.environ)
     if pythonpath:
         env["PYTHONPATH"] = pythonpath + os.pathsep + env.get("PYTHONPATH", "")
-    args = json.dumps({"mounts": {k: str(v) for k, v in mounts.items()}, "run_dir": run_dir, "n": n, "chunk": chunk, "qd": qd, "tag": tag})
+    job = {"mounts": {k: str(v) for k, v in mounts.items()}, "run_dir": run_dir, "n": n, "chunk": chunk, "qd": qd, "tag": tag}
+    args = json.dumps({**job, "store_kw": store_kw})
     proc = subprocess.run([sys.executable, __file__, "--child", args], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"engine case failed: {proc.stderr[-2000:]}")
@@ -179,7 +182,15 @@ def per_chunk(ops: dict[str, int], n: int) -> tuple[float, str]:
     return sum(meta.values()) / n, ", ".join(f"{k} {v / n:.1f}" for k, v in top)
 
 
-def measure(mounts: dict[str, Path], chunks: list[int], qds: list[int], mib: int, repeats: int, engines: dict[str, str]) -> list[dict]:
+def measure(
+    mounts: dict[str, Path],
+    chunks: list[int],
+    qds: list[int],
+    mib: int,
+    repeats: int,
+    engines: dict[str, str],
+    store_kw: dict | None = None,
+) -> list[dict]:
     """Every case: each engine (in turn, the order swapped every repeat), then fio."""
     rows = []
     for rep in range(repeats):
@@ -194,7 +205,7 @@ def measure(mounts: dict[str, Path], chunks: list[int], qds: list[int], mib: int
                     (mounts["a"] / run_dir).mkdir(mode=0o700)
                     tag = f"{rep}-{chunk_mib}-{qd}-{name}"
                     try:
-                        results[name] = engine_in_child(engines[name], mounts, run_dir, n, chunk, qd, tag)
+                        results[name] = engine_in_child(engines[name], mounts, run_dir, n, chunk, qd, tag, store_kw or {})
                         if name == order[-1]:
                             results["fio"] = fio_case(mounts, run_dir, n, chunk, qd, tag)
                     finally:
@@ -239,6 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=112, help="MiB per case and phase (at least 2 x QD chunks)")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--engine", action="append", default=[], metavar="NAME=PYTHONPATH", help="a build to measure (repeatable)")
+    ap.add_argument(
+        "--store", action="append", default=[], metavar="KEY=VALUE", help="a BlockStore keyword for every engine (verify=header)"
+    )
     ap.add_argument("--mount-a", type=Path, help="node A's mount of a GlusterFS volume counting operations (COUNTING on)")
     ap.add_argument("--mount-b", type=Path, help="node B's mount of the same volume")
     ap.add_argument("--json", type=Path, help="write the rows here")
@@ -247,9 +261,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         c = json.loads(args.child)
         mounts = {k: Path(v) for k, v in c["mounts"].items()}
-        print(json.dumps(engine_case(mounts, c["run_dir"], c["n"], c["chunk"], c["qd"], c["tag"])))
+        print(json.dumps(engine_case(mounts, c["run_dir"], c["n"], c["chunk"], c["qd"], c["tag"], c["store_kw"])))
         return 0
     engines = dict(e.split("=", 1) for e in args.engine) or {"pykvcache": ""}
+    store_kw = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in args.store)}
     for tool in ("fio", "setfattr"):
         if shutil.which(tool) is None:
             print(f"{tool} is not installed (apt-get install fio attr)", file=sys.stderr)
@@ -257,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     chunks, qds = [int(c) for c in args.chunks.split(",")], [int(q) for q in args.qd.split(",")]
     if args.mount_a:
         print(HEADER, flush=True)
-        rows = measure({"a": args.mount_a, "b": args.mount_b or args.mount_a}, chunks, qds, args.mib, args.repeats, engines)
+        rows = measure({"a": args.mount_a, "b": args.mount_b or args.mount_a}, chunks, qds, args.mib, args.repeats, engines, store_kw)
     else:
         import glusterfs
 
@@ -267,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
                 fixture.cli("volume", "set", glusterfs.VOLUME, key, "on")
             time.sleep(2)  # the clients switch to the new graph
             print(HEADER, flush=True)
-            rows = measure(fixture.mounts, chunks, qds, args.mib, args.repeats, engines)
+            rows = measure(fixture.mounts, chunks, qds, args.mib, args.repeats, engines, store_kw)
         finally:
             fixture.teardown()
     if args.json:

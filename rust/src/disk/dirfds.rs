@@ -257,6 +257,11 @@ fn open_at(dir: RawFd, name: &CStr, flags: i32, mode: u32) -> std::io::Result<Ra
 mod tests {
     use super::*;
 
+    fn close(fd: RawFd) {
+        // SAFETY: `fd` was just opened by the test and is owned by nothing else.
+        drop(unsafe { OwnedFd::from_raw_fd(fd) });
+    }
+
     #[test]
     fn a_directory_removed_and_made_again_is_opened_again() {
         let tmp = std::env::temp_dir().join(format!("pykvcache-dirfds-{}", std::process::id()));
@@ -265,13 +270,13 @@ mod tests {
         let held = HeldDirs::default();
         let file = dir.join("a");
         let fd = held.open(&file, libc::O_CREAT | libc::O_WRONLY, 0o600).unwrap();
-        crate::disk::files::close(fd);
+        close(fd);
         assert!(held.lstat(&file).is_ok());
         std::fs::remove_dir_all(&dir).unwrap();
         std::fs::create_dir_all(&dir).unwrap();
         // The held descriptor names the removed directory: found dead, opened again.
         let fd = held.open(&file, libc::O_CREAT | libc::O_WRONLY, 0o600).unwrap();
-        crate::disk::files::close(fd);
+        close(fd);
         assert!(file.exists(), "created in the directory now at the path");
         held.rename(&file, &dir.join("b"), 0).unwrap();
         assert_eq!(held.lstat(&file).unwrap_err().raw_os_error(), Some(libc::ENOENT));
