@@ -472,6 +472,22 @@ impl BlockStore {
 }
 
 impl Core {
+    /// Opens every shard directory of this namespace ahead of its first
+    /// chunk (`disk::dirfds`), after the scan: on a network filesystem a
+    /// first open costs a lookup, several milliseconds under load, which a
+    /// restarted store's first reads and writes would otherwise each pay.
+    fn hold_shard_dirs(&self) {
+        for (root, ns_dir) in self.layout.ns_dirs().iter().enumerate() {
+            for shard in 0..=255u8 {
+                // The store closing (its scan told to stop), or the directory unavailable.
+                if self.scan.stop.load(Ordering::Relaxed) || self.health.refusal(root).is_some() {
+                    break;
+                }
+                self.held.hold(&ns_dir.join(format!("{shard:02x}")));
+            }
+        }
+    }
+
     /// One lstat of a chunk path; a chunk found is indexed.
     fn lstat_chunk(&self, hash: u128) -> bool {
         match self.held.lstat(&self.layout.chunk_path(hash)) {

@@ -146,9 +146,15 @@ impl BlockStore {
             }
         }
         let mut scanner = None;
+        if !config.background_scan {
+            core.hold_shard_dirs();
+        }
         if config.background_scan {
             let (c, faults) = (core.clone(), config.faults.clone());
-            let spawned = std::thread::Builder::new().name("pykvcache-scan".into()).spawn(move || c.scan.run(&c.layout, &c.index, &faults));
+            let spawned = std::thread::Builder::new().name("pykvcache-scan".into()).spawn(move || {
+                c.scan.run(&c.layout, &c.index, &faults);
+                c.hold_shard_dirs();
+            });
             match spawned {
                 Ok(h) => scanner = Some(h),
                 Err(e) => {
