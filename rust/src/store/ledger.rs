@@ -108,16 +108,16 @@ impl Ledgers {
     }
 
     /// A put's room out of the credit, when there is enough: its bytes move
-    /// from credit to in flight, the record's total unchanged. In flight
-    /// first: a total read meanwhile counts them twice, never not at all.
+    /// from credit to in flight, the record's total unchanged. The caller
+    /// holds the index lock, under which totals are read for eviction
+    /// (`evict_for_ledger`): none sees the bytes in neither or in both.
     fn take_credit(&self, root: usize, bytes: u64) -> bool {
         let r = &self.roots[root];
-        r.in_flight.fetch_add(bytes, Ordering::Relaxed);
-        let taken = r.credit.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| c.checked_sub(bytes)).is_ok();
-        if !taken {
-            r.in_flight.fetch_sub(bytes, Ordering::Relaxed);
+        if r.credit.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |c| c.checked_sub(bytes)).is_err() {
+            return false;
         }
-        taken
+        r.in_flight.fetch_add(bytes, Ordering::Relaxed);
+        true
     }
 
     pub(super) fn end_put(&self, root: usize, bytes: u64) {
@@ -230,7 +230,7 @@ impl Core {
             self.ledgers.begin_put(root, ctx.reserved);
             return local(ctx);
         };
-        if self.ledgers.take_credit(root, ctx.reserved) {
+        if self.take_credit(root, ctx.reserved) {
             return local(ctx);
         }
         let mut g = match ledger.lock() {
@@ -241,7 +241,7 @@ impl Core {
                 return local(ctx);
             }
         };
-        if self.ledgers.take_credit(root, ctx.reserved) {
+        if self.take_credit(root, ctx.reserved) {
             // Another put's transaction took credit while this one waited.
             drop(g);
             return local(ctx);
@@ -289,6 +289,16 @@ impl Core {
             ));
         }
         Ok(made)
+    }
+
+    /// `Ledgers::take_credit` under the index lock; no lock where there is
+    /// no credit (every local directory).
+    fn take_credit(&self, root: usize, bytes: u64) -> bool {
+        if self.ledgers.roots[root].credit.load(Ordering::Relaxed) < bytes {
+            return false;
+        }
+        let _index = self.index.lock().unwrap();
+        self.ledgers.take_credit(root, bytes)
     }
 
     /// On a network filesystem, room for the next puts (`credit`) where the
