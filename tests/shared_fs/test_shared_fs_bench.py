@@ -61,7 +61,7 @@ OPS_SCRIPT = SCRIPT.with_name("shared_fs_ops.py")
 
 @pytest.mark.skipif(shutil.which("fio") is None or shutil.which("setfattr") is None, reason="fio or setfattr is not installed")
 def test_the_ops_count_says_what_a_chunk_costs_beside_fio(gluster, tmp_path):
-    """scripts/shared_fs_ops.py on the session's mounts, one small case: the
+    """scripts/shared_fs_ops.py on the suite's mounts, one small case: the
     clients' counters give the engine's operations per chunk, READ and WRITE
     apart, and fio's on the same mounts."""
     import glusterfs

@@ -7,6 +7,7 @@ the shared directory, not each node's share of it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -27,12 +28,24 @@ def _store(directory, pool, capacity=64 << 20, **kw):
     return kv.BlockStore([str(directory)], pool, namespace="shared-fs-direct", capacity_bytes=capacity, **kw)
 
 
-def test_a_chunk_published_on_one_node_is_found_and_verified_on_the_other(shared_dirs):
-    a_dir, b_dir = shared_dirs
+@contextlib.contextmanager
+def _two_nodes(a_dir, b_dir):
+    """A store on each node's view of the directory, a staging slot each:
+    (store, pool, slot) of node A, then of node B; closed on the way out."""
     pool_a, pool_b = kv.StagingPool(PAYLOAD, 2), kv.StagingPool(PAYLOAD, 2)
     a, b = _store(a_dir, pool_a), _store(b_dir, pool_b)
     sa, sb = pool_a.acquire(), pool_b.acquire()
     try:
+        yield a, pool_a, sa, b, pool_b, sb
+    finally:
+        for store, pool, slot in ((a, pool_a, sa), (b, pool_b, sb)):
+            pool.release(slot)
+            store.close()
+
+
+def test_a_chunk_published_on_one_node_is_found_and_verified_on_the_other(shared_dirs):
+    a_dir, b_dir = shared_dirs
+    with _two_nodes(a_dir, b_dir) as (a, pool_a, sa, b, pool_b, sb):
         # O_DIRECT reaches the brick (strict-o-direct on, remote-dio off): no fallback.
         assert a.direct_io and b.direct_io, (a.stats()["fallbacks"], b.stats()["fallbacks"])
         # GlusterFS's client refuses renameat2(RENAME_NOREPLACE), after walking both paths:
@@ -58,10 +71,6 @@ def test_a_chunk_published_on_one_node_is_found_and_verified_on_the_other(shared
         latencies.sort()
         print(f"A's put done -> B's probe and verified get: median {latencies[len(latencies) // 2]:.1f} ms, max {latencies[-1]:.1f} ms")
         assert b.stats()["corrupt_chunks"] == 0
-    finally:
-        for store, pool, slot in ((a, pool_a, sa), (b, pool_b, sb)):
-            pool.release(slot)
-            store.close()
 
 
 def test_a_shard_directory_the_other_node_removed_and_made_again_is_used_again(shared_dirs):
@@ -70,10 +79,7 @@ def test_a_shard_directory_the_other_node_removed_and_made_again_is_used_again(s
     dead: the next get there is a miss, the next put lands in the directory now
     at the path, and the other node reads it back."""
     a_dir, b_dir = shared_dirs
-    pool_a, pool_b = kv.StagingPool(PAYLOAD, 2), kv.StagingPool(PAYLOAD, 2)
-    a, b = _store(a_dir, pool_a), _store(b_dir, pool_b)
-    sa, sb = pool_a.acquire(), pool_b.acquire()
-    try:
+    with _two_nodes(a_dir, b_dir) as (a, pool_a, sa, b, pool_b, sb):
         key = b"shard-made-again"
         data = payload_for(key, PAYLOAD, PAYLOAD)
         assert put_bytes(a, pool_a, sa, key, data).ok
@@ -90,18 +96,11 @@ def test_a_shard_directory_the_other_node_removed_and_made_again_is_used_again(s
         r, served = get_bytes(b, pool_b, sb, key)
         assert r.ok and served == data, (r.status, r.message)
         assert a.stats()["breaker_open_dirs"] == 0
-    finally:
-        for store, pool, slot in ((a, pool_a, sa), (b, pool_b, sb)):
-            pool.release(slot)
-            store.close()
 
 
 def test_a_chunk_the_other_node_evicted_is_a_miss_not_an_error(shared_dirs):
     a_dir, b_dir = shared_dirs
-    pool_a, pool_b = kv.StagingPool(PAYLOAD, 2), kv.StagingPool(PAYLOAD, 2)
-    a, b = _store(a_dir, pool_a), _store(b_dir, pool_b)
-    sa, sb = pool_a.acquire(), pool_b.acquire()
-    try:
+    with _two_nodes(a_dir, b_dir) as (a, pool_a, sa, b, pool_b, sb):
         key = b"evicted-elsewhere"
         assert put_bytes(a, pool_a, sa, key, payload_for(key, PAYLOAD, PAYLOAD)).ok
         assert b.probe(key) and b.contains(key)
@@ -112,10 +111,6 @@ def test_a_chunk_the_other_node_evicted_is_a_miss_not_an_error(shared_dirs):
         assert not b.contains(key), "the vanished chunk stays in B's index"
         st = b.stats()
         assert st["corrupt_chunks"] == 0 and st["read_errors"] == 0
-    finally:
-        for store, pool, slot in ((a, pool_a, sa), (b, pool_b, sb)):
-            pool.release(slot)
-            store.close()
 
 
 def _run_two_nodes(gluster, shared_dirs, workdir, *, capacity, seconds, refresh, min_puts=0):

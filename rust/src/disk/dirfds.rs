@@ -214,21 +214,13 @@ impl HeldDirs {
 
     /// `statvfs(dir)` as `fstatvfs` of its held descriptor.
     pub fn statvfs(&self, dir: &Path) -> std::io::Result<libc::statvfs> {
-        let op = |fd: RawFd| {
+        self.in_dir(dir, |fd| {
             // SAFETY: statvfs is plain data, for which all-zero bytes are a valid value.
             let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
             // SAFETY: `st` is writable and lives across the call; `fd` is held open.
             check(unsafe { libc::fstatvfs(fd, &mut st) })?;
             Ok(st)
-        };
-        let fd = self.get(dir)?;
-        match op(fd.as_raw_fd()) {
-            Err(e) if not_found(&e) => {
-                self.forget(dir, &fd);
-                op(self.get(dir)?.as_raw_fd())
-            }
-            other => other,
-        }
+        })
     }
 }
 

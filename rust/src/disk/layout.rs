@@ -115,8 +115,7 @@ impl Layout {
             }
             Err(e) => return Err(e),
         };
-        for sub in 0..=255u8 {
-            let d = ns_dir.join(format!("{sub:02x}"));
+        for d in self.shard_dirs(root) {
             create_dir_in(&d, perms.dir_mode)?;
             require_real_dir(&d).map_err(|e| std::io::Error::other(e.to_string()))?;
         }
@@ -202,12 +201,22 @@ impl Layout {
     }
 
     pub fn shard_dir(&self, hash: u128) -> PathBuf {
-        self.ns_dirs[self.root_of(hash)].join(format!("{:02x}", (hash & 0xff) as u8))
+        shard_in(&self.ns_dirs[self.root_of(hash)], (hash & 0xff) as u8)
+    }
+
+    /// Every shard directory of this namespace under root `root`.
+    pub fn shard_dirs(&self, root: usize) -> impl Iterator<Item = PathBuf> + '_ {
+        (0..=255u8).map(move |shard| shard_in(&self.ns_dirs[root], shard))
     }
 
     pub fn chunk_path(&self, hash: u128) -> PathBuf {
         self.shard_dir(hash).join(format!("{hash:032x}{CHUNK_SUFFIX}"))
     }
+}
+
+/// A shard's directory in a namespace directory: the chunk hash's low byte, 2 hex digits.
+fn shard_in(ns_dir: &Path, shard: u8) -> PathBuf {
+    ns_dir.join(format!("{shard:02x}"))
 }
 
 /// Parses `<32 hex>.kvc` back into a key hash.

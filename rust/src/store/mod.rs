@@ -477,13 +477,13 @@ impl Core {
     /// first open costs a lookup, several milliseconds under load, which a
     /// restarted store's first reads and writes would otherwise each pay.
     fn hold_shard_dirs(&self) {
-        for (root, ns_dir) in self.layout.ns_dirs().iter().enumerate() {
-            for shard in 0..=255u8 {
+        for root in 0..self.layout.ns_dirs().len() {
+            for shard_dir in self.layout.shard_dirs(root) {
                 // The store closing (its scan told to stop), or the directory unavailable.
                 if self.scan.stop.load(Ordering::Relaxed) || self.health.refusal(root).is_some() {
                     break;
                 }
-                self.held.hold(&ns_dir.join(format!("{shard:02x}")));
+                self.held.hold(&shard_dir);
             }
         }
     }
