@@ -6,7 +6,7 @@ VENV033 := .venv-vllm033
 export HF_HUB_OFFLINE := 1
 export VLLM_CPU_OMP_THREADS_BIND := nobind
 
-.PHONY: venv venv-vllm033 lmcache-env develop wheel lint lint-code typecheck test test-quick test-rust test-python test-vllm033 demo bench bench-serve bench-serve-long clean
+.PHONY: venv venv-vllm033 lmcache-env router-env develop wheel lint lint-code typecheck test test-quick test-rust test-python test-vllm033 demo bench bench-serve bench-serve-long clean
 
 venv:
 	bash dev/setup_venv.sh
@@ -30,6 +30,11 @@ venv-vllm033:
 lmcache-env:
 	bash dev/setup_lmcache.sh .lmcache
 
+# vllm-router in .vllm-router (never the venv), for `pykvcache cluster --router-path .vllm-router`
+# and its test: ~20 MB download, 70 MB on disk, seconds.
+router-env:
+	bash dev/setup_router.sh .vllm-router
+
 # The lint gates (stage `lint` of `make test`, after `build`): `lint-code`: clippy with warnings as errors
 # (--release in target/maturin: reuses the extension build's dependency build scripts, 27 s
 # instead of 52 s cold on 2 cores; ~1 s when only lint config changed), rustfmt (rustfmt.toml), ruff's checks and format (pyproject.toml),
@@ -52,7 +57,7 @@ typecheck:
 test-rust:
 	cargo test --release --locked
 
-test-python: develop lmcache-env
+test-python: develop lmcache-env router-env
 	$(PY) -m pytest -q -ra --durations=30
 
 # Against vLLM 0.33 (CUDA build, no GPU needed): pykvcache's wheel installed

@@ -8,6 +8,7 @@
 #             _core.pyi (make lint: lint-code and typecheck)
 #   lmcache   LMCache into .lmcache (the storage-level comparison's private install; in the
 #             background from the end of build)
+#   router    vllm-router into .vllm-router (`pykvcache cluster`'s test; in the background too)
 #   cargo     cargo test (the engine alone; its binaries compile in the background during lint)
 #   pytest    tests/ (real files, real io_uring, a real vLLM CPU build), slowest 30 printed
 #   vllm033   the engine-free tests against vLLM 0.33's CUDA build (.venv-vllm033)
@@ -83,8 +84,10 @@ joined() {  # joined NAME: waits for the background part, prints its log, return
 beside_bg=$(mktemp -d)
 background cargo_build cargo test --release --locked --no-run
 background lmcache make --no-print-directory lmcache-env
+background router make --no-print-directory router-env
 stage lint make --no-print-directory lint
 stage lmcache joined lmcache
+stage router joined router
 cargo_tests() { joined cargo_build && cargo test --release --locked; }
 stage cargo cargo_tests
 if [ "$skip033" != 1 ]; then

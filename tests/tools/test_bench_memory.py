@@ -16,7 +16,7 @@ import time
 import pytest
 from pykvcache.tools.bench.config import BenchConfig, MiB
 from pykvcache.tools.bench.memory_part import OVERHEAD_CONSTANT, analyse, peaks
-from pykvcache.tools.bench.proc_memory import MemSample, ProcInfo, TreeSampler, descendants, read_memory
+from pykvcache.tools.proc_memory import MemSample, ProcInfo, TreeSampler, descendants, read_memory
 
 SHARED = 48 * MiB
 PRIVATE = 24 * MiB

@@ -18,9 +18,9 @@ from pykvcache.tools.bench.parts import PARTS, BenchContext, NoProgress, resolve
 from pykvcache.tools.bench.report import write_report
 from pykvcache.tools.bench.serve_options import quick_options
 from pykvcache.tools.bench.serve_part import run_with
-from pykvcache.tools.bench.serve_server import parse_metrics
 from pykvcache.tools.bench.serve_stats import bucket_of, pct, tier_shares
 from pykvcache.tools.bench.serve_workload import ReuseIndex
+from pykvcache.tools.vllm_server import parse_metrics
 
 pytestmark = [
     pytest.mark.vllm,

@@ -243,7 +243,7 @@ def test_the_variants_server_imports_the_other_tree(tmp_path):
     import subprocess
 
     from pykvcache.tools.bench.serve_run import server_config
-    from pykvcache.tools.bench.serve_server import Server
+    from pykvcache.tools.vllm_server import Server
 
     variant = _variant_tree(tmp_path / "tree")
     opts = ServeOptions(configs=["recompute", "pykvcache", VARIANT], variant_path=str(variant))

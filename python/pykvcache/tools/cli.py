@@ -289,6 +289,62 @@ def _demo(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
+@subcommand("cluster", "N vLLM servers on one shared pykvcache store, vllm-router in front, until Ctrl-C")
+def _cluster(parser: argparse.ArgumentParser) -> Handler:
+    from .cluster.spec import POLICIES
+
+    parser.add_argument("--model", required=True, help="the model every node serves (a path or a Hugging Face name)")
+    store = parser.add_mutually_exclusive_group(required=True)
+    store.add_argument("--store", type=Path, help="the store directory every node shares (on a shared filesystem across machines)")
+    store.add_argument("--no-pykvcache", action="store_true", help="nodes without pykvcache (the baseline)")
+    parser.add_argument("--nodes", type=int, default=2, help="vLLM servers to start (default: 2)")
+    parser.add_argument(
+        "--policy", choices=POLICIES, default="cache_aware", help="vllm-router's policy (default: cache_aware; docs/cluster.md says why)"
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address the router and the nodes listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="the router's port (default: 8000; 0: a free one)")
+    parser.add_argument("--capacity", default="8GiB", help="the store's capacity, the same on every node (default: 8GiB)")
+    parser.add_argument("--staging", default="256MiB", help="each node's staging memory (default: 256MiB)")
+    parser.add_argument("--chunk-tokens", type=int, default=64, help="tokens per stored chunk (default: 64)")
+    parser.add_argument("--block-size", type=int, default=32, help="vLLM's KV block size (default: 32)")
+    parser.add_argument("--log-dir", type=Path, default=Path("cluster-logs"), help="the members' logs (default: ./cluster-logs)")
+    parser.add_argument("--router-path", default=None, help="a private vllm-router install to put on PYTHONPATH (dev/setup_router.sh)")
+    parser.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for every vLLM server (repeat; e.g. --vllm-arg=--enforce-eager)",
+    )
+
+    def run(args: argparse.Namespace) -> int:
+        from .cluster.run import run_cluster
+        from .cluster.spec import ClusterSpec
+
+        try:
+            spec = ClusterSpec(
+                model=args.model,
+                store=None if args.no_pykvcache else args.store,
+                nodes=args.nodes,
+                policy=args.policy,
+                host=args.host,
+                router_port=args.port,
+                capacity_bytes=args.capacity,
+                staging_bytes=args.staging,
+                chunk_tokens=args.chunk_tokens,
+                block_size=args.block_size,
+                vllm_args=args.vllm_arg,
+                router_path=args.router_path,
+                log_dir=args.log_dir,
+            )
+        except ValueError as exc:
+            print(f"pykvcache cluster: {exc}", file=sys.stderr)
+            return 2
+        return run_cluster(spec)
+
+    return run
+
+
 @subcommand("calibrate", "measure prefill and KV load times on this model and hardware; write the gate profile")
 def _calibrate(parser: argparse.ArgumentParser) -> Handler:
     from .calibrate import cli as calibrate

@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..vllm_server import Server, ServerConfig, ServerFailed, log_tail
 from .disk_hit_trace import breakdown
 from .fio_runner import FioJob, FioRunner
 from .serve_options import KV_MARGIN_TOKENS
-from .serve_server import Server, ServerConfig, ServerFailed, log_tail
 
 READ_BYTES = "vllm:pykvcache_disk_read_bytes_total"
 WRITE_BYTES = "vllm:pykvcache_disk_write_bytes_total"

@@ -23,10 +23,10 @@ from typing import Any
 from pykvcache.testing.tiny_model import TinyModelSpec
 from pykvcache.vllm.config import kv_transfer_config
 
+from ..proc_memory import MemSample, ProcInfo, TreeSampler
 from ..vllm_run import start_child, wait_child
 from .config import BenchConfig, MiB
 from .parts import BenchContext, Part, PartOutput, Table, register_part
-from .proc_memory import MemSample, ProcInfo, TreeSampler
 
 TITLE = "Memory of the serving processes under an oversubscribed load"
 #: What pykvcache may add to one serving process beyond its staging region:

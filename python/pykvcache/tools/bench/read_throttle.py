@@ -16,7 +16,7 @@ import os
 import time
 from pathlib import Path
 
-from .proc_memory import descendants
+from ..proc_memory import descendants
 
 BLKIO = Path("/sys/fs/cgroup/blkio")
 

@@ -1,7 +1,7 @@
 """Part "serve": a real vLLM OpenAI server under many users and long shared contexts.
 
 For every configuration and repeat a fresh ``vllm.entrypoints.openai.api_server``
-is started on loopback (:mod:`.serve_server`), driven, scraped (``/metrics``)
+is started on loopback (:mod:`pykvcache.tools.vllm_server`), driven, scraped (``/metrics``)
 and stopped:
 
 1. the multi-turn session workload (:mod:`.serve_workload`, ours: vLLM has no

@@ -24,9 +24,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from ..vllm_server import Server, ServerConfig, ServerFailed, log_tail
 from .read_throttle import ReadThrottle
 from .serve_options import ServeOptions
-from .serve_server import Server, ServerConfig, ServerFailed, log_tail
 from .serve_workload import Workload, run_sessions
 
 #: The line the tier logs when it starts from a saved device model (disk_tier.py).

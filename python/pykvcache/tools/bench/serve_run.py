@@ -18,13 +18,13 @@ from typing import Any
 
 from pykvcache.keys import write_key_file
 
+from ..vllm_server import Server, ServerConfig, ServerFailed, log_tail
 from .contention import CpuContention
 from .parts import Step
 from .read_throttle import ReadThrottle
 from .serve_options import CALIBRATED, KV_MARGIN_TOKENS, LMCACHE_PATH_ENV, PYKVCACHE_CONFIGS, RESTARTED, SEALED, VARIANT, ServeOptions
 from .serve_restart import restored as restored_device
 from .serve_restart import run_predecessor
-from .serve_server import Server, ServerConfig, ServerFailed, log_tail
 from .serve_stats import metric_delta
 from .serve_workload import ReuseIndex, Workload, run_sessions
 

