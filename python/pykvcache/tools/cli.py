@@ -289,6 +289,21 @@ def _demo(parser: argparse.ArgumentParser) -> Handler:
     return run
 
 
+def _kv_options(items: list[str]) -> dict[str, object]:
+    import json
+
+    out: dict[str, object] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--kv-option {item!r}: expected KEY=VALUE")
+        try:
+            out[key] = json.loads(raw)
+        except ValueError:
+            out[key] = raw
+    return out
+
+
 @subcommand("cluster", "N vLLM servers on one shared pykvcache store, vllm-router in front, until Ctrl-C")
 def _cluster(parser: argparse.ArgumentParser) -> Handler:
     from .cluster.spec import POLICIES
@@ -309,6 +324,13 @@ def _cluster(parser: argparse.ArgumentParser) -> Handler:
     parser.add_argument("--block-size", type=int, default=32, help="vLLM's KV block size (default: 32)")
     parser.add_argument("--log-dir", type=Path, default=Path("cluster-logs"), help="the members' logs (default: ./cluster-logs)")
     parser.add_argument("--router-path", default=None, help="a private vllm-router install to put on PYTHONPATH (dev/setup_router.sh)")
+    parser.add_argument(
+        "--kv-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="one more pykvcache key for every node (docs/vllm.md's table; VALUE as JSON, else a string; repeat)",
+    )
     parser.add_argument(
         "--vllm-arg",
         action="append",
@@ -334,6 +356,7 @@ def _cluster(parser: argparse.ArgumentParser) -> Handler:
                 chunk_tokens=args.chunk_tokens,
                 block_size=args.block_size,
                 vllm_args=args.vllm_arg,
+                extra_config=_kv_options(args.kv_option),
                 router_path=args.router_path,
                 log_dir=args.log_dir,
             )

@@ -124,7 +124,8 @@ class Cluster:
         node.expected_up = False
         assert node.pgid is not None
         os.killpg(node.pgid, signal.SIGKILL)
-        node.server.proc.wait()  # type: ignore[union-attr]
+        assert node.server.proc is not None  # it has a pgid, so it was started
+        node.server.proc.wait()
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
@@ -154,7 +155,8 @@ class Cluster:
         if self.router is not None and not self.router.alive() and "router" not in self.crashed:
             self.crashed.append("router")
             died.append("router")
-            self.report(f"the router exited with status {self.router.proc.returncode}; log {self.router.log_path}")  # type: ignore[union-attr]
+            status = self.router.proc.returncode if self.router.proc is not None else None
+            self.report(f"the router exited with status {status}; log {self.router.log_path}")
         return died
 
     def _remove_from_router(self, node: Node) -> str:
