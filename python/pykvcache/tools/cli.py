@@ -129,6 +129,14 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
         "doc_tokens=8192,16384 or samples=9; repeatable",
     )
     parser.add_argument(
+        "--cluster-set",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE",
+        help="cluster part: set any of its options (ClusterOptions in cluster_run.py), e.g. "
+        "doc_tokens=4096 or router_path=.vllm-router; repeatable",
+    )
+    parser.add_argument(
         "--serve-busy-cores",
         type=int,
         default=None,
@@ -227,6 +235,16 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
                 parser.error(str(exc))
             if problems:
                 parser.error("disk_hit options: " + "; ".join(problems))
+        config.cluster_set = list(args.cluster_set or [])
+        if config.cluster_set:
+            from .bench.cluster_part import options_from as cluster_options
+
+            try:  # a typo fails here, not after the other parts have run
+                problems = cluster_options(config).check()
+            except ValueError as exc:
+                parser.error(str(exc))
+            if problems:
+                parser.error("cluster options: " + "; ".join(problems))
         config.cold_reads = not args.warm
         config.cold_metadata = args.cold_metadata
         if args.no_progress:
@@ -338,6 +356,13 @@ def _cluster(parser: argparse.ArgumentParser) -> Handler:
         metavar="ARG",
         help="one more argument for every vLLM server (repeat; e.g. --vllm-arg=--enforce-eager)",
     )
+    parser.add_argument(
+        "--router-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="one more argument for vllm-router (repeat; e.g. --router-arg=--balance-abs-threshold=2)",
+    )
 
     def run(args: argparse.Namespace) -> int:
         from .cluster.run import run_cluster
@@ -358,6 +383,7 @@ def _cluster(parser: argparse.ArgumentParser) -> Handler:
                 vllm_args=args.vllm_arg,
                 extra_config=_kv_options(args.kv_option),
                 router_path=args.router_path,
+                router_extra_args=args.router_arg,
                 log_dir=args.log_dir,
             )
         except ValueError as exc:

@@ -86,6 +86,8 @@ class BenchConfig:
     serve_set: list[str] = field(default_factory=list)
     # "key=value" overrides of the disk_hit part's options (disk_hit_run.DiskHitOptions).
     disk_hit_set: list[str] = field(default_factory=list)
+    # "key=value" overrides of the cluster part's options (cluster_run.ClusterOptions).
+    cluster_set: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -23,13 +23,13 @@ import importlib.util
 import json
 import shutil
 import statistics
-from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
 from ..calibrate.measure import default_model_cache
 from .config import BenchConfig
 from .disk_hit_run import DiskHitOptions, run_length
+from .option_set import apply_settings
 from .parts import BenchContext, Part, PartOutput, Table, register_part
 from .serve_run import kv_bytes_per_token, resolve_model
 
@@ -59,22 +59,7 @@ def quick_options() -> DiskHitOptions:
 
 def options_from(config: BenchConfig) -> DiskHitOptions:
     opts = quick_options() if config.quick else DiskHitOptions()
-    known = {f.name: f for f in fields(DiskHitOptions)}
-    for item in getattr(config, "disk_hit_set", None) or []:
-        key, sep, value = item.partition("=")
-        if not sep or key not in known:
-            raise ValueError(f"--disk-hit-set {item!r}: expected KEY=VALUE with KEY one of {', '.join(known)}")
-        current = getattr(opts, key)
-        if isinstance(current, list):
-            parsed: Any = [int(v) for v in value.split(",") if v.strip()]
-        elif isinstance(current, bool):
-            parsed = value.lower() in ("1", "true", "yes")
-        elif isinstance(current, (int, float)):
-            parsed = type(current)(float(value)) if isinstance(current, int) else float(value)
-        else:
-            parsed = value
-        opts = replace(opts, **{key: parsed})
-    return opts
+    return apply_settings(opts, list(getattr(config, "disk_hit_set", None) or []), "--disk-hit-set")
 
 
 def steps(config: BenchConfig) -> int:

@@ -52,6 +52,9 @@ class Workload:
     # documents from ``seed``): the same documents with new conversations, as
     # the serve part's steady-state phase sends after its cold one.
     question_seed: int | None = None
+    # Prompts sent as token ids (the ids the text tokenizes to, no BOS added): a router that
+    # keeps a prefix tree of token ids (vllm-router's cache_aware) routes only those.
+    token_prompts: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,7 +146,7 @@ class ReuseIndex:
         return reused
 
 
-async def _one_request(session: Any, url: str, model: str, prompt: str, w: Workload, rec: Record) -> None:
+async def _one_request(session: Any, url: str, model: str, prompt: str | list[int], w: Workload, rec: Record) -> None:
     body = {
         "model": model,
         "prompt": prompt,
@@ -221,8 +224,9 @@ async def _run(url: str, model: str, w: Workload, tokenizer_json: str, on_reques
             for k, (question, answer) in enumerate(sessions[s]):
                 prompt = history + question
                 ids = tok.encode(prompt, add_special_tokens=False).ids
-                rec = Record(session=s, turn=k + 1, document=doc, prompt_tokens=len(ids) + 1, reused_tokens=index.add(ids))
-                await _one_request(http, url, model, prompt, w, rec)
+                bos = 0 if w.token_prompts else 1
+                rec = Record(session=s, turn=k + 1, document=doc, prompt_tokens=len(ids) + bos, reused_tokens=index.add(ids))
+                await _one_request(http, url, model, ids if w.token_prompts else prompt, w, rec)
                 records.append(rec)
                 on_request(rec)
                 history = prompt + answer

@@ -45,6 +45,8 @@ class ClusterSpec:
     vllm_args: list[str] = field(default_factory=list)  # beyond model, host, port, block size, events
     extra_config: dict[str, Any] = field(default_factory=dict)  # more kv_connector_extra_config keys
     router_path: str | None = None  # PYTHONPATH of a private vllm-router install
+    router_metrics_port: int | None = None  # the router's Prometheus endpoint; None: off
+    router_extra_args: list[str] = field(default_factory=list)  # more vllm-router arguments
     log_dir: Path = Path("cluster-logs")
 
     def __post_init__(self) -> None:
@@ -112,4 +114,6 @@ class ClusterSpec:
             for url, endpoint in workers.items():
                 if endpoint is not None:
                     args += ["--kv-event-source", f"{url}={endpoint}"]
-        return args
+        if self.router_metrics_port is not None:
+            args += ["--prometheus-host", self.host, "--prometheus-port", str(self.router_metrics_port)]
+        return args + list(self.router_extra_args)
