@@ -52,8 +52,8 @@ _UNIT_SECONDS = {
     "tests/e2e/test_model_identity_e2e.py": 130,
     "tests/e2e/test_vllm_tp2.py": 70,
     "tests/e2e/test_vllm_stalled_dir.py": 50,
-    "tests/e2e/test_cluster.py": 50,
-    "tests/e2e/test_cluster_bench.py": 70,
+    "tests/e2e/test_cluster.py": 30,
+    "tests/e2e/test_cluster_bench.py": 80,
 }
 
 

@@ -88,7 +88,8 @@ def test_one_cluster_through_prime_steady_loss_and_join(tmp_path, tiny_model_cac
 
     loss = phases["loss"]
     assert loss["victim"] in ("node-0", "node-1") and loss["killed_at"] is not None
-    assert any(e.startswith(f"{loss['victim']} ") and "removed from the router" in e for e in entry["events"]), entry["events"]
+    report = [e for e in entry["events"] if e.startswith(f"{loss['victim']} ")]
+    assert report and "exited with status -9; removed from the router" in report[0], entry["events"]
     failed_after = [r for r in loss["records"] if r["error"] is not None and r["t_start"] >= loss["killed_at"]]
     assert failed_after == [], failed_after
     assert loss["victim"] not in loss["nodes"]  # the survivors' counters only

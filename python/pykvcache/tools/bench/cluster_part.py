@@ -366,6 +366,13 @@ def run_with(ctx: BenchContext, opts: ClusterOptions, model_cache: Path | None =
     except RouterMissing as exc:
         return PartOutput(name=NAME, title=TITLE, skipped=str(exc))
     model, cfg, _ = resolve_model(opts.model, model_cache or default_model_cache())
+    if opts.max_model_len > cfg.get("max_position_embeddings", opts.max_model_len):
+        return PartOutput(
+            name=NAME,
+            title=TITLE,
+            skipped=f"max_model_len={opts.max_model_len} is beyond {opts.model}'s {cfg['max_position_embeddings']} positions "
+            "(model=llama3-geometry-32k holds 32k)",
+        )
     bpt = kv_bytes_per_token(cfg)
     work = ctx.config.out / NAME
     work.mkdir(parents=True, exist_ok=True)

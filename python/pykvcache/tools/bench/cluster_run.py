@@ -47,7 +47,7 @@ CONFIGS: dict[str, tuple[str, bool]] = {
 
 @dataclass
 class ClusterOptions:
-    model: str = "llama3-geometry"  # a TinyModelSpec name or a model directory
+    model: str = "llama3-geometry-32k"  # a TinyModelSpec name or a model directory (8k documents need > 8192 positions)
     configs: list[str] = field(default_factory=lambda: list(CONFIGS))
     nodes: int = 2
     documents: int = 4
