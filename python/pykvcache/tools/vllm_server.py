@@ -244,6 +244,12 @@ class Server:
         proc = self.proc
         if proc is None:
             return
+        if proc.poll() is not None:
+            # Exited or killed (kill_group counted its CPU): what is left of its group goes.
+            stop_group(proc, signal.SIGKILL, grace_s=0)
+            if self.sampler is not None:
+                self.sampler.stop()
+            return
         # The tree's CPU now, against what waiting for the server adds to our
         # children's rusage: the difference is its processes that were killed
         # without being reaped by it, whose CPU no rusage will ever show.
@@ -254,6 +260,17 @@ class Server:
         self.unreaped_cpu_s = max(0.0, tree_s - (_children_cpu_s() - reaped0))
         if self.sampler is not None:
             self.sampler.stop()
+
+    def kill_group(self) -> None:
+        """SIGKILL the server's whole process group at once (what a lost machine looks like to
+        its peers), with :meth:`stop`'s accounting of the CPU no rusage will show."""
+        proc = self.proc
+        assert proc is not None, "start() the server first"
+        tree_s = self.cpu_seconds() if proc.poll() is None else 0.0
+        reaped0 = _children_cpu_s()
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        self.unreaped_cpu_s = max(0.0, tree_s - (_children_cpu_s() - reaped0))
 
 
 def stop_group(proc: subprocess.Popen[bytes], first: signal.Signals, grace_s: float) -> None:

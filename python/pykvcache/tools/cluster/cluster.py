@@ -12,7 +12,6 @@ writes, then SIGKILL for whatever is left) and checks that no process of theirs 
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import threading
 import time
@@ -122,10 +121,7 @@ class Cluster:
         """SIGKILL a node's whole process group (what a lost machine looks like to the rest)."""
         node = self.node(name)
         node.expected_up = False
-        assert node.pgid is not None
-        os.killpg(node.pgid, signal.SIGKILL)
-        assert node.server.proc is not None  # it has a pgid, so it was started
-        node.server.proc.wait()
+        node.server.kill_group()
 
     def node(self, name: str) -> Node:
         for n in self.nodes:
