@@ -4,20 +4,20 @@
 #
 #   venv      .venv (dev/setup_venv.sh: reused when its stamp matches)
 #   build     the Rust extension into .venv (maturin develop --release)
-#   lint      clippy -D warnings, cargo fmt --check, ruff check and format (make lint-code)
+#   lint      clippy -D warnings, cargo fmt --check, ruff check and format, mypy, stubtest of
+#             _core.pyi (make lint: lint-code and typecheck)
 #   lmcache   LMCache into .lmcache (the storage-level comparison's private install; in the
 #             background from the end of build)
 #   router    vllm-router into .vllm-router (`pykvcache cluster`'s test; in the background too)
 #   cargo     cargo test (the engine alone; its binaries compile in the background during lint)
 #   pytest    tests/ (real files, real io_uring, a real vLLM CPU build), slowest 30 printed
-#   typecheck mypy and stubtest of _core.pyi (make typecheck; beside pytest, below)
 #   vllm033   the engine-free tests against vLLM 0.33's CUDA build (.venv-vllm033)
 #   benches   the benchmark suite smoke-run once (tiny sizes, no timing)
 #
 # .venv-vllm033 (9.4 GB) is installed in the background while the Rust stages build and run:
 # that install is network and disk work, the Rust stages are compiles; both are done before
 # pytest starts.
-# typecheck, vllm033 and benches (engine-free, no timing asserted; ~170 s of CPU) run beside pytest, at
+# vllm033 and benches (engine-free, no timing asserted; ~130 s of CPU) run beside pytest, at
 # nice 10: pytest's engine tests leave most of a core idle (their processes wait on each
 # other), which these take; when pytest wants both cores the kernel gives it ~90% of them
 # (weights 1024:110), so its timing-sensitive tests keep their cores. Their logs are printed
@@ -85,7 +85,7 @@ beside_bg=$(mktemp -d)
 background cargo_build cargo test --release --locked --no-run
 background lmcache make --no-print-directory lmcache-env
 background router make --no-print-directory router-env
-stage lint make --no-print-directory lint-code
+stage lint make --no-print-directory lint
 stage lmcache joined lmcache
 stage router joined router
 cargo_tests() { joined cargo_build && cargo test --release --locked; }
@@ -96,7 +96,6 @@ if [ "$skip033" != 1 ]; then
   summary[-1]="${summary[-1]}  (the install itself: $(( $(cat "$vllm033_env_log.end" 2>/dev/null || date +%s) - env033_start )) s, in the background since the build)"
 fi
 after_pytest() {
-  stage typecheck make --no-print-directory typecheck
   if [ "$skip033" = 1 ]; then
     echo "test-vllm033: SKIPPED (PYKVCACHE_SKIP_VLLM033=1): nothing ran against vLLM 0.33"
     summary+=("stage vllm033   SKIPPED (PYKVCACHE_SKIP_VLLM033=1)")
@@ -123,7 +122,7 @@ else
   stage pytest "$PY" -m pytest -q -ra --durations=30 "${xdist[@]}"
   if ! kill -0 "$beside_pid" 2>/dev/null; then beside_note="done before pytest"; else beside_note="waited for"; fi
   wait "$beside_pid"
-  echo "==== beside pytest (nice 10), ${beside_note}: typecheck, vllm033 and benches"
+  echo "==== beside pytest (nice 10), ${beside_note}: vllm033 and benches"
   cat "$beside_dir/log"
   while IFS= read -r line; do summary+=("$line  (beside pytest)"); done <"$beside_dir/summary"
   beside_rc=$(cat "$beside_dir/rc" 2>/dev/null || echo 1)
