@@ -11,7 +11,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pykvcache.tools.bench.runner import BenchRun
@@ -51,6 +51,17 @@ def _int_list(text: str) -> list[int]:
     if not values or any(v <= 0 for v in values):
         raise argparse.ArgumentTypeError(f"values must be positive, got {text!r}")
     return values
+
+
+def _check_part_options(parser: argparse.ArgumentParser, part: str, options_from: Callable[[Any], Any], config: Any) -> None:
+    """A part's ``--PART-set`` options parsed and checked now: a typo fails here, not after the
+    other parts have run."""
+    try:
+        problems = options_from(config).check()
+    except ValueError as exc:
+        parser.error(str(exc))
+    if problems:
+        parser.error(f"{part} options: " + "; ".join(problems))
 
 
 @subcommand("bench", "characterize the KV tier on this machine (vs fio and vLLM's fs tier)")
@@ -217,34 +228,19 @@ def _bench(parser: argparse.ArgumentParser) -> Handler:
         config.serve_busy_cores = args.serve_busy_cores
         config.serve_set = list(args.serve_set or [])
         if config.serve_set or args.serve_busy_cores is not None or args.serve_preset:
-            from .bench.serve_options import options_from
+            from .bench.serve_options import options_from as serve_options
 
-            try:  # a typo fails here, not after the other parts have run
-                problems = options_from(config).check()
-            except ValueError as exc:
-                parser.error(str(exc))
-            if problems:
-                parser.error("serve options: " + "; ".join(problems))
+            _check_part_options(parser, "serve", serve_options, config)
         config.disk_hit_set = list(args.disk_hit_set or [])
         if config.disk_hit_set:
             from .bench.disk_hit_part import options_from as disk_hit_options
 
-            try:  # a typo fails here, not after the other parts have run
-                problems = disk_hit_options(config).check()
-            except ValueError as exc:
-                parser.error(str(exc))
-            if problems:
-                parser.error("disk_hit options: " + "; ".join(problems))
+            _check_part_options(parser, "disk_hit", disk_hit_options, config)
         config.cluster_set = list(args.cluster_set or [])
         if config.cluster_set:
             from .bench.cluster_part import options_from as cluster_options
 
-            try:  # a typo fails here, not after the other parts have run
-                problems = cluster_options(config).check()
-            except ValueError as exc:
-                parser.error(str(exc))
-            if problems:
-                parser.error("cluster options: " + "; ".join(problems))
+            _check_part_options(parser, "cluster", cluster_options, config)
         config.cold_reads = not args.warm
         config.cold_metadata = args.cold_metadata
         if args.no_progress:
