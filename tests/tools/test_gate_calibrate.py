@@ -333,8 +333,15 @@ def test_gate_from_the_profile_recomputes_below_and_loads_above_break_even(calib
     assert d.recompute and d.reason == "below_break_even"
     d = gate.decide([ChunkState.DISK] * above, queued_bytes=queued)
     assert d.load_chunks == above and d.est_load_s < d.est_recompute_s
-    # The same short prefix already in staging memory is worth loading.
-    assert gate.decide([ChunkState.STAGED] * below, queued_bytes=queued).load_chunks == below
+    # Chunks already in staging memory cost no read and wait behind no queue: they are worth
+    # loading from a shorter prefix than those on disk. (Whether `below` of them is worth it
+    # depends on the measured copy and step costs: a profile calibrated on a loaded host once
+    # priced them above the tiny model's recompute of 8 ms.)
+
+    def shortest_loaded(state: ChunkState) -> int:
+        return next(k for k in range(1, 8 * above) if gate.decide([state] * k, queued_bytes=queued).load_chunks == k)
+
+    assert shortest_loaded(ChunkState.STAGED) < shortest_loaded(ChunkState.DISK) <= above
 
 
 def test_chunk_tokens_that_are_not_whole_blocks_are_refused_once_in_the_commands_terms(tmp_path, capfd):
