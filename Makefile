@@ -72,7 +72,7 @@ test-vllm033: wheel
 	else \
 	  bash dev/setup_venv_vllm033.sh && \
 	  $(VENV033)/bin/python -m pip install --disable-pip-version-check -q --no-deps --force-reinstall dist/pykvcache-*.whl && \
-	  PYKVCACHE_RELEASE_WHEEL=1 $(VENV033)/bin/python -m pytest -q -ra -m "not vllm" tests/vllm tests/gate tests/engine/test_core_build.py; \
+	  PYKVCACHE_RELEASE_WHEEL=1 $(VENV033)/bin/python -m pytest -q -ra --durations=10 -m "not vllm" tests/vllm tests/gate tests/engine/test_core_build.py; \
 	fi
 
 # The full suite CI runs, stage by stage (venv, build, lmcache, cargo, vllm033env, pytest,
