@@ -7,7 +7,7 @@ node A (mount A, KV events published over ZMQ and subscribed to here) computes
 five ~900-token prompts U (with a cache salt: a reference only), P, Q, R, S with
 a capacity of about three of them, so U and most of P are evicted again;
 
-node B (mount B) then
+node B (mount B, its own KV events subscribed to as well) then
   1. serves Q from the store: cached tokens, disk reads, A's tokens;
   2. with its network link down (``ip -n NS link set kvc down``) serves R:
      the chunks are misses, R is recomputed with A's tokens, within a bound;
@@ -122,6 +122,7 @@ def nodes(gluster, tiny_model, tmp_path_factory):
         {"op": "shell", "name": "kill_client", "argv": ["kill", "-9", str(gluster.client_pids["b"])]},
         {"op": "sleep", "seconds": 1},
         _gen("U_client_dead", [texts["U"]]),
+        {"op": "events_take"},
     ]
     # The gate stays on (learning an outage as the device's speed is under
     # test), with a margin that tolerates a device ~50x slower than the
@@ -129,7 +130,13 @@ def nodes(gluster, tiny_model, tmp_path_factory):
     # chunk while the tiny model's prefill does not, and recomputing is then
     # the gate's right answer. A read timed during the outage (seconds a
     # chunk) is still far below that.
-    node_b = {"model": tiny_model, "llm": {"kv_transfer_config": _kv(b_dir, gate_margin=GATE_MARGIN)}, "phases": phases}
+    node_b = {
+        "model": tiny_model,
+        "llm": {"kv_transfer_config": _kv(b_dir, gate_margin=GATE_MARGIN, self_describing_kv_events=True)},
+        # Its own publisher, as each node of a cluster has (what a router subscribes to).
+        "kv_events": {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"ipc://{work}/kv-events-b.sock"},
+        "phases": phases,
+    }
     try:
         try:
             b, _ = run_driver(child("driver.py"), node_b, work, "node-b", timeout=600)
@@ -291,3 +298,38 @@ def test_node_a_publishes_stores_and_evictions_with_the_requests_block_hashes(no
     s_tokens = {tuple(a["S"]["prompt_ids"][0][i : i + CHUNK_TOKENS]) for i in range(0, 832, CHUNK_TOKENS)}
     s_hashes = {h for e in stored if tuple(e["token_ids"]) in s_tokens for h in e["block_hashes"]}
     assert s_hashes and not (s_hashes & set(removed))
+
+
+def _chunks(ids: list[int], size: int) -> set[tuple[int, ...]]:
+    return {tuple(ids[i : i + size]) for i in range(0, len(ids) - size + 1, size)}
+
+
+def test_two_nodes_announce_a_shared_store_block_once_and_never_as_a_device_block_they_lack(nodes):
+    """What a router reading both nodes' events (vllm-router's ``kv_aware``) learns of the
+    shared store: a chunk is announced as ``STORAGE`` once, by the node that wrote it. Node B
+    indexes node A's chunks on the shared store and reads some of them; announcing them
+    would tell the router that B holds them too (two announcements of one shared-store
+    block). Compared by tokens: vLLM's block hashes are seeded per process."""
+    a, b = nodes
+    a_events, b_events = a["events_take"]["events"], b["events_take"]["events"]
+
+    def announced(events: list[dict], medium: str, size: int) -> set[tuple[int, ...]]:
+        stored = [e for e in events if e["type"] == "BlockStored" and e["medium"] == medium]
+        return {c for e in stored for c in _chunks(e["token_ids"], size)}
+
+    block = 32  # vLLM's block size here (its GPU events' unit); a chunk is two blocks
+    a_storage = announced(a_events, "STORAGE", CHUNK_TOKENS)
+    b_storage = announced(b_events, "STORAGE", CHUNK_TOKENS)
+    b_device = announced(b_events, "GPU", block)
+    q_ids, p_ids = a["Q"]["prompt_ids"][0], a["P"]["prompt_ids"][0]
+    q_chunks = _chunks(q_ids, CHUNK_TOKENS)
+    assert len(q_chunks & a_storage) >= 13, "node A announces Q's chunks it wrote"
+    print(f"node B's events: {len(b_events)} ({len(b_storage)} STORAGE chunks, {len(b_device)} GPU blocks)")
+    # B read Q's chunks from the store (test above) and announces them once in its device,
+    # as vLLM's own GPU blocks; never as STORAGE: A wrote them, B wrote none of them.
+    assert _chunks(q_ids[: 13 * CHUNK_TOKENS], block) <= b_device
+    assert not (b_storage & a_storage), "node B announced a chunk node A wrote"
+    # P: on the store (what capacity left of it), never asked of B: B announces none of it.
+    p_blocks = _chunks(p_ids, block)
+    assert not (p_blocks & b_device) and not (_chunks(p_ids, CHUNK_TOKENS) & b_storage)
+    assert _chunks(p_ids, CHUNK_TOKENS) & a_storage, "node A announced P's chunks"
