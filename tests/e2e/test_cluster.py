@@ -5,7 +5,7 @@ driven through the router as a user would, then stopped with Ctrl-C (SIGINT): ex
 
 One node: what two nodes add (routing by prefix, a killed node reported and taken out of the
 router, the survivors and a joining node serving from the store) is the cluster benchmark
-part's test, tests/e2e/test_cluster_bench.py, which runs the same ``Cluster``.
+part's test, tests/shared_fs/test_shared_fs_cluster.py, which runs the same ``Cluster``.
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -378,6 +379,8 @@ def run_with(ctx: BenchContext, opts: ClusterOptions, model_cache: Path | None =
     work.mkdir(parents=True, exist_ok=True)
     step = ctx.progress.part(NAME, 4 * len(opts.configs))
     runs = []
+    # The store lives under <--dir>/cluster: so does each other mount's view of it.
+    opts = replace(opts, store_mounts=[str(Path(m) / NAME) for m in opts.store_mounts])
     for name in opts.configs:
         runs.append(run_config(name, opts, model, bpt, ctx.config.directory / NAME, work / "logs", step))
         ctx.unreaped_cpu_s += runs[-1].get("unreaped_cpu_s", 0.0)

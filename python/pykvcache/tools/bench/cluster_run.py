@@ -72,6 +72,10 @@ class ClusterOptions:
     # its default, 64, keeps a small cluster's every shared document on one node.
     balance_abs_threshold: int = 1
     kv_options: str = ""  # JSON object of more kv_connector_extra_config keys for every node
+    # The bench directory (--dir) as other mounts of its filesystem on this host show it (a
+    # second client of one GlusterFS volume): node i reaches the store through the i-th of
+    # [--dir, *these], so that each node has its own filesystem client.
+    store_mounts: list[str] = field(default_factory=list)
     router_path: str = ""  # PYTHONPATH of a private vllm-router install ("": the installed one)
     seed: int = 0
     start_timeout_s: float = 900.0
@@ -93,6 +97,8 @@ class ClusterOptions:
             problems.append(
                 f"kv_cache_tokens={self.kv_cache_tokens}: vLLM wants a device cache of max_model_len ({self.max_model_len}) or more"
             )
+        if missing := [m for m in self.store_mounts if not Path(m).is_dir()]:
+            problems.append(f"store_mounts {', '.join(missing)}: not a directory")
         try:
             if not isinstance(json.loads(self.kv_options or "{}"), dict):
                 problems.append("kv_options: a JSON object")
@@ -125,12 +131,14 @@ def spec_for(name: str, opts: ClusterOptions, model: str, bytes_per_token: int, 
     store = storage / name / "kv" if with_store else None
     if store is not None:
         store.mkdir(parents=True, exist_ok=True)
+    views = [store, *(Path(m) / name / "kv" for m in opts.store_mounts)] if store is not None and opts.store_mounts else []
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(opts.max_model_len), "--seed", "0"]
     args += ["--kv-cache-memory-bytes", str((opts.kv_cache_tokens + KV_MARGIN_TOKENS) * bytes_per_token)]
     args += ["--max-num-seqs", str(opts.max_num_seqs), "--enable-prompt-tokens-details"]
     return ClusterSpec(
         model=model,
         store=store,
+        store_views=views,
         nodes=opts.nodes,
         policy=policy,
         staging_bytes=opts.staging_bytes,

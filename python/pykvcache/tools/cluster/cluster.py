@@ -54,10 +54,11 @@ class Cluster:
 
     def _new_node(self) -> Node:
         spec = self.spec
-        name = f"node-{len(self.nodes)}"
+        index = len(self.nodes)
+        name = f"node-{index}"
         endpoint = f"tcp://{spec.host}:{free_port()}" if spec.uses_events else None
         cfg = ServerConfig(
-            name=name, model=spec.model, args=spec.node_args(endpoint), env=spec.node_env(), kv_transfer_config=spec.kv_transfer()
+            name=name, model=spec.model, args=spec.node_args(endpoint), env=spec.node_env(), kv_transfer_config=spec.kv_transfer(index)
         )
         server = Server(cfg, spec.log_dir / f"{name}.log", start_timeout_s=self.start_timeout_s, host=spec.host)
         node = Node(name, server, endpoint)

@@ -28,6 +28,10 @@ class ClusterSpec:
 
     model: str
     store: Path | None  # the shared store directory; None: the nodes run without pykvcache
+    # The same store seen through other mounts of its filesystem on this host: node i uses
+    # views[i % len(views)] (one machine standing in for several, each node its own
+    # filesystem client, as the test suite's GlusterFS volume). Empty: every node uses `store`.
+    store_views: list[Path] = field(default_factory=list)
     nodes: int = 2
     policy: str = "cache_aware"
     host: str = "127.0.0.1"
@@ -60,19 +64,31 @@ class ClusterSpec:
             raise ValueError(f"kv_penalty_disk must be within 0..1, got {self.kv_penalty_disk}")
         if self.store is not None and not Path(self.store).is_dir():
             raise ValueError(f"store {self.store}: not a directory (create it on the shared filesystem first)")
+        if self.store_views and self.store is None:
+            raise ValueError("store_views without a store: the views are of the store")
+        for view in self.store_views:
+            if not Path(view).is_dir():
+                raise ValueError(f"store view {view}: not a directory (the store seen through another mount)")
 
     @property
     def uses_events(self) -> bool:
         return self.policy == "kv_aware"
 
-    def kv_transfer(self) -> dict[str, Any] | None:
-        """The node's ``--kv-transfer-config``: pykvcache's connector on the shared store, announcing
-        the chunks it wrote (``self_describing_kv_events``: vLLM 0.32 publishes no
+    def store_for(self, index: int) -> Path | None:
+        """The directory node ``index`` reads and writes the store through."""
+        if self.store is None or not self.store_views:
+            return self.store
+        return Path(self.store_views[index % len(self.store_views)])
+
+    def kv_transfer(self, index: int = 0) -> dict[str, Any] | None:
+        """Node ``index``'s ``--kv-transfer-config``: pykvcache's connector on the shared store,
+        announcing the chunks it wrote (``self_describing_kv_events``: vLLM 0.32 publishes no
         offloading event without it)."""
-        if self.store is None:
+        store = self.store_for(index)
+        if store is None:
             return None
         return kv_transfer_config(
-            [str(self.store)],
+            [str(store)],
             self.capacity_bytes,
             lookahead=True,
             staging_bytes=self.staging_bytes,

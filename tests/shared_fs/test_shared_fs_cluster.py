@@ -1,6 +1,7 @@
 """``pykvcache bench --parts cluster`` at CI size: one real cluster (two vLLM OpenAI servers on
-one store directory, vllm-router 0.1.17 in front with ``cache_aware``) through every phase:
-prime, steady state, the node holding the documents SIGKILLed under load, a new node joining.
+one store directory of the suite's GlusterFS volume, each through its own client of it,
+vllm-router 0.1.17 in front with ``cache_aware``) through every phase: prime, steady state, the
+node holding the documents SIGKILLed under load, a new node joining.
 
 What holds whatever the host's speed: no request fails but those in flight on the killed
 node; the killed node is reported; the survivors and the joining node answer; the joining
@@ -23,6 +24,7 @@ from pykvcache.tools.bench.config import BenchConfig
 from pykvcache.tools.bench.machine import describe_machine
 from pykvcache.tools.bench.parts import BenchContext, NoProgress
 from pykvcache.tools.bench.report import write_report
+from pykvcache.tools.cluster.spec import ClusterSpec
 from vllm_marks import VLLM_ENGINE
 
 pytestmark = VLLM_ENGINE
@@ -41,6 +43,17 @@ def test_options_are_checked_before_anything_starts(tmp_path):
     for said in ("nope: unknown", "nodes=1", "chunk_tokens=48", "kill_after=0", "max_model_len=512", "kv_options: a JSON object"):
         assert said in problems, problems
     assert ClusterOptions().check() == [] and quick_options().check() == []
+    assert "store_mounts " + str(tmp_path / "absent") in " | ".join(ClusterOptions(store_mounts=[str(tmp_path / "absent")]).check())
+    with pytest.raises(ValueError, match="store_views without a store"):
+        ClusterSpec(model="m", store=None, store_views=[tmp_path])
+    with pytest.raises(ValueError, match="store view .*absent: not a directory"):
+        ClusterSpec(model="m", store=tmp_path, store_views=[tmp_path, tmp_path / "absent"])
+    views = [tmp_path / "a", tmp_path / "b"]
+    for view in views:
+        view.mkdir()
+    spec = ClusterSpec(model="m", store=tmp_path, store_views=views)
+    assert [spec.store_for(i) for i in range(3)] == [views[0], views[1], views[0]]  # a joining node: the first view
+    assert spec.kv_transfer(1)["kv_connector_extra_config"]["storage_dirs"] == [str(views[1])]
 
 
 def test_the_victim_is_the_node_holding_the_most_documents():
@@ -56,15 +69,20 @@ def test_the_victim_is_the_node_holding_the_most_documents():
     assert victim({0: None}, _Cluster()) == "node-1"  # type: ignore[arg-type]  # duck-typed: live_nodes() only
 
 
-def test_one_cluster_through_prime_steady_loss_and_join(tmp_path, tiny_model_cache):
-    config = BenchConfig(out=tmp_path / "out", directory=tmp_path / "work", quick=True)
+def test_one_cluster_through_prime_steady_loss_and_join(tmp_path, tiny_model_cache, shared_dirs):
+    on_a, on_b = shared_dirs  # one directory of the volume, through node A's and node B's mounts
+    config = BenchConfig(out=tmp_path / "out", directory=on_a, quick=True)
     machine = describe_machine(tmp_path, ["pytest"])
     ctx = BenchContext(config, machine, DiskCounter(None), NoProgress())
     # One configuration, the one with the store: the other three differ by the router's
     # policy and by no store, each a flag of the same Cluster. The gate loads at any gain
     # (gate_margin): on a loaded CI host it may judge the tiny model's recompute cheaper.
     opts = replace(
-        quick_options(), configs=["cache_aware+store"], router_path=str(ROOT / ".vllm-router"), kv_options='{"gate_margin": 0.02}'
+        quick_options(),
+        configs=["cache_aware+store"],
+        router_path=str(ROOT / ".vllm-router"),
+        kv_options='{"gate_margin": 0.02}',
+        store_mounts=[str(on_b)],
     )
 
     out = run_with(ctx, opts, model_cache=tiny_model_cache)
@@ -94,6 +112,9 @@ def test_one_cluster_through_prime_steady_loss_and_join(tmp_path, tiny_model_cac
     assert failed_after == [], failed_after
     assert loss["victim"] not in loss["nodes"]  # the survivors' counters only
 
+    # Each node wrote through its own client of the volume: node-1 through B's mount.
+    (node_1_log,) = (tmp_path / "out").rglob("node-1.log")
+    assert str(on_b) in node_1_log.read_text(errors="replace"), "node-1 did not use B's mount"
     join = phases["join"]
     assert len(join["records"]) == opts.documents and all(r["error"] is None for r in join["records"])
     assert join["nodes"][join["node"]].get("vllm:pykvcache_disk_read_bytes_total", 0) > 0, join["nodes"][join["node"]]
