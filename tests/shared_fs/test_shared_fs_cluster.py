@@ -108,7 +108,10 @@ def test_one_cluster_through_prime_steady_loss_and_join(tmp_path, tiny_model_cac
     assert loss["victim"] in ("node-0", "node-1") and loss["killed_at"] is not None
     report = [e for e in entry["events"] if e.startswith(f"{loss['victim']} ")]
     assert report and "exited with status -9; removed from the router" in report[0], entry["events"]
-    failed_after = [r for r in loss["records"] if r["error"] is not None and r["t_start"] >= loss["killed_at"]]
+    # Requests the router sent before it took the node out may have gone to it (a clean-clone
+    # run: one sent 0.57 s after the SIGKILL, cut off mid-answer); none sent after may fail.
+    assert loss["killed_at"] <= loss["removed_at"], loss
+    failed_after = [r for r in loss["records"] if r["error"] is not None and r["t_start"] >= loss["removed_at"]]
     assert failed_after == [], failed_after
     assert loss["victim"] not in loss["nodes"]  # the survivors' counters only
 

@@ -122,6 +122,9 @@ def loss_stats(entry: dict[str, Any]) -> dict[str, Any]:
     victim = loss.get("victim")
     lost = {int(d) for d, node in entry.get("where", {}).items() if node == victim}
     killed = loss.get("killed_at")
+    # The router sends requests to the killed node until it is taken out; a run recorded
+    # before the removal time was kept has the kill as its cut.
+    out = loss.get("removed_at") or killed
     records = loss.get("records", [])
     steady = [r["ttft_s"] for r in _ok(entry["phases"].get("steady", {})) if r["document"] in lost]
     after = [r["ttft_s"] for r in _ok(loss) if r["document"] in lost and killed is not None and r["t_start"] >= killed]
@@ -129,14 +132,15 @@ def loss_stats(entry: dict[str, Any]) -> dict[str, Any]:
 
     def in_flight(r: dict[str, Any]) -> bool:
         end = r["t_start"] + (r["latency_s"] or float("inf"))
-        return killed is not None and r["t_start"] < killed < end
+        return out is not None and r["t_start"] < out < end
 
     p50_steady, p50_after = pct(steady, 50), pct(after, 50)
     return {
         "lost_documents": sorted(lost),
+        "out_after_s": out - killed if out is not None and killed is not None else None,
         "in_flight": sum(1 for r in records if in_flight(r)),
-        "failed_in_flight": sum(1 for r in failed if killed is not None and r["t_start"] < killed),
-        "failed_after": sum(1 for r in failed if killed is None or r["t_start"] >= killed),
+        "failed_in_flight": sum(1 for r in failed if out is not None and r["t_start"] < out),
+        "failed_after": sum(1 for r in failed if out is None or r["t_start"] >= out),
         "p50_steady": p50_steady,
         "p50_after": p50_after,
         "ratio": p50_after / p50_steady if p50_steady and p50_after else None,
@@ -246,7 +250,8 @@ def analyse(runs: list[dict[str, Any]], opts: ClusterOptions, bytes_per_token: i
                 "config",
                 "killed",
                 "its documents",
-                "in flight at the kill",
+                "out of the router after s",
+                "in flight until then",
                 "failed (in flight)",
                 "failed (sent after)",
                 "their TTFT p50 steady ms",
@@ -259,6 +264,7 @@ def analyse(runs: list[dict[str, Any]], opts: ClusterOptions, bytes_per_token: i
                     name,
                     s["victim"] or "-",
                     ",".join(map(str, s["lost_documents"])) or "-",
+                    f"{s['out_after_s']:.2f}" if s["out_after_s"] is not None else "-",
                     str(s["in_flight"]),
                     str(s["failed_in_flight"]),
                     str(s["failed_after"]),
@@ -270,7 +276,8 @@ def analyse(runs: list[dict[str, Any]], opts: ClusterOptions, bytes_per_token: i
                 for name, s in loss.items()
             ],
             note="Its documents: those whose probe the router sent to it after the steady state. "
-            "Without the store the survivors recompute them.",
+            "Without the store the survivors recompute them. In flight: sent before the router "
+            "took the node out (its exit seen, /remove_worker answered), so possibly sent to it.",
         )
     )
     out.tables.append(

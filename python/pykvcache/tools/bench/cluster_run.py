@@ -298,12 +298,17 @@ def _loss_phase(cluster: Cluster, spec: ClusterSpec, model: str, opts: ClusterOp
     phase = _Phase(cluster, spec)
     answered = 0
     killed: list[float] = []
+    removed: list[float] = []
     killers: list[threading.Thread] = []
 
     def kill() -> None:
         killed.append(time.time())
         cluster.kill(victim)
         cluster.watch()  # reported and taken out of the router at once
+        # Until now the router still sent requests to it: those are in flight on the killed
+        # node (the window is its exit, the report and /remove_worker; on a FUSE mount a
+        # killed process may first wait for its filesystem calls to return).
+        removed.append(time.time())
 
     def on_request(rec: Record) -> None:
         nonlocal answered
@@ -316,4 +321,4 @@ def _loss_phase(cluster: Cluster, spec: ClusterSpec, model: str, opts: ClusterOp
     records, wall = run_sessions(cluster.router.url, model, loss, tokenizer_json, on_request=on_request)
     for t in killers:
         t.join()
-    return phase.end(records, wall, killed_at=killed[0] if killed else None, victim=victim)
+    return phase.end(records, wall, killed_at=killed[0] if killed else None, removed_at=removed[0] if removed else None, victim=victim)
