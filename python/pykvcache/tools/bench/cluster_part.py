@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -124,7 +123,7 @@ def loss_stats(entry: dict[str, Any]) -> dict[str, Any]:
     killed = loss.get("killed_at")
     # The router sends requests to the killed node until it is taken out; a run recorded
     # before the removal time was kept has the kill as its cut.
-    out = loss.get("removed_at") or killed
+    removed = loss.get("removed_at") or killed
     records = loss.get("records", [])
     steady = [r["ttft_s"] for r in _ok(entry["phases"].get("steady", {})) if r["document"] in lost]
     after = [r["ttft_s"] for r in _ok(loss) if r["document"] in lost and killed is not None and r["t_start"] >= killed]
@@ -132,15 +131,15 @@ def loss_stats(entry: dict[str, Any]) -> dict[str, Any]:
 
     def in_flight(r: dict[str, Any]) -> bool:
         end = r["t_start"] + (r["latency_s"] or float("inf"))
-        return out is not None and r["t_start"] < out < end
+        return removed is not None and r["t_start"] < removed < end
 
     p50_steady, p50_after = pct(steady, 50), pct(after, 50)
     return {
         "lost_documents": sorted(lost),
-        "out_after_s": out - killed if out is not None and killed is not None else None,
+        "out_after_s": removed - killed if removed is not None and killed is not None else None,
         "in_flight": sum(1 for r in records if in_flight(r)),
-        "failed_in_flight": sum(1 for r in failed if out is not None and r["t_start"] < out),
-        "failed_after": sum(1 for r in failed if out is None or r["t_start"] >= out),
+        "failed_in_flight": sum(1 for r in failed if removed is not None and r["t_start"] < removed),
+        "failed_after": sum(1 for r in failed if removed is None or r["t_start"] >= removed),
         "p50_steady": p50_steady,
         "p50_after": p50_after,
         "ratio": p50_after / p50_steady if p50_steady and p50_after else None,
@@ -386,10 +385,10 @@ def run_with(ctx: BenchContext, opts: ClusterOptions, model_cache: Path | None =
     work.mkdir(parents=True, exist_ok=True)
     step = ctx.progress.part(NAME, 4 * len(opts.configs))
     runs = []
-    # The store lives under <--dir>/cluster: so does each other mount's view of it.
-    opts = replace(opts, store_mounts=[str(Path(m) / NAME) for m in opts.store_mounts])
+    # The stores live under <--dir>/cluster, and so under each other mount's view of --dir.
+    storage = [ctx.config.directory / NAME, *(Path(m) / NAME for m in opts.store_mounts)]
     for name in opts.configs:
-        runs.append(run_config(name, opts, model, bpt, ctx.config.directory / NAME, work / "logs", step))
+        runs.append(run_config(name, opts, model, bpt, storage, work / "logs", step))
         ctx.unreaped_cpu_s += runs[-1].get("unreaped_cpu_s", 0.0)
         (work / "results.json").write_text(json.dumps(runs, indent=1, default=str))
     return analyse(runs, opts, bpt, ctx.config.quick)

@@ -124,21 +124,22 @@ class ClusterOptions:
         return replace(w, **changes)
 
 
-def spec_for(name: str, opts: ClusterOptions, model: str, bytes_per_token: int, storage: Path, logs: Path) -> ClusterSpec:
-    """``storage``: where the store directory goes (the bench's ``--dir``); ``logs``: the
-    members' logs (under ``--out``, kept with the report)."""
+def spec_for(name: str, opts: ClusterOptions, model: str, bytes_per_token: int, storage: list[Path], logs: Path) -> ClusterSpec:
+    """``storage``: where the store directory goes (under the bench's ``--dir``), then the same
+    directory as each of ``store_mounts`` shows it; ``logs``: the members' logs (under
+    ``--out``, kept with the report)."""
     policy, with_store = CONFIGS[name]
-    store = storage / name / "kv" if with_store else None
+    views = [s / name / "kv" for s in storage] if with_store else []
+    store = views[0] if views else None
     if store is not None:
         store.mkdir(parents=True, exist_ok=True)
-    views = [store, *(Path(m) / name / "kv" for m in opts.store_mounts)] if store is not None and opts.store_mounts else []
     args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", str(opts.max_model_len), "--seed", "0"]
     args += ["--kv-cache-memory-bytes", str((opts.kv_cache_tokens + KV_MARGIN_TOKENS) * bytes_per_token)]
     args += ["--max-num-seqs", str(opts.max_num_seqs), "--enable-prompt-tokens-details"]
     return ClusterSpec(
         model=model,
         store=store,
-        store_views=views,
+        store_views=views if len(views) > 1 else [],
         nodes=opts.nodes,
         policy=policy,
         staging_bytes=opts.staging_bytes,
@@ -230,7 +231,9 @@ class _Phase:
         }
 
 
-def run_config(name: str, opts: ClusterOptions, model: str, bytes_per_token: int, storage: Path, logs: Path, step: Step) -> dict[str, Any]:
+def run_config(
+    name: str, opts: ClusterOptions, model: str, bytes_per_token: int, storage: list[Path], logs: Path, step: Step
+) -> dict[str, Any]:
     """Every phase against one fresh cluster of configuration ``name``."""
     spec = spec_for(name, opts, model, bytes_per_token, storage, logs)
     events: list[str] = []
