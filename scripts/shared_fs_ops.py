@@ -19,6 +19,16 @@ READ and WRITE, and which. ``--engine`` names builds of the package to compare
 in the same run (an unzipped wheel: ``before=/tmp/old``), case by case,
 alternating; by default the one this script imports.
 
+``--layouts`` adds, in each case and on the same mounts, what no store
+can beat, as rows of their own: ``named``, chunks written one after another
+into one preallocated file held open, each published by one symbolic link
+naming its place (the fewest operations a chunk found by its own name costs),
+read back on node B by ``readlink`` and ``pread``; ``unnamed``, the same
+without the links (a chunk found by an index held in memory); and ``fio
+again``, a second fio run (the fixture's repeatability). They write and read
+with ``--qd`` threads, without a header, a checksum or a capacity: bounds,
+not stores.
+
 A 2-core VM runs the brick, both clients and the measured process: the
 fixture is CPU-bound, so every operation a put saves is CPU the brick and the
 clients give to the data. A functional stand-in, not a figure for Lustre.
@@ -28,12 +38,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "helpers"))
@@ -47,6 +60,8 @@ CAPACITY_CHUNKS = 64
 NOT_METADATA = {"READ", "WRITE", "FORGET"}
 #: The volume options that make the clients count every operation.
 COUNTING = ("diagnostics.count-fop-hits", "diagnostics.latency-measurement")
+#: The rows ``--layouts`` adds (see the module's docs).
+BOUNDS = ("named", "unnamed", "fio again")
 #: Where a FUSE client writes the dump named by the extended attribute's value (``<value>.<volume>``).
 DUMP_DIR = Path("/var/run/gluster")
 
@@ -150,6 +165,63 @@ def engine_in_child(pythonpath: str, mounts: dict[str, Path], run_dir: str, n: i
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+def layout_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str, named: bool) -> dict:
+    """A layout's bound (see the module's docs): node A writes ``n`` chunks of
+    ``chunk`` bytes and a 4 KiB header block each, ``qd`` at a time, into one
+    file preallocated beforehand; node B reads them all."""
+    image = chunk + 4096
+    data = mmap.mmap(-1, image)  # page-aligned, as O_DIRECT needs
+    data.write(os.urandom(image))
+    (mounts["a"] / run_dir / "names").mkdir()
+    out: dict = {}
+    fd = os.open(mounts["a"] / run_dir / "chunks", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    names = os.open(mounts["a"] / run_dir / "names", os.O_PATH | os.O_DIRECTORY)
+    try:
+        os.posix_fallocate(fd, 0, n * image)
+
+        def put(i: int) -> None:
+            if os.pwritev(fd, [data], i * image) != image:
+                raise OSError(f"short write of chunk {i}")
+            if named:
+                os.symlink(f"chunks:{i * image}:{image}", f"c{i:06d}", dir_fd=names)
+
+        with Counted(mounts["a"], f"{tag}-put") as c, ThreadPoolExecutor(qd) as pool:
+            t0 = time.monotonic()
+            list(pool.map(put, range(n)))
+            dt = time.monotonic() - t0
+        out["put"] = {"gbps": n * chunk / dt / 1e9, "ops": c.ops}
+    finally:
+        os.close(names)
+        os.close(fd)
+    fd = os.open(mounts["b"] / run_dir / "chunks", os.O_RDONLY | os.O_DIRECT)
+    names = os.open(mounts["b"] / run_dir / "names", os.O_PATH | os.O_DIRECTORY)
+    buffers = [mmap.mmap(-1, image) for _ in range(qd)]
+    own = threading.local()
+    lock = threading.Lock()
+    try:
+
+        def get(i: int) -> None:
+            if not hasattr(own, "buf"):
+                with lock:
+                    own.buf = buffers.pop()
+            offset, length = i * image, image
+            if named:
+                _, at, size = os.readlink(f"c{i:06d}", dir_fd=names).split(":")
+                offset, length = int(at), int(size)
+            if os.preadv(fd, [own.buf], offset) != length or own.buf[:16] != data[:16]:
+                raise OSError(f"chunk {i} read back wrong")
+
+        with Counted(mounts["b"], f"{tag}-get") as c, ThreadPoolExecutor(qd) as pool:
+            t0 = time.monotonic()
+            list(pool.map(get, range(n)))
+            dt = time.monotonic() - t0
+        out["get"] = {"gbps": n * chunk / dt / 1e9, "ops": c.ops}
+    finally:
+        os.close(names)
+        os.close(fd)
+    return out
+
+
 def fio_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str) -> dict:
     out: dict = {}
     for node, rw in (("a", "write"), ("b", "read")):
@@ -190,8 +262,10 @@ def measure(
     repeats: int,
     engines: dict[str, str],
     store_kw: dict | None = None,
+    layouts: bool = False,
 ) -> list[dict]:
-    """Every case: each engine (in turn, the order swapped every repeat), then fio."""
+    """Every case: each engine (in turn, the order swapped every repeat), then
+    fio; with ``layouts``, then the two layouts' bounds and fio again."""
     rows = []
     for rep in range(repeats):
         order = list(engines) if rep % 2 == 0 else list(reversed(engines))
@@ -210,7 +284,18 @@ def measure(
                             results["fio"] = fio_case(mounts, run_dir, n, chunk, qd, tag)
                     finally:
                         shutil.rmtree(mounts["a"] / run_dir, ignore_errors=True)
-                for name in engines:
+                for name in BOUNDS if layouts else ():
+                    run_dir = f"ops-{os.getpid()}-{rep}-{chunk_mib}-{qd}-{name.replace(' ', '-')}"
+                    (mounts["a"] / run_dir).mkdir(mode=0o700)
+                    tag = f"{rep}-{chunk_mib}-{qd}-{name.replace(' ', '-')}"
+                    try:
+                        if name == "fio again":
+                            results[name] = fio_case(mounts, run_dir, n, chunk, qd, tag)
+                        else:
+                            results[name] = layout_case(mounts, run_dir, n, chunk, qd, tag, named=name == "named")
+                    finally:
+                        shutil.rmtree(mounts["a"] / run_dir, ignore_errors=True)
+                for name in [*engines, *(BOUNDS if layouts else ())]:
                     rows.append(
                         {
                             "repeat": rep,
@@ -253,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--store", action="append", default=[], metavar="KEY=VALUE", help="a BlockStore keyword for every engine (verify=header)"
     )
+    ap.add_argument("--layouts", action="store_true", help="also measure what no store can beat (see above)")
     ap.add_argument("--mount-a", type=Path, help="node A's mount of a GlusterFS volume counting operations (COUNTING on)")
     ap.add_argument("--mount-b", type=Path, help="node B's mount of the same volume")
     ap.add_argument("--json", type=Path, help="write the rows here")
@@ -272,7 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     chunks, qds = [int(c) for c in args.chunks.split(",")], [int(q) for q in args.qd.split(",")]
     if args.mount_a:
         print(HEADER, flush=True)
-        rows = measure({"a": args.mount_a, "b": args.mount_b or args.mount_a}, chunks, qds, args.mib, args.repeats, engines, store_kw)
+        rows = measure(
+            {"a": args.mount_a, "b": args.mount_b or args.mount_a}, chunks, qds, args.mib, args.repeats, engines, store_kw, args.layouts
+        )
     else:
         import glusterfs
 
@@ -282,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
                 fixture.cli("volume", "set", glusterfs.VOLUME, key, "on")
             time.sleep(2)  # the clients switch to the new graph
             print(HEADER, flush=True)
-            rows = measure(fixture.mounts, chunks, qds, args.mib, args.repeats, engines, store_kw)
+            rows = measure(fixture.mounts, chunks, qds, args.mib, args.repeats, engines, store_kw, args.layouts)
         finally:
             fixture.teardown()
     if args.json:

@@ -73,14 +73,14 @@ def test_the_ops_count_says_what_a_chunk_costs_beside_fio(gluster, tmp_path):
         gluster.cli("volume", "set", glusterfs.VOLUME, key, "on")
     out = tmp_path / "ops.json"
     try:
-        args = ["--chunks", "1", "--qd", "2", "--mib", "2", "--repeats", "1", "--json", str(out)]
+        args = ["--chunks", "1", "--qd", "2", "--mib", "2", "--repeats", "1", "--layouts", "--json", str(out)]
         mounts = ["--mount-a", str(gluster.mounts["a"]), "--mount-b", str(gluster.mounts["b"])]
         proc = subprocess.run([sys.executable, str(OPS_SCRIPT), *args, *mounts], capture_output=True, text=True, timeout=300)
     finally:
         for key in shared_fs_ops.COUNTING:
             gluster.cli("volume", "set", glusterfs.VOLUME, key, "off")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (row,) = json.loads(out.read_text())
+    row, *bounds = json.loads(out.read_text())
     assert row["chunks"] == 16 and "| pykvcache | 1 MiB | 2 |" in proc.stdout
     for tool in ("pykvcache", "fio"):
         for phase in ("put", "get"):
@@ -98,3 +98,12 @@ def test_the_ops_count_says_what_a_chunk_costs_beside_fio(gluster, tmp_path):
     # several puts, so a put's locks are mostly its temp file's (2).
     assert put["LK"] < 3 * 16, put
     assert shared_fs_ops.per_chunk(put, 16)[0] > shared_fs_ops.per_chunk(row["fio"]["put"]["ops"], 16)[0]
+    # --layouts: the bounds beside the engine, each row against the same fio run.
+    by_name = {b["engine"]: b for b in bounds}
+    assert sorted(by_name) == ["fio again", "named", "unnamed"] and all(b["fio"] == row["fio"] for b in bounds)
+    named, unnamed = by_name["named"]["pykvcache"], by_name["unnamed"]["pykvcache"]
+    # One link per chunk and no file of its own; read back by reading the link.
+    assert named["put"]["ops"].get("SYMLINK") == 16 and "CREATE" not in named["put"]["ops"], named["put"]["ops"]
+    assert named["get"]["ops"].get("READLINK") == 16, named["get"]["ops"]
+    assert shared_fs_ops.per_chunk(unnamed["put"]["ops"], 16)[0] < 1 and shared_fs_ops.per_chunk(unnamed["get"]["ops"], 16)[0] < 1
+    assert by_name["fio again"]["pykvcache"]["get"]["gbps"] > 0
