@@ -19,13 +19,20 @@ READ and WRITE, and which. ``--engine`` names builds of the package to compare
 in the same run (an unzipped wheel: ``before=/tmp/old``), case by case,
 alternating; by default the one this script imports.
 
+``--holes`` answers, once, what a layout of segment files relies on
+(decision 0086): whether a hole punched through mount A frees the brick's
+blocks and reads as zeros through mount B, and whether B reads a file A
+unlinked through a descriptor B opened before.
+
 ``--layouts`` adds, in each case and on the same mounts, what no store
 can beat, as rows of their own: ``named``, chunks written one after another
 into one preallocated file held open, each published by one symbolic link
 naming its place (the fewest operations a chunk found by its own name costs),
 read back on node B by ``readlink`` and ``pread``; ``unnamed``, the same
-without the links (a chunk found by an index held in memory); and ``fio
-again``, a second fio run (the fixture's repeatability). They write and read
+without the links (a chunk found by an index held in memory); ``logged``,
+unnamed plus a 4 KiB index block rewritten at the file's start after each
+chunk, one writer at a time (a log-structured layout's publication, not
+batched); and ``fio again``, a second fio run (the fixture's repeatability). They write and read
 with ``--qd`` threads, without a header, a checksum or a capacity: bounds,
 not stores.
 
@@ -61,7 +68,7 @@ NOT_METADATA = {"READ", "WRITE", "FORGET"}
 #: The volume options that make the clients count every operation.
 COUNTING = ("diagnostics.count-fop-hits", "diagnostics.latency-measurement")
 #: The rows ``--layouts`` adds (see the module's docs).
-BOUNDS = ("named", "unnamed", "fio again")
+BOUNDS = ("named", "unnamed", "logged", "fio again")
 #: Where a FUSE client writes the dump named by the extended attribute's value (``<value>.<volume>``).
 DUMP_DIR = Path("/var/run/gluster")
 
@@ -165,23 +172,33 @@ def engine_in_child(pythonpath: str, mounts: dict[str, Path], run_dir: str, n: i
     return json.loads(proc.stdout.splitlines()[-1])
 
 
-def layout_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str, named: bool) -> dict:
+def layout_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str, layout: str) -> dict:
     """A layout's bound (see the module's docs): node A writes ``n`` chunks of
     ``chunk`` bytes and a 4 KiB header block each, ``qd`` at a time, into one
     file preallocated beforehand; node B reads them all."""
     image = chunk + 4096
     data = mmap.mmap(-1, image)  # page-aligned, as O_DIRECT needs
     data.write(os.urandom(image))
+    named = layout == "named"
+    # ``logged``: the chunks start after an index block, which each put rewrites under a lock.
+    start = 4096 if layout == "logged" else 0
+    index_block = mmap.mmap(-1, 4096)
+    index_lock = threading.Lock()
     (mounts["a"] / run_dir / "names").mkdir()
     out: dict = {}
     fd = os.open(mounts["a"] / run_dir / "chunks", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     names = os.open(mounts["a"] / run_dir / "names", os.O_PATH | os.O_DIRECTORY)
     try:
-        os.posix_fallocate(fd, 0, n * image)
+        os.posix_fallocate(fd, 0, start + n * image)
 
         def put(i: int) -> None:
-            if os.pwritev(fd, [data], i * image) != image:
+            if os.pwritev(fd, [data], start + i * image) != image:
                 raise OSError(f"short write of chunk {i}")
+            if start:
+                with index_lock:
+                    index_block[(i % 256) * 16 : (i % 256) * 16 + 8] = i.to_bytes(8, "little")
+                    if os.pwritev(fd, [index_block], 0) != 4096:
+                        raise OSError(f"short write of the index after chunk {i}")
             if named:
                 os.symlink(f"chunks:{i * image}:{image}", f"c{i:06d}", dir_fd=names)
 
@@ -204,7 +221,7 @@ def layout_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: i
             if not hasattr(own, "buf"):
                 with lock:
                     own.buf = buffers.pop()
-            offset, length = i * image, image
+            offset, length = start + i * image, image
             if named:
                 _, at, size = os.readlink(f"c{i:06d}", dir_fd=names).split(":")
                 offset, length = int(at), int(size)
@@ -213,6 +230,8 @@ def layout_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: i
 
         with Counted(mounts["b"], f"{tag}-get") as c, ThreadPoolExecutor(qd) as pool:
             t0 = time.monotonic()
+            if start and os.preadv(fd, [index_block], 0) != 4096:  # the reader learns the index once
+                raise OSError("short read of the index")
             list(pool.map(get, range(n)))
             dt = time.monotonic() - t0
         out["get"] = {"gbps": n * chunk / dt / 1e9, "ops": c.ops}
@@ -220,6 +239,55 @@ def layout_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: i
         os.close(names)
         os.close(fd)
     return out
+
+
+def holes_probe(mounts: dict[str, Path], brick: Path | None) -> list[str]:
+    """``--holes``: one table row per question (see the module's docs)."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    size, hole = 8 * MiB, (2 * MiB, 4 * MiB)
+    data = mmap.mmap(-1, size)
+    data.write(os.urandom(size))
+    name = f"holes-{os.getpid()}.dat"
+    on_brick = (lambda: os.stat(brick / name).st_blocks * 512 / MiB) if brick else (lambda: float("nan"))
+    rows = []
+    fd = os.open(mounts["a"] / name, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        if os.pwritev(fd, [data], 0) != size:
+            raise OSError("short write")
+        before = on_brick()
+        t0 = time.monotonic()
+        # FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE
+        if libc.fallocate(fd, 3, ctypes.c_long(hole[0]), ctypes.c_long(hole[1])) != 0:
+            err = ctypes.get_errno()
+            return [f"| punch a hole through mount A | refused: {os.strerror(err)} |"]
+        dt = time.monotonic() - t0
+        rows.append(
+            f"| punch {hole[1] // MiB} MiB through mount A | {dt * 1e3:.1f} ms; the brick's blocks {before:.1f} -> {on_brick():.1f} MiB |"
+        )
+        fdb = os.open(mounts["b"] / name, os.O_RDONLY | os.O_DIRECT)
+        try:
+            back = mmap.mmap(-1, size)
+            os.preadv(fdb, [back], 0)
+            zeros = back[hole[0] : hole[0] + hole[1]] == bytes(hole[1])
+            kept = back[: hole[0]] == data[: hole[0]] and back[hole[0] + hole[1] :] == data[hole[0] + hole[1] :]
+            rows.append(f"| read through mount B | hole all zeros: {zeros}; the rest unchanged: {kept} |")
+            os.close(fd)
+            fd = -1
+            os.unlink(mounts["a"] / name)
+            got = os.preadv(fdb, [back], 0)
+            rows.append(
+                f"| mount B reads after mount A unlinked it, through a descriptor opened before | {got} of {size} bytes, right: {back[: hole[0]] == data[: hole[0]]} |"
+            )
+        finally:
+            os.close(fdb)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        (mounts["a"] / name).unlink(missing_ok=True)
+    return rows
 
 
 def fio_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str) -> dict:
@@ -292,7 +360,7 @@ def measure(
                         if name == "fio again":
                             results[name] = fio_case(mounts, run_dir, n, chunk, qd, tag)
                         else:
-                            results[name] = layout_case(mounts, run_dir, n, chunk, qd, tag, named=name == "named")
+                            results[name] = layout_case(mounts, run_dir, n, chunk, qd, tag, name)
                     finally:
                         shutil.rmtree(mounts["a"] / run_dir, ignore_errors=True)
                 for name in [*engines, *(BOUNDS if layouts else ())]:
@@ -338,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--store", action="append", default=[], metavar="KEY=VALUE", help="a BlockStore keyword for every engine (verify=header)"
     )
+    ap.add_argument("--holes", action="store_true", help="answer what segment files rely on (see above), then stop")
     ap.add_argument("--layouts", action="store_true", help="also measure what no store can beat (see above)")
     ap.add_argument("--mount-a", type=Path, help="node A's mount of a GlusterFS volume counting operations (COUNTING on)")
     ap.add_argument("--mount-b", type=Path, help="node B's mount of the same volume")
@@ -356,6 +425,20 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{tool} is not installed (apt-get install fio attr)", file=sys.stderr)
             return 2
     chunks, qds = [int(c) for c in args.chunks.split(",")], [int(q) for q in args.qd.split(",")]
+    if args.holes:
+        print("| question | answer |\n|---|---|")
+        if args.mount_a:
+            rows_h = holes_probe({"a": args.mount_a, "b": args.mount_b or args.mount_a}, None)
+        else:
+            import glusterfs
+
+            fixture = glusterfs.start()
+            try:
+                rows_h = holes_probe(fixture.mounts, fixture.brick)
+            finally:
+                fixture.teardown()
+        print("\n".join(rows_h))
+        return 0
     if args.mount_a:
         print(HEADER, flush=True)
         rows = measure(

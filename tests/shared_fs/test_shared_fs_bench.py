@@ -100,10 +100,26 @@ def test_the_ops_count_says_what_a_chunk_costs_beside_fio(gluster, tmp_path):
     assert shared_fs_ops.per_chunk(put, 16)[0] > shared_fs_ops.per_chunk(row["fio"]["put"]["ops"], 16)[0]
     # --layouts: the bounds beside the engine, each row against the same fio run.
     by_name = {b["engine"]: b for b in bounds}
-    assert sorted(by_name) == ["fio again", "named", "unnamed"] and all(b["fio"] == row["fio"] for b in bounds)
+    assert sorted(by_name) == ["fio again", "logged", "named", "unnamed"] and all(b["fio"] == row["fio"] for b in bounds)
     named, unnamed = by_name["named"]["pykvcache"], by_name["unnamed"]["pykvcache"]
     # One link per chunk and no file of its own; read back by reading the link.
     assert named["put"]["ops"].get("SYMLINK") == 16 and "CREATE" not in named["put"]["ops"], named["put"]["ops"]
     assert named["get"]["ops"].get("READLINK") == 16, named["get"]["ops"]
     assert shared_fs_ops.per_chunk(unnamed["put"]["ops"], 16)[0] < 1 and shared_fs_ops.per_chunk(unnamed["get"]["ops"], 16)[0] < 1
+    # Logged: the index block rewritten after each chunk, a write with no other operation.
+    logged = by_name["logged"]["pykvcache"]
+    assert logged["put"]["ops"]["WRITE"] >= unnamed["put"]["ops"]["WRITE"] + 16, (logged["put"]["ops"], unnamed["put"]["ops"])
+    assert shared_fs_ops.per_chunk(logged["put"]["ops"], 16)[0] < 1
     assert by_name["fio again"]["pykvcache"]["get"]["gbps"] > 0
+
+
+def test_the_holes_probe_answers_what_segment_files_rely_on(gluster):
+    """``shared_fs_ops.py --holes`` on the suite's mounts: a hole punched
+    through node A reads as zeros through node B, and node B still reads a
+    file node A unlinked through a descriptor it opened before (decision 0086)."""
+    mounts = ["--mount-a", str(gluster.mounts["a"]), "--mount-b", str(gluster.mounts["b"])]
+    proc = subprocess.run([sys.executable, str(OPS_SCRIPT), "--holes", *mounts], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "hole all zeros: True; the rest unchanged: True" in proc.stdout, proc.stdout
+    assert f"{8 << 20} of {8 << 20} bytes, right: True" in proc.stdout, proc.stdout
+    assert not [p for p in gluster.mounts["a"].iterdir() if p.name.startswith("holes-")], "the probe left its file"
