@@ -17,7 +17,9 @@ client's counters are dumped (``setfattr -n trusted.io-stats-dump``), so
 each row says how many operations per chunk went to the network besides
 READ and WRITE, and which. ``--engine`` names builds of the package to compare
 in the same run (an unzipped wheel: ``before=/tmp/old``), case by case,
-alternating; by default the one this script imports.
+alternating, each with ``BlockStore`` keywords of its own after a ``;``
+(``--engine files= --engine "segments=;segment_files=true"``: one build, two
+layouts); by default the one this script imports.
 
 ``--holes`` answers, once, what a layout of segment files relies on
 (decision 0086): whether a hole punched through mount A frees the brick's
@@ -347,7 +349,9 @@ def measure(
                     (mounts["a"] / run_dir).mkdir(mode=0o700)
                     tag = f"{rep}-{chunk_mib}-{qd}-{name}"
                     try:
-                        results[name] = engine_in_child(engines[name], mounts, run_dir, n, chunk, qd, tag, store_kw or {})
+                        path, _, own = engines[name].partition(";")
+                        own_kw = {k: _store_value(v) for k, v in (kv.split("=", 1) for kv in own.split(",") if kv)}
+                        results[name] = engine_in_child(path, mounts, run_dir, n, chunk, qd, tag, {**(store_kw or {}), **own_kw})
                         if name == order[-1]:
                             results["fio"] = fio_case(mounts, run_dir, n, chunk, qd, tag)
                     finally:
@@ -396,13 +400,26 @@ HEADER = (
 )
 
 
+def _store_value(text: str) -> int | bool | str:
+    """A ``--store`` value as the keyword takes it: a number, a boolean, or the text."""
+    if text.isdigit():
+        return int(text)
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", default="2,8,28", help="chunk sizes in MiB, comma-separated")
     ap.add_argument("--qd", default="1,8", help="queue depths, comma-separated")
     ap.add_argument("--mib", type=int, default=112, help="MiB per case and phase (at least 2 x QD chunks)")
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--engine", action="append", default=[], metavar="NAME=PYTHONPATH", help="a build to measure (repeatable)")
+    ap.add_argument(
+        "--engine",
+        action="append",
+        default=[],
+        metavar="NAME=PYTHONPATH[;KEY=VALUE,...]",
+        help="a build to measure, with BlockStore keywords of its own (repeatable): files= segments=;segment_files=true",
+    )
     ap.add_argument(
         "--store", action="append", default=[], metavar="KEY=VALUE", help="a BlockStore keyword for every engine (verify=header)"
     )
@@ -419,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(engine_case(mounts, c["run_dir"], c["n"], c["chunk"], c["qd"], c["tag"], c["store_kw"])))
         return 0
     engines = dict(e.split("=", 1) for e in args.engine) or {"pykvcache": ""}
-    store_kw = {k: int(v) if v.isdigit() else v for k, v in (kv.split("=", 1) for kv in args.store)}
+    store_kw = {k: _store_value(v) for k, v in (kv.split("=", 1) for kv in args.store)}
     for tool in ("fio", "setfattr"):
         if shutil.which(tool) is None:
             print(f"{tool} is not installed (apt-get install fio attr)", file=sys.stderr)

@@ -406,6 +406,7 @@ class BlockStore:
         recycle_files: bool = True,
         background_scan: bool = False,
         preallocate: bool = True,
+        segment_files: bool = False,
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         allow_insecure_root: bool = False,

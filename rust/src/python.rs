@@ -61,7 +61,7 @@ impl PyBlockStore {
                         write_segment_bytes=defaults::WRITE_SEGMENT_BYTES, max_inflight=defaults::MAX_INFLIGHT,
                         submit_timeout=Some(defaults::SUBMIT_TIMEOUT_S), io_threads=defaults::IO_THREADS,
                         chunk_workers=defaults::CHUNK_WORKERS, verify=defaults::VERIFY, recycle_files=true, background_scan=false,
-                        preallocate=true, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
+                        preallocate=true, segment_files=false, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
                         min_free_bytes=None, min_free_fraction=None, io_deadline=None, refresh_interval_s=defaults::REFRESH_INTERVAL_S,
                         encryption_key_file=None, encryption_previous_key_file=None, seal_buffers=defaults::SEAL_BUFFERS,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
@@ -86,6 +86,7 @@ impl PyBlockStore {
         recycle_files: bool,
         background_scan: bool,
         preallocate: bool,
+        segment_files: bool,
         dir_mode: u32,
         file_mode: u32,
         allow_insecure_root: bool,
@@ -113,6 +114,7 @@ impl PyBlockStore {
         config.recycle_files = recycle_files;
         config.background_scan = background_scan;
         config.preallocate = preallocate;
+        config.segment_files = segment_files;
         config.permissions = Permissions { dir_mode, file_mode, allow_insecure_root };
         if min_free_bytes.is_some() || min_free_fraction.is_some() {
             config.min_free =

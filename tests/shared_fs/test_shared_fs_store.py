@@ -29,11 +29,11 @@ def _store(directory, pool, capacity=64 << 20, **kw):
 
 
 @contextlib.contextmanager
-def _two_nodes(a_dir, b_dir):
+def _two_nodes(a_dir, b_dir, **kw):
     """A store on each node's view of the directory, a staging slot each:
     (store, pool, slot) of node A, then of node B; closed on the way out."""
     pool_a, pool_b = kv.StagingPool(PAYLOAD, 2), kv.StagingPool(PAYLOAD, 2)
-    a, b = _store(a_dir, pool_a), _store(b_dir, pool_b)
+    a, b = _store(a_dir, pool_a, **kw), _store(b_dir, pool_b, **kw)
     sa, sb = pool_a.acquire(), pool_b.acquire()
     try:
         yield a, pool_a, sa, b, pool_b, sb
@@ -43,9 +43,14 @@ def _two_nodes(a_dir, b_dir):
             store.close()
 
 
-def test_a_chunk_published_on_one_node_is_found_and_verified_on_the_other(shared_dirs):
+#: Both layouts a store writes: a file per chunk, and slots of segment files (decision 0086).
+LAYOUTS = pytest.mark.parametrize("segment_files", [False, True], ids=["chunk-files", "segment-files"])
+
+
+@LAYOUTS
+def test_a_chunk_published_on_one_node_is_found_and_verified_on_the_other(shared_dirs, segment_files):
     a_dir, b_dir = shared_dirs
-    with _two_nodes(a_dir, b_dir) as (a, pool_a, sa, b, pool_b, sb):
+    with _two_nodes(a_dir, b_dir, segment_files=segment_files) as (a, pool_a, sa, b, pool_b, sb):
         # O_DIRECT reaches the brick (strict-o-direct on, remote-dio off): no fallback.
         assert a.direct_io and b.direct_io, (a.stats()["fallbacks"], b.stats()["fallbacks"])
         # GlusterFS's client refuses renameat2(RENAME_NOREPLACE), after walking both paths:
@@ -71,6 +76,10 @@ def test_a_chunk_published_on_one_node_is_found_and_verified_on_the_other(shared
         latencies.sort()
         print(f"A's put done -> B's probe and verified get: median {latencies[len(latencies) // 2]:.1f} ms, max {latencies[-1]:.1f} ms")
         assert b.stats()["corrupt_chunks"] == 0
+        # Segment files: the chunks are slots of node A's segment, no chunk file was made.
+        assert (chunk_files(a_dir) == []) == segment_files, chunk_files(a_dir)
+        segments = sorted(os.listdir(os.path.join(a.namespace_dir[0], "log"))) if segment_files else []
+        assert len(segments) == segment_files, segments
 
 
 def test_a_shard_directory_the_other_node_removed_and_made_again_is_used_again(shared_dirs):
@@ -98,9 +107,10 @@ def test_a_shard_directory_the_other_node_removed_and_made_again_is_used_again(s
         assert a.stats()["breaker_open_dirs"] == 0
 
 
-def test_a_chunk_the_other_node_evicted_is_a_miss_not_an_error(shared_dirs):
+@LAYOUTS
+def test_a_chunk_the_other_node_evicted_is_a_miss_not_an_error(shared_dirs, segment_files):
     a_dir, b_dir = shared_dirs
-    with _two_nodes(a_dir, b_dir) as (a, pool_a, sa, b, pool_b, sb):
+    with _two_nodes(a_dir, b_dir, segment_files=segment_files) as (a, pool_a, sa, b, pool_b, sb):
         key = b"evicted-elsewhere"
         assert put_bytes(a, pool_a, sa, key, payload_for(key, PAYLOAD, PAYLOAD)).ok
         assert b.probe(key) and b.contains(key)

@@ -122,7 +122,18 @@ mod tests {
     use super::*;
 
     fn pending(op: u32, at: usize, len: usize) -> Pending {
-        let seg = Segment { op, fd: -1, buf: at as *mut u8, len, offset: 0, write: false, buf_index: Some(0), background: false, root: 0 };
+        let seg = Segment {
+            op,
+            fd: -1,
+            buf: at as *mut u8,
+            len,
+            offset: 0,
+            file_base: 0,
+            write: false,
+            buf_index: Some(0),
+            background: false,
+            root: 0,
+        };
         Pending { seg, done: 0 }
     }
 

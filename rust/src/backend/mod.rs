@@ -17,7 +17,13 @@ pub struct Segment {
     pub fd: RawFd,
     pub buf: *mut u8,
     pub len: usize,
+    /// Offset in the chunk image (a chunk file's bytes, or a slot's): what
+    /// the store counts pieces and payload by.
     pub offset: u64,
+    /// Where the chunk image starts in the file: 0 for a chunk file, the
+    /// slot's offset in a segment file (`disk::segment`). The transfer moves
+    /// file bytes from `file_base + offset`.
+    pub file_base: u64,
     pub write: bool,
     /// Registered-buffer index (the staging slot) when fixed buffers are in use.
     pub buf_index: Option<u16>,

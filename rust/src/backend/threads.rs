@@ -83,7 +83,7 @@ fn transfer(seg: &Segment, faults: &SharedFaults, sink: &dyn SegmentSink) -> Res
         // SAFETY: `done < seg.len` and the segment's memory spans `seg.len` bytes from `seg.buf`
         // (one slot, header block or region), so the pointer stays inside it.
         let buf = unsafe { seg.buf.add(done) };
-        let off = (seg.offset + done as u64) as libc::off_t;
+        let off = (seg.file_base + seg.offset + done as u64) as libc::off_t;
         // SAFETY: `buf` is valid for `want <= seg.len - done` bytes (`cap` only lowers a length);
         // the operation owning the segment keeps that memory alive and leaves its bytes alone until
         // `segment_done` is called, after this loop. pread writes, pwrite reads at most `want`

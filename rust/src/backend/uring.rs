@@ -317,7 +317,7 @@ fn build_sqe(p: &Pending, fixed: bool, faults: &SharedFaults, token: u64) -> squ
     let len = faults.as_ref().map_or(remaining, |f| f.cap(remaining)).min(MAX_SQE_BYTES) as u32;
     // SAFETY: `p.done < p.seg.len` (see above), so the pointer stays inside the segment's memory.
     let buf = unsafe { p.seg.buf.add(p.done) };
-    let offset = p.seg.offset + p.done as u64;
+    let offset = p.seg.file_base + p.seg.offset + p.done as u64;
     let fd = types::Fd(p.seg.fd);
     let entry = match (p.seg.write, fixed.then_some(p.seg.buf_index).flatten()) {
         (false, Some(i)) => opcode::ReadFixed::new(fd, buf, len, i).offset(offset).build(),

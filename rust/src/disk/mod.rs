@@ -13,4 +13,5 @@ pub mod ledger;
 pub mod roots;
 pub mod scan;
 pub mod seal;
+pub mod segment;
 pub mod writers;

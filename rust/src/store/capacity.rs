@@ -58,7 +58,7 @@ impl Core {
             if let Some((c, len)) = victim {
                 // Evicted (and counted) already: its file goes too, not left unindexed.
                 let root = self.layout.root_of_ref(c);
-                if self.held.unlink(&self.layout.chunk_path_of(c)).is_ok() {
+                if self.drop_chunk_bytes(c).is_ok() {
                     self.ledgers.published(root, -(len as i64));
                 }
                 self.ledgers.evicting(root, -(len as i64));
@@ -220,7 +220,7 @@ impl Core {
         let mut gone = 0;
         for (chunk, len) in victims {
             let root = self.layout.root_of_ref(chunk);
-            match self.held.unlink(&self.layout.chunk_path_of(chunk)) {
+            match self.drop_chunk_bytes(chunk) {
                 Ok(()) => self.ledgers.published(root, -(len as i64)),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => gone += 1,
                 Err(_) => {}
@@ -266,7 +266,7 @@ impl Core {
     /// Drops a chunk of this namespace (corrupt, vanished): index and file.
     pub(super) fn remove_chunk(&self, hash: u128) -> bool {
         let removed = self.index.lock().unwrap().remove(hash);
-        let unlinked = self.held.unlink(&self.layout.chunk_path(hash)).is_ok();
+        let unlinked = self.drop_chunk_bytes(ChunkRef::own(hash)).is_ok();
         if let Some(len) = removed {
             Stats::add(&self.stats.evicted_bytes, len);
             if unlinked {

@@ -40,6 +40,9 @@ impl Core {
             self.index.lock().unwrap().remove(ctx.hash);
             return self.finish(id, ctx, Outcome::miss(MissKind::Absent, None, "chunk file moved away while it was opened"));
         }
+        if ctx.read_place.is_some() {
+            return self.slot_unreadable(id, ctx, reason);
+        }
         // A chunk that fails verification is removed so it is never tried again.
         self.remove_chunk(ctx.hash);
         let msg = format!("corrupt chunk {}: {reason}", path.display());
@@ -249,6 +252,10 @@ pub(super) fn submit(core: &Core, backend: &dyn Backend, id: OpId, ctx: OpContex
 impl Core {
     /// The memory of operation `id`'s file (see `FileMemory`).
     pub(super) fn file_memory(&self, id: OpId, ctx: &OpContext, fd: i32, write: bool) -> FileMemory {
+        self.file_memory_at_zero(id, ctx, fd, write).at(ctx.file_base)
+    }
+
+    fn file_memory_at_zero(&self, id: OpId, ctx: &OpContext, fd: i32, write: bool) -> FileMemory {
         if let (Some(sealing), Some(buffer)) = (&self.sealing, ctx.seal.as_ref().and_then(|s| s.buffer)) {
             // A sealed put: the whole file is in its seal buffer.
             return FileMemory { header: sealing.buffers.transfer(id, buffer, fd, ctx.background, ctx.root), payload: None };
@@ -344,7 +351,7 @@ pub(super) fn dir_worker(core: &Core, backend: &dyn Backend, root: usize) {
                 reply.ready.notify_all();
             }
             DirJob::Unlink { hash, len, reply } => {
-                let unlinked = core.held.unlink(&core.layout.chunk_path(hash)).is_ok();
+                let unlinked = core.drop_chunk_bytes(crate::disk::index::ChunkRef::own(hash)).is_ok();
                 if let (true, Some(len)) = (unlinked, len) {
                     core.ledgers.published(root, -(len as i64));
                 }
@@ -352,6 +359,7 @@ pub(super) fn dir_worker(core: &Core, backend: &dyn Backend, root: usize) {
                 reply.ready.notify_all();
             }
             DirJob::Probe { number } => core.probe_dir(root, number),
+            DirJob::Publish { segment, seq, puts } => core.run_publication(segment, seq, puts),
         }
     }
 }

@@ -168,6 +168,10 @@ pub struct StoreConfig {
     pub background_scan: bool,
     /// Allocate each chunk file (fallocate) before writing it (see `files::preallocate`).
     pub preallocate: bool,
+    /// Write new chunks into slots of segment files published by their index
+    /// (decision 0086, `disk::segment`) instead of one file each; chunk files
+    /// are still read. For network filesystems, where every name is a round trip.
+    pub segment_files: bool,
     pub permissions: Permissions,
     /// Space kept free on each storage filesystem for other writers.
     pub min_free: FreeSpaceReserve,
@@ -258,6 +262,7 @@ impl StoreConfig {
             recycle_files: true,
             background_scan: false,
             preallocate: true,
+            segment_files: false,
             permissions: Permissions::default(),
             min_free: FreeSpaceReserve::Default,
             io_deadline: IoDeadline::Default,

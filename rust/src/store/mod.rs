@@ -101,6 +101,8 @@ mod recovery;
 mod refresh;
 mod region;
 mod sealing;
+mod segment_ops;
+mod segments;
 mod snapshot;
 mod transfer;
 mod write;
@@ -117,6 +119,17 @@ pub enum OpKind {
 
 /// Everything the completion path needs to finish an operation (what the
 /// generic op table carries for the store).
+impl OpContext {
+    /// The descriptor a put writes: its slot's segment, or its chunk file.
+    fn write_fd(&self) -> i32 {
+        match (&self.put_slot, &self.write_file) {
+            (Some(slot), _) => slot.segment.file.fd(),
+            (None, Some(f)) => f.fd,
+            (None, None) => panic!("a put without a file or a slot"),
+        }
+    }
+}
+
 pub struct OpContext {
     pub kind: OpKind,
     pub key: Vec<u8>,
@@ -130,6 +143,13 @@ pub struct OpContext {
     /// (`Core::take_victim`); opened by `open_chunk_file`.
     pub claimed: Option<std::path::PathBuf>,
     pub file_len: usize,
+    /// Where the chunk image starts in its file: 0 for a chunk file, the
+    /// slot's offset in a segment file (`disk::segment`).
+    pub file_base: u64,
+    /// A put into a segment: the slot it writes (`segments`).
+    put_slot: Option<segments::Slot>,
+    /// A get from a segment: where the chunk lies (holds the descriptor).
+    read_place: Option<segments::Place>,
     pub payload_len: usize,
     pub started: Instant,
     /// A prefetch: its transfers yield to demand ones (see backend::classes).
@@ -215,6 +235,8 @@ struct Core {
     dirs: Vec<DirQueue>,
     /// Shard directories held open: chunk files are reached by name from them (`disk::dirfds`).
     held: HeldDirs,
+    /// Some: new chunks go into segment files (`segment_files`, decision 0086).
+    segments: Option<segments::Segments>,
     watchdog_stop: AtomicBool,
 }
 
@@ -311,6 +333,9 @@ impl BlockStore {
             write_file: None,
             claimed: None,
             file_len: 0,
+            file_base: 0,
+            put_slot: None,
+            read_place: None,
             payload_len: 0,
             started: Instant::now(),
             background: false,
@@ -431,9 +456,15 @@ impl BlockStore {
         // A background scan still running would merge stale findings afterwards.
         self.core.scan.wait(None);
         let fresh = scan::build_index(&scan::collect(&self.core.layout, &AtomicBool::new(false))?);
-        let n = fresh.len();
         *self.core.index.lock().unwrap() = fresh;
-        Ok(n)
+        // The chunks in segments (decision 0086): their places are known; the index lost them.
+        let mut index = self.core.index.lock().unwrap();
+        for found in self.core.segment_chunks() {
+            if !index.contains(found.hash) {
+                index.insert(found.hash, found.file_len);
+            }
+        }
+        Ok(index.len())
     }
 
     /// Chunks that left the index since the last call (evicted here, found
@@ -495,7 +526,8 @@ impl Core {
                 self.index.lock().unwrap().insert(hash, st.st_size as u64);
                 true
             }
-            _ => false,
+            // Not a chunk file: in a segment another writer published since the last look?
+            _ => self.segment_place(hash, true).is_some(),
         }
     }
 }

@@ -9,7 +9,7 @@ use super::config::{BackendChoice, StoreConfig};
 use super::health::Health;
 use super::jobs::{DirQueue, JobQueue};
 use super::sealing::{OpenStates, SealBuffers, Sealing};
-use super::{capacity, completion, read, region, BlockStore, Core, OpenReport};
+use super::{capacity, completion, read, region, segments, BlockStore, Core, OpenReport};
 use crate::backend::threads::ThreadBackend;
 use crate::backend::uring::UringBackend;
 use crate::backend::{Backend, SegmentSink};
@@ -81,6 +81,7 @@ impl BlockStore {
             (index, ScanProgress::completed(report))
         };
 
+        let (segment_dirs, lease_id, segment_direct) = (layout.ns_dirs().to_vec(), lease.id(), direct_active.clone());
         let health = Health::new(layout.ns_dirs(), config.io_deadline.resolve(pool.stride()));
         let dirs = layout.ns_dirs().iter().map(|_| DirQueue::default()).collect();
         let core = Arc::new(Core {
@@ -122,7 +123,12 @@ impl BlockStore {
             verify: config.verify,
             sealing,
             jobs: JobQueue::default(),
+            segments: config.segment_files.then(|| {
+                segments::Segments::new(&segment_dirs, lease_id, segment_direct, config.permissions.file_mode, config.permissions.dir_mode)
+            }),
         });
+        // Chunks in other writers' segments, before the ledgers count the index.
+        core.discover_segments(std::time::Duration::ZERO);
         for ns_dir in core.layout.ns_dirs() {
             core.held.hold(ns_dir);
         }

@@ -111,12 +111,18 @@ impl Core {
             // Timed out while queued behind stuck work: the caller has its miss.
             return self.finish(id, ctx, Outcome::miss(MissKind::Unavailable, None, "abandoned before it started"));
         }
-        let pool = &self.pool;
         let hash = ctx.hash;
+        if let Some(place) = self.segment_place(hash, false) {
+            return self.open_slot(id, ctx, place, backend);
+        }
         let path = self.layout.chunk_path(hash);
         let (fd, size) = match files::open_for_read(&self.held, &path, ctx.direct) {
             Ok(opened) => opened,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+                // Not a chunk file: in a segment another writer published since the last look?
+                if let Some(place) = self.segment_place(hash, true) {
+                    return self.open_slot(id, ctx, place, backend);
+                }
                 // Absent (or deleted by another process sharing the directory): a miss.
                 self.index.lock().unwrap().remove(hash);
                 return self.finish(id, ctx, Outcome::miss(MissKind::Absent, None, "chunk not on disk"));
@@ -135,10 +141,25 @@ impl Core {
         let Some(size) = size.map(|s| s as usize) else {
             return self.corrupt(id, ctx, "not a regular file".into());
         };
+        self.read_image(id, ctx, fd, size, backend)
+    }
+
+    /// A get of a chunk in a segment: its slot, through the segment's held descriptor.
+    fn open_slot(&self, id: OpId, mut ctx: OpContext, place: super::segments::Place, backend: &dyn Backend) {
+        let (fd, size) = (place.file.fd(), place.file.name.slot_bytes as usize);
+        ctx.file_base = place.file_base();
+        ctx.read_place = Some(place);
+        self.read_image(id, ctx, fd, size, backend)
+    }
+
+    /// Steps 2 and 3 of a get once its chunk image (`size` bytes at
+    /// `ctx.file_base` of `fd`) is found: the size checks, then the transfer.
+    fn read_image(&self, id: OpId, mut ctx: OpContext, fd: i32, size: usize, backend: &dyn Backend) {
+        let pool = &self.pool;
         // A region get's room is its row (`payload_len`, whole blocks), a slot's its payload size.
         let room = if ctx.region.is_some() { ctx.payload_len } else { pool.slot_bytes() };
         let max_len = HEADER_BYTES + format::round_up(room, IO_ALIGN);
-        if size > max_len && size % IO_ALIGN == 0 {
+        if size > max_len && size.is_multiple_of(IO_ALIGN) {
             // Possibly a valid chunk from a process with larger slots sharing
             // the directory: not ours to judge or delete, just not loadable here.
             // Named by the payload room (what the user configured), not by
@@ -148,7 +169,7 @@ impl Core {
                 format!("chunk file of {size} bytes (up to {} bytes of payload) does not fit a {room}-byte {into}", size - HEADER_BYTES);
             return self.keep(id, ctx, msg);
         }
-        if size < HEADER_BYTES || size % IO_ALIGN != 0 {
+        if size < HEADER_BYTES || !size.is_multiple_of(IO_ALIGN) {
             let reason = format!("file is {size} bytes (expected a multiple of {IO_ALIGN} in {HEADER_BYTES}..={max_len})");
             return self.corrupt(id, ctx, reason);
         }

@@ -52,10 +52,19 @@ impl Core {
             // Made again at its path, by someone else, with our namespace
             // directory in it: usable, but the index must be rebuilt from it.
             self.root_ids.lock().unwrap()[root] = Some(now);
-            self.held.forget_all(root_dir);
+            self.forget_descriptors(root);
             self.rebuild.store(true, Ordering::Release);
         }
         None
+    }
+
+    /// Forgets every descriptor held in `root` (directories, segments): they
+    /// may name what is no longer at their paths; reopened on use.
+    pub(super) fn forget_descriptors(&self, root: usize) {
+        self.held.forget_all(&self.layout.roots()[root]);
+        if let Some(segs) = &self.segments {
+            segs.forget_root(root);
+        }
     }
 
     /// A put found `shard` missing (creating or publishing its file failed
@@ -63,7 +72,7 @@ impl Core {
     pub(super) fn check_tree(&self, root: usize, shard: &Path) -> bool {
         match self.missing(root, Some(shard)) {
             Some(what) => {
-                self.held.forget_all(&self.layout.roots()[root]);
+                self.forget_descriptors(root);
                 self.health.gone(root, &what, Instant::now());
                 true
             }
@@ -76,7 +85,7 @@ impl Core {
         for root in 0..self.layout.roots().len() {
             if self.health.refusal(root).is_none() {
                 if let Some(what) = self.missing(root, None) {
-                    self.held.forget_all(&self.layout.roots()[root]);
+                    self.forget_descriptors(root);
                     self.health.gone(root, &what, Instant::now());
                 }
             }
@@ -102,7 +111,7 @@ impl Core {
         // Whatever opened the breaker (a directory gone, a mount replaced, a
         // dead network client), descriptors held from before may name what is
         // no longer at the paths: reopened on use.
-        self.held.forget_all(root_dir);
+        self.forget_descriptors(root);
         let now = RootIdentity::of(root_dir)?;
         let known = self.root_ids.lock().unwrap()[root];
         if let Some(k) = known.filter(|k| !k.same_place(&now)) {
@@ -141,6 +150,8 @@ impl Core {
                 self.open_ledger(root, true);
             }
         }
+        // The segments' indexes first (their descriptors were forgotten with the root's).
+        self.discover_segments(std::time::Duration::ZERO);
         if let Err(e) = self.refresh() {
             self.stats.record_error(format!("rebuilding the index after a storage directory came back: {e}"));
             return;

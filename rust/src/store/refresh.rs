@@ -50,7 +50,11 @@ impl Core {
             index.last_tick()
         };
         let found = match scan::collect(&self.layout, &self.scan.stop) {
-            Ok(found) => found,
+            // The chunks in segments are no files: the walk must not take them for gone.
+            Ok(mut found) => {
+                found.extend(self.segment_chunks());
+                found
+            }
             Err(e) => {
                 self.index.lock().unwrap().merge_scanned(&[]);
                 Stats::add(&self.stats.refresh_errors, 1);
@@ -158,6 +162,10 @@ impl Core {
                 asked = false;
                 let began = Instant::now();
                 last_walk = began;
+                // Other writers' segments too: their chunks count against the capacity here.
+                if self.discover_segments(Duration::ZERO) {
+                    self.make_room(0, 0, None, None);
+                }
                 if let Err(e) = self.refresh() {
                     // The engine has no logger; once is enough (counted in refresh_errors).
                     if self.stats.refresh_errors.load(Ordering::Relaxed) == 1 {

@@ -25,6 +25,8 @@ pub(super) struct Transfer {
     buf_index: Option<u16>,
     base: *mut u8,
     fd: i32,
+    /// Where the chunk image starts in the file (`Segment::file_base`).
+    file_base: u64,
     write: bool,
     background: bool,
     root: usize,
@@ -37,11 +39,16 @@ unsafe impl Send for Transfer {}
 
 impl Transfer {
     pub(super) fn of_slot(pool: &StagingPool, id: OpId, slot: usize, fd: i32, write: bool, background: bool, root: usize) -> Self {
-        Transfer { op: id.index, buf_index: Some(slot as u16), base: pool.slot_ptr(slot), fd, write, background, root }
+        Transfer { op: id.index, buf_index: Some(slot as u16), base: pool.slot_ptr(slot), fd, file_base: 0, write, background, root }
     }
 
     pub(super) fn base(&self) -> *mut u8 {
         self.base
+    }
+
+    /// The same transfer into a chunk image that starts at `file_base` in its file (a slot).
+    pub(super) fn at(self, file_base: u64) -> Self {
+        Transfer { file_base, ..self }
     }
 
     /// A prefetch's transfer (background priority in the backend).
@@ -59,12 +66,12 @@ impl Transfer {
         background: bool,
         root: usize,
     ) -> Self {
-        Transfer { op: id.index, buf_index, base, fd, write, background, root }
+        Transfer { op: id.index, buf_index, base, fd, file_base: 0, write, background, root }
     }
 
     /// Memory at `base` for file offset 0, not a registered buffer.
     pub(super) fn of_memory(id: OpId, base: *mut u8, fd: i32, write: bool, background: bool, root: usize) -> Self {
-        Transfer { op: id.index, buf_index: None, base, fd, write, background, root }
+        Transfer { op: id.index, buf_index: None, base, fd, file_base: 0, write, background, root }
     }
 }
 
@@ -79,6 +86,11 @@ pub(super) struct FileMemory {
 }
 
 impl FileMemory {
+    /// Both parts at `file_base` (see `Transfer::at`).
+    pub(super) fn at(self, file_base: u64) -> Self {
+        FileMemory { header: self.header.at(file_base), payload: self.payload.map(|p| p.at(file_base)) }
+    }
+
     pub(super) fn set_background(&mut self, background: bool) {
         self.header.background = background;
         if let Some(p) = &mut self.payload {
@@ -119,6 +131,7 @@ pub(super) fn submit_range(backend: &dyn Backend, t: Transfer, from: usize, to: 
         buf: std::ptr::null_mut(),
         len: 0,
         offset: 0,
+        file_base: t.file_base,
         write: t.write,
         buf_index: t.buf_index,
         background: t.background,

@@ -58,25 +58,42 @@ impl Core {
             return self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(libc::ETIMEDOUT), "abandoned before it started"));
         }
         let (hash, root, length, file_len) = (ctx.hash, ctx.root, ctx.payload_len, ctx.file_len);
-        let reuse = self.recycle_files.then_some(root);
+        // A slot is never a recycled file: its victims' bytes are punched.
+        let reuse = (self.recycle_files && self.segments.is_none()).then_some(root);
         if let Err((errno, refused)) = self.reserve_room(&mut ctx, reuse) {
             return self.fail_early(id, ctx, Some(errno), refused);
         }
-        match self.open_chunk_file(&mut ctx) {
-            Ok(f) => ctx.write_file = Some(f),
-            Err(e) => {
-                let shard = self.layout.shard_dir(hash);
-                if e.raw_os_error() == Some(libc::ENOENT) && self.check_tree(root, &shard) {
-                    return self.skip_gone(id, ctx);
+        if let Some(segs) = &self.segments {
+            match segs.take_slot(&self.held, root, file_len as u64) {
+                Ok(slot) => {
+                    ctx.file_base = slot.file_base();
+                    ctx.put_slot = Some(slot);
                 }
-                let msg = format!("creating chunk file in {}: {e}", shard.display());
-                return self.fail_early(id, ctx, e.raw_os_error(), msg);
+                Err(e) => {
+                    if e.raw_os_error() == Some(libc::ENOENT) && self.check_tree(root, &self.layout.shard_dir(hash)) {
+                        return self.skip_gone(id, ctx);
+                    }
+                    let msg = format!("taking a slot in {}: {e}", segs.roots[root].dir.display());
+                    return self.fail_early(id, ctx, e.raw_os_error(), msg);
+                }
+            }
+        } else {
+            match self.open_chunk_file(&mut ctx) {
+                Ok(f) => ctx.write_file = Some(f),
+                Err(e) => {
+                    let shard = self.layout.shard_dir(hash);
+                    if e.raw_os_error() == Some(libc::ENOENT) && self.check_tree(root, &shard) {
+                        return self.skip_gone(id, ctx);
+                    }
+                    let msg = format!("creating chunk file in {}: {e}", shard.display());
+                    return self.fail_early(id, ctx, e.raw_os_error(), msg);
+                }
             }
         }
         if self.ops.is_abandoned(id) {
             return self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(libc::ETIMEDOUT), "file opened after the deadline"));
         }
-        let fd = ctx.write_file.as_ref().unwrap().fd;
+        let fd = ctx.write_fd();
         if ctx.seal.as_ref().is_some_and(|s| s.buffer.is_some()) {
             return self.write_sealed(id, ctx, fd);
         }
@@ -85,6 +102,7 @@ impl Core {
         // header block written last, so the CRC pass overlaps the transfer.
         // The chunk becomes visible only after both writes (publish).
         let (header_ptr, payload_ptr) = (self.header_ptr(id, &ctx), self.payload_ptr(&ctx));
+        let file_base = ctx.file_base;
         let pad = file_len - HEADER_BYTES - length;
         if ctx.region.is_none() {
             // `put` refused a length beyond the slot size, so the whole file fits the slot.
@@ -114,7 +132,7 @@ impl Core {
         }
         mem.submit(backend, from, file_len, self.write_segment_bytes);
         if !sealed_now {
-            let header = Transfer::of_memory(id, header_ptr, fd, true, false, root);
+            let header = Transfer::of_memory(id, header_ptr, fd, true, false, root).at(file_base);
             let header = if mem.payload.is_some() { header } else { mem.header };
             self.jobs.push(Job::Seal { id, header, payload: payload_ptr as usize, payload_len: length });
         }
@@ -142,7 +160,7 @@ impl Core {
         let image = unsafe { std::slice::from_raw_parts_mut(base, file_len) };
         format::encode_sealed_header(image, &self.namespace, &ctx.key, length as u64, &fields);
         image[HEADER_BYTES + length..].fill(0);
-        let dst = sealing.buffers.transfer(id, buffer, fd, ctx.background, ctx.root);
+        let dst = sealing.buffers.transfer(id, buffer, fd, ctx.background, ctx.root).at(ctx.file_base);
         let src = self.payload_ptr(&ctx) as usize;
         let plan = super::sealing::SealPlan::new(length, sealing.workers);
         if let Err(ctx) = self.ops.start(id, ctx, plan.segments()) {
@@ -262,7 +280,7 @@ impl Core {
                 // Once: evict, then write the whole (still sealed) slot again.
                 ctx.enospc_retried = true;
                 self.on_enospc(ctx.file_len as u64, ctx.hash);
-                let fd = ctx.write_file.as_ref().expect("put without a file").fd;
+                let fd = ctx.write_fd();
                 return completion::submit(self, backend, id, ctx, fd, true);
             }
             if errno == libc::ENOSPC {
@@ -270,6 +288,9 @@ impl Core {
             }
             let msg = format!("writing chunk: {}", std::io::Error::from_raw_os_error(errno));
             return self.finish(id, ctx, Outcome::new(Status::Error, 0, Some(errno), msg));
+        }
+        if ctx.put_slot.is_some() {
+            return self.publish_slot(id, ctx);
         }
         let file = ctx.write_file.take().expect("put without a file");
         if !ctx.direct {

@@ -1,0 +1,367 @@
+//! Segment files on a store's roots (decision 0086, `disk::segment`): which
+//! segment this store appends to, where each chunk it knows of lies, the
+//! descriptors it holds, and the publication of written slots by group
+//! commit. What the put and get paths do with a slot is in `write`/`read`.
+//!
+//! Locks: `places` and each open segment's state are leaves (no other lock
+//! is taken while one is held, no I/O under `places`); the index write of a
+//! publication runs with no lock held (its state says one is in flight).
+
+use std::collections::HashMap;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::disk::dirfds::HeldDirs;
+use crate::disk::segment::{self, SegmentIndex, SegmentName, INDEX_BYTES, LOG_DIR};
+use crate::ops::OpId;
+
+use super::OpContext;
+
+/// About this many bytes of slots per segment (`segment::slots_for`).
+pub(super) const SEGMENT_TARGET_BYTES: u64 = 256 << 20;
+/// A lookup that misses reads other writers' indexes at most this often.
+pub(super) const REFRESH_EVERY: Duration = Duration::from_millis(25);
+/// Segment descriptors held per root; beyond it the table starts again.
+const MAX_FILES: usize = 1024;
+
+/// One segment file, open for reading and writing (a reader punches evicted slots).
+pub(super) struct SegmentFile {
+    pub name: SegmentName,
+    fd: OwnedFd,
+}
+
+impl SegmentFile {
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+}
+
+/// Where a chunk of a segment lies.
+#[derive(Clone)]
+pub(super) struct Place {
+    pub root: usize,
+    pub file: Arc<SegmentFile>,
+    pub slot: usize,
+}
+
+impl Place {
+    pub fn file_base(&self) -> u64 {
+        segment::slot_offset(self.slot, self.file.name.slot_bytes)
+    }
+}
+
+/// A 4 KiB-aligned buffer of `len` bytes (O_DIRECT transfers of index blocks).
+struct Aligned {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is owned memory with no thread affinity; access goes through `&`/`&mut self`.
+unsafe impl Send for Aligned {}
+
+impl Aligned {
+    fn new(len: usize) -> Self {
+        let layout = std::alloc::Layout::from_size_align(len, 4096).expect("an aligned layout");
+        // SAFETY: `len` is non-zero (index blocks), so the layout has a non-zero size.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        assert!(!ptr.is_null(), "out of memory for a {len}-byte index buffer");
+        Aligned { ptr, len }
+    }
+
+    fn bytes(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` points to `len` bytes this value owns; `&mut self` makes the borrow unique.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for Aligned {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `new` with this size and alignment, freed once.
+        unsafe { std::alloc::dealloc(self.ptr, std::alloc::Layout::from_size_align(self.len, 4096).unwrap()) };
+    }
+}
+
+/// The segment a writer appends to, and its publications.
+pub(super) struct OpenSegment {
+    pub file: Arc<SegmentFile>,
+    state: Mutex<WriterState>,
+}
+
+struct WriterState {
+    /// What the next publication writes: every slot written so far.
+    index: SegmentIndex,
+    next_slot: usize,
+    /// Puts whose slot is written, waiting for an index that lists it.
+    waiting: Vec<(OpId, OpContext)>,
+    publishing: bool,
+}
+
+/// What a publication found to do.
+pub(super) enum Publication {
+    /// Another thread publishes (the caller's put waits in its queue).
+    Queued,
+    /// Write `seq`'s index and then finish these puts.
+    Write { seq: u64, puts: Vec<(OpId, OpContext)> },
+}
+
+/// A taken slot: where to write.
+pub(super) struct Slot {
+    pub segment: Arc<OpenSegment>,
+    pub slot: usize,
+}
+
+impl Slot {
+    pub fn file_base(&self) -> u64 {
+        segment::slot_offset(self.slot, self.segment.file.name.slot_bytes)
+    }
+}
+
+pub(super) struct RootSegments {
+    pub dir: PathBuf,
+    writing: Mutex<HashMap<u64, Arc<OpenSegment>>>,
+    files: Mutex<HashMap<SegmentName, Arc<SegmentFile>>>,
+    /// Per segment: the publication number last read.
+    seen: Mutex<HashMap<SegmentName, u64>>,
+    /// When a miss last asked for a look.
+    last_refresh: Mutex<Option<Instant>>,
+}
+
+pub(super) struct Segments {
+    pub roots: Vec<RootSegments>,
+    lease: u64,
+    next_seq: AtomicU32,
+    places: Mutex<HashMap<u128, Place>>,
+    direct: Vec<bool>,
+    mode: u32,
+    dir_mode: u32,
+}
+
+fn cvt(r: libc::c_int) -> std::io::Result<()> {
+    if r < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+impl Segments {
+    pub fn new(ns_dirs: &[PathBuf], lease: u64, direct: Vec<bool>, mode: u32, dir_mode: u32) -> Self {
+        let roots = ns_dirs
+            .iter()
+            .map(|ns| RootSegments {
+                dir: ns.join(LOG_DIR),
+                writing: Mutex::default(),
+                files: Mutex::default(),
+                seen: Mutex::default(),
+                last_refresh: Mutex::default(),
+            })
+            .collect();
+        Segments { roots, lease, next_seq: AtomicU32::new(0), places: Mutex::default(), direct, mode, dir_mode }
+    }
+
+    fn flags(&self, root: usize) -> i32 {
+        libc::O_RDWR | libc::O_CLOEXEC | if self.direct[root] { libc::O_DIRECT } else { 0 }
+    }
+
+    /// The next free slot of this writer's segment of `slot_bytes` slots on
+    /// `root`; a full segment is replaced by a new one (created here: the
+    /// caller is a directory worker).
+    pub fn take_slot(&self, held: &HeldDirs, root: usize, slot_bytes: u64) -> std::io::Result<Slot> {
+        let r = &self.roots[root];
+        let mut writing = r.writing.lock().unwrap();
+        if let Some(open) = writing.get(&slot_bytes) {
+            let mut st = open.state.lock().unwrap();
+            if st.next_slot < st.index.slots {
+                st.next_slot += 1;
+                return Ok(Slot { segment: open.clone(), slot: st.next_slot - 1 });
+            }
+        }
+        if !r.dir.is_dir() {
+            crate::disk::layout::create_dir_in(&r.dir, self.dir_mode)?;
+        }
+        // A name of this lease taken already (the same lease after its root came back): the next.
+        let (name, fd) = loop {
+            let name = SegmentName { lease: self.lease, seq: self.next_seq.fetch_add(1, Ordering::Relaxed), slot_bytes };
+            match held.open(&r.dir.join(name.file_name()), self.flags(root) | libc::O_CREAT | libc::O_EXCL, self.mode) {
+                Ok(fd) => break (name, fd),
+                Err(e) if e.raw_os_error() == Some(libc::EEXIST) && name.seq < u32::MAX => continue,
+                Err(e) => return Err(e),
+            }
+        };
+        // SAFETY: `open` returned a descriptor this function owns from here on.
+        let file = Arc::new(SegmentFile { name, fd: unsafe { OwnedFd::from_raw_fd(fd) } });
+        self.remember_file(root, file.clone());
+        let slots = segment::slots_for(slot_bytes, SEGMENT_TARGET_BYTES);
+        let state = WriterState { index: SegmentIndex::new(slot_bytes, slots), next_slot: 1, waiting: Vec::new(), publishing: false };
+        let open = Arc::new(OpenSegment { file, state: Mutex::new(state) });
+        writing.insert(slot_bytes, open.clone());
+        Ok(Slot { segment: open, slot: 0 })
+    }
+
+    fn remember_file(&self, root: usize, file: Arc<SegmentFile>) {
+        let mut files = self.roots[root].files.lock().unwrap();
+        if files.len() >= MAX_FILES {
+            files.clear();
+        }
+        files.insert(file.name, file);
+    }
+
+    /// A written slot's put joins the next publication of its segment.
+    pub fn written(&self, segment: &OpenSegment, slot: usize, hash: u128, id: OpId, ctx: OpContext) -> Publication {
+        let mut st = segment.state.lock().unwrap();
+        st.index.entries[slot] = Some(hash);
+        st.waiting.push((id, ctx));
+        if st.publishing {
+            return Publication::Queued;
+        }
+        st.publishing = true;
+        Publication::Write { seq: st.index.seq + 1, puts: std::mem::take(&mut st.waiting) }
+    }
+
+    /// Writes publication `seq` of `segment` (no lock held meanwhile): the
+    /// index as it stands now, into copy `seq % 2`. On success the index's
+    /// number moves to `seq`; on failure it stays (the next attempt rewrites
+    /// the same copy, never the one in force).
+    pub fn write_index(&self, segment: &OpenSegment, seq: u64) -> std::io::Result<()> {
+        let mut block = Aligned::new(INDEX_BYTES);
+        {
+            let st = segment.state.lock().unwrap();
+            let mut index = st.index.clone();
+            index.seq = seq;
+            index.encode(block.bytes());
+        }
+        let offset = (SegmentIndex::copy_of(seq) * INDEX_BYTES) as libc::off_t;
+        // SAFETY: `block` holds INDEX_BYTES bytes and lives until the call returns.
+        let n = unsafe { libc::pwrite(segment.file.fd(), block.ptr as *const libc::c_void, INDEX_BYTES, offset) };
+        if n < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        if n as usize != INDEX_BYTES {
+            return Err(std::io::Error::from_raw_os_error(libc::EIO));
+        }
+        segment.state.lock().unwrap().index.seq = seq;
+        Ok(())
+    }
+
+    /// After a publication: the puts that completed meanwhile, to publish
+    /// next (the caller loops), or None and the segment is idle.
+    pub fn next_publication(&self, segment: &OpenSegment) -> Option<(u64, Vec<(OpId, OpContext)>)> {
+        let mut st = segment.state.lock().unwrap();
+        if st.waiting.is_empty() {
+            st.publishing = false;
+            return None;
+        }
+        Some((st.index.seq + 1, std::mem::take(&mut st.waiting)))
+    }
+
+    /// A put whose publication failed: its slot is no longer listed.
+    pub fn unlist(&self, segment: &OpenSegment, slot: usize) {
+        segment.state.lock().unwrap().index.entries[slot] = None;
+    }
+
+    pub fn place(&self, hash: u128) -> Option<Place> {
+        self.places.lock().unwrap().get(&hash).cloned()
+    }
+
+    pub fn set_place(&self, hash: u128, place: Place) {
+        self.places.lock().unwrap().insert(hash, place);
+    }
+
+    /// Every chunk with a place: (key hash, chunk file length).
+    pub fn known(&self) -> Vec<(u128, u64)> {
+        self.places.lock().unwrap().iter().map(|(&h, p)| (h, p.file.name.slot_bytes)).collect()
+    }
+
+    pub fn forget(&self, hash: u128) -> Option<Place> {
+        self.places.lock().unwrap().remove(&hash)
+    }
+
+    /// Frees a slot's bytes (eviction): the slot reads as zeros from now on, on every node.
+    pub fn punch(&self, place: &Place) -> std::io::Result<()> {
+        let len = place.file.name.slot_bytes as libc::off_t;
+        // SAFETY: fallocate takes no pointer; the descriptor is open while `place` holds it.
+        cvt(unsafe {
+            libc::fallocate(place.file.fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, place.file_base() as libc::off_t, len)
+        })
+    }
+
+    /// Reads the index of every segment on `root` that changed since the
+    /// last look (all of them the first time), unless the last look a miss
+    /// asked for (`min_gap` > 0) is less than `min_gap` old. Returns the chunks found that this store had no
+    /// place for: (hash, chunk file length). Blocking: a directory worker's.
+    pub fn refresh(&self, held: &HeldDirs, root: usize, min_gap: Duration) -> std::io::Result<Vec<(u128, u64)>> {
+        let r = &self.roots[root];
+        if !min_gap.is_zero() {
+            // Only the looks a miss asks for are spaced out: a periodic one
+            // (`min_gap` 0) must not make a miss right after it wait.
+            let mut last = r.last_refresh.lock().unwrap();
+            if last.is_some_and(|t| t.elapsed() < min_gap) {
+                return Ok(Vec::new());
+            }
+            *last = Some(Instant::now());
+        }
+        let entries = match std::fs::read_dir(&r.dir) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(e) => return Err(e),
+        };
+        let mut found = Vec::new();
+        let mut buf = Aligned::new(2 * INDEX_BYTES);
+        for entry in entries {
+            let entry = entry?;
+            let Some(name) = entry.file_name().to_str().and_then(SegmentName::parse) else { continue };
+            let file = match self.file(held, root, name) {
+                Ok(f) => f,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue, // unlinked meanwhile
+                Err(e) => return Err(e),
+            };
+            // SAFETY: `buf` holds 2 * INDEX_BYTES bytes and lives until the call returns.
+            let n = unsafe { libc::pread(file.fd(), buf.ptr as *mut libc::c_void, 2 * INDEX_BYTES, 0) };
+            if n != (2 * INDEX_BYTES) as isize {
+                continue; // not one publication yet (or shorter than its index): lists nothing
+            }
+            let Some(index) = SegmentIndex::current(buf.bytes()) else { continue };
+            if index.slot_bytes != name.slot_bytes {
+                continue; // not what its name says: never trusted
+            }
+            {
+                let mut seen = r.seen.lock().unwrap();
+                if seen.get(&name).is_some_and(|&s| s >= index.seq) {
+                    continue;
+                }
+                seen.insert(name, index.seq);
+            }
+            let mut places = self.places.lock().unwrap();
+            for (slot, hash) in index.listed() {
+                if let std::collections::hash_map::Entry::Vacant(v) = places.entry(hash) {
+                    v.insert(Place { root, file: file.clone(), slot });
+                    found.push((hash, name.slot_bytes));
+                }
+            }
+        }
+        Ok(found)
+    }
+
+    /// A held descriptor of segment `name` on `root`, opened on first use.
+    fn file(&self, held: &HeldDirs, root: usize, name: SegmentName) -> std::io::Result<Arc<SegmentFile>> {
+        if let Some(f) = self.roots[root].files.lock().unwrap().get(&name) {
+            return Ok(f.clone());
+        }
+        let fd = held.open(&self.roots[root].dir.join(name.file_name()), self.flags(root), 0)?;
+        // SAFETY: `open` returned a descriptor this function owns from here on.
+        let file = Arc::new(SegmentFile { name, fd: unsafe { OwnedFd::from_raw_fd(fd) } });
+        self.remember_file(root, file.clone());
+        Ok(file)
+    }
+
+    /// Forgets every descriptor of `root` (its breaker opened, or it came back).
+    pub fn forget_root(&self, root: usize) {
+        self.roots[root].files.lock().unwrap().clear();
+        self.roots[root].writing.lock().unwrap().clear();
+        self.roots[root].seen.lock().unwrap().clear();
+        self.places.lock().unwrap().retain(|_, p| p.root != root);
+    }
+}
