@@ -112,7 +112,11 @@ impl Core {
         if reserve == 0 {
             return None;
         }
-        let available = files::fs_space_held(&self.held, &self.layout.ns_dirs()[root]).ok()?.available;
+        let sample = || files::fs_space_held(&self.held, &self.layout.ns_dirs()[root]).ok().map(|s| s.available);
+        let available = match &self.segments {
+            Some(segs) => segs.available(root, sample)?,
+            None => sample()?,
+        };
         let pending = self.reserved.load(Ordering::Relaxed);
         let short = reserve.saturating_add(incoming).saturating_add(pending).saturating_sub(available);
         (short > 0).then_some(short)

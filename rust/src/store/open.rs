@@ -124,7 +124,13 @@ impl BlockStore {
             sealing,
             jobs: JobQueue::default(),
             segments: config.segment_files.then(|| {
-                segments::Segments::new(&segment_dirs, lease_id, segment_direct, config.permissions.file_mode, config.permissions.dir_mode)
+                segments::Segments::new(
+                    &segment_dirs,
+                    lease_id,
+                    segment_direct,
+                    (config.permissions.file_mode, config.permissions.dir_mode),
+                    config.capacity_bytes,
+                )
             }),
         });
         // Chunks in other writers' segments, before the ledgers count the index.

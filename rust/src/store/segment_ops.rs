@@ -113,6 +113,7 @@ impl Core {
             } else {
                 index.insert(ctx.hash, len);
                 segs.set_place(ctx.hash, place.clone());
+                segs.wrote(ctx.root, len);
                 // Counted before the room is released: the ledger never dips below what is on disk.
                 self.ledgers.published(ctx.root, len as i64);
             }

@@ -24,6 +24,17 @@ use super::OpContext;
 pub(super) const SEGMENT_TARGET_BYTES: u64 = 256 << 20;
 /// A lookup that misses reads other writers' indexes at most this often.
 pub(super) const REFRESH_EVERY: Duration = Duration::from_millis(25);
+/// How long a segment store trusts a root's free space (`statvfs`, a round
+/// trip on a network filesystem: the only operation left in a put), less what
+/// it wrote since. Other writers' bytes meanwhile are ENOSPC's to catch.
+pub(super) const SPACE_FRESH: Duration = Duration::from_millis(100);
+/// Slots allocated (`fallocate`) ahead of the writes, this many bytes of
+/// them at a time (at most 1/32 of the capacity, at least one slot): a write
+/// into allocated space is no extending write on the brick's filesystem
+/// (decision 0013), and one allocation serves several puts. Allocated slots
+/// not written yet are the only bytes on disk the capacity ledger does not
+/// count: at most this much per writer and chunk size.
+pub(super) const ALLOCATE_AHEAD_BYTES: u64 = 32 << 20;
 /// Segment descriptors held per root; beyond it the table starts again.
 const MAX_FILES: usize = 1024;
 
@@ -94,6 +105,8 @@ struct WriterState {
     /// What the next publication writes: every slot written so far.
     index: SegmentIndex,
     next_slot: usize,
+    /// Slots `[0, allocated)` are allocated on disk.
+    allocated: usize,
     /// Puts whose slot is written, waiting for an index that lists it.
     waiting: Vec<(OpId, OpContext)>,
     publishing: bool,
@@ -127,6 +140,10 @@ pub(super) struct RootSegments {
     seen: Mutex<HashMap<SegmentName, u64>>,
     /// When a miss last asked for a look.
     last_refresh: Mutex<Option<Instant>>,
+    /// Bytes of chunks this store wrote here, and the last free-space sample
+    /// (when, bytes available, what `written` was then).
+    written: std::sync::atomic::AtomicU64,
+    space: Mutex<Option<(Instant, u64, u64)>>,
 }
 
 pub(super) struct Segments {
@@ -137,6 +154,24 @@ pub(super) struct Segments {
     direct: Vec<bool>,
     mode: u32,
     dir_mode: u32,
+    ahead_bytes: u64,
+}
+
+/// Allocates slots from `from` on (the index copies too, with slot 0), at
+/// least `ahead_bytes` of them (one slot at least), at most to the segment's end.
+/// Returns the first slot not allocated. Where `fallocate` is refused, the
+/// writes allocate: every slot counts as allocated.
+fn allocate_ahead(file: &SegmentFile, from: usize, slots: usize, ahead_bytes: u64) -> std::io::Result<usize> {
+    let slot_bytes = file.name.slot_bytes;
+    let upto = (from + ((ahead_bytes / slot_bytes) as usize).max(1)).min(slots);
+    let start = if from == 0 { 0 } else { segment::slot_offset(from, slot_bytes) };
+    let end = segment::slot_offset(upto, slot_bytes);
+    // SAFETY: fallocate takes no pointer; the descriptor is open while `file` is borrowed.
+    match cvt(unsafe { libc::fallocate(file.fd(), 0, start as libc::off_t, (end - start) as libc::off_t) }) {
+        Ok(()) => Ok(upto),
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(slots),
+        Err(e) => Err(e),
+    }
 }
 
 fn cvt(r: libc::c_int) -> std::io::Result<()> {
@@ -148,7 +183,7 @@ fn cvt(r: libc::c_int) -> std::io::Result<()> {
 }
 
 impl Segments {
-    pub fn new(ns_dirs: &[PathBuf], lease: u64, direct: Vec<bool>, mode: u32, dir_mode: u32) -> Self {
+    pub fn new(ns_dirs: &[PathBuf], lease: u64, direct: Vec<bool>, (mode, dir_mode): (u32, u32), capacity: u64) -> Self {
         let roots = ns_dirs
             .iter()
             .map(|ns| RootSegments {
@@ -157,9 +192,12 @@ impl Segments {
                 files: Mutex::default(),
                 seen: Mutex::default(),
                 last_refresh: Mutex::default(),
+                written: std::sync::atomic::AtomicU64::new(0),
+                space: Mutex::default(),
             })
             .collect();
-        Segments { roots, lease, next_seq: AtomicU32::new(0), places: Mutex::default(), direct, mode, dir_mode }
+        let ahead_bytes = ALLOCATE_AHEAD_BYTES.min(capacity / 32);
+        Segments { roots, lease, next_seq: AtomicU32::new(0), places: Mutex::default(), direct, mode, dir_mode, ahead_bytes }
     }
 
     fn flags(&self, root: usize) -> i32 {
@@ -175,8 +213,12 @@ impl Segments {
         if let Some(open) = writing.get(&slot_bytes) {
             let mut st = open.state.lock().unwrap();
             if st.next_slot < st.index.slots {
+                let slot = st.next_slot;
+                if slot >= st.allocated {
+                    st.allocated = allocate_ahead(&open.file, slot, st.index.slots, self.ahead_bytes)?;
+                }
                 st.next_slot += 1;
-                return Ok(Slot { segment: open.clone(), slot: st.next_slot - 1 });
+                return Ok(Slot { segment: open.clone(), slot });
             }
         }
         if !r.dir.is_dir() {
@@ -195,7 +237,16 @@ impl Segments {
         let file = Arc::new(SegmentFile { name, fd: unsafe { OwnedFd::from_raw_fd(fd) } });
         self.remember_file(root, file.clone());
         let slots = segment::slots_for(slot_bytes, SEGMENT_TARGET_BYTES);
-        let state = WriterState { index: SegmentIndex::new(slot_bytes, slots), next_slot: 1, waiting: Vec::new(), publishing: false };
+        let allocated = match allocate_ahead(&file, 0, slots, self.ahead_bytes) {
+            Ok(upto) => upto,
+            Err(e) => {
+                // Nothing is in it yet: not left behind.
+                let _ = held.unlink(&r.dir.join(name.file_name()));
+                return Err(e);
+            }
+        };
+        let state =
+            WriterState { index: SegmentIndex::new(slot_bytes, slots), next_slot: 1, allocated, waiting: Vec::new(), publishing: false };
         let open = Arc::new(OpenSegment { file, state: Mutex::new(state) });
         writing.insert(slot_bytes, open.clone());
         Ok(Slot { segment: open, slot: 0 })
@@ -268,6 +319,26 @@ impl Segments {
 
     pub fn set_place(&self, hash: u128, place: Place) {
         self.places.lock().unwrap().insert(hash, place);
+    }
+
+    /// Counts bytes written into `root`'s segments (for `available`).
+    pub fn wrote(&self, root: usize, bytes: u64) {
+        self.roots[root].written.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// `root`'s free bytes: the last sample less what this store wrote since,
+    /// while the sample is fresher than `SPACE_FRESH`; else `sample()`'s, kept.
+    pub fn available(&self, root: usize, sample: impl FnOnce() -> Option<u64>) -> Option<u64> {
+        let r = &self.roots[root];
+        let written = r.written.load(Ordering::Relaxed);
+        if let Some((at, available, then)) = *r.space.lock().unwrap() {
+            if at.elapsed() < SPACE_FRESH {
+                return Some(available.saturating_sub(written.saturating_sub(then)));
+            }
+        }
+        let available = sample()?;
+        *r.space.lock().unwrap() = Some((Instant::now(), available, written));
+        Some(available)
     }
 
     /// Every chunk with a place: (key hash, chunk file length).
