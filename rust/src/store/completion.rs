@@ -359,7 +359,6 @@ pub(super) fn dir_worker(core: &Core, backend: &dyn Backend, root: usize) {
                 reply.ready.notify_all();
             }
             DirJob::Probe { number } => core.probe_dir(root, number),
-            DirJob::Publish { segment, seq, puts } => core.run_publication(segment, seq, puts),
         }
     }
 }

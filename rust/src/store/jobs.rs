@@ -93,8 +93,6 @@ pub enum DirJob {
     Unlink { hash: u128, len: Option<u64>, reply: std::sync::Arc<LstatReply> },
     /// The breaker's probe numbered so.
     Probe { number: u64 },
-    /// Write a segment's index (publication `seq`) and finish the puts it lists.
-    Publish { segment: std::sync::Arc<super::segments::OpenSegment>, seq: u64, puts: Vec<(OpId, OpContext)> },
 }
 
 #[derive(Default)]

@@ -96,9 +96,16 @@ impl BlockStore {
             self.core.refuse(id, ctx, why);
             return Ok(id);
         }
+        self.core.watch(id, &ctx);
+        // A chunk in a segment this store knows the place of: nothing to open,
+        // nothing that can block (the segment is held open): its transfer is
+        // queued from here, without a directory worker's hand-off (decision 0086).
+        if let Some(place) = self.core.segment_place(ctx.hash, false) {
+            self.core.open_slot(id, ctx, place, &*self.backend);
+            return Ok(id);
+        }
         // The open (and the checks on the open file) can block for as long as
         // the directory is unreachable: on its own workers, never here.
-        self.core.watch(id, &ctx);
         self.core.dirs[ctx.root].push(DirJob::OpenRead { id, ctx });
         Ok(id)
     }

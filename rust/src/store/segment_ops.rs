@@ -1,13 +1,12 @@
 //! The store's side of segment files (decision 0086): a put takes a slot
-//! and is finished by the publication that lists it (on a directory worker:
-//! an index write can block on an unreachable directory); a get reads a slot
+//! and is finished by the publication that lists it (on the chunk worker
+//! that finished its transfer, as a chunk file's rename is); a get reads a slot
 //! through a held descriptor; discovery reads other writers' indexes; an
 //! evicted slot is punched, never unlinked. `segments` holds the state.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::jobs::DirJob;
 use super::segments::{OpenSegment, Place, Publication, REFRESH_EVERY};
 use super::{Core, OpContext};
 use crate::disk::format::HEADER_BYTES;
@@ -63,14 +62,17 @@ impl Core {
     pub(super) fn publish_slot(&self, id: OpId, ctx: OpContext) {
         let segs = self.segments.as_ref().expect("a slot put in a store without segments");
         let slot = ctx.put_slot.as_ref().expect("a slot put without its slot");
-        let (segment, number, hash, root) = (slot.segment.clone(), slot.slot, ctx.hash, ctx.root);
+        let (segment, number, hash) = (slot.segment.clone(), slot.slot, ctx.hash);
         match segs.written(&segment, number, hash, id, ctx) {
             Publication::Queued => {}
-            Publication::Write { seq, puts } => self.dirs[root].push(DirJob::Publish { segment, seq, puts }),
+            // On this chunk worker, as a chunk file's rename is: the index write is one 4 KiB
+            // pwrite, and the hand-off to a directory worker cost more than it (and queued
+            // behind the opens of the next puts there).
+            Publication::Write { seq, puts } => self.run_publication(segment, seq, puts),
         }
     }
 
-    /// A directory worker's publication: writes the index, finishes the puts
+    /// A publication: writes the index, finishes the puts
     /// it lists, and goes on while puts completed meanwhile (group commit).
     pub(super) fn run_publication(&self, segment: Arc<OpenSegment>, mut seq: u64, mut puts: Vec<(OpId, OpContext)>) {
         let segs = self.segments.as_ref().expect("a publication in a store without segments");
