@@ -94,6 +94,31 @@ def test_no_plaintext_on_disk_and_the_slot_is_not_written(store_dir, tmp_path, b
         assert b"KNOWN-PLAINTEXT-PATTERN" not in f.read()
 
 
+def test_sealed_chunks_in_segment_files_round_trip_with_no_plaintext_on_disk(store_dir, tmp_path, backend):
+    """Sealing and segment files together (decisions 0083, 0086): a slot holds the sealed
+    image a chunk file would, read back through another store that finds it by the segment's
+    index; the plaintext is nowhere in the segment."""
+    pool = kv.StagingPool(MiB, 2)
+    a, b = pool.acquire(), pool.acquire()
+    pattern = (b"KNOWN-PLAINTEXT-PATTERN-%04d|" * 40000)[:MiB]
+    key = key_file(tmp_path)
+    with make_store(store_dir, pool, backend=backend, encryption_key_file=key, segment_files=True) as store:
+        for n in (4096, MiB - 100, MiB):
+            assert put(store, pool, a, b"k%d" % n, pattern[:n]).ok
+    assert chunk_files(store_dir) == []
+    # One segment per chunk length: 8 KiB, and 1 MiB + 4 KiB (two chunks).
+    segments = [os.path.join(d, f) for d, _, fs in os.walk(store_dir) for f in fs if f.endswith(".seg")]
+    assert len(segments) == 2, segments
+    for log in segments:
+        with open(log, "rb") as f:
+            assert b"KNOWN-PLAINTEXT-PATTERN" not in f.read()
+    with make_store(store_dir, pool, backend=backend, encryption_key_file=key, segment_files=True) as store:
+        for n in (4096, MiB - 100, MiB):
+            r, got = get(store, pool, b, b"k%d" % n, n)
+            assert (r.status, got == pattern[:n]) == ("ok", True), r
+        assert store.stats()["opened_gets"] == 3
+
+
 def test_a_planted_plaintext_chunk_is_not_ours_and_stays(store_dir, tmp_path, backend):
     pool = kv.StagingPool(MiB, 1)
     s = pool.acquire()

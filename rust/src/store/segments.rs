@@ -21,7 +21,7 @@ use crate::ops::OpId;
 use super::OpContext;
 
 /// About this many bytes of slots per segment (`segment::slots_for`).
-pub(super) const SEGMENT_TARGET_BYTES: u64 = 256 << 20;
+pub(super) const SEGMENT_TARGET_BYTES: u64 = 1 << 30;
 /// A lookup that misses reads other writers' indexes at most this often.
 pub(super) const REFRESH_EVERY: Duration = Duration::from_millis(25);
 /// How long a segment store trusts a root's free space (`statvfs`, a round
@@ -34,7 +34,7 @@ pub(super) const SPACE_FRESH: Duration = Duration::from_millis(100);
 /// (decision 0013), and one allocation serves several puts. Allocated slots
 /// not written yet are the only bytes on disk the capacity ledger does not
 /// count: at most this much per writer and chunk size.
-pub(super) const ALLOCATE_AHEAD_BYTES: u64 = 32 << 20;
+pub(super) const ALLOCATE_AHEAD_BYTES: u64 = 64 << 20;
 /// Segment descriptors held per root; beyond it the table starts again.
 const MAX_FILES: usize = 1024;
 
