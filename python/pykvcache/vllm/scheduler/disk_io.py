@@ -90,8 +90,11 @@ class DiskIo:
         store = self._disk.store
         try:
             read = store.prefetch if background else store.get
-            self.reads[key] = read(key, entry.slot, tenant=tenant)
+            # Before the call: the engine's latency counts from inside it, so a stamp
+            # taken after it returned put the read's end (this + latency) late by the
+            # call's own time (a trace showed a read "ending" after its load was done).
             started = time.monotonic()
+            self.reads[key] = read(key, entry.slot, tenant=tenant)
             self._read_started[key] = started
             self._disk.gating.observe(ReadStarted(started))
             # The get armed the slot's ready word; the slot stays pinned for
