@@ -174,6 +174,18 @@ def engine_in_child(pythonpath: str, mounts: dict[str, Path], run_dir: str, n: i
     return json.loads(proc.stdout.splitlines()[-1])
 
 
+def _timed_phase(mount: Path, tag: str, qd: int, each, n: int, chunk: int, first=None) -> dict:
+    """``each(i)`` for every chunk with ``qd`` threads (after ``first()``), timed and
+    counted on ``mount``: GB/s and the operations the client sent."""
+    with Counted(mount, tag) as c, ThreadPoolExecutor(qd) as pool:
+        t0 = time.monotonic()
+        if first is not None:
+            first()
+        list(pool.map(each, range(n)))
+        dt = time.monotonic() - t0
+    return {"gbps": n * chunk / dt / 1e9, "ops": c.ops}
+
+
 def layout_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: int, tag: str, layout: str) -> dict:
     """A layout's bound (see the module's docs): node A writes ``n`` chunks of
     ``chunk`` bytes and a 4 KiB header block each, ``qd`` at a time, into one
@@ -204,11 +216,7 @@ def layout_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: i
             if named:
                 os.symlink(f"chunks:{i * image}:{image}", f"c{i:06d}", dir_fd=names)
 
-        with Counted(mounts["a"], f"{tag}-put") as c, ThreadPoolExecutor(qd) as pool:
-            t0 = time.monotonic()
-            list(pool.map(put, range(n)))
-            dt = time.monotonic() - t0
-        out["put"] = {"gbps": n * chunk / dt / 1e9, "ops": c.ops}
+        out["put"] = _timed_phase(mounts["a"], f"{tag}-put", qd, put, n, chunk)
     finally:
         os.close(names)
         os.close(fd)
@@ -230,13 +238,11 @@ def layout_case(mounts: dict[str, Path], run_dir: str, n: int, chunk: int, qd: i
             if os.preadv(fd, [own.buf], offset) != length or own.buf[:16] != data[:16]:
                 raise OSError(f"chunk {i} read back wrong")
 
-        with Counted(mounts["b"], f"{tag}-get") as c, ThreadPoolExecutor(qd) as pool:
-            t0 = time.monotonic()
-            if start and os.preadv(fd, [index_block], 0) != 4096:  # the reader learns the index once
+        def learn_index() -> None:  # the reader reads the index once, timed with the gets
+            if start and os.preadv(fd, [index_block], 0) != 4096:
                 raise OSError("short read of the index")
-            list(pool.map(get, range(n)))
-            dt = time.monotonic() - t0
-        out["get"] = {"gbps": n * chunk / dt / 1e9, "ops": c.ops}
+
+        out["get"] = _timed_phase(mounts["b"], f"{tag}-get", qd, get, n, chunk, first=learn_index)
     finally:
         os.close(names)
         os.close(fd)
