@@ -282,6 +282,12 @@ def holes_probe(mounts: dict[str, Path], brick: Path | None) -> list[str]:
             zeros = back[hole[0] : hole[0] + hole[1]] == bytes(hole[1])
             kept = back[: hole[0]] == data[: hole[0]] and back[hole[0] + hole[1] :] == data[hole[0] + hole[1] :]
             rows.append(f"| read through mount B | hole all zeros: {zeros}; the rest unchanged: {kept} |")
+            # Where a store looks before it punches a slot, and whether a segment is empty.
+            try:
+                seen = (os.lseek(fdb, hole[0], os.SEEK_DATA) // MiB, os.lseek(fdb, 0, os.SEEK_HOLE) // MiB)
+                rows.append(f"| SEEK_DATA from the hole's start, SEEK_HOLE from 0, through mount B | {seen[0]} MiB, {seen[1]} MiB |")
+            except OSError as e:
+                rows.append(f"| SEEK_DATA/SEEK_HOLE through mount B | refused: {e.strerror} |")
             os.close(fd)
             fd = -1
             os.unlink(mounts["a"] / name)

@@ -77,7 +77,9 @@ def probe_storage_dir(path: str | PathLike[str], *, file_mode: int = 0o600) -> d
     harmless), ``o_direct_settable_after_open`` (recorded only: chunk files
     are opened with O_DIRECT from the start, as GPFS ignores it set later) and
     ``rename_noreplace`` (``renameat2(RENAME_NOREPLACE)`` works: GlusterFS's
-    client refuses it, and a store there publishes with a plain rename at once)."""
+    client refuses it, and a store there publishes with a plain rename at once)
+    and ``punch_hole`` (a punched hole reads back as zeros: ``segment_files="auto"``
+    writes segment files only there)."""
 
 def check_storage_dir(path: str | PathLike[str], *, allow_insecure_root: bool = False) -> None:
     """Raises the ``ValueError`` opening a store on the existing directory
@@ -153,6 +155,7 @@ class StoreStats(TypedDict):
     other_namespace_chunks: int
     other_namespace_bytes: int
     other_namespace_evictions: int
+    segments_unlinked: int
     capacity_bytes: int
     configured_capacity_bytes: int
     min_free_bytes: list[int]
@@ -406,7 +409,7 @@ class BlockStore:
         recycle_files: bool = True,
         background_scan: bool = False,
         preallocate: bool = True,
-        segment_files: bool = False,
+        segment_files: bool | Literal["auto"] = "auto",
         dir_mode: int = 0o700,
         file_mode: int = 0o600,
         allow_insecure_root: bool = False,
@@ -549,6 +552,9 @@ class BlockStore:
     @property
     def direct_io(self) -> bool:
         """Whether files are really opened with O_DIRECT."""
+    @property
+    def segment_files(self) -> bool:
+        """Whether new chunks go into segment files (``segment_files`` as resolved at open)."""
     @property
     def namespace_dir(self) -> list[str]: ...
     @property

@@ -48,5 +48,6 @@ pub use staging::StagingPool;
 pub use stats::Stats;
 pub use store::config::defaults;
 pub use store::{
-    BackendChoice, BlockStore, FreeSpaceReserve, OpenReport, RegionId, SealingSnapshot, StoreConfig, StoreSnapshot, VerifyPolicy,
+    BackendChoice, BlockStore, FreeSpaceReserve, OpenReport, RegionId, SealingSnapshot, SegmentFiles, StoreConfig, StoreSnapshot,
+    VerifyPolicy,
 };

@@ -61,7 +61,7 @@ impl PyBlockStore {
                         write_segment_bytes=defaults::WRITE_SEGMENT_BYTES, max_inflight=defaults::MAX_INFLIGHT,
                         submit_timeout=Some(defaults::SUBMIT_TIMEOUT_S), io_threads=defaults::IO_THREADS,
                         chunk_workers=defaults::CHUNK_WORKERS, verify=defaults::VERIFY, recycle_files=true, background_scan=false,
-                        preallocate=true, segment_files=false, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
+                        preallocate=true, segment_files=defaults::SEGMENT_FILES, dir_mode=defaults::DIR_MODE, file_mode=defaults::FILE_MODE, allow_insecure_root=false,
                         min_free_bytes=None, min_free_fraction=None, io_deadline=None, refresh_interval_s=defaults::REFRESH_INTERVAL_S,
                         encryption_key_file=None, encryption_previous_key_file=None, seal_buffers=defaults::SEAL_BUFFERS,
                         _fault_max_transfer=None, _fault_fail_nth=None))]
@@ -86,7 +86,7 @@ impl PyBlockStore {
         recycle_files: bool,
         background_scan: bool,
         preallocate: bool,
-        segment_files: bool,
+        #[pyo3(from_py_with = segment_files_arg)] segment_files: store::SegmentFiles,
         dir_mode: u32,
         file_mode: u32,
         allow_insecure_root: bool,
@@ -322,6 +322,10 @@ impl PyBlockStore {
         self.inner.direct_io()
     }
     #[getter]
+    fn segment_files(&self) -> bool {
+        self.inner.segment_files()
+    }
+    #[getter]
     fn namespace_dir(&self) -> Vec<String> {
         self.inner.namespace_dirs().iter().map(|p| p.display().to_string()).collect()
     }
@@ -375,6 +379,7 @@ fn engine_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("submit_timeout", defaults::SUBMIT_TIMEOUT_S)?;
     d.set_item("backend", defaults::BACKEND)?;
     d.set_item("direct_io", defaults::DIRECT_IO)?;
+    d.set_item("segment_files", segment_files_name(py, defaults::SEGMENT_FILES))?;
     d.set_item("verify", defaults::VERIFY)?;
     d.set_item("dir_mode", defaults::DIR_MODE)?;
     d.set_item("file_mode", defaults::FILE_MODE)?;

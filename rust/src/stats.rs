@@ -58,6 +58,9 @@ pub struct Stats {
     /// Evicted chunks of other namespaces under the roots (the capacity
     /// spans them: decision 0053); also counted in `evictions`.
     pub other_namespace_evictions: AtomicU64,
+    /// Segment files (decision 0086) unlinked because nobody adds a slot to
+    /// them any more and every slot they list was punched.
+    pub segments_unlinked: AtomicU64,
     /// Anomalies the engine survived instead of panicking (a completion for
     /// an operation not in flight, ...): each is also written to stderr.
     pub internal_errors: AtomicU64,
@@ -149,6 +152,7 @@ impl Stats {
             ("refresh_errors", g(&self.refresh_errors)),
             ("auto_refresh_starts", g(&self.auto_refresh_starts)),
             ("other_namespace_evictions", g(&self.other_namespace_evictions)),
+            ("segments_unlinked", g(&self.segments_unlinked)),
             ("internal_errors", g(&self.internal_errors)),
             ("sealed_puts", g(&self.sealed_puts)),
             ("opened_gets", g(&self.opened_gets)),

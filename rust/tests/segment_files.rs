@@ -3,7 +3,10 @@
 //! index are read by the writer, by another store on the same directory
 //! (found at its open, or when a get misses), after a restart; a slot no
 //! index lists is never found; a torn index leaves the previous one in force;
-//! an evicted slot is punched and is a miss, not a corrupt chunk, elsewhere.
+//! an evicted slot is punched and is a miss, not a corrupt chunk, elsewhere;
+//! another namespace's slots count against the capacity and are evicted
+//! first when stalest; a punched slot is not counted after a restart; an
+//! emptied, sealed segment is unlinked.
 
 mod common;
 
@@ -12,7 +15,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use common::{fill, payload, wait, T};
-use pykvcache::{chunk_file_bytes, BackendChoice, BlockStore, MissKind, StagingPool, Status, StoreConfig};
+use pykvcache::{chunk_file_bytes, BackendChoice, BlockStore, MissKind, SegmentFiles, StagingPool, Status, StoreConfig};
 
 const PAYLOAD: usize = 60 << 10;
 const INDEX_BYTES: u64 = 4096;
@@ -20,7 +23,7 @@ const INDEX_BYTES: u64 = 4096;
 fn config(dir: &Path, capacity_chunks: u64) -> StoreConfig {
     let mut c = StoreConfig::new(vec![dir.to_path_buf()], "segments", capacity_chunks * chunk_file_bytes(PAYLOAD) as u64);
     c.backend = BackendChoice::IoUring;
-    c.segment_files = true;
+    c.segment_files = SegmentFiles::On;
     c.min_free = pykvcache::FreeSpaceReserve::AtLeast { bytes: 0, fraction: 0.0 };
     c
 }
@@ -31,6 +34,26 @@ fn pool() -> Arc<StagingPool> {
 
 fn open(dir: &Path, capacity_chunks: u64, pool: &Arc<StagingPool>) -> BlockStore {
     BlockStore::open(config(dir, capacity_chunks), pool.clone()).expect("open").0
+}
+
+/// A store of namespace `ns`; `writes`: with segment files, else one file per chunk.
+fn open_ns(dir: &Path, ns: &str, capacity_chunks: u64, writes: bool, pool: &Arc<StagingPool>) -> BlockStore {
+    let mut c = config(dir, capacity_chunks);
+    c.namespace = ns.into();
+    c.segment_files = if writes { SegmentFiles::On } else { SegmentFiles::Off };
+    BlockStore::open(c, pool.clone()).expect("open").0
+}
+
+/// Every segment file under `root`, any namespace.
+fn all_segments(root: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for ns in std::fs::read_dir(root).unwrap().flatten() {
+        if let Ok(log) = std::fs::read_dir(ns.path().join("log")) {
+            out.extend(log.flatten().map(|e| e.path()));
+        }
+    }
+    out.sort();
+    out
 }
 
 fn seed(i: usize) -> u8 {
@@ -113,12 +136,12 @@ fn a_slot_no_index_lists_is_never_found_and_a_torn_index_leaves_the_previous_one
     let dir = tempfile::tempdir().unwrap();
     let other = tempfile::tempdir().unwrap();
     let p = pool();
-    // Two publications at queue depth 1: k0 alone (copy B), then k0 and k1 (copy A).
+    // Two publications at queue depth 1: k0 alone (copy B), then k0 and k1 (copy A). The
+    // writer stays open (its close would seal the segment with a third publication).
     let a = open(dir.path(), 1000, &p);
     put_all(&a, &p, &[0]);
     put_all(&a, &p, &[1]);
     let seg = segments(&a).pop().unwrap();
-    drop(a);
     let slot_bytes = chunk_file_bytes(PAYLOAD) as u64;
     // A sound chunk image of k2, written into slot 2 as a crashed writer
     // would have left it: data on disk, no publication.
@@ -139,6 +162,7 @@ fn a_slot_no_index_lists_is_never_found_and_a_torn_index_leaves_the_previous_one
     let c = open(dir.path(), 1000, &p);
     assert_eq!(get(&c, &p, 0).status, Status::Ok);
     assert_eq!(get(&c, &p, 1).status, Status::Miss, "a torn index was trusted");
+    drop(a);
 }
 
 #[test]
@@ -166,6 +190,60 @@ fn an_evicted_slot_is_punched_and_another_store_gets_a_miss_not_a_corrupt_chunk(
     assert_eq!((o.status, o.miss_kind), (Status::Miss, Some(MissKind::Absent)), "{}", o.message);
     assert_eq!(common::counter(&b, "corrupt_chunks"), 0);
     for i in 8..24 {
+        assert_eq!(get(&b, &p, i).status, Status::Ok, "chunk {i}");
+    }
+}
+
+#[test]
+fn another_namespaces_slots_count_against_the_capacity_and_punched_ones_are_not_counted_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = pool();
+    let slot = chunk_file_bytes(PAYLOAD) as u64;
+    // Namespace "a" writes 12 chunks into a segment, and closes (sealing it).
+    let a = open_ns(dir.path(), "a", 1000, true, &p);
+    put_all(&a, &p, &(0..12).collect::<Vec<_>>());
+    drop(a);
+    // A store of namespace "b" with one file per chunk and room for 16 finds them at open...
+    let b = open_ns(dir.path(), "b", 16, false, &p);
+    assert_eq!(b.other_namespace_usage(), (12, 12 * slot), "the other namespace's chunks in segments");
+    // ...and its 12 chunks evict the 8 stalest of them, "a"'s (their slots punched).
+    put_all(&b, &p, &(100..112).collect::<Vec<_>>());
+    assert_eq!(common::counter(&b, "other_namespace_evictions"), 8);
+    // What "a" allocated ahead and did not use went back at its close.
+    let held: u64 = all_segments(dir.path()).iter().map(|s| std::fs::metadata(s).unwrap().blocks() * 512).sum();
+    assert!(held <= 4 * slot + 2 * INDEX_BYTES, "8 of 12 slots punched: {held} bytes allocated");
+    drop(b);
+    // Reopened, "a" counts the 4 chunks left, not the 12 its index lists.
+    let a = open_ns(dir.path(), "a", 1000, true, &p);
+    assert_eq!(a.len(), 4, "slots punched since their publication were counted");
+    for i in 0..12 {
+        assert_eq!(get(&a, &p, i).status, if i < 8 { Status::Miss } else { Status::Ok }, "chunk {i}");
+    }
+    assert_eq!(common::counter(&a, "corrupt_chunks"), 0);
+}
+
+#[test]
+fn a_sealed_segment_whose_slots_are_all_punched_is_unlinked_by_a_walk() {
+    let dir = tempfile::tempdir().unwrap();
+    let p = pool();
+    let a = open_ns(dir.path(), "a", 1000, true, &p);
+    put_all(&a, &p, &(0..8).collect::<Vec<_>>());
+    // Until its refresh thread's next transaction (within a second), the capacity ledger
+    // counts a live writer's last chunks as in flight: a store that evicts them meanwhile
+    // cannot tell, and refuses its put (the shared capacity's own rule, decision 0053).
+    std::thread::sleep(std::time::Duration::from_millis(2500));
+    let b = open_ns(dir.path(), "b", 8, true, &p);
+    // "a" still writes its segment: however empty, it stays.
+    put_all(&b, &p, &(100..108).collect::<Vec<_>>());
+    assert_eq!(common::counter(&b, "other_namespace_evictions"), 8);
+    b.refresh().unwrap();
+    assert_eq!(all_segments(dir.path()).len(), 2, "a segment its live writer may add to was unlinked");
+    // Closed, "a" sealed it: the next walk finds it emptied and unlinks it.
+    drop(a);
+    b.refresh().unwrap();
+    assert_eq!(common::counter(&b, "segments_unlinked"), 1);
+    assert_eq!(all_segments(dir.path()), segments(&b), "only b's segment is left");
+    for i in 100..108 {
         assert_eq!(get(&b, &p, i).status, Status::Ok, "chunk {i}");
     }
 }

@@ -35,7 +35,17 @@ def main():
     # The subject is the capacity, not stalls (the partition tests have those): a deadline far
     # above a put on a saturated 2-core CI host, where GlusterFS once took over the default 2 s
     # for one put (skipped, an error here, and its slot still in flight for the next put).
-    store = kv.BlockStore([store_dir], pool, namespace=namespace, capacity_bytes=int(capacity), min_free_bytes=0, io_deadline=30.0)
+    # PYKVCACHE_TEST_SEGMENT_FILES=1: chunks in segment files (decision 0086).
+    segment_files = os.environ.get("PYKVCACHE_TEST_SEGMENT_FILES") == "1"
+    store = kv.BlockStore(
+        [store_dir],
+        pool,
+        namespace=namespace,
+        capacity_bytes=int(capacity),
+        min_free_bytes=0,
+        io_deadline=30.0,
+        segment_files=segment_files,
+    )
     print("ready", flush=True)
     assert sys.stdin.readline().strip() == "go"
     errors = skipped = i = 0

@@ -11,9 +11,11 @@ import sys
 from child_paths import child
 
 
-def held_bytes(root) -> int:
+def held_bytes(root, allocated: bool = False) -> int:
     """Bytes of every file in the namespace directories under ``root`` (chunks and
-    visible temporary files), each inode once (a file renamed during the walk is one)."""
+    visible temporary files), each inode once (a file renamed during the walk is one);
+    ``allocated``: the blocks each holds, not its size (sparse segment files, whose
+    evicted slots are holes)."""
     seen, total = set(), 0
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = [d for d in dirnames if d != ".writers"]
@@ -26,11 +28,11 @@ def held_bytes(root) -> int:
                 continue
             if st.st_ino not in seen:
                 seen.add(st.st_ino)
-                total += st.st_size
+                total += st.st_blocks * 512 if allocated else st.st_size
     return total
 
 
-def run_writers(dirs, capacity, seconds, rate, sample, min_puts=0):
+def run_writers(dirs, capacity, seconds, rate, sample, min_puts=0, env=None):
     """One writer process per entry of ``dirs`` (each its own namespace) writes for
     ``seconds`` at ``rate`` bytes/s (0: full speed), and at least ``min_puts`` puts;
     all close together. ``sample()``
@@ -49,7 +51,11 @@ def run_writers(dirs, capacity, seconds, rate, sample, min_puts=0):
             str(seconds),
             str(rate),
         ]
-        procs.append(subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(
+            subprocess.Popen(
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+            )
+        )
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "ready", p.stderr.read()

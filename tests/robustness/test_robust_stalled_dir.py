@@ -201,10 +201,17 @@ def test_filesystem_quirks_are_probed_not_assumed(tmp_path):
         got = kv.probe_storage_dir(fs.mount_point)
         assert got["o_direct"] and got["fallocate"]
         assert got["unaligned_o_direct_accepted"] is True, "FUSE, like NFS, accepts unaligned O_DIRECT"
+        # Its fallocate allocates whatever the mode: a "punched" hole keeps its bytes, so a
+        # store there writes one file per chunk, FUSE or not (decision 0086).
+        assert got["punch_hole"] is False, got
+        pool = kv.StagingPool(MiB, 1)
+        with kv.BlockStore([str(fs.mount_point)], pool, namespace="p", capacity_bytes=1 << 30) as store:
+            assert store.segment_files is False
     local = tmp_path / "local"
     local.mkdir()
     got = kv.probe_storage_dir(local)
     assert got["rename_noreplace"] is True, got  # ext4, tmpfs, xfs, btrfs
+    assert got["punch_hole"] is True, got
     if got["o_direct"]:
         assert got["unaligned_o_direct_accepted"] is False, got
 

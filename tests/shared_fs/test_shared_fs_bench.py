@@ -63,7 +63,8 @@ OPS_SCRIPT = SCRIPT.with_name("shared_fs_ops.py")
 def test_the_ops_count_says_what_a_chunk_costs_beside_fio(gluster, tmp_path):
     """scripts/shared_fs_ops.py on the suite's mounts, one small case: the
     clients' counters give the engine's operations per chunk, READ and WRITE
-    apart, and fio's on the same mounts."""
+    apart, and fio's on the same mounts; one file per chunk against the
+    default there, segment files (decision 0086)."""
     import glusterfs
 
     sys.path.insert(0, str(SCRIPT.parent))
@@ -73,20 +74,27 @@ def test_the_ops_count_says_what_a_chunk_costs_beside_fio(gluster, tmp_path):
         gluster.cli("volume", "set", glusterfs.VOLUME, key, "on")
     out = tmp_path / "ops.json"
     try:
-        args = ["--chunks", "1", "--qd", "2", "--mib", "2", "--repeats", "1", "--layouts", "--json", str(out)]
+        engines = ["--engine", "files=;segment_files=false", "--engine", "default="]
+        args = ["--chunks", "1", "--qd", "2", "--mib", "2", "--repeats", "1", "--layouts", *engines, "--json", str(out)]
         mounts = ["--mount-a", str(gluster.mounts["a"]), "--mount-b", str(gluster.mounts["b"])]
         proc = subprocess.run([sys.executable, str(OPS_SCRIPT), *args, *mounts], capture_output=True, text=True, timeout=300)
     finally:
         for key in shared_fs_ops.COUNTING:
             gluster.cli("volume", "set", glusterfs.VOLUME, key, "off")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    row, *bounds = json.loads(out.read_text())
-    assert row["chunks"] == 16 and "| pykvcache | 1 MiB | 2 |" in proc.stdout
+    row, segments, *bounds = json.loads(out.read_text())
+    assert row["chunks"] == 16 and "| files | 1 MiB | 2 |" in proc.stdout
     for tool in ("pykvcache", "fio"):
         for phase in ("put", "get"):
             ops = row[tool][phase]["ops"]
             assert row[tool][phase]["gbps"] > 0, (tool, phase)
             assert ops.get("WRITE" if phase == "put" else "READ", 0) >= 16, (tool, phase, ops)
+    # The default on a network filesystem: no name per chunk. One segment
+    # created for the 16 chunks; a get opens nothing (its segment is held).
+    seg_put, seg_get = segments["pykvcache"]["put"]["ops"], segments["pykvcache"]["get"]["ops"]
+    assert segments["engine"] == "default" and seg_put.get("CREATE", 0) <= 1 and "RENAME" not in seg_put, seg_put
+    assert seg_get.get("OPEN", 0) <= 1 and seg_put["WRITE"] >= 16, (seg_put, seg_get)
+    assert shared_fs_ops.per_chunk(seg_put, 16)[0] < shared_fs_ops.per_chunk(row["pykvcache"]["put"]["ops"], 16)[0] / 3
     # A put creates and renames a file: metadata a fio block does not pay.
     put = row["pykvcache"]["put"]["ops"]
     assert put.get("CREATE") == 16 and put.get("RENAME") == 16, put

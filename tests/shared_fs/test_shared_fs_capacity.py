@@ -44,6 +44,32 @@ def test_writers_on_two_nodes_never_hold_more_than_a_tenth_over_the_capacity(glu
     assert max(after) <= bound, f"{after} bytes on the brick after the closes for a capacity of {capacity}"
 
 
+def test_segment_writers_on_two_nodes_never_hold_more_than_a_tenth_over_the_capacity(gluster, shared_dirs):
+    """The same bound with chunks in segment files (decision 0086): an evicted
+    slot is a hole punched on the brick, so what the brick holds is the
+    segments' allocated blocks, sampled the same way."""
+    capacity, seconds, writers = 2 << 20, 2.0, 2
+    dirs = [shared_dirs[i % 2] for i in range(writers)]
+    on_brick = gluster.brick / shared_dirs[0].name
+    min_puts = -(-3 * capacity // (FILE_LEN * writers))
+    env = {"PYKVCACHE_TEST_SEGMENT_FILES": "1"}
+    during, after, reports = run_writers(
+        dirs, capacity, seconds, 0, lambda: held_bytes(on_brick, allocated=True), min_puts=min_puts, env=env
+    )
+    puts = sum(r["puts"] - r["skipped"] for r in reports)
+    print(
+        f"GlusterFS, segment files, {writers} writers: {puts} chunks stored, peak {max(during) / capacity:.3f}x, after {max(after) / capacity:.3f}x"
+    )
+    assert all(r["errors"] == 0 for r in reports), reports
+    assert puts * FILE_LEN > capacity * 3 // 2, ("the capacity was under pressure", reports)
+    assert sum(r["skipped"] for r in reports) * 20 <= puts, reports
+    segments = [f for _, _, fs in os.walk(on_brick) for f in fs if f.endswith(".seg")]
+    assert segments and not chunk_files(on_brick), "the writers wrote chunk files"
+    # Two segments' index blocks beside the chunks (8 KiB each): within the tenth.
+    bound = capacity * 11 // 10
+    assert max(during) <= bound and max(after) <= bound, (max(during), max(after), capacity)
+
+
 def _ledger_records(root) -> tuple[int, dict[int, int]]:
     """The capacity ledger of ``root`` (disk/ledger.rs: magic, published, records):
     published bytes, and each writer's bytes in flight and taken ahead."""
@@ -67,7 +93,9 @@ def test_room_a_writer_took_ahead_is_given_back_after_its_last_put(shared_dirs):
         for i in range(3):
             r = put_bytes(store, pool, slot, b"credit-%d" % i, payload_for(b"credit-%d" % i, payload, payload))
             assert r.ok, (r.status, r.message)
-        chunk_bytes = sum(os.path.getsize(p) for p in chunk_files(a_dir))
+        # Their slots' bytes, in segment files (the default on a network filesystem).
+        chunk_bytes = store.stats()["used_bytes"]
+        assert store.segment_files and chunk_bytes >= 3 * payload, chunk_bytes
         deadline = time.monotonic() + 10
         while True:
             published, records = _ledger_records(b_dir)  # read through the other node

@@ -47,6 +47,24 @@ def _two_nodes(a_dir, b_dir, **kw):
 LAYOUTS = pytest.mark.parametrize("segment_files", [False, True], ids=["chunk-files", "segment-files"])
 
 
+def test_segment_files_are_the_default_on_a_network_filesystem_only(shared_dirs, tmp_path):
+    """``segment_files="auto"`` (the default): segment files where the directory is
+    on a network or FUSE filesystem that punches holes (the GlusterFS mounts), one
+    file per chunk on a local disk; True/False force it; anything else is refused."""
+    pool = kv.StagingPool(PAYLOAD, 1)
+    for directory, want in ((shared_dirs[0], True), (tmp_path, False)):
+        store = _store(directory, pool)
+        try:
+            assert store.segment_files is want, directory
+        finally:
+            store.close()
+    store = _store(tmp_path, pool, segment_files=True)
+    assert store.segment_files
+    store.close()
+    with pytest.raises(ValueError, match='segment_files must be True, False or "auto"'):
+        _store(tmp_path, pool, segment_files="yes")
+
+
 @LAYOUTS
 def test_a_chunk_published_on_one_node_is_found_and_verified_on_the_other(shared_dirs, segment_files):
     a_dir, b_dir = shared_dirs
@@ -88,7 +106,8 @@ def test_a_shard_directory_the_other_node_removed_and_made_again_is_used_again(s
     dead: the next get there is a miss, the next put lands in the directory now
     at the path, and the other node reads it back."""
     a_dir, b_dir = shared_dirs
-    with _two_nodes(a_dir, b_dir) as (a, pool_a, sa, b, pool_b, sb):
+    # Chunk files (a layout of their own since segment files are the default here).
+    with _two_nodes(a_dir, b_dir, segment_files=False) as (a, pool_a, sa, b, pool_b, sb):
         key = b"shard-made-again"
         data = payload_for(key, PAYLOAD, PAYLOAD)
         assert put_bytes(a, pool_a, sa, key, data).ok
@@ -233,8 +252,9 @@ def test_with_gluster_default_caching_a_recycled_file_is_never_served_as_the_old
     pool_a, pool_b = kv.StagingPool(PAYLOAD, 2), kv.StagingPool(PAYLOAD, 2)
     from pykvcache._core import chunk_file_bytes
 
-    a = _store(a_dir, pool_a, capacity=chunk_file_bytes(PAYLOAD))
-    b = _store(b_dir, pool_b)
+    # Recycled chunk files: one file per chunk (segment files are the default here).
+    a = _store(a_dir, pool_a, capacity=chunk_file_bytes(PAYLOAD), segment_files=False)
+    b = _store(b_dir, pool_b, segment_files=False)
     sa, sb = pool_a.acquire(), pool_b.acquire()
     statuses = {}
     try:

@@ -93,6 +93,9 @@ def nodes(gluster, tiny_model, tmp_path_factory):
         + [{"op": "events_take"}],
     }
     a, _ = run_driver(child("driver.py"), node_a, work, "node-a")
+    # What node A wrote: segment files (.seg), the default on a network filesystem, or chunk files (.kvc).
+    written = [p.name for p in a_dir.rglob("*") if p.is_file()]
+    a_layout = (sum(n.endswith(".seg") for n in written), sum(n.endswith(".kvc") for n in written))
     ns_b = gluster.netns["b"]
     link = ["ip", "-n", ns_b, "link", "set", "kvc"]
     reset = {"op": "reset_prefix_cache"}
@@ -154,6 +157,7 @@ def nodes(gluster, tiny_model, tmp_path_factory):
         times = ", ".join(f"{p['name']}={p.get('generate_s', p['seconds'])}s" for p in result["phases"])
         print(f"startup={result['startup_s']}s {times}", file=sys.stderr)
     b["by_name"]["_order"] = b["phases"]  # the phases in order (names repeat: reset_prefix_cache)
+    a["by_name"]["_layout"] = a_layout
     return a["by_name"], b["by_name"]
 
 
@@ -165,6 +169,8 @@ def test_a_prefix_stored_on_node_a_is_served_from_the_store_on_node_b(nodes):
     a, b = nodes
     q = b["Q"]
     assert a["Q"]["num_cached_tokens"] == [0]
+    segments, chunk_files = a["_layout"]
+    assert segments >= 1 and chunk_files == 0, "node A did not write segment files (decision 0086)"
     assert q["num_cached_tokens"][0] >= 13 * CHUNK_TOKENS, q["num_cached_tokens"]
     assert _metric(q, "disk_reads") >= 13
     assert _metric(q, "corrupt_chunks") == 0

@@ -320,8 +320,10 @@ class PykvcacheConfig:
     # storage that checksums itself; docs/performance.md has the CPU it saves).
     verify: str = key(ENGINE_DEFAULTS["verify"], check=choice(VERIFY_MODES), store="verify")
     register_buffers: bool = key(True, check=flag, store="register_buffers")
-    # Chunks in slots of segment files, for network filesystems (decision 0086).
-    segment_files: bool = key(False, check=flag, store="segment_files")
+    # Chunks in slots of segment files (decision 0086): "auto" = on network and FUSE filesystems that punch holes.
+    segment_files: bool | str = key(
+        ENGINE_DEFAULTS["segment_files"], check=either('"auto", true or false', literal("auto"), flag), store="segment_files"
+    )
     max_inflight_writes: int = key(64, check=count(1, MAX_COUNT), null_is_default=True)
     offload_prompt_only: bool = key(False, check=flag)
     model_id: str | None = key(None, check=label, null_is_default=True)

@@ -48,6 +48,8 @@ pub struct FsSupport {
     /// refuses it (EINVAL) after walking both paths (18 FUSE operations on
     /// the suite's volume): where it cannot work, publish does not ask.
     pub rename_noreplace: bool,
+    /// `fallocate(PUNCH_HOLE)` frees a range (segment files free an evicted slot so).
+    pub punch_hole: bool,
 }
 
 /// A file opened for writing a new chunk, not yet visible under its name.
@@ -440,14 +442,15 @@ pub fn probe(dir: &Path, mode: u32) -> FsSupport {
         Err(_) => false,
     };
     let probe_path = dir.join(format!("{TEMP_PREFIX}probe-{}-{}", std::process::id(), TEMP_COUNTER.fetch_add(1, Ordering::Relaxed)));
-    let fallocate = match open_raw(&probe_path, libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, mode) {
+    let (fallocate, punch_hole) = match open_raw(&probe_path, libc::O_CREAT | libc::O_EXCL | libc::O_RDWR, mode) {
         Ok(fd) => {
             let ok = preallocate(fd, IO_ALIGN).is_ok();
+            let punched = punches_holes(fd);
             close(fd);
             let _ = std::fs::remove_file(&probe_path);
-            ok
+            (ok, punched)
         }
-        Err(_) => false,
+        Err(_) => (false, false),
     };
     let direct = match open_raw(&probe_path, libc::O_CREAT | libc::O_EXCL | libc::O_RDWR | libc::O_DIRECT, mode) {
         Ok(fd) => {
@@ -483,7 +486,25 @@ pub fn probe(dir: &Path, mode: u32) -> FsSupport {
     }
     let rename_noreplace = probe_rename_noreplace(&probe_path, mode);
     let _ = std::fs::remove_file(&probe_path);
-    FsSupport { direct, tmpfile, fallocate, direct_unaligned, direct_set_after_open, rename_noreplace }
+    FsSupport { direct, tmpfile, fallocate, direct_unaligned, direct_set_after_open, rename_noreplace, punch_hole }
+}
+
+/// Whether a hole punched in `fd` (a fresh file) reads back as zeros:
+/// written, punched, read. A filesystem that accepts the call and keeps the
+/// bytes (a FUSE daemon that allocates whatever the mode) does not count.
+fn punches_holes(fd: RawFd) -> bool {
+    let mut block = [0x5au8; IO_ALIGN];
+    // SAFETY: `block` is IO_ALIGN bytes alive across the call; pwrite only reads them.
+    if unsafe { libc::pwrite(fd, block.as_ptr() as *const _, IO_ALIGN, 0) } != IO_ALIGN as isize {
+        return false;
+    }
+    // SAFETY: fallocate takes no pointer; `fd` is open for the call.
+    if unsafe { libc::fallocate(fd, libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, 0, IO_ALIGN as libc::off_t) } != 0 {
+        return false;
+    }
+    // SAFETY: `block` is IO_ALIGN writable bytes alive across the call; pread writes at most that.
+    let n = unsafe { libc::pread(fd, block.as_mut_ptr() as *mut _, IO_ALIGN, 0) };
+    n == IO_ALIGN as isize && block.iter().all(|&b| b == 0)
 }
 
 /// Whether `renameat2(RENAME_NOREPLACE)` of a fresh file to a free name

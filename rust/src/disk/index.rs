@@ -153,6 +153,24 @@ impl ChunkIndex {
         added
     }
 
+    /// Adds chunks found outside a walk (other writers' segments, decision
+    /// 0086), ranked by their modification time, unless indexed already or
+    /// being put here. Their tick is a new one, like an insert's: a walk that
+    /// began before must not take them for gone. Returns how many were added.
+    pub fn add_found(&mut self, found: &[Found]) -> usize {
+        let mut added = 0;
+        for f in found {
+            let c = ChunkRef { ns: f.ns, hash: f.hash };
+            if self.entries.contains_key(&c) || (f.ns == OWN && self.putting.contains_key(&f.hash)) {
+                continue;
+            }
+            let tick = self.bump();
+            self.add(c, Entry { file_len: f.file_len, tick, used_at: f.modified.max(1) });
+            added += 1;
+        }
+        added
+    }
+
     fn add(&mut self, c: ChunkRef, e: Entry) {
         self.entries.insert(c, e);
         self.lru.insert((e.used_at, e.tick), c);

@@ -15,6 +15,26 @@ use std::path::Path;
 
 use crate::disk::layout::cstring;
 
+/// statfs `f_type`s of network and FUSE filesystems: where every file
+/// operation is a round trip to another machine (the capacity ledger bypasses
+/// the page cache there; new chunks go into segment files by default).
+const NETWORK_FS: [i64; 9] = [
+    0x6573_5546,           // FUSE (GlusterFS, CephFS-fuse, ...)
+    0x6969,                // NFS
+    0xff53_4d42u32 as i64, // CIFS
+    0xfe53_4d42u32 as i64, // SMB2
+    0x00c3_6400,           // Ceph
+    0x0bd0_0bd0,           // Lustre
+    0x4750_4653,           // GPFS
+    0x5346_414f,           // AFS
+    0x0102_1997,           // 9P
+];
+
+/// Whether `root` is on a network or FUSE filesystem.
+pub fn on_network_fs(root: &Path) -> bool {
+    RootIdentity::of(root).is_ok_and(|id| NETWORK_FS.contains(&id.fs_type))
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct RootIdentity {
     pub dev: u64,

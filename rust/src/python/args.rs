@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 use crate::faults::SharedFaults;
 use crate::store::config::limits::FOREVER_S;
 use crate::store::config::IoDeadline;
-use crate::store::RefreshPolicy;
+use crate::store::{RefreshPolicy, SegmentFiles};
 
 /// The one conversion of every timeout argument: seconds, None = forever.
 pub(super) fn timeout_of(name: &str, seconds: Option<f64>) -> PyResult<Option<Duration>> {
@@ -86,6 +86,26 @@ pub(super) fn refresh_arg(ob: &Bound<'_, PyAny>) -> PyResult<RefreshPolicy> {
         }
     }
     Err(PyValueError::new_err(format!("refresh_interval_s must be \"auto\", a positive number of seconds, or None/0 (never), not {ob}")))
+}
+
+/// `segment_files`: True, False or "auto" (decision 0086).
+pub(super) fn segment_files_arg(ob: &Bound<'_, PyAny>) -> PyResult<SegmentFiles> {
+    if let Ok(on) = ob.extract::<bool>() {
+        return Ok(if on { SegmentFiles::On } else { SegmentFiles::Off });
+    }
+    match ob.extract::<String>() {
+        Ok(text) if text == "auto" => Ok(SegmentFiles::Auto),
+        _ => Err(PyValueError::new_err(format!("segment_files must be True, False or \"auto\", not {ob}"))),
+    }
+}
+
+/// `segment_files` as Python names it: True, False or "auto".
+pub(super) fn segment_files_name(py: Python<'_>, s: SegmentFiles) -> Bound<'_, PyAny> {
+    match s {
+        SegmentFiles::On => pyo3::types::PyBool::new(py, true).to_owned().into_any(),
+        SegmentFiles::Off => pyo3::types::PyBool::new(py, false).to_owned().into_any(),
+        SegmentFiles::Auto => pyo3::types::PyString::new(py, "auto").into_any(),
+    }
 }
 
 /// A refresh policy as Python names it: "auto", "off", "every <s> s".

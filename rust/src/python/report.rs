@@ -74,6 +74,7 @@ pub(super) fn support_dict<'py>(py: Python<'py>, s: &FsSupport) -> PyResult<Boun
     d.set_item("unaligned_o_direct_accepted", s.direct_unaligned)?;
     d.set_item("o_direct_settable_after_open", s.direct_set_after_open)?;
     d.set_item("rename_noreplace", s.rename_noreplace)?;
+    d.set_item("punch_hole", s.punch_hole)?;
     Ok(d)
 }
 

@@ -113,7 +113,7 @@ impl Core {
             return None;
         }
         let sample = || files::fs_space_held(&self.held, &self.layout.ns_dirs()[root]).ok().map(|s| s.available);
-        let available = match &self.segments {
+        let available = match Some(&self.segments).filter(|s| s.writes) {
             Some(segs) => segs.available(root, sample)?,
             None => sample()?,
         };
@@ -223,16 +223,26 @@ impl Core {
         self.notice_other_namespaces(&victims);
         let mut gone = 0;
         for (chunk, len) in victims {
-            let root = self.layout.root_of_ref(chunk);
-            match self.drop_chunk_bytes(chunk) {
-                Ok(()) => self.ledgers.published(root, -(len as i64)),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => gone += 1,
-                Err(_) => {}
-            }
-            self.ledgers.evicting(root, -(len as i64));
+            gone += usize::from(!self.free_victim(chunk, len));
             self.count_eviction(chunk, len);
         }
         gone
+    }
+
+    /// Frees one victim taken out of the index (its file unlinked or its
+    /// slot punched) and takes its bytes out of the ledger. False when they
+    /// were gone already (another writer evicted it first).
+    pub(super) fn free_victim(&self, chunk: ChunkRef, len: u64) -> bool {
+        let root = self.layout.root_of_ref(chunk);
+        let gone = match self.drop_chunk_bytes(chunk) {
+            Ok(()) => {
+                self.ledgers.published(root, -(len as i64));
+                false
+            }
+            Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+        };
+        self.ledgers.evicting(root, -(len as i64));
+        !gone
     }
 
     pub(super) fn count_eviction(&self, chunk: ChunkRef, len: u64) {

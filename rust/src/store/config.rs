@@ -29,6 +29,8 @@ pub mod defaults {
     pub const SUBMIT_TIMEOUT_S: f64 = 30.0;
     pub const BACKEND: &str = "auto";
     pub const DIRECT_IO: &str = "optional";
+    /// Segment files where every root is on a network filesystem that punches holes (exported as "auto").
+    pub const SEGMENT_FILES: super::SegmentFiles = super::SegmentFiles::Auto;
     pub const VERIFY: &str = "full";
     /// Walk while another writer's lease is live (exported as "auto").
     pub const REFRESH_INTERVAL_S: super::RefreshPolicy = super::RefreshPolicy::Auto;
@@ -142,6 +144,30 @@ impl BackendChoice {
     }
 }
 
+/// Where a store writes new chunks (decision 0086).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SegmentFiles {
+    /// One file per chunk.
+    Off,
+    /// Slots of segment files.
+    On,
+    /// Segment files where every root is on a network or FUSE filesystem
+    /// that punches holes (an evicted slot's bytes are freed); else files.
+    Auto,
+}
+
+impl SegmentFiles {
+    /// Whether a store on `roots`, whose filesystems punch holes as
+    /// `punches` says, writes segment files.
+    pub fn resolve(self, roots: &[PathBuf], punches: &[bool]) -> bool {
+        match self {
+            SegmentFiles::Off => false,
+            SegmentFiles::On => true,
+            SegmentFiles::Auto => !roots.is_empty() && roots.iter().zip(punches).all(|(r, p)| *p && crate::disk::roots::on_network_fs(r)),
+        }
+    }
+}
+
 pub struct StoreConfig {
     pub dirs: Vec<PathBuf>,
     pub namespace: String,
@@ -168,10 +194,10 @@ pub struct StoreConfig {
     pub background_scan: bool,
     /// Allocate each chunk file (fallocate) before writing it (see `files::preallocate`).
     pub preallocate: bool,
-    /// Write new chunks into slots of segment files published by their index
-    /// (decision 0086, `disk::segment`) instead of one file each; chunk files
-    /// are still read. For network filesystems, where every name is a round trip.
-    pub segment_files: bool,
+    /// Whether new chunks go into slots of segment files published by their
+    /// index (decision 0086, `disk::segment`) instead of one file each; both
+    /// are always read. For network filesystems, where every name is a round trip.
+    pub segment_files: SegmentFiles,
     pub permissions: Permissions,
     /// Space kept free on each storage filesystem for other writers.
     pub min_free: FreeSpaceReserve,
@@ -262,7 +288,7 @@ impl StoreConfig {
             recycle_files: true,
             background_scan: false,
             preallocate: true,
-            segment_files: false,
+            segment_files: defaults::SEGMENT_FILES,
             permissions: Permissions::default(),
             min_free: FreeSpaceReserve::Default,
             io_deadline: IoDeadline::Default,

@@ -35,20 +35,6 @@ use crate::stats::Stats;
 
 use super::{Core, OpContext};
 
-/// statfs `f_type`s of network and FUSE filesystems: the ledger bypasses the
-/// page cache there, where another node's write must be what is read.
-const REMOTE_FS: [i64; 9] = [
-    0x6573_5546,           // FUSE (GlusterFS, CephFS-fuse, ...)
-    0x6969,                // NFS
-    0xff53_4d42u32 as i64, // CIFS
-    0xfe53_4d42u32 as i64, // SMB2
-    0x00c3_6400,           // Ceph
-    0x0bd0_0bd0,           // Lustre
-    0x4750_4653,           // GPFS
-    0x5346_414f,           // AFS
-    0x0102_1997,           // 9P
-];
-
 /// How long a put waits for the walk that tells it which chunks hold the room.
 const WALK_WAIT: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -71,6 +57,11 @@ pub(super) struct RootLedger {
     /// Room taken in the ledger for this store's next puts, not theirs yet
     /// (counted in its record with `in_flight`).
     credit: AtomicU64,
+    /// Held across this store's transactions on the root, before the file's
+    /// lock: a put that waits behind another put's transaction finds the
+    /// credit it took without a lock of its own (two round trips on a network
+    /// filesystem: at 8 puts in flight, half the operations a put sent there).
+    gate: Mutex<()>,
 }
 
 /// Puts of the size of the one taking a transaction that its credit covers,
@@ -172,7 +163,8 @@ impl Core {
     /// file would keep `rm -rf` from removing it.
     pub(super) fn open_ledger(&self, root: usize, create: bool) -> bool {
         let dir = &self.layout.roots()[root];
-        let remote = crate::disk::roots::RootIdentity::of(dir).is_ok_and(|id| REMOTE_FS.contains(&id.fs_type));
+        // The ledger bypasses the page cache there, where another node's write must be what is read.
+        let remote = crate::disk::roots::on_network_fs(dir);
         let direct = remote && self.direct_active[root];
         match Ledger::open(dir, self.file_mode, direct, create) {
             Ok(l) => {
@@ -233,6 +225,12 @@ impl Core {
         if self.take_credit(root, ctx.reserved) {
             return local(ctx);
         }
+        let gate = self.ledgers.roots[root].gate.lock().unwrap();
+        if self.take_credit(root, ctx.reserved) {
+            // Another put's transaction took credit while this one waited.
+            drop(gate);
+            return local(ctx);
+        }
         let mut g = match ledger.lock() {
             Ok(g) => g,
             Err(e) => {
@@ -241,11 +239,6 @@ impl Core {
                 return local(ctx);
             }
         };
-        if self.take_credit(root, ctx.reserved) {
-            // Another put's transaction took credit while this one waited.
-            drop(g);
-            return local(ctx);
-        }
         // What is left is less than a put: given back, taken anew below.
         self.ledgers.roots[root].credit.store(0, Ordering::Relaxed);
         self.ledgers.begin_put(root, ctx.reserved);
@@ -265,6 +258,7 @@ impl Core {
         }
         self.write_ledger(root, &ledger, &mut g);
         drop(g);
+        drop(gate);
         if unmet > 0 {
             // The room is held by chunks this store does not know of. Its
             // put stays recorded meanwhile (the others see the total over

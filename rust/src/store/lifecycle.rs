@@ -62,7 +62,12 @@ impl BlockStore {
             // No put in flight: this store's record leaves the capacity
             // ledgers. On a helper thread, waited for as the lease's removal.
             let core = self.core.clone();
-            if let Ok(h) = std::thread::Builder::new().name("pykvcache-ledger".into()).spawn(move || core.close_ledgers()) {
+            // Its segments are sealed there too: nothing more goes into them.
+            let work = move || {
+                core.seal_segments();
+                core.close_ledgers();
+            };
+            if let Ok(h) = std::thread::Builder::new().name("pykvcache-ledger".into()).spawn(work) {
                 let until = std::time::Instant::now() + CLOSE_GRACE.min(self.core.health.deadline);
                 while !h.is_finished() && std::time::Instant::now() < until {
                     std::thread::sleep(Duration::from_millis(1));

@@ -75,7 +75,7 @@ use crate::backend::Backend;
 use crate::disk::dirfds::HeldDirs;
 use crate::disk::files::{self, FsSupport, PendingFile};
 use crate::disk::format::{self, Fingerprint, HEADER_BYTES, MAX_KEY_BYTES};
-use crate::disk::index::ChunkIndex;
+use crate::disk::index::{ChunkIndex, ChunkRef};
 use crate::disk::layout::{Layout, Permissions};
 use crate::disk::roots::RootIdentity;
 use crate::disk::scan::{self, ScanProgress, ScanReport};
@@ -102,12 +102,13 @@ mod refresh;
 mod region;
 mod sealing;
 mod segment_ops;
+mod segment_scan;
 mod segments;
 mod snapshot;
 mod transfer;
 mod write;
 
-pub use config::{BackendChoice, FreeSpaceReserve, RefreshPolicy, StoreConfig, VerifyPolicy};
+pub use config::{BackendChoice, FreeSpaceReserve, RefreshPolicy, SegmentFiles, StoreConfig, VerifyPolicy};
 pub use region::RegionId;
 pub use snapshot::{SealingSnapshot, StoreSnapshot};
 
@@ -235,8 +236,9 @@ struct Core {
     dirs: Vec<DirQueue>,
     /// Shard directories held open: chunk files are reached by name from them (`disk::dirfds`).
     held: HeldDirs,
-    /// Some: new chunks go into segment files (`segment_files`, decision 0086).
-    segments: Option<segments::Segments>,
+    /// Segment files (decision 0086): read by every store; new chunks go
+    /// into them where `segments.writes` (`segment_files`).
+    segments: segments::Segments,
     watchdog_stop: AtomicBool,
 }
 
@@ -459,11 +461,7 @@ impl BlockStore {
         *self.core.index.lock().unwrap() = fresh;
         // The chunks in segments (decision 0086): their places are known; the index lost them.
         let mut index = self.core.index.lock().unwrap();
-        for found in self.core.segment_chunks() {
-            if !index.contains(found.hash) {
-                index.insert(found.hash, found.file_len);
-            }
-        }
+        index.add_found(&self.core.segment_chunks());
         Ok(index.len())
     }
 
@@ -493,6 +491,10 @@ impl BlockStore {
     /// of the steady state. False when the chunk is not indexed here.
     pub fn mark_filler(&self, key: &[u8]) -> Result<bool> {
         let hash = format::key_hash(key);
+        if self.core.segments.place(ChunkRef::own(hash)).is_some() {
+            // A slot has no modification time of its own: stalest in the index until a restart.
+            return Ok(self.core.index.lock().unwrap().demote_filler(hash));
+        }
         let path = self.core.layout.chunk_path(hash);
         match files::set_mtime_to_epoch(&path) {
             Ok(()) => Ok(self.core.index.lock().unwrap().demote_filler(hash)),

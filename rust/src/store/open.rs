@@ -81,7 +81,16 @@ impl BlockStore {
             (index, ScanProgress::completed(report))
         };
 
-        let (segment_dirs, lease_id, segment_direct) = (layout.ns_dirs().to_vec(), lease.id(), direct_active.clone());
+        let (segment_dirs, lease_id, segment_direct) =
+            ((layout.roots().to_vec(), layout.ns_dirs().to_vec()), lease.id(), direct_active.clone());
+        let punches: Vec<bool> = support.iter().map(|s: &files::FsSupport| s.punch_hole).collect();
+        let segment_writes = config.segment_files.resolve(layout.roots(), &punches);
+        if segment_writes && punches.contains(&false) {
+            stats.record_fallback(
+                "segment_files on a filesystem that cannot punch holes: an evicted slot keeps its bytes until its segment is unlinked"
+                    .to_string(),
+            );
+        }
         let health = Health::new(layout.ns_dirs(), config.io_deadline.resolve(pool.stride()));
         let dirs = layout.ns_dirs().iter().map(|_| DirQueue::default()).collect();
         let core = Arc::new(Core {
@@ -123,18 +132,19 @@ impl BlockStore {
             verify: config.verify,
             sealing,
             jobs: JobQueue::default(),
-            segments: config.segment_files.then(|| {
-                segments::Segments::new(
-                    &segment_dirs,
-                    lease_id,
-                    segment_direct,
-                    (config.permissions.file_mode, config.permissions.dir_mode),
-                    config.capacity_bytes,
-                )
-            }),
+            // Every store reads segments (and counts and evicts their chunks);
+            // one with `segment_files` writes them.
+            segments: segments::Segments::new(
+                (&segment_dirs.0, &segment_dirs.1),
+                segment_writes,
+                lease_id,
+                segment_direct,
+                (config.permissions.file_mode, config.permissions.dir_mode),
+                config.capacity_bytes,
+            ),
         });
-        // Chunks in other writers' segments, before the ledgers count the index.
-        core.discover_segments(std::time::Duration::ZERO);
+        // Chunks in segments (every namespace's), before the ledgers count the index.
+        core.discover_segments(std::time::Duration::ZERO, true);
         for ns_dir in core.layout.ns_dirs() {
             core.held.hold(ns_dir);
         }

@@ -62,9 +62,7 @@ impl Core {
     /// may name what is no longer at their paths; reopened on use.
     pub(super) fn forget_descriptors(&self, root: usize) {
         self.held.forget_all(&self.layout.roots()[root]);
-        if let Some(segs) = &self.segments {
-            segs.forget_root(root);
-        }
+        self.segments.forget_root(root);
     }
 
     /// A put found `shard` missing (creating or publishing its file failed
@@ -150,8 +148,7 @@ impl Core {
                 self.open_ledger(root, true);
             }
         }
-        // The segments' indexes first (their descriptors were forgotten with the root's).
-        self.discover_segments(std::time::Duration::ZERO);
+        // The walk reads the segments' indexes again too (their descriptors were forgotten with the root's).
         if let Err(e) = self.refresh() {
             self.stats.record_error(format!("rebuilding the index after a storage directory came back: {e}"));
             return;

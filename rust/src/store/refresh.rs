@@ -44,6 +44,9 @@ impl Core {
     pub(super) fn refresh(&self) -> Result<(usize, usize)> {
         // A background scan still running owns the index's scan mode.
         self.scan.wait(None);
+        // Every namespace's segments too (decision 0086): their chunks count
+        // against the capacity here, and emptied ones are unlinked.
+        self.discover_segments(Duration::ZERO, true);
         let since = {
             let mut index = self.index.lock().unwrap();
             index.begin_scan();
@@ -162,10 +165,6 @@ impl Core {
                 asked = false;
                 let began = Instant::now();
                 last_walk = began;
-                // Other writers' segments too: their chunks count against the capacity here.
-                if self.discover_segments(Duration::ZERO) {
-                    self.make_room(0, 0, None, None);
-                }
                 if let Err(e) = self.refresh() {
                     // The engine has no logger; once is enough (counted in refresh_errors).
                     if self.stats.refresh_errors.load(Ordering::Relaxed) == 1 {

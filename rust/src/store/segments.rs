@@ -1,7 +1,11 @@
 //! Segment files on a store's roots (decision 0086, `disk::segment`): which
-//! segment this store appends to, where each chunk it knows of lies, the
+//! segment this store appends to, where each chunk it knows of lies (every
+//! namespace's: their slots count against the capacity, decision 0053), the
 //! descriptors it holds, and the publication of written slots by group
-//! commit. What the put and get paths do with a slot is in `write`/`read`.
+//! commit, the last of which seals a segment. Every store reads segments;
+//! only one opened with `segment_files` writes them (`writes`). Reading other
+//! writers' indexes is in `segment_scan`; what the put and get paths do with
+//! a slot is in `write`/`read`.
 //!
 //! Locks: `places` and each open segment's state are leaves (no other lock
 //! is taken while one is held, no I/O under `places`); the index write of a
@@ -15,6 +19,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::disk::dirfds::HeldDirs;
+use crate::disk::index::{ChunkRef, NsId, OWN};
 use crate::disk::segment::{self, SegmentIndex, SegmentName, INDEX_BYTES, LOG_DIR};
 use crate::ops::OpId;
 
@@ -36,12 +41,14 @@ pub(super) const SPACE_FRESH: Duration = Duration::from_millis(100);
 /// count: at most this much per writer and chunk size.
 pub(super) const ALLOCATE_AHEAD_BYTES: u64 = 64 << 20;
 /// Segment descriptors held per root; beyond it the table starts again.
-const MAX_FILES: usize = 1024;
+pub(super) const MAX_FILES: usize = 1024;
 
 /// One segment file, open for reading and writing (a reader punches evicted slots).
 pub(super) struct SegmentFile {
+    /// The namespace whose `log` directory holds it.
+    pub ns: NsId,
     pub name: SegmentName,
-    fd: OwnedFd,
+    pub(super) fd: OwnedFd,
 }
 
 impl SegmentFile {
@@ -65,8 +72,8 @@ impl Place {
 }
 
 /// A 4 KiB-aligned buffer of `len` bytes (O_DIRECT transfers of index blocks).
-struct Aligned {
-    ptr: *mut u8,
+pub(super) struct Aligned {
+    pub(super) ptr: *mut u8,
     len: usize,
 }
 
@@ -74,7 +81,7 @@ struct Aligned {
 unsafe impl Send for Aligned {}
 
 impl Aligned {
-    fn new(len: usize) -> Self {
+    pub(super) fn new(len: usize) -> Self {
         let layout = std::alloc::Layout::from_size_align(len, 4096).expect("an aligned layout");
         // SAFETY: `len` is non-zero (index blocks), so the layout has a non-zero size.
         let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
@@ -82,7 +89,7 @@ impl Aligned {
         Aligned { ptr, len }
     }
 
-    fn bytes(&mut self) -> &mut [u8] {
+    pub(super) fn bytes(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` points to `len` bytes this value owns; `&mut self` makes the borrow unique.
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
@@ -110,14 +117,26 @@ struct WriterState {
     /// Puts whose slot is written, waiting for an index that lists it.
     waiting: Vec<(OpId, OpContext)>,
     publishing: bool,
+    /// Slots taken whose put has not ended (`Slot` lives as long as its put).
+    outstanding: usize,
 }
+
+impl WriterState {
+    /// Full, and every put of it ended: the next publication seals it.
+    fn due_for_seal(&self) -> bool {
+        !self.index.sealed && self.next_slot == self.index.slots && self.outstanding == 0 && self.waiting.is_empty()
+    }
+}
+
+/// Puts waiting for their publication.
+pub(super) type Puts = Vec<(OpId, OpContext)>;
 
 /// What a publication found to do.
 pub(super) enum Publication {
     /// Another thread publishes (the caller's put waits in its queue).
     Queued,
-    /// Write `seq`'s index and then finish these puts.
-    Write { seq: u64, puts: Vec<(OpId, OpContext)> },
+    /// Write `seq`'s index (sealed with `seal`) and then finish these puts.
+    Write { seq: u64, puts: Vec<(OpId, OpContext)>, seal: bool },
 }
 
 /// A taken slot: where to write.
@@ -132,14 +151,46 @@ impl Slot {
     }
 }
 
+impl Drop for Slot {
+    /// Its put ended (published, failed or abandoned): the segment can be
+    /// sealed once it is full and none is left. No I/O here: the seal is
+    /// the next publication's, or the close's.
+    fn drop(&mut self) {
+        self.segment.state.lock().unwrap().outstanding -= 1;
+    }
+}
+
+/// What this store last read of a segment's index.
+#[derive(Clone, Copy, Default)]
+pub(super) struct Seen {
+    pub seq: u64,
+    pub sealed: bool,
+    /// Slots listed in the indexes read so far: a slot is placed once, when
+    /// first seen listed, so one evicted since is never found again.
+    pub listed: [u64; 4],
+}
+
+impl Seen {
+    pub fn has(&self, slot: usize) -> bool {
+        self.listed[slot / 64] & (1 << (slot % 64)) != 0
+    }
+
+    pub fn mark(&mut self, slot: usize) {
+        self.listed[slot / 64] |= 1 << (slot % 64);
+    }
+}
+
 pub(super) struct RootSegments {
+    /// The root itself, and this store's namespace's `log` directory on it.
+    pub root_dir: PathBuf,
     pub dir: PathBuf,
     writing: Mutex<HashMap<u64, Arc<OpenSegment>>>,
-    files: Mutex<HashMap<SegmentName, Arc<SegmentFile>>>,
-    /// Per segment: the publication number last read.
-    seen: Mutex<HashMap<SegmentName, u64>>,
+    /// Segments this store wrote and has not sealed yet (`seal_all` at close).
+    mine: Mutex<Vec<Arc<OpenSegment>>>,
+    pub(super) files: Mutex<HashMap<(NsId, SegmentName), Arc<SegmentFile>>>,
+    pub(super) seen: Mutex<HashMap<(NsId, SegmentName), Seen>>,
     /// When a miss last asked for a look.
-    last_refresh: Mutex<Option<Instant>>,
+    pub(super) last_refresh: Mutex<Option<Instant>>,
     /// Bytes of chunks this store wrote here, and the last free-space sample
     /// (when, bytes available, what `written` was then).
     written: std::sync::atomic::AtomicU64,
@@ -148,9 +199,11 @@ pub(super) struct RootSegments {
 
 pub(super) struct Segments {
     pub roots: Vec<RootSegments>,
-    lease: u64,
+    /// New chunks go into segments (`segment_files`); else this store only reads them.
+    pub writes: bool,
+    pub(super) lease: u64,
     next_seq: AtomicU32,
-    places: Mutex<HashMap<u128, Place>>,
+    pub(super) places: Mutex<HashMap<ChunkRef, Place>>,
     direct: Vec<bool>,
     mode: u32,
     dir_mode: u32,
@@ -183,12 +236,23 @@ fn cvt(r: libc::c_int) -> std::io::Result<()> {
 }
 
 impl Segments {
-    pub fn new(ns_dirs: &[PathBuf], lease: u64, direct: Vec<bool>, (mode, dir_mode): (u32, u32), capacity: u64) -> Self {
-        let roots = ns_dirs
+    pub fn new(
+        roots_and_ns: (&[PathBuf], &[PathBuf]),
+        writes: bool,
+        lease: u64,
+        direct: Vec<bool>,
+        (mode, dir_mode): (u32, u32),
+        capacity: u64,
+    ) -> Self {
+        let roots = roots_and_ns
+            .0
             .iter()
-            .map(|ns| RootSegments {
+            .zip(roots_and_ns.1)
+            .map(|(root, ns)| RootSegments {
+                root_dir: root.clone(),
                 dir: ns.join(LOG_DIR),
                 writing: Mutex::default(),
+                mine: Mutex::default(),
                 files: Mutex::default(),
                 seen: Mutex::default(),
                 last_refresh: Mutex::default(),
@@ -197,10 +261,10 @@ impl Segments {
             })
             .collect();
         let ahead_bytes = ALLOCATE_AHEAD_BYTES.min(capacity / 32);
-        Segments { roots, lease, next_seq: AtomicU32::new(0), places: Mutex::default(), direct, mode, dir_mode, ahead_bytes }
+        Segments { roots, writes, lease, next_seq: AtomicU32::new(0), places: Mutex::default(), direct, mode, dir_mode, ahead_bytes }
     }
 
-    fn flags(&self, root: usize) -> i32 {
+    pub(super) fn flags(&self, root: usize) -> i32 {
         libc::O_RDWR | libc::O_CLOEXEC | if self.direct[root] { libc::O_DIRECT } else { 0 }
     }
 
@@ -218,6 +282,7 @@ impl Segments {
                     st.allocated = allocate_ahead(&open.file, slot, st.index.slots, self.ahead_bytes)?;
                 }
                 st.next_slot += 1;
+                st.outstanding += 1;
                 return Ok(Slot { segment: open.clone(), slot });
             }
         }
@@ -234,7 +299,7 @@ impl Segments {
             }
         };
         // SAFETY: `open` returned a descriptor this function owns from here on.
-        let file = Arc::new(SegmentFile { name, fd: unsafe { OwnedFd::from_raw_fd(fd) } });
+        let file = Arc::new(SegmentFile { ns: OWN, name, fd: unsafe { OwnedFd::from_raw_fd(fd) } });
         self.remember_file(root, file.clone());
         let slots = segment::slots_for(slot_bytes, SEGMENT_TARGET_BYTES);
         let allocated = match allocate_ahead(&file, 0, slots, self.ahead_bytes) {
@@ -245,19 +310,28 @@ impl Segments {
                 return Err(e);
             }
         };
-        let state =
-            WriterState { index: SegmentIndex::new(slot_bytes, slots), next_slot: 1, allocated, waiting: Vec::new(), publishing: false };
+        let state = WriterState {
+            index: SegmentIndex::new(slot_bytes, slots),
+            next_slot: 1,
+            allocated,
+            waiting: Vec::new(),
+            publishing: false,
+            outstanding: 1,
+        };
         let open = Arc::new(OpenSegment { file, state: Mutex::new(state) });
         writing.insert(slot_bytes, open.clone());
+        let mut mine = r.mine.lock().unwrap();
+        mine.retain(|s| !s.state.lock().unwrap().index.sealed);
+        mine.push(open.clone());
         Ok(Slot { segment: open, slot: 0 })
     }
 
-    fn remember_file(&self, root: usize, file: Arc<SegmentFile>) {
+    pub(super) fn remember_file(&self, root: usize, file: Arc<SegmentFile>) {
         let mut files = self.roots[root].files.lock().unwrap();
         if files.len() >= MAX_FILES {
             files.clear();
         }
-        files.insert(file.name, file);
+        files.insert((file.ns, file.name), file);
     }
 
     /// A written slot's put joins the next publication of its segment.
@@ -269,19 +343,20 @@ impl Segments {
             return Publication::Queued;
         }
         st.publishing = true;
-        Publication::Write { seq: st.index.seq + 1, puts: std::mem::take(&mut st.waiting) }
+        Publication::Write { seq: st.index.seq + 1, puts: std::mem::take(&mut st.waiting), seal: false }
     }
 
     /// Writes publication `seq` of `segment` (no lock held meanwhile): the
-    /// index as it stands now, into copy `seq % 2`. On success the index's
-    /// number moves to `seq`; on failure it stays (the next attempt rewrites
-    /// the same copy, never the one in force).
-    pub fn write_index(&self, segment: &OpenSegment, seq: u64) -> std::io::Result<()> {
+    /// index as it stands now, into copy `seq % 2`, sealed with `seal`. On
+    /// success the index's number moves to `seq`; on failure it stays (the
+    /// next attempt rewrites the same copy, never the one in force).
+    pub fn write_index(&self, segment: &OpenSegment, seq: u64, seal: bool) -> std::io::Result<()> {
         let mut block = Aligned::new(INDEX_BYTES);
         {
             let st = segment.state.lock().unwrap();
             let mut index = st.index.clone();
             index.seq = seq;
+            index.sealed |= seal;
             index.encode(block.bytes());
         }
         let offset = (SegmentIndex::copy_of(seq) * INDEX_BYTES) as libc::off_t;
@@ -293,19 +368,56 @@ impl Segments {
         if n as usize != INDEX_BYTES {
             return Err(std::io::Error::from_raw_os_error(libc::EIO));
         }
-        segment.state.lock().unwrap().index.seq = seq;
+        let mut st = segment.state.lock().unwrap();
+        st.index.seq = seq;
+        st.index.sealed |= seal;
         Ok(())
     }
 
-    /// After a publication: the puts that completed meanwhile, to publish
-    /// next (the caller loops), or None and the segment is idle.
-    pub fn next_publication(&self, segment: &OpenSegment) -> Option<(u64, Vec<(OpId, OpContext)>)> {
+    /// After a publication (its puts finished, their slots dropped): the puts
+    /// that completed meanwhile, to publish next (the caller loops); else the
+    /// seal when the segment is full and its last put ended; else None and
+    /// the segment is idle.
+    pub fn next_publication(&self, segment: &OpenSegment) -> Option<(u64, Puts, bool)> {
         let mut st = segment.state.lock().unwrap();
         if st.waiting.is_empty() {
+            if st.due_for_seal() {
+                // Marked before the write: a failed seal is not tried again but at close.
+                st.index.sealed = true;
+                return Some((st.index.seq + 1, Vec::new(), true));
+            }
             st.publishing = false;
             return None;
         }
-        Some((st.index.seq + 1, std::mem::take(&mut st.waiting)))
+        Some((st.index.seq + 1, std::mem::take(&mut st.waiting), false))
+    }
+
+    /// At close, once no put is in flight: every segment this store wrote
+    /// is sealed (its writer adds no slot), so that whoever finds all its
+    /// listed slots punched may unlink it (`segment_scan`), and the slots
+    /// allocated ahead that no put took are given back (punched). Errors are
+    /// left to the lease: a dead writer's segments are judged as sealed ones.
+    pub fn seal_all(&self) {
+        for r in &self.roots {
+            let mine = std::mem::take(&mut *r.mine.lock().unwrap());
+            for open in mine {
+                let (seq, unused) = {
+                    let st = open.state.lock().unwrap();
+                    if st.index.sealed || st.publishing || st.outstanding > 0 {
+                        continue;
+                    }
+                    (st.index.seq + 1, st.next_slot..st.allocated.max(st.next_slot))
+                };
+                if !unused.is_empty() {
+                    let slot_bytes = open.file.name.slot_bytes;
+                    let (from, to) = (segment::slot_offset(unused.start, slot_bytes), segment::slot_offset(unused.end, slot_bytes));
+                    let flags = libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE;
+                    // SAFETY: fallocate takes no pointer; the descriptor is open while `open` holds it.
+                    let _ = unsafe { libc::fallocate(open.file.fd(), flags, from as libc::off_t, (to - from) as libc::off_t) };
+                }
+                let _ = self.write_index(&open, seq, true);
+            }
+        }
     }
 
     /// A put whose publication failed: its slot is no longer listed.
@@ -313,12 +425,12 @@ impl Segments {
         segment.state.lock().unwrap().index.entries[slot] = None;
     }
 
-    pub fn place(&self, hash: u128) -> Option<Place> {
-        self.places.lock().unwrap().get(&hash).cloned()
+    pub fn place(&self, chunk: ChunkRef) -> Option<Place> {
+        self.places.lock().unwrap().get(&chunk).cloned()
     }
 
-    pub fn set_place(&self, hash: u128, place: Place) {
-        self.places.lock().unwrap().insert(hash, place);
+    pub fn set_place(&self, chunk: ChunkRef, place: Place) {
+        self.places.lock().unwrap().insert(chunk, place);
     }
 
     /// Counts bytes written into `root`'s segments (for `available`).
@@ -341,91 +453,13 @@ impl Segments {
         Some(available)
     }
 
-    /// Every chunk with a place: (key hash, chunk file length).
-    pub fn known(&self) -> Vec<(u128, u64)> {
-        self.places.lock().unwrap().iter().map(|(&h, p)| (h, p.file.name.slot_bytes)).collect()
+    /// Every chunk with a place: (chunk, chunk file length).
+    pub fn known(&self) -> Vec<(ChunkRef, u64)> {
+        self.places.lock().unwrap().iter().map(|(&c, p)| (c, p.file.name.slot_bytes)).collect()
     }
 
-    pub fn forget(&self, hash: u128) -> Option<Place> {
-        self.places.lock().unwrap().remove(&hash)
-    }
-
-    /// Frees a slot's bytes (eviction): the slot reads as zeros from now on, on every node.
-    pub fn punch(&self, place: &Place) -> std::io::Result<()> {
-        let len = place.file.name.slot_bytes as libc::off_t;
-        // SAFETY: fallocate takes no pointer; the descriptor is open while `place` holds it.
-        cvt(unsafe {
-            libc::fallocate(place.file.fd(), libc::FALLOC_FL_PUNCH_HOLE | libc::FALLOC_FL_KEEP_SIZE, place.file_base() as libc::off_t, len)
-        })
-    }
-
-    /// Reads the index of every segment on `root` that changed since the
-    /// last look (all of them the first time), unless the last look a miss
-    /// asked for (`min_gap` > 0) is less than `min_gap` old. Returns the chunks found that this store had no
-    /// place for: (hash, chunk file length). Blocking: a directory worker's.
-    pub fn refresh(&self, held: &HeldDirs, root: usize, min_gap: Duration) -> std::io::Result<Vec<(u128, u64)>> {
-        let r = &self.roots[root];
-        if !min_gap.is_zero() {
-            // Only the looks a miss asks for are spaced out: a periodic one
-            // (`min_gap` 0) must not make a miss right after it wait.
-            let mut last = r.last_refresh.lock().unwrap();
-            if last.is_some_and(|t| t.elapsed() < min_gap) {
-                return Ok(Vec::new());
-            }
-            *last = Some(Instant::now());
-        }
-        let entries = match std::fs::read_dir(&r.dir) {
-            Ok(e) => e,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
-            Err(e) => return Err(e),
-        };
-        let mut found = Vec::new();
-        let mut buf = Aligned::new(2 * INDEX_BYTES);
-        for entry in entries {
-            let entry = entry?;
-            let Some(name) = entry.file_name().to_str().and_then(SegmentName::parse) else { continue };
-            let file = match self.file(held, root, name) {
-                Ok(f) => f,
-                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue, // unlinked meanwhile
-                Err(e) => return Err(e),
-            };
-            // SAFETY: `buf` holds 2 * INDEX_BYTES bytes and lives until the call returns.
-            let n = unsafe { libc::pread(file.fd(), buf.ptr as *mut libc::c_void, 2 * INDEX_BYTES, 0) };
-            if n != (2 * INDEX_BYTES) as isize {
-                continue; // not one publication yet (or shorter than its index): lists nothing
-            }
-            let Some(index) = SegmentIndex::current(buf.bytes()) else { continue };
-            if index.slot_bytes != name.slot_bytes {
-                continue; // not what its name says: never trusted
-            }
-            {
-                let mut seen = r.seen.lock().unwrap();
-                if seen.get(&name).is_some_and(|&s| s >= index.seq) {
-                    continue;
-                }
-                seen.insert(name, index.seq);
-            }
-            let mut places = self.places.lock().unwrap();
-            for (slot, hash) in index.listed() {
-                if let std::collections::hash_map::Entry::Vacant(v) = places.entry(hash) {
-                    v.insert(Place { root, file: file.clone(), slot });
-                    found.push((hash, name.slot_bytes));
-                }
-            }
-        }
-        Ok(found)
-    }
-
-    /// A held descriptor of segment `name` on `root`, opened on first use.
-    fn file(&self, held: &HeldDirs, root: usize, name: SegmentName) -> std::io::Result<Arc<SegmentFile>> {
-        if let Some(f) = self.roots[root].files.lock().unwrap().get(&name) {
-            return Ok(f.clone());
-        }
-        let fd = held.open(&self.roots[root].dir.join(name.file_name()), self.flags(root), 0)?;
-        // SAFETY: `open` returned a descriptor this function owns from here on.
-        let file = Arc::new(SegmentFile { name, fd: unsafe { OwnedFd::from_raw_fd(fd) } });
-        self.remember_file(root, file.clone());
-        Ok(file)
+    pub fn forget(&self, chunk: ChunkRef) -> Option<Place> {
+        self.places.lock().unwrap().remove(&chunk)
     }
 
     /// Forgets every descriptor of `root` (its breaker opened, or it came back).

@@ -215,6 +215,11 @@ impl BlockStore {
         self.core.layout.ns_dirs().to_vec()
     }
 
+    /// Whether new chunks go into segment files (`segment_files` as resolved at open).
+    pub fn segment_files(&self) -> bool {
+        self.core.segments.writes
+    }
+
     pub fn completion_fd(&self) -> i32 {
         self.core.ops.event_fd()
     }

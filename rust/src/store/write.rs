@@ -59,11 +59,12 @@ impl Core {
         }
         let (hash, root, length, file_len) = (ctx.hash, ctx.root, ctx.payload_len, ctx.file_len);
         // A slot is never a recycled file: its victims' bytes are punched.
-        let reuse = (self.recycle_files && self.segments.is_none()).then_some(root);
+        let slots = Some(&self.segments).filter(|s| s.writes);
+        let reuse = (self.recycle_files && slots.is_none()).then_some(root);
         if let Err((errno, refused)) = self.reserve_room(&mut ctx, reuse) {
             return self.fail_early(id, ctx, Some(errno), refused);
         }
-        if let Some(segs) = &self.segments {
+        if let Some(segs) = slots {
             match segs.take_slot(&self.held, root, file_len as u64) {
                 Ok(slot) => {
                     ctx.file_base = slot.file_base();
@@ -199,6 +200,11 @@ impl Core {
     /// rename within the root) for `ctx`'s chunk, into `ctx.claimed`; opened
     /// by `open_chunk_file`, outside the capacity ledger's lock.
     pub(super) fn take_victim(&self, ctx: &mut OpContext, (victim, len): (ChunkRef, u64)) {
+        if self.segments.place(victim).is_some() {
+            // A slot of a segment is no file to take: punched, as any evicted slot.
+            self.free_victim(victim, len);
+            return;
+        }
         let shard = self.layout.shard_dir(ctx.hash);
         let taken = files::take_for_reuse(&self.held, &self.layout.chunk_path_of(victim), &shard, self.ledgers_id());
         let root = self.layout.root_of_ref(victim);
