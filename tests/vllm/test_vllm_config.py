@@ -273,7 +273,7 @@ def test_the_store_keywords_come_from_the_table(tmp_path):
         "direct_io": "optional",
         "verify": "header",
         "register_buffers": True,
-        "segment_files": False,
+        "segment_files": "auto",
         "min_free_bytes": 0,
         "min_free_fraction": None,
         "io_deadline": 7.0,
