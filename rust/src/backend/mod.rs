@@ -81,6 +81,12 @@ pub enum SegmentError {
 /// backend's own thread(s): implementations hand work on and return.
 pub trait SegmentSink: Send + Sync {
     fn segment_done(&self, seg: &Segment, result: Result<(), SegmentError>);
+    /// `segment_done` of a transfer that left the backend with nothing else
+    /// in flight or queued: its thread would wait idle, so work the sink
+    /// would hand to another thread may run here instead.
+    fn segment_done_alone(&self, seg: &Segment, result: Result<(), SegmentError>) {
+        self.segment_done(seg, result)
+    }
     /// Part of `seg` was transferred (a short transfer, resubmitted): the
     /// storage is moving bytes, however slowly.
     fn moved(&self, _seg: &Segment) {}

@@ -234,6 +234,8 @@ fn ring_loop(mut ring: IoUring, depth: usize, fixed: bool, shared: &Shared, faul
                     // Short transfer: resubmit the remainder first, ahead of newer work.
                     sink.moved(&p.seg);
                     lock(&shared.queue).push_front(p);
+                } else if in_flight.is_empty() && lock(&shared.queue).is_empty() {
+                    sink.segment_done_alone(&p.seg, Ok(()));
                 } else {
                     sink.segment_done(&p.seg, Ok(()));
                 }

@@ -362,11 +362,18 @@ impl Core {
             let Some(prefix_crc) = self.pieces.prefix(id.index) else {
                 // Cannot happen (pieces are numbered by segment); if it did,
                 // the combined CRC would not match: corrupt, not served.
+                if on_backend_thread {
+                    return to_worker(ctx);
+                }
                 return self.corrupt(id, ctx, "file shorter than its size (truncated while reading)".into());
             };
             let rest = &payload[prefix_crc.len as usize..];
             let crc = crc32c_combine(prefix_crc.crc, crc32c(rest), rest.len() as u64);
             if crc != expected {
+                // Judged again on a chunk worker, which may delete it.
+                if on_backend_thread {
+                    return to_worker(ctx);
+                }
                 return self.corrupt(id, ctx, FormatError::PayloadCrc.to_string());
             }
         }
