@@ -54,7 +54,10 @@ impl Core {
         if let Some(p) = segs.place(ChunkRef::own(hash)) {
             return Some(p);
         }
-        if refresh && self.discover_segments(REFRESH_EVERY, false) {
+        if refresh {
+            // Looked again whatever this look found: a walk reading the same
+            // index at once may have placed the chunk first (and reported it).
+            self.discover_segments(REFRESH_EVERY, false);
             return segs.place(ChunkRef::own(hash));
         }
         None
