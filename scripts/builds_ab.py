@@ -21,22 +21,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from shared_fs_ops import run_queue  # noqa: E402
 
 CASES = ((2, 1), (2, 8), (28, 8))
 MISSES = 2000
-
-
-def _queue(submit, n: int, qd: int) -> float:
-    t0 = time.monotonic()
-    inflight = []
-    for i in range(n):
-        if len(inflight) == qd:
-            inflight.pop(0).wait()
-        inflight.append(submit(i))
-    for h in inflight:
-        h.wait()
-    return time.monotonic() - t0
 
 
 def child(directory: str, n: int, chunk: int, qd: int) -> dict:
@@ -54,11 +44,11 @@ def child(directory: str, n: int, chunk: int, qd: int) -> dict:
                 for s in slots:
                     with pool.view(s) as v:
                         v[:] = payload
-                out["put GB/s"] = n * chunk / _queue(lambda i: store.put(b"c-%06d" % i, slots[i % qd], chunk), n, qd) / 1e9
+                out["put GB/s"] = n * chunk / run_queue(lambda i: store.put(b"c-%06d" % i, slots[i % qd], chunk), n, qd) / 1e9
             elif phase == "get":
-                out["get GB/s"] = n * chunk / _queue(lambda i: store.get(b"c-%06d" % i, slots[i % qd]), n, qd) / 1e9
+                out["get GB/s"] = n * chunk / run_queue(lambda i: store.get(b"c-%06d" % i, slots[i % qd]), n, qd) / 1e9
             else:
-                out["misses/s"] = MISSES / _queue(lambda i: store.get(b"absent-%06d" % i, slots[i % qd]), MISSES, qd)
+                out["misses/s"] = MISSES / run_queue(lambda i: store.get(b"absent-%06d" % i, slots[i % qd]), MISSES, qd, expect_ok=False)
         finally:
             for s in slots:
                 pool.release(s)

@@ -1,5 +1,5 @@
 """The shared-filesystem measurement (scripts/shared_fs_bench.py) runs end to
-end on the session's GlusterFS mounts, small."""
+end on the suite's GlusterFS mounts, small."""
 
 import json
 import shutil

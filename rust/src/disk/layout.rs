@@ -136,9 +136,25 @@ impl Layout {
         &self.roots
     }
 
-    /// This namespace's directory name.
-    pub fn ns_name(&self) -> &str {
-        &self.ns_hex
+    /// The other namespaces' directories under root `root` (real directories
+    /// with a namespace's name, never followed), with their ids; None when
+    /// the root itself is gone. The walks and the segment reads list them so.
+    pub fn other_namespace_dirs(&self, root: usize) -> std::io::Result<Option<Vec<(NsId, PathBuf)>>> {
+        let entries = match std::fs::read_dir(&self.roots[root]) {
+            Ok(entries) => entries,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let mut out = Vec::new();
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            let Some(name) = name.to_str() else { continue };
+            let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
+            if is_dir && is_namespace_name(name) && name != self.ns_hex {
+                out.push((self.namespace_id(root, name), entry.path()));
+            }
+        }
+        Ok(Some(out))
     }
 
     /// The id of the namespace directory `name` under root `root`: `OWN` for

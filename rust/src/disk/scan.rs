@@ -17,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime};
 
 use crate::disk::files;
 use crate::disk::index::{epoch_ns, ChunkIndex, Found, NsId, OWN};
-use crate::disk::layout::{is_namespace_name, is_shard_name, parse_chunk_name, Layout, TEMP_PREFIX};
+use crate::disk::layout::{is_shard_name, parse_chunk_name, Layout, TEMP_PREFIX};
 use crate::disk::writers;
 use crate::error::{EngineError, Result};
 use crate::faults::SharedFaults;
@@ -42,19 +42,10 @@ pub fn collect(layout: &Layout, stop: &AtomicBool) -> Result<Vec<Found>> {
     let mut found: Vec<Found> = Vec::new();
     for (root, root_dir) in layout.roots().iter().enumerate() {
         let mut namespaces = vec![(OWN, layout.ns_dirs()[root].clone())];
-        match std::fs::read_dir(root_dir) {
-            Ok(entries) => {
-                for entry in entries.flatten() {
-                    let name = entry.file_name();
-                    let Some(name) = name.to_str() else { continue };
-                    let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
-                    if is_dir && is_namespace_name(name) && name != layout.ns_name() {
-                        namespaces.push((layout.namespace_id(root, name), entry.path()));
-                    }
-                }
-            }
+        match layout.other_namespace_dirs(root) {
+            Ok(Some(others)) => namespaces.extend(others),
             // A root that went away holds nothing now (`store::recovery`).
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+            Ok(None) => continue,
             Err(e) => return Err(EngineError::io(format!("scanning {}", root_dir.display()), e)),
         }
         // Whether a temporary file's owner holds a live lease: asked once per owner and walk.

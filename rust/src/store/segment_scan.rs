@@ -16,7 +16,7 @@ use std::time::{Duration, Instant, SystemTime};
 use super::segments::{Aligned, Place, Seen, SegmentFile, Segments};
 use crate::disk::dirfds::HeldDirs;
 use crate::disk::index::{epoch_ns, ChunkRef, Found, NsId, OWN};
-use crate::disk::layout::{is_namespace_name, Layout};
+use crate::disk::layout::Layout;
 use crate::disk::segment::{slot_offset, SegmentIndex, SegmentName, INDEX_BYTES, LOG_DIR, SLOTS_START};
 use crate::disk::writers;
 
@@ -58,19 +58,9 @@ impl Segments {
         let mut look = Look::default();
         look.dirs.insert(OWN, r.dir.clone());
         if all {
-            match std::fs::read_dir(&r.root_dir) {
-                Ok(entries) => {
-                    for entry in entries.flatten() {
-                        let name = entry.file_name();
-                        let Some(name) = name.to_str() else { continue };
-                        let is_dir = entry.file_type().map(|t| t.is_dir()).unwrap_or(false);
-                        if is_dir && is_namespace_name(name) && name != layout.ns_name() {
-                            look.dirs.insert(layout.namespace_id(root, name), entry.path().join(LOG_DIR));
-                        }
-                    }
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok((Vec::new(), 0)),
-                Err(e) => return Err(e),
+            match layout.other_namespace_dirs(root)? {
+                Some(others) => look.dirs.extend(others.into_iter().map(|(ns, dir)| (ns, dir.join(LOG_DIR)))),
+                None => return Ok((Vec::new(), 0)),
             }
         }
         let mut found = Vec::new();
